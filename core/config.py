@@ -1,0 +1,251 @@
+"""Typed config: dataclass trees loaded from TOML, `--set a.b=c` overrides, dumps and docs.
+
+Every field is declared with `opt(default, doc, unit)`. Loading is strict: an
+unknown key or a value of the wrong type raises `ConfigError` naming the dotted
+path and what would have been valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar, get_args, get_origin
+
+from miles.core.errors import ConfigError
+
+T = TypeVar("T")
+
+
+def opt(default: Any, doc: str, unit: str = "") -> Any:
+    """A config field: default, one-line doc, and unit ('' when dimensionless)."""
+    meta = {"doc": doc, "unit": unit}
+    if isinstance(default, list | dict) or dataclasses.is_dataclass(default):
+        proto = default
+        if dataclasses.is_dataclass(default):
+            return dataclasses.field(default_factory=type(default), metadata=meta)  # type: ignore[arg-type]
+        return dataclasses.field(default_factory=lambda: _deep_copy(proto), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def section(cls: type[T], doc: str) -> Any:
+    """A nested config section."""
+    return dataclasses.field(default_factory=cls, metadata={"doc": doc, "unit": ""})
+
+
+def _deep_copy(v: Any) -> Any:
+    return json.loads(json.dumps(v))
+
+
+def _type_name(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(tp: Any, value: Any, path: str) -> Any:
+    """Check `value` against type `tp`; return it converted (int->float only)."""
+    origin = get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a table (section), got {type(value).__name__}")
+        return _build(tp, value, path)
+    if origin is Literal:
+        choices = get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{path}: {value!r} is not one of {', '.join(map(repr, choices))}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(a, value, path)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(f"{path}: {value!r} matches none of {_type_name(tp)} ({'; '.join(errors)})")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list, got {type(value).__name__}")
+        (item,) = get_args(tp) or (Any,)
+        return [_coerce(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a table, got {type(value).__name__}")
+        _, vt = get_args(tp) or (str, Any)
+        return {str(k): _coerce(vt, v, f"{path}.{k}") for k, v in value.items()}
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{path}: unsupported field type {tp!r}")
+
+
+def _build(cls: type[T], data: dict[str, Any], path: str) -> T:
+    hints = _hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        where = f"{path}.{key}" if path else key
+        if key not in names:
+            raise ConfigError(f"unknown config key {where!r}; valid keys here: {', '.join(names)}")
+        kwargs[key] = _coerce(hints[key], value, where)
+    try:
+        obj = cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{path or '<root>'}: {exc}") from exc
+    return obj
+
+
+def _parse_scalar(text: str) -> Any:
+    """Parse an override value as TOML (numbers, bools, lists, quoted strings); else a bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _field_type(cls: type, dotted: str) -> Any:
+    tp: Any = cls
+    for i, part in enumerate(dotted.split(".")):
+        if dataclasses.is_dataclass(tp):
+            hints = _hints(tp)
+            if part not in hints:
+                where = ".".join(dotted.split(".")[: i + 1])
+                raise ConfigError(f"unknown config key {where!r}; valid keys here: {', '.join(hints)}")
+            tp = hints[part]
+        elif get_origin(tp) is dict:
+            tp = get_args(tp)[1]
+        else:
+            raise ConfigError(f"--set {dotted}: {part!r} is below a non-table value")
+    return tp
+
+
+def apply_overrides(cls: type, data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply 'a.b.c=value' overrides onto a raw dict, typed by the schema of `cls`."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. trainer.lr=1e-6")
+        key, _, raw = item.partition("=")
+        key = key.strip()
+        tp = _field_type(cls, key)
+        value = _parse_scalar(raw.strip())
+        if tp is str and not isinstance(value, str):
+            value = raw.strip()  # a str field given `123` means the string "123"
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {key}: {part!r} is not a table")
+        node[parts[-1]] = value
+    return data
+
+
+def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
+    """Load `cls` from a TOML file (optional) plus overrides; strict and typed."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}") from exc
+    data = apply_overrides(cls, data, overrides or [])
+    return _build(cls, data, "")
+
+
+def from_dict(cls: type[T], data: dict[str, Any]) -> T:
+    return _build(cls, data, "")
+
+
+def to_dict(obj: Any) -> dict[str, Any]:
+    return dataclasses.asdict(obj)
+
+
+def dump_json(obj: Any) -> str:
+    return json.dumps(to_dict(obj), indent=2, sort_keys=False)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    if v is None:
+        raise ConfigError("None cannot be written to TOML")
+    raise ConfigError(f"cannot write {type(v).__name__} to TOML")
+
+
+def dump_toml(obj: Any, with_docs: bool = False) -> str:
+    """The resolved config as TOML; with_docs adds each field's doc and unit as a comment."""
+    lines: list[str] = []
+
+    def walk(node: Any, prefix: str) -> None:
+        scalars, tables = [], []
+        for f in dataclasses.fields(node):
+            v = getattr(node, f.name)
+            (tables if dataclasses.is_dataclass(v) else scalars).append((f, v))
+        if prefix and scalars:
+            lines.append(f"\n[{prefix}]")
+        for f, v in scalars:
+            if with_docs:
+                unit = f" [{f.metadata.get('unit')}]" if f.metadata.get("unit") else ""
+                lines.append(f"# {f.metadata.get('doc', '')}{unit}")
+            if v is None:
+                lines.append(f"# {f.name} = (unset)")
+            else:
+                lines.append(f"{f.name} = {_toml_value(v)}")
+        for f, v in tables:
+            walk(v, f"{prefix}.{f.name}" if prefix else f.name)
+
+    walk(obj, "")
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def check_documented(cls: type, path: str = "") -> list[str]:
+    """Fields that lack a doc (for a test that keeps every option documented)."""
+    missing = []
+    for f in dataclasses.fields(cls):
+        where = f"{path}.{f.name}" if path else f.name
+        if not f.metadata.get("doc"):
+            missing.append(where)
+        tp = _hints(cls)[f.name]
+        if dataclasses.is_dataclass(tp):
+            missing += check_documented(tp, where)
+    return missing

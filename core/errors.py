@@ -1,0 +1,91 @@
+"""The one error hierarchy of miles (see ARCHITECTURE.md, "Errors").
+
+Every error that crosses an actor boundary is re-raised on the caller's side as
+the same class when it is known here, else as `RemoteError` carrying the remote
+type name, message and traceback.
+"""
+
+from __future__ import annotations
+
+
+class MilesError(Exception):
+    """Base of every error miles raises on purpose."""
+
+
+class ConfigError(MilesError):
+    """A config file, override or hook is wrong; the message names the dotted path."""
+
+
+class ProtocolError(MilesError):
+    """A wire message is malformed: bad frame, schema, type or size."""
+
+
+class TransportError(MilesError):
+    """A socket or bulk channel failed."""
+
+
+class PeerTimeout(TransportError):
+    """A peer did not answer before the request's deadline."""
+
+
+class PeerGone(TransportError):
+    """A peer closed its connection or disappeared."""
+
+
+class ActorDeadError(MilesError):
+    """The target actor missed its heartbeats and is declared dead."""
+
+
+class RemoteError(MilesError):
+    """An error raised inside a remote handler, with the remote type and traceback."""
+
+    def __init__(self, type_name: str, message: str, traceback: str = "") -> None:
+        super().__init__(f"{type_name}: {message}")
+        self.type_name = type_name
+        self.remote_message = message
+        self.remote_traceback = traceback
+
+
+class EngineError(MilesError):
+    """A rollout engine rejected a request or crashed."""
+
+
+class SessionError(MilesError):
+    """A session-server request cannot be served."""
+
+
+class Diverged(SessionError):
+    """A linear session got a history that diverges from the stored one."""
+
+
+class NotAppendOnly(SessionError):
+    """A chat template re-renders earlier turns, so suffix tokenization would be wrong."""
+
+
+class TrainerError(MilesError):
+    """The trainer got a batch or state it cannot train on."""
+
+
+class SyncError(MilesError):
+    """A weight-sync step failed or timed out; the message names the step and the peer."""
+
+
+# Name -> class, so a RemoteError from a peer can be re-raised as the real type.
+KNOWN_ERRORS: dict[str, type[MilesError]] = {
+    cls.__name__: cls
+    for cls in (
+        MilesError,
+        ConfigError,
+        ProtocolError,
+        TransportError,
+        PeerTimeout,
+        PeerGone,
+        ActorDeadError,
+        EngineError,
+        SessionError,
+        Diverged,
+        NotAppendOnly,
+        TrainerError,
+        SyncError,
+    )
+}

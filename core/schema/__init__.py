@@ -1,0 +1,33 @@
+"""The full config schema: one section module per subsystem, composed into `MilesConfig`.
+
+Sections live in core so that every package can import its own section's type
+without importing the package that owns another one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from miles.core.config import section
+from miles.core.schema.buffer import BufferConfig
+from miles.core.schema.engine import EngineConfig
+from miles.core.schema.model import ModelConfig
+from miles.core.schema.rollout import RolloutConfig
+from miles.core.schema.run import RunConfig
+from miles.core.schema.sync import SyncConfig
+from miles.core.schema.trainer import TrainerConfig
+from miles.core.schema.transport import TransportConfig
+
+
+@dataclass
+class MilesConfig:
+    """Everything one run needs; `miles config` prints it with docs."""
+
+    run: RunConfig = section(RunConfig, "run-wide settings: name, output directory, seed, logging")
+    transport: TransportConfig = section(TransportConfig, "wire settings: sockets, heartbeats, security")
+    model: ModelConfig = section(ModelConfig, "the policy model: architecture, checkpoint, dtype")
+    engine: EngineConfig = section(EngineConfig, "rollout engines: type, count, batching, KV cache")
+    rollout: RolloutConfig = section(RolloutConfig, "rollout layers, environment, sessions, router")
+    buffer: BufferConfig = section(BufferConfig, "bounded buffer, staleness and orchestration mode")
+    trainer: TrainerConfig = section(TrainerConfig, "trainer backend, losses, corrections, optimizer")
+    sync: SyncConfig = section(SyncConfig, "weight handoff: transport, bucket size, deadlines")

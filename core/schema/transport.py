@@ -1,0 +1,25 @@
+"""Wire config section: sockets, heartbeats and optional CurveZMQ security."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from miles.core.config import opt
+
+
+@dataclass
+class TransportConfig:
+    scheme: Literal["tcp", "ipc"] = opt("tcp", "address scheme actors bind to")
+    interface: str = opt("127.0.0.1", "interface to bind tcp sockets on; loopback unless set")
+    ipc_dir: str = opt("", "directory for ipc:// sockets; empty = a private temp dir", "path")
+    hwm: int = opt(10000, "ZeroMQ send/receive high-water mark", "messages")
+    linger_ms: int = opt(0, "how long a closing socket keeps unsent messages", "ms")
+    heartbeat_interval_s: float = opt(0.5, "how often actors send heartbeats to the directory", "s")
+    heartbeat_timeout_s: float = opt(3.0, "silence after which a peer is declared dead", "s")
+    default_deadline_s: float = opt(30.0, "deadline of a request when the caller gives none", "s")
+    mailbox_size: int = opt(1024, "bounded per-actor mailbox; full = backpressure", "messages")
+    max_frame_bytes: int = opt(4 << 30, "largest tensor frame accepted from the wire", "bytes")
+    curve_server_key: str = opt("", "CurveZMQ server secret key file; empty = no encryption", "path")
+    curve_client_key: str = opt("", "CurveZMQ client secret key file", "path")
+    curve_public_key: str = opt("", "CurveZMQ server public key file (clients)", "path")

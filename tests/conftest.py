@@ -1,0 +1,1 @@
+"""Shared pytest fixtures: per-test temp dirs and owned child processes."""
