@@ -1,12 +1,148 @@
-"""Config section for the trainer subsystem (owned by the trainer code; see its field docs)."""
+"""Config section for the trainer: backend, advantages, loss, corrections, optimizer, schedule.
+
+Consumed by `miles.trainer` (see trainer/config_check.py for cross-field validation,
+including the rule that an asynchronous run must choose a rollout/trainer correction).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
-from miles.core.config import opt
+from miles.core.config import opt, section
+
+Estimator = Literal["grpo", "gspo", "cispo", "reinforce_pp", "ppo"]
+Correction = Literal["tis", "clip_or_pop", "mis", "opsm"]
+
+
+@dataclass
+class AdvantageConfig:
+    estimator: Estimator = opt(
+        "grpo",
+        "advantage estimator: grpo (group-normalised; std switch gives Dr.GRPO), gspo "
+        "(grpo advantages + sequence-level ratio), cispo (grpo advantages + clipped-IS-weight "
+        "loss), reinforce_pp (global batch-normalised returns), ppo (critic + GAE)",
+    )
+    std_normalize: bool = opt(
+        True, "divide group-centred rewards by the group std (false = Dr.GRPO)"
+    )
+    eps: float = opt(1e-6, "added to the std before dividing, so near-constant groups stay finite")
+    gamma: float = opt(1.0, "discount for reinforce_pp returns and GAE")
+    lam: float = opt(1.0, "GAE lambda (ppo only)")
+    whiten: bool = opt(
+        True, "ppo/reinforce_pp: normalise advantages over all loss tokens of the global batch"
+    )
+
+
+@dataclass
+class LossConfig:
+    eps_clip_low: float = opt(0.2, "PPO ratio clip below: ratio >= 1 - eps_clip_low")
+    eps_clip_high: float = opt(
+        0.28, "PPO ratio clip above (clip-higher): ratio <= 1 + eps_clip_high"
+    )
+    dual_clip_c: float = opt(
+        0.0, "dual-clip bound c (> 1) for negative advantages; 0 disables dual clip"
+    )
+    gspo_eps_clip_low: float = opt(3e-4, "GSPO sequence-ratio clip below (gspo only)")
+    gspo_eps_clip_high: float = opt(4e-4, "GSPO sequence-ratio clip above (gspo only)")
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = opt(
+        "token_mean",
+        "how per-token losses become one number: mean over all loss tokens of the global batch, "
+        "mean over sequences of each sequence's token mean, or of each sequence's token sum",
+    )
+    kl_coef: float = opt(0.0, "weight of the KL-to-reference loss term; 0 skips the reference pass")
+    kl_estimator: Literal["k1", "k2", "k3"] = opt("k3", "KL estimator for the reference term")
+    kl_in_reward: bool = opt(
+        False, "reinforce_pp/ppo: put the KL penalty into per-token rewards instead of the loss"
+    )
+    entropy_coef: float = opt(0.0, "weight of the entropy bonus (subtracted from the loss)")
+    value_clip: float = opt(0.2, "ppo critic: clip value updates to +-value_clip around old values")
+    value_coef: float = opt(0.5, "ppo critic: weight of the value loss")
+
+
+@dataclass
+class CorrectionConfig:
+    types: list[Correction] = opt(
+        ["tis"],
+        "rollout/trainer mismatch corrections to apply, any of tis, clip_or_pop, mis, opsm "
+        "(tis, clip_or_pop and mis are exclusive); an asynchronous run must choose at least one",
+    )
+    tis_cap: float = opt(2.0, "TIS: importance weight exp(logp_old - logp_rollout) truncated here")
+    pop_low: float = opt(0.5, "Clip-or-Pop: tokens whose weight is below this get zero gradient")
+    pop_high: float = opt(2.0, "Clip-or-Pop: tokens whose weight is above this get zero gradient")
+    mis_level: Literal["token", "sequence", "geometric"] = opt(
+        "token", "MIS: weight per token, per sequence (product) or geometric mean per sequence"
+    )
+    mis_mode: Literal["truncate", "mask"] = opt(
+        "truncate", "MIS: truncate weights at mis_high, or mask tokens/sequences outside the bounds"
+    )
+    mis_low: float = opt(0.5, "MIS mask mode: lower bound of kept weights")
+    mis_high: float = opt(2.0, "MIS: upper bound (truncation cap, or mask bound)")
+    mis_veto: float = opt(
+        1e-4, "MIS veto: a sequence with any token weight below this is dropped; 0 disables"
+    )
+    opsm_delta: float = opt(
+        1e-4,
+        "OPSM: mask a negative-advantage sequence whose mean KL(rollout || current) exceeds this",
+        "nats/token",
+    )
+    old_logprobs: Literal["recompute", "rollout"] = opt(
+        "recompute",
+        "old-policy logprobs: recompute with a no-grad pass at the step's start weights, or reuse "
+        "the rollout engine's (then the PPO ratio absorbs the mismatch and weights are 1)",
+    )
+
+
+@dataclass
+class OptimConfig:
+    lr: float = opt(1e-6, "peak learning rate of AdamW")
+    min_lr: float = opt(0.0, "learning rate at the end of decay")
+    betas: list[float] = opt([0.9, 0.98], "AdamW betas")
+    eps: float = opt(1e-8, "AdamW epsilon")
+    weight_decay: float = opt(0.0, "AdamW decoupled weight decay")
+    warmup_steps: int = opt(
+        0, "linear warm-up from 0 to lr over this many optimizer steps", "steps"
+    )
+    decay_steps: int = opt(0, "steps of decay after warm-up (0 = constant after warm-up)", "steps")
+    schedule: Literal["constant", "linear", "cosine"] = opt("constant", "decay shape after warm-up")
+    grad_clip: float = opt(1.0, "clip the global gradient L2 norm to this; 0 disables")
 
 
 @dataclass
 class TrainerConfig:
-    enabled: bool = opt(True, "placeholder; replaced as the trainer section grows")
+    backend: Literal["fsdp", "megatron"] = opt("fsdp", "training backend")
+    world_size: int = opt(1, "trainer data-parallel ranks (one process each)", "ranks")
+    device: Literal["auto", "cpu", "cuda"] = opt(
+        "auto", "where to train: auto = cuda when available (NCCL), else cpu (gloo)"
+    )
+    param_dtype: Literal["auto", "float32", "bfloat16"] = opt(
+        "auto",
+        "compute dtype of forward/backward: auto = bfloat16 on cuda, float32 on cpu; "
+        "master weights, optimizer state and gradient reduction stay float32",
+    )
+    micro_batch_tokens: int = opt(
+        8192,
+        "token budget of one packed micro-batch (sequences concatenated, no padding)",
+        "tokens",
+    )
+    mini_batches: int = opt(
+        1,
+        "optimizer steps per train_step: the batch is split into this many mini-batches; "
+        "gradients accumulate over the packed micro-batches of each one",
+        "steps",
+    )
+    temperature: float = opt(
+        1.0, "sampling temperature the engine used; logprobs are taken under it"
+    )
+    routing_replay: bool = opt(
+        True, "R3: replay the engine's recorded routed experts in MoE layers"
+    )
+    deterministic: bool = opt(False, "use deterministic torch algorithms (for exact-resume tests)")
+    checkpoint_interval: int = opt(0, "save a checkpoint every this many steps; 0 = never", "steps")
+    checkpoint_dir: str = opt("", "where checkpoints go; empty = <run.dir>/checkpoints", "path")
+    advantage: AdvantageConfig = section(AdvantageConfig, "advantage estimator and its options")
+    loss: LossConfig = section(LossConfig, "policy loss, clipping, KL, entropy, aggregation")
+    correction: CorrectionConfig = section(
+        CorrectionConfig, "rollout/trainer mismatch corrections (TIS, Clip-or-Pop, MIS, OPSM)"
+    )
+    optim: OptimConfig = section(OptimConfig, "AdamW, gradient clipping and LR schedule")
