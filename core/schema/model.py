@@ -1,12 +1,27 @@
-"""Config section for the model subsystem (owned by the model code; see its field docs)."""
+"""Config section for the policy model: checkpoint or tiny preset, dtype, random-init seed."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from miles.core.config import opt
+from miles.core.errors import ConfigError
 
 
 @dataclass
 class ModelConfig:
-    enabled: bool = opt(True, "placeholder; replaced as the model section grows")
+    path: str = opt("", "HF checkpoint directory (config.json + safetensors); '' = use `arch` preset")
+    arch: str = opt(
+        "qwen3_moe", "tiny preset used when path is '': llama | qwen2 | qwen3 | qwen3_moe (random weights)"
+    )
+    vocab_size: int = opt(0, "vocab size of the tiny preset; 0 = the tokenizer's size")
+    overrides: dict[str, int | float | bool | str] = opt({}, "extra HF config keys for the tiny preset")
+    dtype: Literal["float32", "bfloat16", "float16"] = opt("float32", "parameter dtype")
+    seed: int = opt(0, "seed of the random init of a tiny preset")
+
+    def __post_init__(self) -> None:
+        if not self.path and self.arch not in ("llama", "qwen2", "qwen3", "qwen3_moe"):
+            raise ConfigError(f"model.arch={self.arch!r}: expected llama, qwen2, qwen3 or qwen3_moe")
+        if self.vocab_size < 0:
+            raise ConfigError(f"model.vocab_size={self.vocab_size} must be >= 0")

@@ -1,0 +1,162 @@
+"""`CausalLM`: the decoder-only LM shared by the engine and the trainer (one forward API).
+
+Parameter names equal the Hugging Face names (`model.layers.3.self_attn.q_proj.weight`, ...)
+except MoE experts, stored stacked as `model.layers.L.mlp.experts.{gate,up,down}_proj`
+([E, out, in]); `hf_io` converts both ways.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from miles.models.config import ModelSpec
+from miles.models.errors import ModelInputError
+from miles.models.layers import MLP, Attention, KVCache, RMSNorm, Rotary
+from miles.models.masks import packed_causal_mask, packed_position_ids
+from miles.models.moe import MoEBlock
+from torch import nn
+
+
+@dataclass
+class CausalLMOutput:
+    """logits: [B, T', V] (T' = T, or 1 with `logits_at`); routed_experts: [B, T, L_moe, k] int64 or None."""
+
+    logits: torch.Tensor
+    routed_experts: torch.Tensor | None = None
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(spec, layer)
+        self.is_moe = layer in spec.moe_layers
+        self.mlp: nn.Module = (
+            MoEBlock(spec)
+            if self.is_moe
+            else MLP(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
+        )
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+class Backbone(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.rotary = Rotary(spec.head_dim, spec.rope_theta)
+
+
+class CausalLM(nn.Module):
+    """A Llama / Qwen2 / Qwen3 / Qwen3-MoE decoder LM built from a `ModelSpec`."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.model = Backbone(spec)
+        self.lm_head = (
+            None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        )
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, std: float | None = None) -> None:
+        """Random init (normal(0, std) for matrices, ones for norms, zeros for biases), seeded."""
+        std = float(self.spec.hf_config.get("initializer_range", 0.02)) if std is None else std
+        g = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        routed_experts: torch.Tensor | None = None,
+        return_routed_experts: bool = False,
+        logits_at: torch.Tensor | None = None,
+    ) -> CausalLMOutput:
+        """Run the LM.
+
+        input_ids: LongTensor [B, T].
+        position_ids: LongTensor [B, T]; default arange(T) per row, or restarting per packed
+            sequence when `cu_seqlens` is given.
+        Attention layout, one of:
+          - nothing: plain causal over T (every row a full sequence, no padding);
+          - cu_seqlens: IntTensor [n+1] (B must be 1): packed sequences, block-diagonal causal;
+          - attention_mask: BoolTensor [B, 1, T, S], True = may attend (see `miles.models.masks`
+            for padded and KV-cached layouts); S = T without a cache, cached + T with one.
+        kv_cache: a `KVCache` (engine); keys/values of this call are appended to it.
+        routed_experts: int tensor [B, T, L_moe, k] (R3 replay): these expert ids are used
+            instead of the router's top-k in MoE layer j = routed_experts[:, :, j]; gate weights
+            are the live router softmax gathered at those ids.
+        return_routed_experts: also return the ids used, [B, T, L_moe, k] int64.
+        logits_at: LongTensor [B]: compute logits only at this position of each row -> [B, 1, V].
+        """
+        spec = self.spec
+        if input_ids.dim() != 2:
+            raise ModelInputError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        b, t = input_ids.shape
+        if cu_seqlens is not None:
+            if b != 1:
+                raise ModelInputError(f"cu_seqlens needs a packed batch with B=1, got B={b}")
+            if attention_mask is not None:
+                raise ModelInputError("pass either cu_seqlens or attention_mask, not both")
+            attention_mask = packed_causal_mask(cu_seqlens.to(input_ids.device), t)
+            if position_ids is None:
+                position_ids = packed_position_ids(cu_seqlens.to(input_ids.device), t)
+        if position_ids is None:
+            position_ids = torch.arange(t, device=input_ids.device).unsqueeze(0).expand(b, t)
+        if position_ids.shape != input_ids.shape:
+            raise ModelInputError(
+                f"position_ids shape {tuple(position_ids.shape)} != input_ids shape {tuple(input_ids.shape)}"
+            )
+        if routed_experts is not None:
+            want = (b, t, spec.num_moe_layers, spec.num_experts_per_tok)
+            if tuple(routed_experts.shape) != want:
+                raise ModelInputError(
+                    f"routed_experts shape {tuple(routed_experts.shape)} != expected [B, T, L_moe, k] = {want}"
+                )
+            if routed_experts.numel() and int(routed_experts.max()) >= spec.num_experts:
+                raise ModelInputError(
+                    f"routed_experts holds expert id {int(routed_experts.max())} >= num_experts={spec.num_experts}"
+                )
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary(position_ids, h.dtype)
+        used: list[torch.Tensor] = []
+        j = 0
+        for layer in self.model.layers:
+            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, attention_mask, kv_cache)
+            x = layer.post_attention_layernorm(h)
+            if layer.is_moe:
+                given = routed_experts[:, :, j] if routed_experts is not None else None
+                y, ids = layer.mlp(x, given)
+                if return_routed_experts:
+                    used.append(ids)
+                j += 1
+            else:
+                y = layer.mlp(x)
+            h = h + y
+        if logits_at is not None:
+            h = h[torch.arange(b, device=h.device), logits_at.to(h.device)].unsqueeze(1)
+        h = self.model.norm(h)
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = h @ weight.t()
+        out_ids = None
+        if return_routed_experts:
+            k = spec.num_experts_per_tok
+            out_ids = (
+                torch.stack(used, dim=2)
+                if used
+                else torch.zeros(b, t, 0, k, dtype=torch.long, device=input_ids.device)
+            )
+        return CausalLMOutput(logits=logits, routed_experts=out_ids)

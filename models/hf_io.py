@@ -1,0 +1,152 @@
+"""Hugging Face checkpoint IO: HF tensor names <-> `CausalLM` parameters, safetensors load/save.
+
+A checkpoint directory holds `config.json` plus `model.safetensors` or a sharded
+`model.safetensors.index.json`; `save_model` writes the same layout, which
+`transformers.AutoModelForCausalLM.from_pretrained` loads.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+import xxhash
+from miles.models.config import ModelSpec
+from miles.models.decoder import CausalLM
+from miles.models.errors import CheckpointError
+from miles.models.registry import build_model
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+_STACKED = re.compile(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$")
+
+
+def hf_tensor_views(model: CausalLM) -> dict[str, torch.Tensor]:
+    """HF name -> a view into the model's parameter (per-expert slices of stacked experts)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        m = _STACKED.match(name)
+        if m:
+            for e in range(p.shape[0]):
+                out[f"{m.group(1)}.{e}.{m.group(2)}.weight"] = p.data[e]
+        else:
+            out[name] = p.data
+    return out
+
+
+def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
+    """The model's weights under HF names (views; clone before mutating)."""
+    return hf_tensor_views(model)
+
+
+def hf_shapes(model: CausalLM) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(v.shape) for k, v in hf_tensor_views(model).items()}
+
+
+def tensor_checksum(t: torch.Tensor) -> str:
+    """xxh64 hex digest of a tensor's raw bytes (dtype-exact; bf16 hashed as its 16-bit words)."""
+    data = t.detach().contiguous().to("cpu")
+    return xxhash.xxh64(data.view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def checksums(model: CausalLM) -> dict[str, str]:
+    return {k: tensor_checksum(v) for k, v in hf_tensor_views(model).items()}
+
+
+@torch.no_grad()
+def load_hf_tensors(
+    model: CausalLM, named: Iterable[tuple[str, torch.Tensor]], strict: bool = True
+) -> set[str]:
+    """Copy HF-named tensors into the model (cast to its dtype/device); return the names loaded.
+
+    Unknown or mis-shaped names raise CheckpointError naming the tensor; with `strict`,
+    so does any model tensor left unloaded. A tied model ignores `lm_head.weight`.
+    """
+    views = hf_tensor_views(model)
+    seen: set[str] = set()
+    for name, t in named:
+        if name not in views:
+            if name == "lm_head.weight" and model.spec.tie_word_embeddings:
+                continue
+            raise CheckpointError(f"unexpected tensor {name!r} for {model.spec.architecture}")
+        dst = views[name]
+        if tuple(t.shape) != tuple(dst.shape):
+            raise CheckpointError(
+                f"tensor {name!r} has shape {tuple(t.shape)}, model expects {tuple(dst.shape)}"
+            )
+        dst.copy_(t.to(device=dst.device, dtype=dst.dtype))
+        seen.add(name)
+    if strict:
+        missing = sorted(set(views) - seen)
+        if missing:
+            more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise CheckpointError(f"checkpoint is missing tensors: {', '.join(missing[:5])}{more}")
+    return seen
+
+
+def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from model.safetensors or every shard of model.safetensors.index.json."""
+    d = Path(path)
+    single, index = d / "model.safetensors", d / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no 'weight_map'")
+        files = sorted(set(weight_map.values()))
+    elif single.is_file():
+        files = [single.name]
+    else:
+        raise CheckpointError(f"{str(d)!r} has neither model.safetensors nor model.safetensors.index.json")
+    for fname in files:
+        f = d / fname
+        if not f.is_file():
+            raise CheckpointError(f"shard {str(f)!r} listed in the index does not exist")
+        with safe_open(str(f), framework="pt") as sf:
+            for key in sf.keys():  # noqa: SIM118 - safe_open has no __iter__
+                yield key, sf.get_tensor(key)
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> CausalLM:
+    """Build the model from `path/config.json` and load its safetensors weights."""
+    spec = ModelSpec.from_dir(path)
+    model = build_model(spec).to(dtype=dtype)
+    load_hf_tensors(model, iter_checkpoint(path))
+    return model.to(device).eval()
+
+
+def save_model(model: CausalLM, path: str | Path, max_shard_bytes: int | None = None) -> None:
+    """Write config.json + model.safetensors (or shards + index when over `max_shard_bytes`)."""
+    d = Path(path)
+    d.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().contiguous().cpu().clone() for k, v in hf_tensor_views(model).items()}
+    cfg = dict(model.spec.hf_config)
+    dtype = next(model.parameters()).dtype
+    cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+    (d / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    meta = {"format": "pt"}
+    if max_shard_bytes is None:
+        save_file(tensors, str(d / "model.safetensors"), metadata=meta)
+        return
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, v in tensors.items():
+        n = v.numel() * v.element_size()
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += n
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(d / fname), metadata=meta)
+        weight_map.update(dict.fromkeys(shard, fname))
+    total = sum(v.numel() * v.element_size() for v in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+

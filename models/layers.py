@@ -1,0 +1,120 @@
+"""Building blocks of the decoder: RMSNorm, rotary embedding, attention (with a KV cache hook), MLP.
+
+Numerics follow the Hugging Face implementations op for op (fp32 RMSNorm
+statistics, fp32 rotary tables cast to the activation dtype) so that logits agree
+with transformers to ~1e-6 in fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from miles.models.config import ModelSpec
+from torch import nn
+
+
+class KVCache(Protocol):
+    """What attention needs from a KV cache: append this step's keys/values, get all of them.
+
+    `update(layer, k, v)` receives k, v of shape [B, kv_heads, T_new, head_dim] (already
+    rotated) and returns the full keys/values [B, kv_heads, S, head_dim] the queries of
+    this step attend over; the caller's attention mask must be [B, 1, T_new, S].
+    """
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class Rotary(nn.Module):
+    """Default RoPE: returns (cos, sin) of shape [B, T, head_dim] for given position ids."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, heads, T, hd]; cos/sin: [B, T, hd]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.nh, self.nkv, self.hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        h = spec.hidden_size
+        self.q_proj = nn.Linear(h, self.nh * self.hd, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(h, self.nkv * self.hd, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(h, self.nkv * self.hd, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(self.nh * self.hd, h, bias=spec.o_bias)
+        self.q_norm = RMSNorm(self.hd, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(self.hd, spec.rms_norm_eps) if spec.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        kv_cache: KVCache | None,
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.nh, self.hd)
+        k = self.k_proj(x).view(b, t, self.nkv, self.hd)
+        v = self.v_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q.transpose(1, 2), cos, sin)
+        k = apply_rotary(k.transpose(1, 2), cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer, k, v)
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None and kv_cache is None and t > 1,
+            scale=self.hd**-0.5,
+            enable_gqa=self.nkv != self.nh,
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward (HF gate_proj/up_proj/down_proj)."""
+
+    def __init__(self, hidden: int, inter: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

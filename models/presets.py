@@ -1,0 +1,54 @@
+"""Tiny HF config dicts for tests, the quick start and benchmarks (random weights)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from miles.core.errors import ConfigError
+from miles.models.config import ARCHITECTURES, MODEL_TYPES
+
+
+def tiny_config(arch: str, vocab_size: int = 256, **overrides: Any) -> dict[str, Any]:
+    """An HF config.json dict for a tiny model of `arch` ('llama', 'qwen2', 'qwen3', 'qwen3_moe'
+    or the HF class name); keyword overrides replace or add keys."""
+    model_type = ARCHITECTURES.get(arch, arch)
+    if model_type not in MODEL_TYPES:
+        raise ConfigError(f"unknown tiny preset {arch!r}; valid: {', '.join(sorted(MODEL_TYPES))}")
+    cfg: dict[str, Any] = {
+        "architectures": [MODEL_TYPES[model_type]],
+        "model_type": model_type,
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "initializer_range": 0.02,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+    }
+    if model_type == "llama":
+        cfg["mlp_bias"] = False
+    if model_type == "qwen2":
+        cfg["use_sliding_window"] = False
+    if model_type == "qwen3_moe":
+        cfg.update(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            router_aux_loss_coef=0.001,
+            output_router_logits=False,
+        )
+    cfg.update(overrides)
+    return cfg

@@ -1,0 +1,33 @@
+"""Architecture name -> model class (a `Registry`), and `build_model` for a `ModelSpec`."""
+
+from __future__ import annotations
+
+import torch
+from miles.core.hooks import Registry
+from miles.models.config import ModelSpec
+from miles.models.decoder import CausalLM
+
+# One class covers the four families: they differ only in what ModelSpec switches on.
+MODELS = Registry(
+    "model architecture",
+    {
+        "LlamaForCausalLM": "miles.models.decoder:CausalLM",
+        "Qwen2ForCausalLM": "miles.models.decoder:CausalLM",
+        "Qwen3ForCausalLM": "miles.models.decoder:CausalLM",
+        "Qwen3MoeForCausalLM": "miles.models.decoder:CausalLM",
+    },
+)
+
+
+def build_model(
+    spec: ModelSpec,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int | None = None,
+) -> CausalLM:
+    """Instantiate the model for `spec`; random-init with `seed` when given (else uninitialised)."""
+    cls = MODELS.get(spec.architecture)
+    model: CausalLM = cls(spec)
+    if seed is not None:
+        model.init_weights(seed)
+    return model.to(device=device, dtype=dtype).eval()
