@@ -1,1 +1,68 @@
-"""Shared pytest fixtures: per-test temp dirs and owned child processes."""
+"""Shared pytest fixtures: owned child processes (stopped by PID) and test-process helpers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS / "actors" / "procs"))
+
+
+class Procs:
+    """Starts child processes for one test and stops exactly those, by PID, at teardown."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.children: list[subprocess.Popen[bytes]] = []
+
+    def spawn(self, args: list[str], ready_timeout: float = 30.0, env: dict[str, str] | None = None,
+              ready: bool = True) -> tuple[subprocess.Popen[bytes], str]:
+        ready_file = str(self.tmp / f"ready-{len(self.children)}-{time.monotonic_ns()}")
+        full = [sys.executable, *args] + (["--ready", ready_file] if ready else [])
+        log = open(self.tmp / f"proc-{len(self.children)}.log", "wb")
+        p = subprocess.Popen(full, stdout=log, stderr=subprocess.STDOUT,
+                             env={**os.environ, **(env or {})})
+        self.children.append(p)
+        if not ready:
+            return p, ""
+        deadline = time.monotonic() + ready_timeout
+        while not os.path.exists(ready_file):
+            if p.poll() is not None:
+                raise RuntimeError(f"process {args} exited with {p.returncode}: {self.log_of(p)}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"process {args} not ready in {ready_timeout}s: {self.log_of(p)}")
+            time.sleep(0.02)
+        return p, Path(ready_file).read_text()
+
+    def log_of(self, p: subprocess.Popen[bytes]) -> str:
+        i = self.children.index(p)
+        return (self.tmp / f"proc-{i}.log").read_text(errors="replace")[-4000:]
+
+    def stop_all(self) -> None:
+        for p in self.children:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        for p in self.children:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Procs]:
+    pool = Procs(tmp_path)
+    try:
+        yield pool
+    finally:
+        pool.stop_all()

@@ -1,0 +1,1 @@
+"""Transport: the wire codec, ZeroMQ socket helpers and bulk channels. Imports only core."""

@@ -1,0 +1,80 @@
+"""The `Actor` base class and the `@handler` decorator.
+
+An actor declares one handler per message type. Each handler has a concurrency
+limit (how many of its messages run at once) and a bounded queue; a full queue
+stops the host from reading its socket, which pushes back on senders through
+ZeroMQ's high-water mark.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from miles.transport.schema import spec_for_class
+
+if TYPE_CHECKING:
+    from miles.actors.runtime.host import Host
+    from miles.actors.runtime.ref import ActorRef
+
+_ATTR = "__miles_handler__"
+
+
+@dataclass(frozen=True)
+class HandlerSpec:
+    msg_type: type
+    concurrency: int
+
+
+def handler(msg_type: type, concurrency: int = 1) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Mark a method as the handler of `msg_type` (at most `concurrency` run at once)."""
+    if concurrency < 1:
+        raise ValueError("handler concurrency must be >= 1")
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        setattr(fn, _ATTR, HandlerSpec(msg_type, concurrency))
+        return fn
+
+    return wrap
+
+
+class Actor:
+    """Base class: subclass, declare `@handler`s, optionally override `on_start` / `on_stop`."""
+
+    name: str = ""
+    host: Host
+
+    async def on_start(self) -> None:
+        """Called once after the actor is registered and before it receives messages."""
+
+    async def on_stop(self) -> None:
+        """Called once while the host drains, after in-flight handlers finish."""
+
+    def ref(self, name: str) -> ActorRef:
+        return self.host.ref(name)
+
+    @classmethod
+    def handler_specs(cls) -> dict[str, tuple[str, HandlerSpec]]:
+        """Map of message class name -> (method name, spec), gathered from the class tree."""
+        out: dict[str, tuple[str, HandlerSpec]] = {}
+        for klass in reversed(cls.__mro__):
+            for attr, fn in vars(klass).items():
+                spec = getattr(fn, _ATTR, None)
+                if isinstance(spec, HandlerSpec):
+                    mspec = spec_for_class(spec.msg_type)
+                    if mspec is None:
+                        raise TypeError(f"{cls.__name__}.{attr}: {spec.msg_type!r} is not a @message type")
+                    out[mspec.name] = (attr, spec)
+        return out
+
+
+@dataclass
+class Mailbox:
+    """One handler's bounded queue and its worker tasks."""
+
+    method: Callable[[Any], Awaitable[Any] | Any]
+    queue: asyncio.Queue[Any]
+    workers: list[asyncio.Task[None]]
+    busy: int = 0

@@ -1,0 +1,109 @@
+"""The directory actor: name -> address registry, wait-for-name, heartbeats and death notices.
+
+It runs in the head process. A host that misses heartbeats for
+`heartbeat_timeout_s` is declared dead: its names are removed and a
+`DeathNotice` is published so waiting asks fail with `ActorDeadError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from miles.actors.runtime.actor import Actor, handler
+from miles.actors.runtime.messages import (
+    DEATH_TOPIC,
+    ActorList,
+    DeathNotice,
+    Heartbeat,
+    ListActors,
+    Location,
+    Lookup,
+    Register,
+    Unregister,
+)
+from miles.core.errors import MilesError, PeerTimeout
+from miles.core.logging import get_logger
+
+log = get_logger("miles.directory")
+
+
+class Directory(Actor):
+    def __init__(self, heartbeat_timeout_s: float = 3.0) -> None:
+        self.timeout = heartbeat_timeout_s
+        self.entries: dict[str, Location] = {}
+        self.last_seen: dict[str, float] = {}
+        self._changed = asyncio.Event()
+        self._monitor: asyncio.Task[None] | None = None
+
+    async def on_start(self) -> None:
+        self._monitor = asyncio.create_task(self._watch(), name="directory-watch")
+
+    async def on_stop(self) -> None:
+        if self._monitor is not None:
+            self._monitor.cancel()
+
+    @handler(Register, concurrency=4)
+    def register(self, msg: Register) -> Location:
+        old = self.entries.get(msg.name)
+        if old is not None and old.host_id != msg.host_id and old.host_id in self.last_seen:
+            raise MilesError(f"actor name {msg.name!r} is already taken by live host {old.host_id}")
+        loc = Location(msg.name, msg.address, msg.pub_address, msg.host_id)
+        self.entries[msg.name] = loc
+        self.last_seen[msg.host_id] = time.monotonic()
+        self._changed.set()
+        log.info("actor_registered", actor=msg.name, address=msg.address)
+        return loc
+
+    @handler(Unregister, concurrency=4)
+    def unregister(self, msg: Unregister) -> bool:
+        loc = self.entries.get(msg.name)
+        if loc is not None and loc.host_id == msg.host_id:
+            del self.entries[msg.name]
+            return True
+        return False
+
+    @handler(Lookup, concurrency=256)
+    async def lookup(self, msg: Lookup) -> Location:
+        if msg.name == "directory":
+            return Location("directory", self.host.address, self.host.pub_address, self.host.host_id)
+        deadline = time.monotonic() + msg.wait_s
+        while msg.name not in self.entries:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                if msg.wait_s > 0:
+                    raise PeerTimeout(f"no actor named {msg.name!r} registered within {msg.wait_s:.3g}s")
+                raise MilesError(f"no actor named {msg.name!r} is registered")
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except TimeoutError:
+                continue
+        return self.entries[msg.name]
+
+    @handler(ListActors)
+    def list_actors(self, msg: ListActors) -> ActorList:
+        return ActorList(sorted(n for n in self.entries if n.startswith(msg.prefix)))
+
+    @handler(Heartbeat, concurrency=4)
+    def heartbeat(self, msg: Heartbeat) -> None:
+        self.beat(msg)
+
+    def beat(self, msg: Heartbeat) -> None:
+        self.last_seen[msg.host_id] = time.monotonic()
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.timeout / 4)
+            now = time.monotonic()
+            for host_id, seen in list(self.last_seen.items()):
+                if now - seen <= self.timeout:
+                    continue
+                del self.last_seen[host_id]
+                names = [n for n, loc in self.entries.items() if loc.host_id == host_id]
+                for n in names:
+                    del self.entries[n]
+                if names:
+                    reason = f"host {host_id} missed heartbeats for {now - seen:.1f}s"
+                    log.warning("actors_dead", host=host_id, actors=names, reason=reason)
+                    await self.host.publish(DEATH_TOPIC, DeathNotice(host_id, names, reason))

@@ -1,0 +1,399 @@
+"""The process host: one ROUTER socket in, DEALER sockets out, actors dispatched by name.
+
+A host runs any number of actors in one asyncio loop. It registers them with the
+directory, sends heartbeats, fails asks to peers the directory declares dead,
+answers malformed input with `ProtocolError` replies, and drains on stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from miles.actors.runtime.actor import Actor, Mailbox
+from miles.actors.runtime.messages import (
+    DEATH_TOPIC,
+    DeathNotice,
+    Heartbeat,
+    Location,
+    Lookup,
+    Register,
+    Unregister,
+)
+from miles.actors.runtime.pubsub import Subscriber, publish_frames
+from miles.actors.runtime.ref import ActorRef
+from miles.core.errors import (
+    KNOWN_ERRORS,
+    ActorDeadError,
+    MilesError,
+    PeerTimeout,
+    ProtocolError,
+    RemoteError,
+)
+from miles.core.logging import get_logger
+from miles.core.schema.transport import TransportConfig
+from miles.transport import codec
+from miles.transport.schema import spec_for_class
+from miles.transport.sockets import bind, make_curve_client, make_curve_server, socket
+
+log = get_logger("miles.host")
+DIRECTORY_NAME = "directory"
+
+
+class Host:
+    """Runs actors in this process and routes their messages."""
+
+    def __init__(self, cfg: TransportConfig | None = None, directory: str | None = None,
+                 host_id: str = "") -> None:
+        self.cfg = cfg or TransportConfig()
+        self.directory_addr = directory
+        self.host_id = host_id or f"{os.uname().nodename}:{os.getpid()}:{os.urandom(3).hex()}"
+        self.address = ""
+        self.pub_address = ""
+        self.actors: dict[str, Actor] = {}
+        self._mailboxes: dict[str, dict[str, Mailbox]] = {}
+        self._pending: dict[int, tuple[asyncio.Future[Any], str]] = {}
+        self._ids = itertools.count(1)
+        self._dealers: dict[str, Any] = {}
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._locations: dict[str, Location] = {}
+        self._dead: set[str] = set()
+        self._death_callbacks: list[Callable[[DeathNotice], Any]] = []
+        self._subscriber: Subscriber | None = None
+        self.protocol_errors = 0
+        self.loop_lag_ms = 0.0
+        self.max_loop_lag_ms = 0.0
+        self._stopping = False
+
+    # ---------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        self._router = socket(zmq.ROUTER, hwm=self.cfg.hwm, linger_ms=self.cfg.linger_ms)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if self.cfg.curve_server_key:
+            make_curve_server(self._router, self.cfg.curve_server_key)
+        self.address = bind(self._router, self.cfg.scheme, self.cfg.interface, "router", self.cfg.ipc_dir)
+        self._pub = socket(zmq.PUB, hwm=self.cfg.hwm, linger_ms=self.cfg.linger_ms)
+        self.pub_address = bind(self._pub, self.cfg.scheme, self.cfg.interface, "pub", self.cfg.ipc_dir)
+        self._subscriber = Subscriber(self)
+        self._tasks.append(asyncio.create_task(self._recv_loop(), name="host-recv"))
+        self._tasks.append(asyncio.create_task(self._lag_monitor(), name="host-lag"))
+        if self.directory_addr is None:
+            # This host will run the directory itself.
+            self.directory_addr = self.address
+        else:
+            await self._watch_deaths()
+        self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="host-heartbeat"))
+
+    async def _watch_deaths(self) -> None:
+        assert self._subscriber is not None
+        loc = await self._lookup(DIRECTORY_NAME, wait_s=0.0, timeout=self.cfg.default_deadline_s)
+        await self._subscriber.subscribe(loc.pub_address, DEATH_TOPIC, self._on_death)
+
+    async def add(self, actor: Actor, name: str) -> ActorRef:
+        """Start serving `actor` under `name` and register it with the directory."""
+        if name in self.actors:
+            raise MilesError(f"actor {name!r} already runs on this host")
+        actor.name = name
+        actor.host = self
+        boxes: dict[str, Mailbox] = {}
+        for type_name, (method, spec) in actor.handler_specs().items():
+            q: asyncio.Queue[Any] = asyncio.Queue(maxsize=self.cfg.mailbox_size)
+            box = Mailbox(getattr(actor, method), q, [])
+            box.workers = [
+                asyncio.create_task(self._worker(name, box), name=f"{name}.{method}")
+                for _ in range(spec.concurrency)
+            ]
+            boxes[type_name] = box
+        self.actors[name] = actor
+        self._mailboxes[name] = boxes
+        await actor.on_start()
+        if name != DIRECTORY_NAME or self.directory_addr != self.address:
+            await self._directory_ask(Register(name, self.address, self.pub_address, self.host_id))
+        self._locations[name] = Location(name, self.address, self.pub_address, self.host_id)
+        return self.ref(name)
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Drain: stop heartbeats, unregister, finish queued work (bounded), on_stop, close."""
+        if self._stopping:
+            return
+        self._stopping = True
+        for name in list(self.actors):
+            if name != DIRECTORY_NAME and self.directory_addr != self.address:
+                try:
+                    await self._directory_ask(Unregister(name, self.host_id), timeout=1.0)
+                except MilesError as exc:
+                    log.warning("unregister_failed", actor=name, error=str(exc))
+        deadline = time.monotonic() + grace_s
+        for boxes in self._mailboxes.values():
+            for box in boxes.values():
+                while (box.queue.qsize() or box.busy) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+        for name, actor in self.actors.items():
+            try:
+                await asyncio.wait_for(actor.on_stop(), max(0.1, deadline - time.monotonic()))
+            except (MilesError, TimeoutError, OSError) as exc:
+                log.warning("on_stop_failed", actor=name, error=str(exc))
+        tasks = list(self._tasks)
+        for boxes in self._mailboxes.values():
+            for box in boxes.values():
+                tasks += box.workers
+        if self._subscriber is not None:
+            tasks += self._subscriber.tasks
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for fut, _ in self._pending.values():
+            if not fut.done():
+                fut.set_exception(ActorDeadError("host is stopping"))
+        for d in self._dealers.values():
+            d.close(0)
+        if self._subscriber is not None:
+            self._subscriber.close()
+        self._router.close(0)
+        self._pub.close(0)
+
+    # ---------------------------------------------------------------- outgoing
+    def ref(self, name: str) -> ActorRef:
+        return ActorRef(self, name)
+
+    def on_death(self, callback: Callable[[DeathNotice], Any]) -> None:
+        """Call `callback(notice)` whenever the directory declares actors dead."""
+        self._death_callbacks.append(callback)
+
+    async def lookup(self, name: str, timeout: float) -> Location:
+        """Wait (up to `timeout`) until `name` is registered and return where it lives."""
+        return await self._lookup(name, wait_s=timeout, timeout=timeout + 1.0)
+
+    async def _lookup(self, name: str, wait_s: float, timeout: float) -> Location:
+        if name == DIRECTORY_NAME:
+            return Location(name, self.directory_addr or "", await self._directory_pub(), "")
+        loc = self._locations.get(name)
+        if loc is None:
+            loc = await self._directory_ask(Lookup(name, wait_s), timeout=timeout)
+            self._locations[name] = loc
+            self._dead.discard(name)
+        return loc
+
+    async def _directory_pub(self) -> str:
+        if self.directory_addr == self.address:
+            return self.pub_address
+        loc = self._locations.get("__directory_pub__")
+        if loc is None:
+            reply = await self._send_ask(self.directory_addr or "", DIRECTORY_NAME,
+                                         Lookup(DIRECTORY_NAME), self.cfg.default_deadline_s)
+            loc = reply
+            self._locations["__directory_pub__"] = loc
+        return loc.pub_address
+
+    async def _directory_ask(self, msg: Any, timeout: float | None = None) -> Any:
+        return await self._send_ask(self.directory_addr or "", DIRECTORY_NAME, msg,
+                                    timeout or self.cfg.default_deadline_s)
+
+    async def _check_alive(self, name: str) -> None:
+        """A name the directory declared dead fails fast, unless it has registered again."""
+        if name not in self._dead:
+            return
+        try:
+            await self._lookup(name, wait_s=0.0, timeout=self.cfg.default_deadline_s)
+        except MilesError as exc:
+            raise ActorDeadError(f"actor {name!r} is dead (missed heartbeats)") from exc
+
+    async def ask(self, name: str, msg: Any, timeout: float) -> Any:
+        await self._check_alive(name)
+        t0 = time.monotonic()
+        loc = await self._lookup(name, wait_s=0.0, timeout=timeout)
+        return await self._send_ask(loc.address, name, msg, max(0.0, timeout - (time.monotonic() - t0)))
+
+    async def _send_ask(self, address: str, name: str, msg: Any, timeout: float) -> Any:
+        msg_id = next(self._ids)
+        frames = codec.encode(codec.ASK, msg_id, name, msg, timeout, self.host_id)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending[msg_id] = (fut, name)
+        try:
+            dealer = self._dealer(address)
+            await dealer.send_multipart(frames, copy=False)
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise PeerTimeout(
+                f"no reply from {name!r} at {address} within {timeout:.3g}s "
+                f"(request {type(msg).__name__})"
+            ) from None
+        finally:
+            self._pending.pop(msg_id, None)
+
+    async def tell(self, name: str, msg: Any) -> None:
+        await self._check_alive(name)
+        loc = await self._lookup(name, 0.0, self.cfg.default_deadline_s)
+        frames = codec.encode(codec.TELL, None, name, msg, None, self.host_id)
+        await self._dealer(loc.address).send_multipart(frames, copy=False)
+
+    async def tell_many(self, name: str, msgs: list[Any]) -> None:
+        await self._check_alive(name)
+        loc = await self._lookup(name, 0.0, self.cfg.default_deadline_s)
+        frames = codec.encode_batch(name, msgs, self.host_id)
+        await self._dealer(loc.address).send_multipart(frames, copy=False)
+
+    async def publish(self, topic: str, msg: Any) -> None:
+        """Broadcast `msg` to every subscriber of `topic` on this host's PUB socket."""
+        await publish_frames(self._pub, topic, codec.encode(codec.TELL, None, topic, msg))
+
+    async def subscribe(self, publisher: str, topic: str, callback: Callable[[Any], Any],
+                        timeout: float = 30.0) -> None:
+        """Receive `topic` broadcasts from the host that runs actor `publisher`."""
+        assert self._subscriber is not None
+        loc = await self.lookup(publisher, timeout)
+        await self._subscriber.subscribe(loc.pub_address, topic, callback)
+
+    def _dealer(self, address: str) -> Any:
+        d = self._dealers.get(address)
+        if d is None:
+            d = socket(zmq.DEALER, hwm=self.cfg.hwm, linger_ms=self.cfg.linger_ms)
+            if self.cfg.curve_client_key:
+                make_curve_client(d, self.cfg.curve_client_key, self.cfg.curve_public_key)
+            d.connect(address)
+            self._dealers[address] = d
+            self._tasks.append(asyncio.create_task(self._reply_loop(d), name=f"dealer-{address}"))
+        return d
+
+    async def _reply_loop(self, dealer: Any) -> None:
+        while True:
+            frames = await dealer.recv_multipart(copy=False)
+            try:
+                env = codec.decode(frames, self.cfg.max_frame_bytes)
+            except ProtocolError as exc:
+                self._count_protocol_error("reply", exc)
+                continue
+            entry = self._pending.get(env.msg_id) if env.msg_id is not None else None
+            if entry is None or entry[0].done():
+                continue  # a late reply to a request that already timed out
+            fut = entry[0]
+            if env.kind == codec.ERROR:
+                fut.set_exception(_remote_exception(*env.body))
+            else:
+                fut.set_result(env.body)
+
+    # ---------------------------------------------------------------- incoming
+    async def _recv_loop(self) -> None:
+        router = self._router
+        while True:
+            frames = await router.recv_multipart(copy=False)
+            ident, body = frames[0], frames[1:]
+            try:
+                env = codec.decode(body, self.cfg.max_frame_bytes)
+            except ProtocolError as exc:
+                self._count_protocol_error("request", exc)
+                msg_id, target = codec.peek_reply_route(body)
+                await router.send_multipart([ident, *codec.encode_error(msg_id, target, exc)])
+                continue
+            if env.kind == codec.BATCH:
+                for item in env.body:
+                    single = codec.Envelope(codec.TELL, None, env.target, "", 0, None, item, env.sender)
+                    await self._dispatch(ident, single, type(item))
+            elif env.kind in (codec.ASK, codec.TELL):
+                await self._dispatch(ident, env, type(env.body))
+            else:
+                self._count_protocol_error("request", ProtocolError(f"unexpected kind {env.kind}"))
+
+    async def _dispatch(self, ident: Any, env: codec.Envelope, cls: type) -> None:
+        boxes = self._mailboxes.get(env.target)
+        spec = spec_for_class(cls)
+        box = boxes.get(spec.name) if boxes is not None and spec is not None else None
+        if box is None:
+            what = (f"no actor named {env.target!r} on host {self.host_id}" if boxes is None
+                    else f"actor {env.target!r} has no handler for {cls.__name__}")
+            exc = ProtocolError(what)
+            self._count_protocol_error("request", exc)
+            if env.kind == codec.ASK:
+                await self._router.send_multipart([ident, *codec.encode_error(env.msg_id, env.target, exc)])
+            return
+        deadline = time.monotonic() + env.deadline_s if env.deadline_s is not None else None
+        item = (ident, env, deadline)
+        try:
+            box.queue.put_nowait(item)
+        except asyncio.QueueFull:
+            await box.queue.put(item)  # backpressure: stop reading until there is room
+
+    async def _worker(self, name: str, box: Mailbox) -> None:
+        while True:
+            ident, env, deadline = await box.queue.get()
+            box.busy += 1
+            try:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise PeerTimeout(f"request to {name!r} expired in its mailbox")
+                result = box.method(env.body)
+                if asyncio.iscoroutine(result):
+                    result = await result
+                if env.kind == codec.ASK:
+                    await self._router.send_multipart(
+                        [ident, *codec.encode(codec.REPLY, env.msg_id, "", result)], copy=False
+                    )
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - every handler error goes back to the caller
+                if env.kind == codec.ASK:
+                    await self._router.send_multipart(
+                        [ident, *codec.encode_error(env.msg_id, name, exc)]
+                    )
+                else:
+                    log.error("tell_handler_failed", actor=name, msg=type(env.body).__name__,
+                              error=f"{type(exc).__name__}: {exc}")
+            finally:
+                box.busy -= 1
+
+    def _count_protocol_error(self, where: str, exc: ProtocolError) -> None:
+        self.protocol_errors += 1
+        n = self.protocol_errors
+        if n <= 10 or n % 1000 == 0:
+            log.warning("protocol_error", where=where, error=str(exc), count=n)
+
+    # ---------------------------------------------------------------- liveness
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.heartbeat_interval_s)
+            names = [n for n in self.actors if n != DIRECTORY_NAME]
+            directory = self.actors.get(DIRECTORY_NAME)
+            if directory is not None:
+                directory.beat(Heartbeat(self.host_id, names, self.loop_lag_ms))  # type: ignore[attr-defined]
+                continue
+            if not names:
+                continue
+            frames = codec.encode(codec.TELL, None, DIRECTORY_NAME,
+                                  Heartbeat(self.host_id, names, self.loop_lag_ms), None, self.host_id)
+            await self._dealer(self.directory_addr or "").send_multipart(frames)
+
+    async def _lag_monitor(self, interval: float = 0.1) -> None:
+        while True:
+            t0 = time.monotonic()
+            await asyncio.sleep(interval)
+            lag = max(0.0, (time.monotonic() - t0 - interval) * 1e3)
+            self.loop_lag_ms = 0.8 * self.loop_lag_ms + 0.2 * lag
+            self.max_loop_lag_ms = max(self.max_loop_lag_ms, lag)
+            if lag > 500:
+                log.warning("event_loop_lag", lag_ms=round(lag, 1))
+
+    def _on_death(self, notice: DeathNotice) -> None:
+        for name in notice.names:
+            self._dead.add(name)
+            self._locations.pop(name, None)
+        dead = set(notice.names)
+        for fut, target in list(self._pending.values()):
+            if target in dead and not fut.done():
+                fut.set_exception(ActorDeadError(f"actor {target!r} died: {notice.reason}"))
+        for cb in self._death_callbacks:
+            cb(notice)
+
+
+
+def _remote_exception(type_name: str, message: str, traceback: str) -> MilesError:
+    cls = KNOWN_ERRORS.get(type_name)
+    if cls is not None and cls is not RemoteError:
+        exc = cls(message)
+        exc.remote_traceback = traceback  # type: ignore[attr-defined]
+        return exc
+    return RemoteError(type_name, message, traceback)

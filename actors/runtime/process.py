@@ -1,0 +1,56 @@
+"""Process entry: run a host with its actors on uvloop until SIGTERM/SIGINT, then drain and exit 0."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Awaitable, Callable
+
+import uvloop
+
+from miles.actors.runtime.directory import Directory
+from miles.actors.runtime.host import DIRECTORY_NAME, Host
+from miles.core.logging import get_logger
+from miles.core.schema.transport import TransportConfig
+
+log = get_logger("miles.process")
+DIRECTORY_ENV = "MILES_DIRECTORY"
+
+Setup = Callable[[Host], Awaitable[None]]
+
+
+async def serve(setup: Setup, cfg: TransportConfig | None = None, directory: str | None = None,
+                run_directory: bool = False, ready_file: str = "",
+                stop_event: asyncio.Event | None = None) -> int:
+    """Start a host (optionally running the directory), call `setup(host)`, serve until a signal."""
+    cfg = cfg or TransportConfig()
+    if not run_directory and directory is None:
+        directory = os.environ.get(DIRECTORY_ENV)
+        if not directory:
+            raise SystemExit(f"no directory address: pass one or set {DIRECTORY_ENV}")
+    host = Host(cfg, None if run_directory else directory)
+    await host.start()
+    if run_directory:
+        await host.add(Directory(cfg.heartbeat_timeout_s), DIRECTORY_NAME)
+    stop = stop_event or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await setup(host)
+    if ready_file:
+        # Written last, atomically, so a parent polling for it sees a fully started host.
+        tmp = ready_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(host.address)
+        os.replace(tmp, ready_file)
+    log.info("host_ready", address=host.address, actors=list(host.actors))
+    await stop.wait()
+    log.info("host_stopping", max_loop_lag_ms=round(host.max_loop_lag_ms, 2))
+    await host.stop()
+    return 0
+
+
+def run(setup: Setup, **kwargs: object) -> int:
+    """Blocking entry point for a process: uvloop + `serve`."""
+    return uvloop.run(serve(setup, **kwargs))  # type: ignore[arg-type]

@@ -1,0 +1,65 @@
+"""Pub/sub fan-out over ZeroMQ PUB/SUB, for broadcasts such as weight-version announcements."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from miles.core.errors import ProtocolError
+from miles.core.logging import get_logger
+from miles.transport import codec
+from miles.transport.sockets import socket
+
+if TYPE_CHECKING:
+    from miles.actors.runtime.host import Host
+
+log = get_logger("miles.pubsub")
+
+
+async def publish_frames(pub: Any, topic: str, frames: list[Any]) -> None:
+    await pub.send_multipart([topic.encode(), *frames], copy=False)
+
+
+class Subscriber:
+    """One SUB socket per host, connected to any number of publishers, dispatching by topic."""
+
+    def __init__(self, host: Host) -> None:
+        self.host = host
+        self.sock = socket(zmq.SUB, hwm=host.cfg.hwm, linger_ms=0)
+        self.callbacks: dict[str, list[Callable[[Any], Any]]] = {}
+        self.connected: set[str] = set()
+        self.tasks: list[asyncio.Task[Any]] = [asyncio.create_task(self._loop(), name="host-sub")]
+
+    async def subscribe(self, pub_address: str, topic: str, callback: Callable[[Any], Any]) -> None:
+        if pub_address not in self.connected:
+            self.sock.connect(pub_address)
+            self.connected.add(pub_address)
+        if topic not in self.callbacks:
+            self.sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
+            self.callbacks[topic] = []
+        self.callbacks[topic].append(callback)
+        # PUB/SUB joins are asynchronous ("slow joiner"); give the subscription time to reach the publisher.
+        await asyncio.sleep(0.05)
+
+    async def _loop(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            topic = frames[0].bytes.decode(errors="replace")
+            try:
+                env = codec.decode(frames[1:], self.host.cfg.max_frame_bytes)
+            except ProtocolError as exc:
+                log.warning("bad_broadcast", topic=topic, error=str(exc))
+                continue
+            for cb in self.callbacks.get(topic, []):
+                try:
+                    res = cb(env.body)
+                    if asyncio.iscoroutine(res):
+                        await res
+                except Exception as exc:  # noqa: BLE001 - one bad callback must not stop the others
+                    log.error("subscriber_callback_failed", topic=topic, error=f"{type(exc).__name__}: {exc}")
+
+    def close(self) -> None:
+        self.sock.close(0)

@@ -1,0 +1,36 @@
+"""`ActorRef`: how one actor talks to another, by name, through its host."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from miles.actors.runtime.host import Host
+
+
+class ActorRef:
+    """A handle on a named actor; resolves its address through the directory on first use."""
+
+    __slots__ = ("host", "name")
+
+    def __init__(self, host: Host, name: str) -> None:
+        self.host = host
+        self.name = name
+
+    async def ask(self, msg: Any, *, timeout: float) -> Any:
+        """Send `msg` and await the reply; raises PeerTimeout, ActorDeadError or the remote error.
+
+        A deadline is required: no wait in miles is unbounded.
+        """
+        return await self.host.ask(self.name, msg, timeout)
+
+    async def tell(self, msg: Any) -> None:
+        """Send `msg` without waiting for a reply."""
+        await self.host.tell(self.name, msg)
+
+    async def tell_many(self, msgs: list[Any]) -> None:
+        """Send many records in one wire message (batched; far cheaper per message)."""
+        await self.host.tell_many(self.name, msgs)
+
+    def __repr__(self) -> str:
+        return f"ActorRef({self.name!r})"

@@ -1,0 +1,109 @@
+"""ZeroMQ helpers: contexts, bind/connect on tcp:// and ipc://, socket options, CurveZMQ keys."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from miles.core.errors import ConfigError, TransportError
+
+_ipc_dir: str | None = None
+
+
+def async_context() -> zmq.asyncio.Context:
+    return zmq.asyncio.Context.instance()
+
+
+def apply_options(sock: zmq.Socket, hwm: int = 10000, linger_ms: int = 0) -> None:
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    sock.setsockopt(zmq.LINGER, linger_ms)
+    if sock.type in (zmq.DEALER, zmq.ROUTER, zmq.SUB, zmq.PUB):
+        # Keepalive so half-open TCP connections to a dead node are noticed by the OS.
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 30)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 5)
+
+
+def ipc_path(name: str, base: str = "") -> str:
+    global _ipc_dir
+    if base:
+        Path(base).mkdir(parents=True, exist_ok=True)
+        d = base
+    else:
+        if _ipc_dir is None:
+            _ipc_dir = tempfile.mkdtemp(prefix="miles-ipc-")
+        d = _ipc_dir
+    return f"ipc://{os.path.join(d, name)}"
+
+
+def bind(sock: zmq.Socket, scheme: str = "tcp", interface: str = "127.0.0.1", name: str = "",
+         ipc_dir: str = "", port: int = 0) -> str:
+    """Bind to a fresh address (random free port for tcp) and return the connectable address."""
+    try:
+        if scheme == "ipc":
+            addr = ipc_path(f"{name or 'sock'}-{os.getpid()}-{os.urandom(4).hex()}", ipc_dir)
+            sock.bind(addr)
+            return addr
+        if scheme != "tcp":
+            raise ConfigError(f"transport.scheme {scheme!r}: valid are 'tcp', 'ipc'")
+        if port:
+            sock.bind(f"tcp://{interface}:{port}")
+            return f"tcp://{interface}:{port}"
+        p = sock.bind_to_random_port(f"tcp://{interface}")
+        return f"tcp://{interface}:{p}"
+    except zmq.ZMQError as exc:
+        raise TransportError(
+            f"cannot bind {scheme} socket on {interface}:{port or 'random'}: {exc}"
+            + (" (port in use: choose another port or stop the other process)" if exc.errno == zmq.EADDRINUSE else "")
+        ) from exc
+
+
+def load_curve_keys(path: str) -> tuple[bytes, bytes]:
+    """Read a (public, secret) CurveZMQ key pair written by `write_curve_keys`."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"CurveZMQ key file {path!r} does not exist")
+    lines = [ln.strip() for ln in p.read_text().splitlines() if ln.strip()]
+    keys = dict(ln.split("=", 1) for ln in lines if "=" in ln)
+    try:
+        return keys["public"].encode(), keys.get("secret", "").encode()
+    except KeyError as exc:
+        raise ConfigError(f"CurveZMQ key file {path!r} has no 'public=' line") from exc
+
+
+def write_curve_keys(path: str) -> bytes:
+    """Generate a key pair, write it (mode 0600) and return the public key."""
+    public, secret = zmq.curve_keypair()
+    p = Path(path)
+    p.write_text(f"public={public.decode()}\nsecret={secret.decode()}\n")
+    p.chmod(0o600)
+    return public
+
+
+def make_curve_server(sock: zmq.Socket, key_file: str) -> None:
+    public, secret = load_curve_keys(key_file)
+    if not secret:
+        raise ConfigError(f"CurveZMQ server key file {key_file!r} has no 'secret=' line")
+    sock.curve_secretkey = secret
+    sock.curve_publickey = public
+    sock.curve_server = True
+
+
+def make_curve_client(sock: zmq.Socket, client_key_file: str, server_public_file: str) -> None:
+    public, secret = load_curve_keys(client_key_file)
+    server_public, _ = load_curve_keys(server_public_file)
+    sock.curve_secretkey = secret
+    sock.curve_publickey = public
+    sock.curve_serverkey = server_public
+
+
+def socket(kind: int, ctx: Any = None, hwm: int = 10000, linger_ms: int = 0) -> Any:
+    s = (ctx or async_context()).socket(kind)
+    apply_options(s, hwm, linger_ms)
+    return s
