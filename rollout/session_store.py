@@ -1,0 +1,357 @@
+"""The token-in-token-out (TITO) session store: exact token ids for multi-turn chats.
+
+Each turn tokenizes only the messages appended since the deepest stored
+checkpoint that matches the request (render with the chat template, take the
+text after the checkpoint's rendering, encode that suffix) and splices the ids
+onto the checkpoint. The engine's sampled ids are stored as they are and never
+re-tokenized, so an exported trajectory is exactly what the policy saw and
+sampled. `linear` sessions reject a history that diverges from the stored one
+(`Diverged`); `branching` sessions fork a child and export one trajectory per leaf.
+
+Plain class: no sockets, no globals; every argument and result is a plain
+value, so a thin actor shell can serve it (see actors/session.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from miles.core.errors import Diverged, NotAppendOnly, ProtocolError, SessionError
+from miles.rollout.messages import (
+    Message,
+    check_ends_for_generation,
+    for_template,
+    matcher,
+    normalize,
+)
+from miles.rollout.session_tree import Node, leaves, trajectory
+from miles.rollout.tokenizer import Tokenizer
+from miles.rollout.tool_parser import get_tool_parser, split_reasoning
+from miles.rollout.types import Sample
+
+SessionPolicy = Literal["linear", "branching"]
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+@dataclass
+class TurnPlan:
+    """What to send to the engine for one turn (plain values; `to_wire` for the wire)."""
+
+    session_id: str
+    plan_id: str
+    parent: int
+    prompt_ids: list[int]
+    num_cached: int  # leading prompt ids already stored (the engine's prefix-cache candidate)
+    routing_key: str = ""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"session_id": self.session_id, "plan_id": self.plan_id, "parent": self.parent,
+                "prompt_ids": self.prompt_ids, "num_cached": self.num_cached,
+                "routing_key": self.routing_key}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> TurnPlan:
+        try:
+            return cls(str(d["session_id"]), str(d["plan_id"]), int(d["parent"]),
+                       [int(x) for x in d["prompt_ids"]], int(d["num_cached"]),
+                       str(d.get("routing_key", "")))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"turn plan: malformed ({exc!r})") from exc
+
+
+@dataclass
+class TurnResult:
+    """The committed turn: the assistant message in OpenAI form plus token accounting."""
+
+    message: dict[str, Any]
+    finish_reason: str  # OpenAI finish_reason: stop | length | tool_calls | abort | error
+    node: int
+    prompt_tokens: int
+    completion_tokens: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Pending:
+    plan: TurnPlan
+    parent: Node
+    messages: list[Message]  # full history of the request
+    new: list[Message]  # appended part
+    new_ids: list[int]
+    prompt_text: str
+
+
+@dataclass
+class _Session:
+    id: str
+    routing_key: str
+    tools: list[dict[str, Any]] | None
+    tools_key: str | None = None
+    root: Node = field(default_factory=lambda: Node(id=0, parent=None, messages=[]))
+    next_node: int = 1
+    pending: dict[str, _Pending] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def _tools_key(tools: list[dict[str, Any]] | None) -> str:
+    return json.dumps(tools or [], sort_keys=True)
+
+
+def _first_difference(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class SessionStore:
+    """Sessions keyed by id; see the module doc. Template verification happens at construction."""
+
+    def __init__(self, tokenizer: Tokenizer, policy: SessionPolicy = "linear",
+                 match: str = "loose_tool_call", tool_parser: str = "json_tags",
+                 template_fallback: str = "none", reasoning_tags: tuple[str, str] | None = ("<think>", "</think>"),
+                 max_sessions: int = 100_000, verify_template: bool = True) -> None:
+        if policy not in ("linear", "branching"):
+            raise SessionError(f"unknown session policy {policy!r}; valid: linear, branching")
+        self.tok = tokenizer
+        self.policy = policy
+        self._match = matcher(match)
+        self._parse_tools = get_tool_parser(tool_parser)
+        self.reasoning_tags = reasoning_tags
+        self.max_sessions = max_sessions
+        self._sessions: dict[str, _Session] = {}
+        from miles.rollout.template_check import FALLBACKS, check_template
+
+        if template_fallback != "none" and template_fallback not in FALLBACKS:
+            raise SessionError(f"unknown template fallback {template_fallback!r}; valid: none, "
+                               + ", ".join(FALLBACKS))
+        self.fallback = template_fallback
+        if verify_template:
+            report = check_template(tokenizer)
+            if not report.ok and template_fallback == "none":
+                raise NotAppendOnly("the chat template is not append-only, so suffix tokenization would "
+                                    "not match the whole conversation; first problems:\n"
+                                    + report.summary(3)
+                                    + "\nset rollout.template_fallback to one of "
+                                    + ", ".join(FALLBACKS) + " to accept a documented fallback")
+        self._stop_texts = [self.tok.decode([i]) for i in self.tok.stop_token_ids]
+
+    # -- lifecycle -------------------------------------------------------------
+    def create(self, session_id: str | None = None, routing_key: str | None = None,
+               tools: list[dict[str, Any]] | None = None, metadata: dict[str, Any] | None = None) -> str:
+        sid = session_id or "sess-" + os.urandom(8).hex()
+        if sid in self._sessions:
+            raise SessionError(f"session {sid!r} already exists")
+        if len(self._sessions) >= self.max_sessions:
+            raise SessionError(f"session store is full ({self.max_sessions} sessions); close finished ones")
+        s = _Session(sid, routing_key or sid, tools, metadata=dict(metadata or {}))
+        if tools is not None:
+            s.tools_key = _tools_key(tools)
+        self._sessions[sid] = s
+        return sid
+
+    def close(self, session_id: str) -> None:
+        self._get(session_id)
+        del self._sessions[session_id]
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._sessions
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def _get(self, session_id: str) -> _Session:
+        s = self._sessions.get(session_id)
+        if s is None:
+            raise SessionError(f"unknown session {session_id!r}")
+        return s
+
+    # -- turns -----------------------------------------------------------------
+    def _render(self, s: _Session, msgs: list[Message], gen: bool) -> str:
+        return self.tok.apply_chat_template([for_template(m) for m in msgs], s.tools, gen)
+
+    def _deepest(self, s: _Session, msgs: list[Message]) -> tuple[Node, int]:
+        """The deepest stored node whose messages are a prefix of `msgs`, and that prefix length."""
+        node, pos = s.root, 0
+        while True:
+            for child in node.children:
+                k = len(child.messages)
+                if pos + k <= len(msgs) and all(
+                    self._match(a, b) for a, b in zip(child.messages, msgs[pos:pos + k], strict=True)
+                ):
+                    node, pos = child, pos + k
+                    break
+            else:
+                return node, pos
+
+    def _diverged(self, s: _Session, node: Node, msgs: list[Message], pos: int) -> Diverged:
+        stored = node.children[0].all_messages()
+        i = pos
+        while i < min(len(stored), len(msgs)) and self._match(stored[i], msgs[i]):
+            i += 1
+        if i >= len(msgs):
+            why = f"the request ends at message {len(msgs)} inside the stored history ({len(stored)} messages)"
+        else:
+            why = f"messages[{i}] ({msgs[i]['role']}) differs from the stored message {i}"
+        return Diverged(f"session {s.id!r} is linear and {why}; start a new session or use branching")
+
+    def prepare_turn(self, session_id: str, messages: Any, tools: list[dict[str, Any]] | None = None) -> TurnPlan:
+        """Match the request to the deepest checkpoint and tokenize only the appended messages."""
+        s = self._get(session_id)
+        msgs = normalize(messages)
+        check_ends_for_generation(msgs)
+        if s.tools_key is None:
+            s.tools, s.tools_key = tools, _tools_key(tools)
+        elif tools is not None and _tools_key(tools) != s.tools_key:
+            raise Diverged(f"session {s.id!r}: the tools differ from the ones the session started with")
+        if self.policy == "linear" and s.pending:
+            raise SessionError(f"session {s.id!r} is linear and a turn is already in flight")
+        node, pos = self._deepest(s, msgs)
+        if self.policy == "linear" and node.children:
+            raise self._diverged(s, node, msgs, pos)
+        new = msgs[pos:]
+        if not new:
+            raise SessionError(f"session {s.id!r}: the request appends no message to the stored history")
+        full = self._render(s, msgs, True)
+        suffix = self._suffix(s, node, msgs, pos, full)
+        new_ids = self.tok.encode(node.gap + suffix)
+        plan = TurnPlan(s.id, "plan-" + os.urandom(6).hex(), node.id, node.token_ids() + new_ids,
+                        node.n_tokens, s.routing_key)
+        s.pending[plan.plan_id] = _Pending(plan, node, msgs, new, new_ids, full)
+        return plan
+
+    def _suffix(self, s: _Session, node: Node, msgs: list[Message], pos: int, full: str) -> str:
+        if node.parent is None:
+            return full
+        if full.startswith(node.rendered):
+            return full[len(node.rendered):]
+        # the request's wording of stored messages may differ (lenient match policies)
+        prefix = self._render(s, msgs[:pos], False)
+        if full.startswith(prefix):
+            return full[len(prefix):]
+        if self.fallback == "anchor_diff":
+            from miles.rollout.template_check import anchor_suffix
+
+            return anchor_suffix(self.tok, node.messages[-1], msgs[pos:], s.tools)
+        at = _first_difference(prefix, full)
+        raise NotAppendOnly(f"session {s.id!r}: rendering the stored messages is not a prefix of rendering "
+                            f"the request (first difference at character {at}: stored "
+                            f"{prefix[at:at + 40]!r} vs request {full[at:at + 40]!r})")
+
+    def cancel_turn(self, session_id: str, plan: TurnPlan | str) -> None:
+        """Forget a prepared turn the engine did not serve (the session stays as it was)."""
+        s = self._get(session_id)
+        pid = plan if isinstance(plan, str) else plan.plan_id
+        if s.pending.pop(pid, None) is None:
+            raise SessionError(f"session {s.id!r}: no turn {pid!r} in flight")
+
+    def commit_turn(self, session_id: str, plan: TurnPlan | str, sampled_ids: list[int],
+                    logprobs: list[float], routed_experts: np.ndarray | None = None,
+                    versions: int | list[int] = 0, finish_reason: str = "stop") -> TurnResult:
+        """Store the engine's sampled ids as they are; return the assistant message."""
+        s = self._get(session_id)
+        pid = plan if isinstance(plan, str) else plan.plan_id
+        p = s.pending.get(pid)
+        if p is None:
+            raise SessionError(f"session {s.id!r}: no turn {pid!r} in flight (committed twice or cancelled?)")
+        sampled = [int(x) for x in sampled_ids]
+        n = len(sampled)
+        if len(logprobs) != n:
+            raise SessionError(f"commit {pid}: {len(logprobs)} logprobs for {n} sampled tokens")
+        vers = [int(versions)] * n if isinstance(versions, int) else [int(v) for v in versions]
+        if len(vers) != n:
+            raise SessionError(f"commit {pid}: {len(vers)} versions for {n} sampled tokens")
+        if finish_reason not in FINISH_REASONS:
+            raise SessionError(f"commit {pid}: finish_reason {finish_reason!r} not in {', '.join(FINISH_REASONS)}")
+        seg_len = len(p.new_ids) + n
+        experts = None
+        if routed_experts is not None:
+            ex = np.asarray(routed_experts)
+            total = len(p.plan.prompt_ids) + n
+            if ex.ndim != 3 or ex.shape[0] not in (seg_len, total):
+                raise SessionError(f"commit {pid}: routed_experts has shape {list(ex.shape)}; expected "
+                                   f"[{total} or {seg_len}, layers, k] (whole sequence or the new tokens)")
+            experts = ex[-seg_len:] if seg_len else ex[:0]
+        text = self.tok.decode(sampled)
+        message, oa_finish = self._assistant_message(text, sampled, finish_reason)
+        msgs = p.messages + [message]
+        rendered = self._render(s, msgs, False)
+        gap = self._gap(rendered, p.prompt_text, text, sampled)
+        parent = p.parent
+        node = Node(id=s.next_node, parent=parent, messages=p.new + [message], n_spliced=len(p.new_ids),
+                    ids=p.new_ids + sampled, logprobs=[float(x) for x in logprobs], versions=vers,
+                    experts=experts, rendered=rendered, gap=gap, finish_reason=finish_reason,
+                    n_messages=parent.n_messages + len(p.new) + 1, n_tokens=parent.n_tokens + seg_len)
+        s.next_node += 1
+        parent.children.append(node)
+        del s.pending[pid]
+        return TurnResult(self._openai_message(message), oa_finish, node.id, len(p.plan.prompt_ids), n)
+
+    def _assistant_message(self, text: str, sampled: list[int], finish: str) -> tuple[Message, str]:
+        body = text
+        for st in self._stop_texts:
+            if st and body.endswith(st):
+                body = body[: -len(st)]
+                break
+        reasoning = ""
+        if self.reasoning_tags is not None:
+            reasoning, body = split_reasoning(body, *self.reasoning_tags)
+        parsed = self._parse_tools(body)
+        msg: Message = {"role": "assistant", "content": parsed.content}
+        if reasoning:
+            msg["reasoning_content"] = reasoning
+        if parsed.tool_calls:
+            msg["tool_calls"] = parsed.tool_calls
+        oa = "tool_calls" if parsed.tool_calls and finish == "stop" else finish
+        return msg, oa
+
+    @staticmethod
+    def _openai_message(m: Message) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": "assistant", "content": m["content"]}
+        if m.get("reasoning_content"):
+            out["reasoning_content"] = m["reasoning_content"]
+        if m.get("tool_calls"):
+            out["tool_calls"] = [dict(c, function=dict(c["function"])) for c in m["tool_calls"]]
+        return out
+
+    def _gap(self, rendered: str, prompt_text: str, sampled_text: str, sampled: list[int]) -> str:
+        """Template text after the sampled tokens that belongs to this turn (e.g. '\\n')."""
+        if rendered.startswith(prompt_text):
+            block = rendered[len(prompt_text):]
+            if block.startswith(sampled_text):
+                return block[len(sampled_text):]
+        else:
+            block = rendered
+        # The model's own wording differs from the template's (tool-call JSON spacing,
+        # truncation): close the turn after the template's end-of-turn token.
+        ended = bool(sampled) and sampled[-1] in self.tok.stop_token_ids
+        for st in self._stop_texts:
+            i = block.rfind(st) if st else -1
+            if i >= 0:
+                tail = block[i + len(st):]
+                return tail if ended else st + tail
+        return ""
+
+    # -- export ----------------------------------------------------------------
+    def export(self, session_id: str) -> list[Sample]:
+        """One `Sample` per trajectory: the single chain (linear) or each leaf (branching)."""
+        s = self._get(session_id)
+        meta = {"session_id": s.id, **s.metadata}
+        return [trajectory(leaf, meta) for leaf in leaves(s.root)]
+
+    def info(self, session_id: str) -> dict[str, Any]:
+        """A plain summary for `GET /sessions/{id}`."""
+        s = self._get(session_id)
+        ls = leaves(s.root)
+        return {"session_id": s.id, "routing_key": s.routing_key, "policy": self.policy,
+                "turns": s.next_node - 1, "in_flight": len(s.pending), "trajectories": len(ls),
+                "tokens": [leaf.n_tokens for leaf in ls],
+                "messages": [leaf.all_messages() for leaf in ls]}

@@ -1,0 +1,108 @@
+"""The token checkpoints of one session: a tree of turns, each holding exact token ids.
+
+A node is one committed turn: the messages it appended (spliced prompt text,
+mask 0) followed by the assistant message the engine sampled (mask 1). Its
+`rendered` text is the chat-template rendering of every message up to and
+including that assistant message; `gap` is the template text after the sampled
+tokens (e.g. the newline after the end-of-turn token) that the next turn splices
+before its own suffix. The root holds no tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from miles.rollout.messages import Message
+from miles.rollout.types import NOT_SAMPLED, Sample, Status
+
+FINISH_TO_STATUS: dict[str, Status] = {
+    "stop": "completed", "tool_calls": "completed", "length": "truncated",
+    "abort": "aborted", "error": "failed",
+}
+
+
+@dataclass(eq=False)
+class Node:
+    id: int
+    parent: Node | None
+    messages: list[Message]  # appended messages, the last one the sampled assistant message
+    n_spliced: int = 0  # leading tokens of `ids` that were tokenized, not sampled
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    experts: np.ndarray | None = None  # [len(ids), L, k] for this segment
+    rendered: str = ""
+    gap: str = ""
+    finish_reason: str = "stop"
+    children: list[Node] = field(default_factory=list)
+    n_messages: int = 0  # messages from the root through this node
+    n_tokens: int = 0  # tokens from the root through this node
+
+    def path(self) -> list[Node]:
+        """Nodes from the first turn down to this one (root excluded)."""
+        out: list[Node] = []
+        n: Node | None = self
+        while n is not None and n.parent is not None:
+            out.append(n)
+            n = n.parent
+        out.reverse()
+        return out
+
+    def token_ids(self) -> list[int]:
+        ids: list[int] = []
+        for n in self.path():
+            ids.extend(n.ids)
+        return ids
+
+    def all_messages(self) -> list[Message]:
+        msgs: list[Message] = []
+        for n in self.path():
+            msgs.extend(n.messages)
+        return msgs
+
+
+def leaves(root: Node) -> list[Node]:
+    out: list[Node] = []
+    stack = [root]
+    while stack:
+        n = stack.pop()
+        if n.children:
+            stack.extend(reversed(n.children))
+        elif n is not root:
+            out.append(n)
+    return out
+
+
+def trajectory(leaf: Node, metadata: dict[str, Any]) -> Sample:
+    """The sample of the path root→leaf: the first turn's spliced tokens are the prompt."""
+    path = leaf.path()
+    first = path[0]
+    prompt = first.ids[: first.n_spliced]
+    resp: list[int] = []
+    mask: list[int] = []
+    lps: list[float] = []
+    vers: list[int] = []
+    experts: list[np.ndarray] | None = []
+    for k, n in enumerate(path):
+        spliced = n.n_spliced if k else 0
+        start = 0 if k else first.n_spliced
+        resp.extend(n.ids[start:])
+        mask.extend([0] * spliced + [1] * (len(n.ids) - n.n_spliced))
+        lps.extend([0.0] * spliced + n.logprobs)
+        vers.extend([NOT_SAMPLED] * spliced + n.versions)
+        if experts is not None:
+            experts = experts + [n.experts] if n.experts is not None else None
+    status: Status = FINISH_TO_STATUS.get(leaf.finish_reason, "completed")
+    for n in path:
+        s = FINISH_TO_STATUS.get(n.finish_reason, "completed")
+        if s in ("aborted", "failed"):
+            status = s
+            break
+    routed = np.concatenate(experts, axis=0) if experts else None
+    return Sample(prompt_ids=prompt, response_ids=resp, loss_mask=mask, rollout_logprobs=lps,
+                  versions=vers, routed_experts=routed, status=status,
+                  metadata={**metadata, "num_turns": len(path), "leaf": leaf.id,
+                            "finish_reason": leaf.finish_reason})
