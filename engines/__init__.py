@@ -1,0 +1,1 @@
+"""Rollout engines behind one contract (`base.Engine`): `torch` (embedded) and `sglang` (external)."""

@@ -1,0 +1,116 @@
+"""The rollout engine contract: request/result records and the `Engine` interface.
+
+Logprob definition (shared with the trainer through `miles.models.logprobs.token_logprobs`):
+the log-probability of each sampled token under softmax(logits / temperature), the
+temperature-scaled distribution BEFORE top-p / top-k truncation; temperature 0 (greedy)
+counts as 1.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from miles.core.clock import new_id
+from miles.core.hooks import Registry
+
+FinishReason = Literal["stop", "length", "abort"]
+PauseMode = Literal["abort", "retract", "in_place"]
+
+ENGINES = Registry(
+    "engine",
+    {
+        "torch": "miles.engines.torch_engine:TorchEngine",
+        "sglang": "miles.engines.sglang:SGLangEngine",
+    },
+)
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # 1 = off
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 128
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None  # None = a fresh random seed
+
+
+@dataclass
+class GenerateRequest:
+    input_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    session_key: str | None = None  # keeps this session's KV for the next turn (prefix reuse)
+    return_routed_experts: bool = False
+    request_id: str = field(default_factory=lambda: new_id("req-"))
+
+
+@dataclass
+class GenerateResult:
+    request_id: str
+    output_ids: list[int]
+    logprobs: list[float]  # one per output token, definition in the module docstring
+    finish_reason: FinishReason
+    versions: list[int]  # weight version that produced each output token
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens whose KV was reused from the session cache
+    retracted: bool = False  # aborted by pause('retract'): resubmit prompt + output to continue
+    # [T, L_moe, k] expert ids (uint8 / uint16) for the prompt + output tokens fed to the model:
+    # T = prompt_tokens + len(output_ids) normally; one less when the request was aborted.
+    routed_experts: np.ndarray | None = None
+
+
+class Engine(abc.ABC):
+    """What every rollout engine offers (torch embedded, sglang external)."""
+
+    @abc.abstractmethod
+    async def generate(self, req: GenerateRequest) -> GenerateResult: ...
+
+    @abc.abstractmethod
+    async def pause(self, mode: PauseMode = "in_place") -> list[GenerateResult]:
+        """Stop stepping. abort/retract finish running and queued requests (returned here too,
+        and to their generate() callers); in_place holds them with their KV until resume()."""
+
+    @abc.abstractmethod
+    async def resume(self) -> None: ...
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> bool:
+        """Finish one request with reason 'abort'; False if it is not queued or running."""
+
+    @abc.abstractmethod
+    async def stage(
+        self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+    ) -> int:
+        """Stage one bucket of HF-named tensors for `version`; returns tensors staged so far."""
+
+    @abc.abstractmethod
+    async def commit(self, version: int) -> None:
+        """Swap the staged `version` in atomically, between two forward passes."""
+
+    @abc.abstractmethod
+    async def abort_version(self, version: int) -> None: ...
+
+    @abc.abstractmethod
+    async def end_session(self, key: str) -> None: ...
+
+    @abc.abstractmethod
+    def health(self) -> dict[str, Any]: ...
+
+    @abc.abstractmethod
+    def stats(self) -> dict[str, Any]: ...
+
+    @abc.abstractmethod
+    def checksums(self) -> dict[str, str]:
+        """xxh64 hex digest of every weight's raw bytes, keyed by HF tensor name."""
+
+    @abc.abstractmethod
+    def state_dict_hf(self) -> dict[str, torch.Tensor]: ...
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...

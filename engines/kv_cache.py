@@ -1,0 +1,103 @@
+"""KV storage of the torch engine: a row pool for running sequences and an LRU session store.
+
+Running sequences occupy rows 0..n-1 of a preallocated pool (kept compact, so a
+decode step reads a plain slice); column `max_seq_len` is a scratch slot where
+padded positions write. Idle sessions keep a trimmed copy of their KV in the
+session store until `end_session` or LRU eviction under a token budget.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from miles.models.config import ModelSpec
+
+
+class RowPool:
+    """Per-layer K/V tensors [rows, kv_heads, max_seq_len + 1, head_dim]; implements `KVCache`."""
+
+    def __init__(self, spec: ModelSpec, rows: int, max_seq_len: int, dtype: torch.dtype, device: torch.device):
+        shape = (rows, spec.num_kv_heads, max_seq_len + 1, spec.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+        self.max_seq_len = max_seq_len
+        self._r0 = 0
+        self._rows = torch.zeros(0, 1, dtype=torch.long, device=device)
+        self._pos = torch.zeros(0, 1, dtype=torch.long, device=device)
+        self._read = 0
+
+    def bind(self, r0: int, pos: torch.Tensor, read_len: int) -> None:
+        """The next forward writes rows r0..r0+n-1 at positions pos [n, T] and reads :read_len."""
+        n = pos.shape[0]
+        self._r0 = r0
+        self._rows = torch.arange(n, device=pos.device).unsqueeze(-1)
+        self._pos = pos.clamp(max=self.max_seq_len)
+        self._read = read_len
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = k.shape[0]
+        kr, vr = self.k[layer][self._r0 : self._r0 + n], self.v[layer][self._r0 : self._r0 + n]
+        kr[self._rows, :, self._pos] = k.transpose(1, 2)
+        vr[self._rows, :, self._pos] = v.transpose(1, 2)
+        return kr[:, :, : self._read], vr[:, :, : self._read]
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        for t in (*self.k, *self.v):
+            t[dst, :, :length] = t[src, :, :length]
+
+    def export(self, row: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return [t[row, :, :length].clone() for t in self.k], [t[row, :, :length].clone() for t in self.v]
+
+    def restore(self, row: int, k: list[torch.Tensor], v: list[torch.Tensor], length: int) -> None:
+        for dst, src in zip((*self.k, *self.v), (*k, *v), strict=True):
+            dst[row, :, :length] = src[:, :length]
+
+
+@dataclass
+class SessionKV:
+    ids: list[int]  # tokens whose KV is held
+    k: list[torch.Tensor]  # per layer [kv_heads, len, head_dim]
+    v: list[torch.Tensor]
+    routed: np.ndarray | None  # [len, L_moe, k] when the turn recorded routing
+
+
+class SessionStore:
+    """LRU map session key -> SessionKV, holding at most `budget_tokens` tokens in total."""
+
+    def __init__(self, budget_tokens: int) -> None:
+        self.budget = budget_tokens
+        self._items: OrderedDict[str, SessionKV] = OrderedDict()
+        self.tokens = 0
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def take(self, key: str) -> SessionKV | None:
+        item = self._items.pop(key, None)
+        if item is not None:
+            self.tokens -= len(item.ids)
+        return item
+
+    def put(self, key: str, item: SessionKV) -> None:
+        self.take(key)
+        if len(item.ids) > self.budget:
+            return
+        self._items[key] = item
+        self.tokens += len(item.ids)
+        while self.tokens > self.budget:
+            _, old = self._items.popitem(last=False)
+            self.tokens -= len(old.ids)
+            self.evictions += 1
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

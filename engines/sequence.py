@@ -1,0 +1,57 @@
+"""`Sequence`: the torch engine's live state of one request, and how it becomes a `GenerateResult`."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from miles.engines.base import FinishReason, GenerateRequest, GenerateResult
+from miles.models.moe import compact_expert_ids
+
+
+@dataclass(eq=False)
+class Sequence:
+    req: GenerateRequest
+    future: asyncio.Future[GenerateResult]
+    generator: torch.Generator | None
+    tokens: list[int]  # prompt + output so far
+    n_prompt: int
+    cached: int = 0  # prompt tokens restored from the session store
+    kv_len: int = 0  # tokens whose KV sits in this sequence's row
+    row: int = -1
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    routed_prefix: np.ndarray | None = None  # routing of the cached prefix (from the session)
+    routed: list[torch.Tensor] = field(default_factory=list)  # per forward [T_i, L_moe, k]
+    finish: FinishReason | None = None
+    flushing: bool = False  # finished; fed once more so its last token's KV/routing exist
+    abort_requested: bool = False
+
+    @property
+    def wants_flush(self) -> bool:
+        return self.req.return_routed_experts or self.req.session_key is not None
+
+    def routed_array(self, num_experts: int) -> np.ndarray | None:
+        if not self.req.return_routed_experts:
+            return None
+        parts = [] if self.routed_prefix is None else [self.routed_prefix]
+        if self.routed:
+            parts.append(compact_expert_ids(torch.cat(self.routed, dim=0), num_experts))
+        return np.concatenate(parts, axis=0)[: self.kv_len]
+
+    def result(self, reason: FinishReason, retracted: bool, num_experts: int) -> GenerateResult:
+        return GenerateResult(
+            request_id=self.req.request_id,
+            output_ids=list(self.output),
+            logprobs=list(self.logprobs),
+            finish_reason=reason,
+            versions=list(self.versions),
+            prompt_tokens=self.n_prompt,
+            cached_tokens=self.cached,
+            retracted=retracted,
+            routed_experts=self.routed_array(num_experts),
+        )

@@ -1,0 +1,93 @@
+"""One engine step on the model: batched prefill of newly admitted sequences, batched decode of the rest.
+
+Pure compute (no asyncio); the torch engine runs it in a worker thread while it holds
+the step lock, so one step always sees a single weight version.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from miles.engines.kv_cache import RowPool
+from miles.engines.sampling import choose_tokens
+from miles.engines.sequence import Sequence
+from miles.models.decoder import CausalLM
+from miles.models.masks import cached_causal_mask
+
+# Per sequence: the token chosen this step (None for a flushing sequence) and its logprob.
+StepOut = dict[Sequence, tuple[int, float] | None]
+
+
+class Stepper:
+    def __init__(self, model: CausalLM, pool: RowPool, device: torch.device) -> None:
+        self.model = model
+        self.pool = pool
+        self.device = device
+
+    @torch.inference_mode()
+    def step(self, decode: list[Sequence], prefill: list[Sequence]) -> StepOut:
+        out: StepOut = {}
+        if prefill:
+            out.update(self._prefill(prefill))
+        if decode:
+            out.update(self._decode(decode))
+        return out
+
+    def _prefill(self, seqs: list[Sequence]) -> StepOut:
+        dev, scratch = self.device, self.pool.max_seq_len
+        n = len(seqs)
+        new_lens = [len(s.tokens) - s.kv_len for s in seqs]
+        tmax = max(new_lens)
+        past = torch.tensor([s.kv_len for s in seqs], device=dev)
+        ids = torch.zeros(n, tmax, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, : new_lens[i]] = torch.tensor(s.tokens[s.kv_len :])
+        ids = ids.to(dev)
+        steps = torch.arange(tmax, device=dev)
+        pos = past[:, None] + steps[None, :]
+        real = steps[None, :] < torch.tensor(new_lens, device=dev)[:, None]
+        write = torch.where(real, pos, torch.full_like(pos, scratch))
+        read = max(len(s.tokens) for s in seqs)
+        self.pool.bind(seqs[0].row, write, read)
+        want = any(s.req.return_routed_experts for s in seqs)
+        res = self.model(
+            ids,
+            pos,
+            attention_mask=cached_causal_mask(past, tmax, read),
+            kv_cache=self.pool,
+            return_routed_experts=want,
+            logits_at=torch.tensor(new_lens, device=dev) - 1,
+        )
+        for i, s in enumerate(seqs):
+            if s.req.return_routed_experts and res.routed_experts is not None:
+                s.routed.append(res.routed_experts[i, : new_lens[i]])
+            s.kv_len = len(s.tokens)
+        return self._choose(seqs, res.logits[:, 0])
+
+    def _decode(self, seqs: list[Sequence]) -> StepOut:
+        dev = self.device
+        lens = torch.tensor([s.kv_len for s in seqs], device=dev)
+        ids = torch.tensor([[s.tokens[-1]] for s in seqs], device=dev)
+        read = max(s.kv_len for s in seqs) + 1
+        self.pool.bind(seqs[0].row, lens[:, None], read)
+        want = any(s.req.return_routed_experts for s in seqs)
+        res = self.model(
+            ids,
+            lens[:, None],
+            attention_mask=cached_causal_mask(lens, 1, read),
+            kv_cache=self.pool,
+            return_routed_experts=want,
+        )
+        for i, s in enumerate(seqs):
+            if s.req.return_routed_experts and res.routed_experts is not None:
+                s.routed.append(res.routed_experts[i])
+            s.kv_len += 1
+        live = [i for i, s in enumerate(seqs) if not s.flushing]
+        out: StepOut = {s: None for s in seqs if s.flushing}
+        if live:
+            out.update(self._choose([seqs[i] for i in live], res.logits[live, 0]))
+        return out
+
+    def _choose(self, seqs: list[Sequence], logits: torch.Tensor) -> StepOut:
+        tokens, logps = choose_tokens(logits, [s.req.sampling for s in seqs], [s.generator for s in seqs])
+        return {s: (t, lp) for s, t, lp in zip(seqs, tokens, logps, strict=True)}

@@ -1,0 +1,316 @@
+"""The embedded torch rollout engine: asyncio front, continuous batching, session prefix reuse.
+
+Every scheduler iteration admits queued requests into free batch rows (prefilled
+together), then decodes one token for every running sequence; requests join and
+leave between iterations. Iterations run in a worker thread under `_lock`, which
+pause/abort/commit also take, so a weight swap always falls between two forward
+passes and every forward sees one version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from miles.core.errors import EngineError
+from miles.core.logging import get_logger
+from miles.core.schema.engine import EngineConfig
+from miles.core.schema.model import ModelConfig
+from miles.engines.base import Engine, FinishReason, GenerateRequest, GenerateResult, PauseMode
+from miles.engines.kv_cache import RowPool, SessionKV, SessionStore, common_prefix
+from miles.engines.sampling import make_generator
+from miles.engines.sequence import Sequence
+from miles.engines.stepper import StepOut, Stepper
+from miles.engines.validate import validate_request
+from miles.engines.weights import WeightStager
+from miles.models.decoder import CausalLM
+from miles.models.factory import model_from_config
+from miles.models.hf_io import checksums, hf_tensor_views
+
+log = get_logger("miles.engine")
+
+
+class TorchEngine(Engine):
+    def __init__(self, model: CausalLM, cfg: EngineConfig | None = None, version: int = 0) -> None:
+        self.cfg = cfg or EngineConfig()
+        self.model = model.eval()
+        self.spec = model.spec
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.max_seq_len = min(self.cfg.max_seq_len, self.spec.max_position_embeddings)
+        self.pool = RowPool(self.spec, self.cfg.max_batch_size, self.max_seq_len, self.dtype, self.device)
+        self.stepper = Stepper(model, self.pool, self.device)
+        self.sessions = SessionStore(self.cfg.kv_budget_tokens)
+        self.stager = WeightStager(hf_tensor_views(model))
+        self.version = version
+        self._known_sessions: set[str] = set()
+        self._queue: deque[Sequence] = deque()
+        self._running: list[Sequence] = []  # index == KV row
+        self._lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._paused = False
+        self._closed = False
+        self._task: asyncio.Task[None] | None = None
+        self._last_error = ""
+        self._totals = {"prompt": 0, "cached": 0, "generated": 0, "requests": 0}
+        self._rate_mark = (time.monotonic(), 0)
+
+    @classmethod
+    def from_config(
+        cls, cfg: EngineConfig, model_cfg: ModelConfig, vocab_size: int | None = None, version: int = 0
+    ) -> TorchEngine:
+        model = model_from_config(model_cfg, vocab_size=vocab_size, dtype=cfg.dtype, device=cfg.device)
+        return cls(model, cfg, version)
+
+    # ---- requests -----------------------------------------------------------------
+    async def generate(self, req: GenerateRequest) -> GenerateResult:
+        if self._closed:
+            raise EngineError("engine is closed")
+        validate_request(req, self.spec.vocab_size, self.max_seq_len)
+        if len(self._queue) >= self.cfg.max_queue:
+            raise EngineError(f"engine queue is full ({self.cfg.max_queue} requests waiting)")
+        s = req.sampling
+        seed = s.seed if s.seed is not None else int.from_bytes(os.urandom(6), "little")
+        gen = make_generator(seed, self.device) if s.temperature > 0 else None
+        fut: asyncio.Future[GenerateResult] = asyncio.get_running_loop().create_future()
+        seq = Sequence(req=req, future=fut, generator=gen, tokens=list(req.input_ids), n_prompt=len(req.input_ids))
+        if req.session_key is not None:
+            self._known_sessions.add(req.session_key)
+        self._queue.append(seq)
+        self._ensure_loop()
+        self._wake.set()
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            seq.abort_requested = True  # the caller gave up: free the row at the next step
+            self._wake.set()
+            raise
+
+    async def abort(self, request_id: str) -> bool:
+        async with self._lock:
+            for seq in [*self._queue, *self._running]:
+                if seq.req.request_id == request_id and not seq.future.done():
+                    self._finalize(seq, seq.finish or "abort")
+                    return True
+        return False
+
+    async def end_session(self, key: str) -> None:
+        if key not in self._known_sessions:
+            raise EngineError(f"end_session: unknown session {key!r}")
+        self._known_sessions.discard(key)
+        self.sessions.take(key)
+
+    # ---- pause / weights ----------------------------------------------------------
+    async def pause(self, mode: PauseMode = "in_place") -> list[GenerateResult]:
+        if mode not in ("abort", "retract", "in_place"):
+            raise EngineError(f"pause: unknown mode {mode!r}; valid: abort, retract, in_place")
+        async with self._lock:
+            self._paused = True
+            if mode == "in_place":
+                return []
+            out = []
+            for seq in [*self._running, *self._queue]:
+                if seq.finish is not None:  # finished, only waiting for its flush step
+                    out.append(self._finalize(seq, seq.finish))
+                else:
+                    out.append(self._finalize(seq, "abort", retracted=mode == "retract"))
+            return out
+
+    async def resume(self) -> None:
+        self._paused = False
+        self._wake.set()
+
+    async def stage(
+        self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+    ) -> int:
+        return await asyncio.to_thread(self.stager.stage, version, named_tensors)
+
+    async def commit(self, version: int) -> None:
+        self.stager.check_complete(version)
+        async with self._lock:
+            await asyncio.to_thread(self.stager.apply)
+            self.version = version
+        log.info("engine_weights_committed", version=version)
+
+    async def abort_version(self, version: int) -> None:
+        if self.stager.version == version:
+            self.stager.drop()
+
+    # ---- introspection ------------------------------------------------------------
+    def health(self) -> dict[str, Any]:
+        alive = self._task is None or not self._task.done()
+        return {
+            "ok": alive and not self._closed,
+            "version": self.version,
+            "paused": self._paused,
+            "running": len(self._running),
+            "queued": len(self._queue),
+            "device": str(self.device),
+            "last_error": self._last_error,
+        }
+
+    def stats(self) -> dict[str, Any]:
+        now, gen = time.monotonic(), self._totals["generated"]
+        t0, g0 = self._rate_mark
+        self._rate_mark = (now, gen)
+        prompt = self._totals["prompt"]
+        return {
+            "tokens_per_s": (gen - g0) / max(now - t0, 1e-9),
+            "running": len(self._running),
+            "queued": len(self._queue),
+            "prefix_hit_rate": self._totals["cached"] / prompt if prompt else 0.0,
+            "prompt_tokens": prompt,
+            "prefix_cached_tokens": self._totals["cached"],
+            "cached_tokens": self.sessions.tokens,
+            "cached_sessions": len(self.sessions),
+            "evictions": self.sessions.evictions,
+            "generated_tokens": gen,
+            "requests": self._totals["requests"],
+            "version": self.version,
+        }
+
+    def checksums(self) -> dict[str, str]:
+        return checksums(self.model)
+
+    def state_dict_hf(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in hf_tensor_views(self.model).items()}
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for seq in [*self._running, *self._queue]:
+            if not seq.future.done():
+                seq.future.set_exception(EngineError("engine closed"))
+        self._running, self._queue = [], deque()
+
+    # ---- scheduler ----------------------------------------------------------------
+    def _ensure_loop(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="torch-engine")
+
+    async def _loop(self) -> None:
+        while not self._closed:
+            if self._paused or not (self._queue or self._running):
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            async with self._lock:
+                if self._paused:
+                    continue
+                self._reap_aborts()
+                decode = list(self._running)
+                prefill = self._admit()
+                if not decode and not prefill:
+                    continue
+                try:
+                    out = await asyncio.to_thread(self.stepper.step, decode, prefill)
+                except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the engine
+                    self._fail_running(exc)
+                    continue
+                self._after_step(out)
+            await asyncio.sleep(0)
+
+    def _reap_aborts(self) -> None:
+        for seq in [*self._running, *self._queue]:
+            if seq.abort_requested:
+                self._finalize(seq, "abort")
+
+    def _admit(self) -> list[Sequence]:
+        new: list[Sequence] = []
+        while self._queue and len(self._running) < self.cfg.max_batch_size:
+            seq = self._queue.popleft()
+            seq.row = len(self._running)
+            self._running.append(seq)
+            self._restore_session(seq)
+            self._totals["prompt"] += seq.n_prompt
+            self._totals["cached"] += seq.cached
+            self._totals["requests"] += 1
+            new.append(seq)
+        return new
+
+    def _restore_session(self, seq: Sequence) -> None:
+        key = seq.req.session_key
+        item = self.sessions.take(key) if key is not None else None
+        if item is None:
+            return
+        n = min(common_prefix(item.ids, seq.tokens), len(seq.tokens) - 1)
+        if seq.req.return_routed_experts and item.routed is None:
+            n = 0  # the cached turn has no routing record; recompute to return it
+        if n <= 0:
+            return
+        self.pool.restore(seq.row, item.k, item.v, n)
+        seq.cached = seq.kv_len = n
+        if item.routed is not None:
+            seq.routed_prefix = item.routed[:n]
+
+    def _after_step(self, out: StepOut) -> None:
+        for seq, chosen in out.items():
+            if seq.future.done():
+                continue
+            if chosen is None:  # flush step done
+                self._finalize(seq, seq.finish or "abort")
+                continue
+            tok, lp = chosen
+            seq.tokens.append(tok)
+            seq.output.append(tok)
+            seq.logprobs.append(lp)
+            seq.versions.append(self.version)
+            self._totals["generated"] += 1
+            s = seq.req.sampling
+            reason: FinishReason | None = None
+            if tok in s.stop_token_ids:
+                reason = "stop"
+            elif len(seq.output) >= s.max_new_tokens or len(seq.tokens) >= self.max_seq_len:
+                reason = "length"
+            if reason is None:
+                continue
+            seq.finish = reason
+            if seq.wants_flush:
+                seq.flushing = True
+            else:
+                self._finalize(seq, reason)
+
+    def _finalize(self, seq: Sequence, reason: FinishReason, retracted: bool = False) -> GenerateResult:
+        result = seq.result(reason, retracted, self.spec.num_experts)
+        if seq in self._queue:
+            self._queue.remove(seq)
+        elif seq.row >= 0 and seq.row < len(self._running) and self._running[seq.row] is seq:
+            self._save_session(seq)
+            self._release_row(seq)
+        if not seq.future.done():
+            seq.future.set_result(result)
+        return result
+
+    def _save_session(self, seq: Sequence) -> None:
+        key = seq.req.session_key
+        if key is None or key not in self._known_sessions or seq.kv_len == 0:
+            return
+        k, v = self.pool.export(seq.row, seq.kv_len)
+        routed = seq.routed_array(self.spec.num_experts)
+        self.sessions.put(key, SessionKV(ids=seq.tokens[: seq.kv_len], k=k, v=v, routed=routed))
+
+    def _release_row(self, seq: Sequence) -> None:
+        row, last = seq.row, self._running[-1]
+        if last is not seq:  # keep rows compact: the last sequence moves into the hole
+            self.pool.move(last.row, row, last.kv_len)
+            self._running[row] = last
+            last.row = row
+        self._running.pop()
+        seq.row = -1
+
+    def _fail_running(self, exc: Exception) -> None:
+        self._last_error = f"{type(exc).__name__}: {exc}"
+        log.error("engine_step_failed", error=self._last_error)
+        for seq in self._running:
+            if not seq.future.done():
+                seq.future.set_exception(EngineError(f"engine step failed: {self._last_error}"))
+            seq.row = -1
+        self._running = []
