@@ -1,0 +1,88 @@
+"""The async interface the rollout layers use to talk to a session, and an in-process one.
+
+`SessionClient` is what agents and the generate layer call; the session
+server's client (over HTTP/actors) implements it for real runs. `LocalSessionClient`
+implements it in-process over a `SessionStore` and an engine function
+(prompt ids → sampled ids), for single-process runs and tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from miles.rollout.session_store import SessionStore
+from miles.rollout.types import Sample
+
+
+@dataclass
+class EngineOutput:
+    ids: list[int]
+    logprobs: list[float]
+    finish_reason: str = "stop"  # stop | length | abort | error
+    version: int | list[int] = 0
+    routed_experts: np.ndarray | None = None
+
+
+# (prompt_ids, sampling params) -> what the engine sampled
+EngineFn = Callable[[list[int], dict[str, Any]], Awaitable[EngineOutput]]
+
+
+@runtime_checkable
+class SessionClient(Protocol):
+    async def create_session(self, tools: list[dict[str, Any]] | None = None,
+                             metadata: dict[str, Any] | None = None) -> str: ...
+
+    async def chat(self, session_id: str, messages: list[dict[str, Any]],
+                   tools: list[dict[str, Any]] | None = None,
+                   sampling: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One turn; returns {"message": OpenAI assistant message, "finish_reason": str,
+        "usage": {"prompt_tokens", "completion_tokens", "cached_tokens"}}."""
+        ...
+
+    async def export(self, session_id: str) -> list[Sample]: ...
+
+    async def close(self, session_id: str) -> None: ...
+
+    def base_url(self, session_id: str) -> str | None:
+        """OpenAI-compatible base URL of the session (None when only in-process)."""
+        ...
+
+
+class LocalSessionClient:
+    """`SessionClient` over an in-process `SessionStore` and an engine function."""
+
+    def __init__(self, store: SessionStore, engine: EngineFn) -> None:
+        self.store = store
+        self.engine = engine
+
+    async def create_session(self, tools: list[dict[str, Any]] | None = None,
+                             metadata: dict[str, Any] | None = None) -> str:
+        return self.store.create(tools=tools, metadata=metadata)
+
+    async def chat(self, session_id: str, messages: list[dict[str, Any]],
+                   tools: list[dict[str, Any]] | None = None,
+                   sampling: dict[str, Any] | None = None) -> dict[str, Any]:
+        plan = self.store.prepare_turn(session_id, messages, tools)
+        try:
+            out = await self.engine(plan.prompt_ids, dict(sampling or {}))
+        except BaseException:
+            self.store.cancel_turn(session_id, plan)
+            raise
+        res = self.store.commit_turn(session_id, plan, out.ids, out.logprobs, out.routed_experts,
+                                     out.version, out.finish_reason)
+        return {"message": res.message, "finish_reason": res.finish_reason,
+                "usage": {"prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens,
+                          "cached_tokens": plan.num_cached}}
+
+    async def export(self, session_id: str) -> list[Sample]:
+        return self.store.export(session_id)
+
+    async def close(self, session_id: str) -> None:
+        self.store.close(session_id)
+
+    def base_url(self, session_id: str) -> str | None:
+        return None
