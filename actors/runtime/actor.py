@@ -78,3 +78,4 @@ class Mailbox:
     queue: asyncio.Queue[Any]
     workers: list[asyncio.Task[None]]
     busy: int = 0
+    sync: bool = False  # plain function (not a coroutine function): may run inline
