@@ -1,0 +1,104 @@
+"""Engine actor: serves the engine contract (engines/base.py) over the wire.
+
+A thin shell: messages in, calls into an `Engine` out. Weight buckets arrive as
+zero-copy tensor frames and are cloned into the staging area by the engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from miles.actors.messages import (
+    AbortRequest,
+    AbortVersion,
+    Checksums,
+    Commit,
+    EndSession,
+    Generate,
+    Health,
+    Pause,
+    Resume,
+    Stage,
+    Stats,
+)
+from miles.actors.runtime.actor import Actor, handler
+from miles.core.errors import EngineError
+from miles.engines.base import Engine, GenerateRequest, GenerateResult, SamplingParams
+
+
+def result_to_wire(r: GenerateResult) -> dict[str, Any]:
+    return {
+        "request_id": r.request_id, "output_ids": r.output_ids, "logprobs": r.logprobs,
+        "finish_reason": r.finish_reason, "versions": r.versions, "prompt_tokens": r.prompt_tokens,
+        "cached_tokens": r.cached_tokens, "retracted": r.retracted, "routed_experts": r.routed_experts,
+    }
+
+
+_SAMPLING_KEYS = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "seed"}
+
+
+def sampling_from_wire(d: dict[str, Any]) -> SamplingParams:
+    unknown = set(d) - _SAMPLING_KEYS
+    if unknown:
+        raise EngineError(f"unknown sampling parameter(s) {sorted(unknown)}; valid: {sorted(_SAMPLING_KEYS)}")
+    return SamplingParams(**d)
+
+
+class EngineActor(Actor):
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def on_stop(self) -> None:
+        await self.engine.close()
+
+    @handler(Generate, concurrency=1024)
+    async def generate(self, msg: Generate) -> dict[str, Any]:
+        req = GenerateRequest(msg.input_ids, sampling_from_wire(msg.sampling), msg.session_key,
+                              msg.return_routed_experts)
+        if msg.request_id:
+            req.request_id = msg.request_id
+        return result_to_wire(await self.engine.generate(req))
+
+    @handler(Pause)
+    async def pause(self, msg: Pause) -> int:
+        if msg.mode not in ("abort", "retract", "in_place"):
+            raise EngineError(f"pause mode {msg.mode!r}: valid are abort, retract, in_place")
+        return len(await self.engine.pause(msg.mode))  # type: ignore[arg-type]
+
+    @handler(Resume)
+    async def resume(self, msg: Resume) -> None:
+        await self.engine.resume()
+
+    @handler(AbortRequest, concurrency=16)
+    async def abort(self, msg: AbortRequest) -> bool:
+        return await self.engine.abort(msg.request_id)
+
+    @handler(Stage)
+    async def stage(self, msg: Stage) -> int:
+        if len(msg.names) != len(msg.tensors):
+            raise EngineError(f"stage v{msg.version}: {len(msg.names)} names for {len(msg.tensors)} tensors")
+        return await self.engine.stage(msg.version, list(zip(msg.names, msg.tensors, strict=True)))
+
+    @handler(Commit)
+    async def commit(self, msg: Commit) -> None:
+        await self.engine.commit(msg.version)
+
+    @handler(AbortVersion)
+    async def abort_version(self, msg: AbortVersion) -> None:
+        await self.engine.abort_version(msg.version)
+
+    @handler(EndSession, concurrency=16)
+    async def end_session(self, msg: EndSession) -> None:
+        await self.engine.end_session(msg.key)
+
+    @handler(Health, concurrency=4)
+    def health(self, msg: Health) -> dict[str, Any]:
+        return self.engine.health()
+
+    @handler(Stats, concurrency=4)
+    def stats(self, msg: Stats) -> dict[str, Any]:
+        return self.engine.stats()
+
+    @handler(Checksums)
+    def checksums(self, msg: Checksums) -> dict[str, str]:
+        return self.engine.checksums()

@@ -1,0 +1,95 @@
+"""Wire messages of the role actors (engine, session, buffer, trainer, sync)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from miles.transport.schema import message
+
+
+# ------------------------------------------------------------------ engine
+@message("engine.Generate")
+@dataclass
+class Generate:
+    input_ids: list[int]
+    sampling: dict[str, Any] = field(default_factory=dict)
+    session_key: str | None = None
+    return_routed_experts: bool = False
+    request_id: str = ""
+
+
+@message("engine.Pause")
+@dataclass
+class Pause:
+    mode: str = "in_place"
+
+
+@message("engine.Resume")
+@dataclass
+class Resume:
+    pass
+
+
+@message("engine.AbortRequest")
+@dataclass
+class AbortRequest:
+    request_id: str
+
+
+@message("engine.Stage")
+@dataclass
+class Stage:
+    """One weight bucket of `version`: HF names and the tensors (zero-copy frames)."""
+
+    version: int
+    names: list[str]
+    tensors: list[torch.Tensor]
+
+
+@message("engine.Commit")
+@dataclass
+class Commit:
+    version: int
+
+
+@message("engine.AbortVersion")
+@dataclass
+class AbortVersion:
+    version: int
+
+
+@message("engine.EndSession")
+@dataclass
+class EndSession:
+    key: str
+
+
+@message("engine.Health")
+@dataclass
+class Health:
+    pass
+
+
+@message("engine.Stats")
+@dataclass
+class Stats:
+    pass
+
+
+@message("engine.Checksums")
+@dataclass
+class Checksums:
+    pass
+
+
+# ------------------------------------------------------------------ broadcasts
+@message("bcast.WeightVersion")
+@dataclass
+class WeightVersion:
+    """Announced by trainer rank 0 after every engine committed `version`."""
+
+    version: int
+    step: int

@@ -1,0 +1,46 @@
+"""PNG plots of a run's metrics: reward, step time, Δlogp and staleness per step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from miles.core.logging import get_logger
+from miles.launch.metrics import read_metrics
+
+log = get_logger("miles.plots")
+
+PLOTS = {
+    "reward.png": ("rollout/reward_mean", "reward (mean)"),
+    "step_time.png": ("perf/step_time_s", "step time [s]"),
+    "logprob_diff.png": ("train/train_rollout_logprob_abs_diff", "|logp_train - logp_rollout| (mean)"),
+    "staleness.png": ("rollout/fully_async/avg_staleness", "staleness of drawn groups [versions]"),
+}
+
+
+def write_plots(run_dir: str | Path) -> list[Path]:
+    """Write one PNG per tracked metric; returns the paths written (none without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.info("matplotlib_unavailable", hint="pip install 'miles[plot]' for PNG plots")
+        return []
+    run = Path(run_dir)
+    rows = read_metrics(run / "metrics.jsonl")
+    out = []
+    for fname, (key, label) in PLOTS.items():
+        pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None and "step" in r]
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3)
+        ax.set_xlabel("step")
+        ax.set_ylabel(label)
+        ax.set_title(key)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(run / fname, dpi=100)
+        plt.close(fig)
+        out.append(run / fname)
+    return out
