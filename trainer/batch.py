@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from miles.core.errors import TrainerError
 
 _ROUTE_DTYPES = (np.uint8, np.uint16, np.int16, np.int32, np.int64)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
 from miles.core.errors import TrainerError
 from miles.trainer.batch import TrainSample
 
@@ -31,6 +32,7 @@ class MicroBatch:
     loss_mask: torch.Tensor  # [M] float 0/1
     sample_ids: list[int]  # index of each packed sequence in the caller's sample list
     fields: dict[str, torch.Tensor] = field(default_factory=dict)  # more [M] per-token values
+    route_valid: torch.Tensor | None = None  # [N] bool: False where a route row was padded
 
     @property
     def num_tokens(self) -> int:
@@ -55,6 +57,7 @@ class MicroBatch:
             loss_mask=self.loss_mask.to(device),
             sample_ids=list(self.sample_ids),
             fields={k: v.to(device) for k, v in self.fields.items()},
+            route_valid=mv(self.route_valid),
         )
 
 
@@ -100,6 +103,7 @@ def pack(
     ids, pos, cu = [], [], [0]
     rpos, rtgt, rseq, rmask = [], [], [], []
     routes: list[np.ndarray] = []
+    valid: list[np.ndarray] = []
     offset = 0
     for j, i in enumerate(indices):
         s = samples[i]
@@ -116,8 +120,11 @@ def pack(
             re_ = s.routed_experts
             if re_ is None:
                 raise TrainerError(f"pack: sample {i} has no routed_experts but replay is on")
+            ok = np.ones(t, dtype=bool)
             if re_.shape[0] == t - 1:
                 re_ = np.concatenate([re_, re_[-1:]], axis=0)
+                ok[-1] = False
+            valid.append(ok)
             routes.append(re_.astype(np.int64))
         offset += t
         cu.append(offset)
@@ -137,6 +144,7 @@ def pack(
         loss_mask=torch.from_numpy(np.concatenate(rmask).astype(np.float32)),
         sample_ids=list(indices),
         fields=fields,
+        route_valid=torch.from_numpy(np.concatenate(valid)) if replay else None,
     )
 
 

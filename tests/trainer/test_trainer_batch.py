@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from miles.core.errors import TrainerError
 from miles.trainer.batch import (
     TrainBatch,

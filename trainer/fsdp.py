@@ -1,0 +1,367 @@
+"""`FSDPTrainer`: one data-parallel rank of the FSDP2 backend, as a plain class.
+
+The actor shell wraps it: construct once per rank, call `train_step(shard)` with this
+rank's shard of the global batch (whole groups; see `batch.shard_batch`), read the
+returned metrics, and stream `export_hf_state()` into weight sync. Every rank must make
+the same calls in the same order (they are collectives).
+
+A step: validate -> split into mini-batches -> pack micro-batches by token budget (padded
+with filler micro-batches so every rank runs as many) -> no-grad passes for old-policy,
+reference and value estimates -> advantages -> per mini-batch: forward/backward over its
+micro-batches with gradient accumulation, clip, AdamW step at the scheduled LR.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from miles.core.errors import ConfigError
+from miles.core.logging import get_logger
+from miles.core.schema.trainer import TrainerConfig
+from miles.models.config import ModelSpec
+from miles.trainer import checkpoint
+from miles.trainer.advantages import (
+    discounted_returns,
+    gae,
+    group_advantages,
+    token_rewards,
+    whiten,
+)
+from miles.trainer.aggregation import Denominators, local_denominators
+from miles.trainer.batch import TrainBatch, TrainSample, split_mini_batches, validate_batch
+from miles.trainer.corrections import (
+    check_correction_config,
+    finish_ess,
+    needs_rollout_logprobs,
+)
+from miles.trainer.dist import Collectives, ensure_process_group, pick_device
+from miles.trainer.forward import RouterProbe, packed_forward
+from miles.trainer.kl import kl_estimate
+from miles.trainer.metrics import StepMetrics
+from miles.trainer.optim import build_adamw, lr_at, set_lr
+from miles.trainer.packing import MicroBatch, filler_micro_batch, pack, plan_micro_batches
+from miles.trainer.rl_loss import LossInputs, rl_loss
+from miles.trainer.sharding import build_policy, compute_dtype, make_mesh, shard
+from miles.trainer.value import ValueModel
+
+log = get_logger("trainer.fsdp")
+_SUM_KEYS = ("train/loss", "train/pg_loss", "train/kl_loss", "train/value_loss")
+
+
+def check_trainer_config(cfg: TrainerConfig, asynchronous: bool, world: int) -> None:
+    """Cross-field checks; raise ConfigError naming the field."""
+    if cfg.backend != "fsdp":
+        raise ConfigError(f"trainer.backend={cfg.backend!r}: FSDPTrainer only runs 'fsdp'")
+    if world < 1 or (cfg.world_size and world != cfg.world_size):
+        raise ConfigError(f"trainer.world_size={cfg.world_size} but {world} ranks were started")
+    if cfg.micro_batch_tokens < 1 or cfg.mini_batches < 1:
+        raise ConfigError("trainer.micro_batch_tokens and trainer.mini_batches must be >= 1")
+    if cfg.temperature <= 0:
+        raise ConfigError(f"trainer.temperature must be > 0, got {cfg.temperature}")
+    if cfg.loss.eps_clip_low < 0 or cfg.loss.eps_clip_high < 0:
+        raise ConfigError("trainer.loss.eps_clip_low/high must be >= 0")
+    check_correction_config(cfg.correction, asynchronous)
+
+
+class FSDPTrainer:
+    """One FSDP2 rank. `model_spec` is the policy architecture (`ModelSpec.from_hf`)."""
+
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        model_spec: ModelSpec,
+        rank: int,
+        world: int,
+        *,
+        init_checkpoint: str = "",
+        ref_checkpoint: str = "",
+        seed: int = 0,
+        asynchronous: bool = True,
+        weight_version: int = 0,
+    ) -> None:
+        check_trainer_config(cfg, asynchronous, world)
+        self.cfg, self.spec, self.rank, self.world = cfg, model_spec, rank, world
+        self.device = pick_device(cfg.device, rank)
+        ensure_process_group(rank, world, self.device)
+        if cfg.deterministic:
+            torch.use_deterministic_algorithms(True)
+        self.dtype = compute_dtype(cfg.param_dtype, self.device)
+        mesh = make_mesh(self.device, world)
+        policy = build_policy(model_spec, init_checkpoint, seed)
+        self.replay = cfg.routing_replay and model_spec.is_moe
+        self.probe = RouterProbe(policy) if model_spec.is_moe else None
+        shard(policy, [policy], mesh, self.device, self.dtype)
+        parts: dict[str, nn.Module] = {"policy": policy}
+        self.critic: ValueModel | None = None
+        if cfg.advantage.estimator == "ppo":
+            self.critic = ValueModel(model_spec, seed=seed + 1)
+            shard(self.critic, [self.critic.lm], mesh, self.device, self.dtype)
+            parts["critic"] = self.critic
+        # an unsharded container of the sharded roots, for one optimizer and one checkpoint
+        self.trainable = nn.ModuleDict(parts)
+        self.policy = policy
+        self.ref: nn.Module | None = None
+        if cfg.loss.kl_coef:
+            ref = build_policy(model_spec, ref_checkpoint or init_checkpoint, seed)
+            ref.requires_grad_(False)
+            self.ref = shard(ref, [ref], mesh, self.device, self.dtype)
+        self.opt = build_adamw(self.trainable.parameters(), cfg.optim)
+        self.coll = Collectives(self.device)
+        self.step = 0
+        self.opt_steps = 0
+        self.weight_version = weight_version
+        self._rollout_lp = False
+
+    # ---------------------------------------------------------------- step
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One RL update on this rank's shard; returns globally reduced metrics."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        validate_batch(
+            batch,
+            needs_rollout_logprobs=needs_rollout_logprobs(cfg.correction),
+            moe_layers=self.spec.num_moe_layers,
+            topk=self.spec.num_experts_per_tok,
+            num_experts=self.spec.num_experts,
+            replay=self.replay,
+        )
+        samples = batch.samples
+        self._rollout_lp = all(s.rollout_logprobs is not None for s in samples)
+        index = {id(s): i for i, s in enumerate(samples)}
+        minis = [[index[id(s)] for s in m] for m in split_mini_batches(samples, cfg.mini_batches)]
+        per_token = {
+            "rollout_logp": [
+                s.rollout_logprobs
+                if s.rollout_logprobs is not None
+                else np.zeros(s.response_ids.size, np.float32)
+                for s in samples
+            ]
+        }
+        plans = [self._pack_mini(samples, idx, per_token) for idx in minis]
+        counts = self.coll.max(torch.tensor([len(p) for p in plans], dtype=torch.float64))
+        for p, want in zip(plans, counts.tolist(), strict=True):
+            p.extend(filler_micro_batch(list(per_token)) for _ in range(int(want) - len(p)))
+        metrics = StepMetrics()
+        self._no_grad_passes([mb for p in plans for mb in p], metrics)
+        self._advantages(samples, plans, metrics)
+        grad_norms = []
+        for plan in plans:
+            grad_norms.append(self._optimize(plan, metrics))
+        out = metrics.reduce(self.coll.sum, self.coll.max)
+        finish_ess(out)
+        for k in _SUM_KEYS:
+            if k in out:
+                out[k] /= len(plans)
+        dt = time.perf_counter() - t0
+        tokens = float(
+            self.coll.sum(torch.tensor([float(batch.num_tokens)], dtype=torch.float64))[0]
+        )
+        self.step += 1
+        self.weight_version += 1
+        out.update(
+            {
+                "train/grad_norm": float(np.mean(grad_norms)),
+                "train/lr": lr_at(cfg.optim, self.opt_steps - 1),
+                "train/step_time_s": dt,
+                "train/tokens": tokens,
+                "train/tokens_per_s": tokens / dt if dt > 0 else 0.0,
+                "train/step": float(self.step),
+                "train/weight_version": float(self.weight_version),
+            }
+        )
+        return out
+
+    def _pack_mini(
+        self, samples: list[TrainSample], idx: list[int], per_token: dict[str, list[np.ndarray]]
+    ) -> list[MicroBatch]:
+        bins = plan_micro_batches([samples[i].total_len for i in idx], self.cfg.micro_batch_tokens)
+        # routes are packed whenever recorded, so live-vs-recorded overlap is measured even
+        # when replay is off; packed_forward passes them to the model only with replay on
+        routes = self.spec.is_moe and all(s.routed_experts is not None for s in samples)
+        return [pack(samples, [idx[b] for b in bin_], per_token, replay=routes) for bin_ in bins]
+
+    @torch.no_grad()
+    def _no_grad_passes(self, mbs: list[MicroBatch], metrics: StepMetrics) -> None:
+        cfg = self.cfg
+        recompute = cfg.correction.old_logprobs == "recompute"
+        for cpu_mb in mbs:
+            mb = cpu_mb.to(self.device)
+            real = mb.num_seqs > 0
+            if recompute or (self.probe is not None and real):
+                if self.probe is not None:
+                    self.probe.reset()
+                    self.probe.active = real
+                fo = packed_forward(
+                    self.policy,
+                    mb,
+                    temperature=cfg.temperature,
+                    replay=self.replay,
+                    with_entropy=False,
+                )
+                if self.probe is not None:
+                    self.probe.active = False
+                    if real and mb.routed_experts is not None:
+                        tot, cnt = self.probe.overlap(
+                            mb.routed_experts, self.spec.num_experts_per_tok, mb.route_valid
+                        )
+                        metrics.add_mean("train/routing_overlap", tot, cnt)
+                    self.probe.reset()
+                cpu_mb.fields["old_logp"] = fo.logp.float().cpu()
+            if self.ref is not None:
+                cpu_mb.fields["ref_logp"] = (
+                    packed_forward(
+                        self.ref,
+                        mb,
+                        temperature=cfg.temperature,
+                        replay=self.replay,
+                        with_entropy=False,
+                    )
+                    .logp.float()
+                    .cpu()
+                )
+            if self.critic is not None:
+                routes = mb.routed_experts.unsqueeze(0) if mb.routed_experts is not None else None
+                cpu_mb.fields["old_values"] = self.critic(mb, routes).cpu()
+
+    def _advantages(
+        self, samples: list[TrainSample], plans: list[list[MicroBatch]], metrics: StepMetrics
+    ) -> None:
+        """Fill `fields['adv']` (and `returns` for ppo) of every micro-batch."""
+        cfg, ac = self.cfg, self.cfg.advantage
+        mbs = [mb for p in plans for mb in p if mb.num_seqs]
+        tok: dict[str, dict[int, torch.Tensor]] = {}
+        for mb in mbs:
+            for j, sid in enumerate(mb.sample_ids):
+                sel = mb.resp_seq == j
+                for name, t in mb.fields.items():
+                    tok.setdefault(name, {})[sid] = t[sel]
+        n = len(samples)
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        masks = [torch.from_numpy(s.loss_mask) for s in samples]  # type: ignore[arg-type]
+        metrics.add_mean("train/reward", float(rewards.sum()), n)
+        old = tok.get("old_logp", tok["rollout_logp"])
+        if cfg.correction.old_logprobs == "rollout":
+            old = tok["rollout_logp"]
+        kl = None
+        if "ref_logp" in tok and cfg.loss.kl_in_reward:
+            kl = [kl_estimate(old[i], tok["ref_logp"][i], cfg.loss.kl_estimator) for i in range(n)]
+        advs: list[torch.Tensor]
+        rets: list[torch.Tensor] | None = None
+        if ac.estimator in ("grpo", "gspo", "cispo"):
+            groups = torch.tensor([s.group_index for s in samples], dtype=torch.long)
+            a = group_advantages(rewards, groups, std_normalize=ac.std_normalize, eps=ac.eps)
+            advs = [torch.full((s.response_ids.size,), float(a[i])) for i, s in enumerate(samples)]
+        elif ac.estimator == "reinforce_pp":
+            tr = token_rewards(rewards.tolist(), masks, kl, cfg.loss.kl_coef)
+            advs = discounted_returns(tr, ac.gamma)
+            if ac.whiten:
+                advs = whiten(advs, masks, self.coll.sum)
+        else:
+            tr = token_rewards(rewards.tolist(), masks, kl, cfg.loss.kl_coef)
+            values = [tok["old_values"][i] for i in range(n)]
+            advs, rets = gae(tr, values, ac.gamma, ac.lam)
+            if ac.whiten:
+                advs = whiten(advs, masks, self.coll.sum)
+        for mb in mbs:
+            mb.fields["adv"] = torch.cat([advs[i] for i in mb.sample_ids]).float()
+            if rets is not None:
+                mb.fields["returns"] = torch.cat([rets[i] for i in mb.sample_ids]).float()
+            if self.cfg.correction.old_logprobs == "rollout":
+                mb.fields["old_logp"] = mb.fields["rollout_logp"]
+        for p in plans:
+            for mb in p:
+                if not mb.num_seqs:
+                    for name in ("adv", "returns", "old_logp", "ref_logp", "old_values"):
+                        mb.fields.setdefault(name, torch.zeros(0))
+        for i, s in enumerate(samples):
+            m = masks[i] > 0
+            metrics.add_mean("train/advantage", float(advs[i][m].sum()), float(m.sum()))
+            if s.versions is not None:
+                stale = self.weight_version - s.versions.astype(np.float64)
+                metrics.add_mean("train/staleness", float(stale.sum()), float(stale.size))
+
+    def _optimize(self, plan: list[MicroBatch], metrics: StepMetrics) -> float:
+        cfg = self.cfg
+        local = torch.zeros(2, dtype=torch.float64)
+        for mb in plan:
+            local += local_denominators(mb.loss_mask, mb.resp_seq, mb.num_seqs)
+        tot = self.coll.sum(local)
+        denom = Denominators(tokens=float(tot[0]), seqs=float(tot[1]))
+        self.opt.zero_grad(set_to_none=True)
+        for cpu_mb in plan:
+            mb = cpu_mb.to(self.device)
+            fo = packed_forward(
+                self.policy, mb, temperature=cfg.temperature, replay=self.replay, with_entropy=True
+            )
+            if not mb.num_seqs:
+                loss = fo.logits.sum() * 0.0
+                if self.critic is not None:
+                    loss = loss + self.critic(mb).sum() * 0.0
+                (loss * self.world).backward()
+                continue
+            f = mb.fields
+            values = None
+            if self.critic is not None:
+                routes = mb.routed_experts.unsqueeze(0) if mb.routed_experts is not None else None
+                values = self.critic(mb, routes)
+            x = LossInputs(
+                logp=fo.logp,
+                old_logp=f.get("old_logp"),
+                rollout_logp=f["rollout_logp"] if self._rollout_lp else None,
+                adv=f["adv"],
+                mask=mb.loss_mask,
+                seq=mb.resp_seq,
+                num_seqs=mb.num_seqs,
+                ref_logp=f.get("ref_logp"),
+                entropy=fo.entropy,
+                values=values,
+                old_values=f.get("old_values"),
+                returns=f.get("returns"),
+            )
+            loss = rl_loss(cfg, x, denom, metrics)
+            # FSDP averages gradients over ranks; each rank's loss is its share of the global
+            # loss, so scaling by world makes the reduced gradient that of the global loss.
+            (loss * self.world).backward()
+        clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(list(self.trainable.parameters()), clip)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        set_lr(self.opt, lr_at(cfg.optim, self.opt_steps))
+        self.opt.step()
+        self.opt_steps += 1
+        return float(norm)
+
+    # ---------------------------------------------------------------- weights and state
+    def export_hf_state(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) of every policy weight; a collective every rank must drain."""
+        return checkpoint.iter_hf_state(self.policy)
+
+    def export_hf_checkpoint(self, path: str | Path) -> None:
+        checkpoint.export_hf(path, self.policy)
+
+    def save_checkpoint(self, path: str | Path) -> None:
+        meta = {
+            "step": self.step,
+            "opt_steps": self.opt_steps,
+            "weight_version": self.weight_version,
+            "world": self.world,
+        }
+        checkpoint.save(path, self.trainable, self.opt, meta)
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        meta = checkpoint.load(path, self.trainable, self.opt)
+        if meta.get("world") != self.world:
+            log.warning("checkpoint_world_changed", saved=meta.get("world"), now=self.world)
+        self.step = int(meta["step"])
+        self.opt_steps = int(meta["opt_steps"])
+        self.weight_version = int(meta["weight_version"])
+
+    def close(self) -> None:
+        if self.probe is not None:
+            self.probe.close()

@@ -1,0 +1,51 @@
+"""AdamW and the learning-rate schedule (linear warm-up, then constant / linear / cosine decay).
+
+The schedule is a pure function of the optimizer step, so a checkpoint only needs the step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+from miles.core.errors import ConfigError
+from miles.core.schema.trainer import OptimConfig
+
+
+def lr_at(cfg: OptimConfig, step: int) -> float:
+    """Learning rate for optimizer step `step` (0-based)."""
+    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant" or cfg.decay_steps <= 0:
+        return cfg.lr
+    frac = min(max(step - cfg.warmup_steps, 0) / cfg.decay_steps, 1.0)
+    if cfg.schedule == "linear":
+        shape = 1.0 - frac
+    else:
+        shape = 0.5 * (1.0 + math.cos(math.pi * frac))
+    return cfg.min_lr + (cfg.lr - cfg.min_lr) * shape
+
+
+def build_adamw(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.AdamW:
+    if len(cfg.betas) != 2 or not all(0 <= b < 1 for b in cfg.betas):
+        raise ConfigError(f"trainer.optim.betas must be two numbers in [0, 1), got {cfg.betas}")
+    if cfg.lr < 0 or cfg.min_lr < 0 or cfg.min_lr > cfg.lr:
+        raise ConfigError(
+            f"trainer.optim: need 0 <= min_lr <= lr, got lr={cfg.lr} min_lr={cfg.min_lr}"
+        )
+    ps = [p for p in params if p.requires_grad]
+    return torch.optim.AdamW(
+        ps,
+        lr=cfg.lr,
+        betas=(cfg.betas[0], cfg.betas[1]),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        foreach=False,
+    )
+
+
+def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    for g in opt.param_groups:
+        g["lr"] = lr

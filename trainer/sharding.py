@@ -1,0 +1,80 @@
+"""Building the trainer's models and sharding them with FSDP2 (`fully_shard`).
+
+Each decoder block is its own FSDP unit, then the root. The models' `CausalLM.forward`
+calls a block's attention and MLP directly rather than the block itself; FSDP2 gathers a
+unit's parameters in the unit's forward pre-hook, so in that case the attention and MLP
+of each block become the units (the block's norms then live in the root unit).
+Mixed precision: parameters are stored (and optimised) in fp32; on CUDA the forward and
+backward run in bf16 and gradients are reduced in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from miles.core.errors import ConfigError
+from miles.models.config import ModelSpec
+from miles.models.decoder import CausalLM
+from miles.models.hf_io import load_model
+from miles.models.registry import build_model
+
+
+def compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name == "bfloat16":
+        return torch.bfloat16
+    if name == "float32":
+        return torch.float32
+    raise ConfigError(f"trainer.param_dtype={name!r}: expected auto, float32 or bfloat16")
+
+
+def make_mesh(device: torch.device, world: int) -> DeviceMesh:
+    return init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+
+
+def build_policy(spec: ModelSpec, init_checkpoint: str, seed: int) -> CausalLM:
+    """fp32 master copy on CPU: loaded from an HF checkpoint, or seeded random init."""
+    if init_checkpoint:
+        model = load_model(init_checkpoint, dtype=torch.float32)
+        if model.spec != spec:
+            raise ConfigError(
+                f"checkpoint {init_checkpoint!r} holds a different architecture than the given spec"
+            )
+        return model
+    return build_model(spec, dtype=torch.float32, seed=seed)
+
+
+def _units(model: nn.Module) -> list[nn.Module]:
+    layers = model.model.layers  # type: ignore[union-attr]
+    out: list[nn.Module] = []
+    for layer in layers:
+        if type(layer).forward is not nn.Module.forward:
+            out.append(layer)
+        else:
+            out.extend([layer.self_attn, layer.mlp])
+    return out
+
+
+def shard(
+    root: nn.Module,
+    lms: list[nn.Module],
+    mesh: DeviceMesh,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> nn.Module:
+    """Move `root` to `device` and apply fully_shard to each block of each LM in `lms`, then root."""
+    root.to(device)
+    mp = (
+        MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        if dtype != torch.float32
+        else MixedPrecisionPolicy()
+    )
+    for lm in lms:
+        for unit in _units(lm):
+            fully_shard(unit, mesh=mesh, mp_policy=mp)
+    fully_shard(root, mesh=mesh, mp_policy=mp)
+    return root
