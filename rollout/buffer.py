@@ -1,0 +1,279 @@
+"""The bounded rollout buffer (plain class; actors/buffer.py is its thin shell).
+
+Slots: at most `capacity` trajectories generate at once. A finished trajectory
+frees its slot and `finish` returns the new work that starts in it right away
+(the next trajectory of an open group, else the first of a new group). A
+group's n trajectories may therefore start at different times, as in the seed's
+walkthrough. Finished groups wait in arrival order (at most `max_waiting`; new
+work pauses while that many wait) and the trainer takes the oldest.
+
+Drops: when a group arrives - generation failure (any sample aborted/failed) or
+the user filter `(group) -> (keep, reason)`; when it is collected - staleness,
+trainer version minus the oldest sampled-token version above `max_staleness`.
+Dropped prompts are retried (up to `max_attempts`) or discarded by policy;
+filter-rejected ones are always discarded. Optional admission control: no new
+group starts while the groups in flight plus waiting reach
+`(max_staleness + 1) * batch_groups`, i.e. more work than the trainer can consume
+before it would be stale. Every prompt's whereabouts are in the `Ledger`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from miles.core.errors import ConfigError, MilesError
+from miles.rollout.filters import FilterFn, check_verdict, keep_all
+from miles.rollout.ledger import Ledger
+from miles.rollout.types import Group, Sample
+
+P = "rollout/fully_async/"
+RetryPolicy = Literal["retry", "discard"]
+
+
+class BufferError(MilesError):
+    """A buffer call that does not fit its state (unknown work, finished twice, ...)."""
+
+
+@dataclass
+class Work:
+    """One trajectory to generate: sample `sample_index` of group `group_id`."""
+
+    group_id: str
+    prompt_id: str
+    sample_index: int
+    prompt: dict[str, Any]
+    attempt: int = 1
+
+    def to_wire(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> Work:
+        return cls(str(d["group_id"]), str(d["prompt_id"]), int(d["sample_index"]), dict(d["prompt"]),
+                   int(d.get("attempt", 1)))
+
+
+@dataclass
+class _Group:
+    id: str
+    prompt_id: str
+    prompt: dict[str, Any]
+    attempt: int
+    n: int
+    started: int = 0
+    running: set[int] = field(default_factory=set)
+    results: dict[int, list[Sample]] = field(default_factory=dict)
+    failed: bool = False
+
+    def complete(self) -> bool:
+        return not self.running and (self.failed or len(self.results) == self.n)
+
+    def to_group(self) -> Group:
+        samples = [s for i in sorted(self.results) for s in self.results[i]]
+        return Group(self.prompt_id, samples, int(self.prompt.get("index", 0)),
+                     {"group_id": self.id, "attempt": self.attempt})
+
+
+class RolloutBuffer:
+    def __init__(self, capacity: int, n_samples: int, max_staleness: int | None = None,
+                 retry: RetryPolicy = "retry", max_attempts: int = 3, admission_control: bool = False,
+                 batch_groups: int = 1, max_waiting: int = 0, filter_fn: FilterFn | None = None,
+                 prompt_source: Callable[[], dict[str, Any] | None] | None = None,
+                 ledger: Ledger | None = None) -> None:
+        if capacity < 1 or n_samples < 1 or batch_groups < 1 or max_attempts < 1:
+            raise ConfigError(f"buffer: capacity ({capacity}), n_samples ({n_samples}), batch_groups "
+                              f"({batch_groups}) and max_attempts ({max_attempts}) must be >= 1")
+        if retry not in ("retry", "discard"):
+            raise ConfigError(f"buffer.retry: {retry!r} is not one of 'retry', 'discard'")
+        if admission_control and max_staleness is None:
+            raise ConfigError("buffer.admission_control needs buffer.max_staleness to be set")
+        self.capacity, self.n = capacity, n_samples
+        self.max_staleness, self.retry, self.max_attempts = max_staleness, retry, max_attempts
+        self.admission_control, self.batch_groups = admission_control, batch_groups
+        self.max_waiting = max_waiting or max(capacity, batch_groups)
+        self.filter_fn = filter_fn or keep_all
+        self.prompt_source = prompt_source
+        self.ledger = ledger or Ledger()
+        self._prompts: dict[str, dict[str, Any]] = {}
+        self._open: dict[str, _Group] = {}  # groups with a trajectory running or not yet started
+        self._waiting: deque[Group] = deque()  # finished, oldest first
+        self._running = 0
+        self._seq = 0
+        # per-step counters, reset by step_metrics()
+        self._aborted = 0
+        self._stale = 0
+        self._drops: Counter[str] = Counter()
+        self._drawn_staleness: list[int] = []
+        self.totals: Counter[str] = Counter()
+
+    # -- prompts ---------------------------------------------------------------
+    def add_prompts(self, prompts: list[dict[str, Any]]) -> None:
+        for p in prompts:
+            pid = p.get("id")
+            if not isinstance(pid, str):
+                raise BufferError(f"buffer: a prompt needs a string 'id', got {pid!r}")
+            self._prompts[pid] = p
+            self.ledger.add(pid)
+
+    def _next_prompt(self) -> str | None:
+        pid = self.ledger.next_pending()
+        if pid is None and self.prompt_source is not None:
+            p = self.prompt_source()
+            if p is not None:
+                self.add_prompts([p])
+                pid = self.ledger.next_pending()
+        return pid
+
+    # -- state -----------------------------------------------------------------
+    @property
+    def running(self) -> int:
+        return self._running
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def groups_in_flight(self) -> list[str]:
+        return [g.id for g in self._open.values() if g.running or g.started < g.n]
+
+    def ready(self, n_groups: int | None = None) -> bool:
+        return len(self._waiting) >= (n_groups or self.batch_groups)
+
+    def _admits_new_group(self) -> bool:
+        if len(self._waiting) >= self.max_waiting:
+            return False
+        if not self.admission_control:
+            return True
+        assert self.max_staleness is not None
+        return len(self._open) + len(self._waiting) < (self.max_staleness + 1) * self.batch_groups
+
+    # -- generation ------------------------------------------------------------
+    def fill(self) -> list[Work]:
+        """Start work in every free slot; returns what the caller must now generate."""
+        out: list[Work] = []
+        while self._running < self.capacity:
+            g = next((g for g in self._open.values() if g.started < g.n and not g.failed), None)
+            if g is None:
+                if not self._admits_new_group():
+                    break
+                pid = self._next_prompt()
+                if pid is None:
+                    break
+                attempt = self.ledger.start(pid)
+                self._seq += 1
+                g = _Group(f"{pid}#{attempt}", pid, self._prompts[pid], attempt, self.n)
+                self._open[g.id] = g
+                self.totals["groups_started"] += 1
+            i = g.started
+            g.started += 1
+            g.running.add(i)
+            self._running += 1
+            out.append(Work(g.id, g.prompt_id, i, g.prompt, g.attempt))
+        return out
+
+    def _take(self, work: Work) -> _Group:
+        g = self._open.get(work.group_id)
+        if g is None or work.sample_index not in g.running:
+            raise BufferError(f"buffer: work {work.group_id}[{work.sample_index}] is not running "
+                              "(finished twice, or from before a restore?)")
+        g.running.discard(work.sample_index)
+        self._running -= 1
+        return g
+
+    def finish(self, work: Work, samples: list[Sample]) -> list[Work]:
+        """A trajectory finished (its samples carry rewards); returns the work started in its slot."""
+        if not samples:
+            raise BufferError(f"buffer: work {work.group_id}[{work.sample_index}] finished with no sample")
+        g = self._take(work)
+        g.results[work.sample_index] = samples
+        if any(s.status in ("aborted", "failed") for s in samples):
+            g.failed = True
+        if g.complete():
+            self._arrive(g)
+        return self.fill()
+
+    def fail(self, work: Work, error: str) -> list[Work]:
+        """Generation of a trajectory failed; its group is dropped when its other trajectories end."""
+        return self.finish(work, [Sample(prompt_ids=[], status="failed", index=work.sample_index,
+                                         metadata={"error": error})])
+
+    def _drop(self, prompt_id: str, attempt: int, reason: str, retryable: bool) -> None:
+        retry = retryable and self.retry == "retry" and attempt < self.max_attempts
+        self.ledger.drop(prompt_id, reason, retry)
+
+    def _arrive(self, g: _Group) -> None:
+        del self._open[g.id]
+        group = g.to_group()
+        if g.failed or group.failed():
+            self._aborted += 1
+            self.totals["aborted_groups_filtered"] += 1
+            self._drop(g.prompt_id, g.attempt, "failed", retryable=True)
+            return
+        keep, reason = check_verdict(self.filter_fn(group), "buffer.filter_fn")
+        if not keep:
+            self._drops[reason] += 1
+            self.totals[f"drop_{reason}"] += 1
+            self._drop(g.prompt_id, g.attempt, reason, retryable=False)  # no gradient signal: never retried
+            return
+        self.ledger.finish(g.prompt_id)
+        self._waiting.append(group)
+
+    # -- training --------------------------------------------------------------
+    def staleness(self, group: Group, trainer_version: int) -> int:
+        v = group.oldest_version()
+        return 0 if v is None else trainer_version - v
+
+    def collect(self, n_groups: int, trainer_version: int) -> list[Group]:
+        """Take up to `n_groups` oldest finished groups, dropping stale ones on the way."""
+        out: list[Group] = []
+        while self._waiting and len(out) < n_groups:
+            g = self._waiting.popleft()
+            st = self.staleness(g, trainer_version)
+            if self.max_staleness is not None and st > self.max_staleness:
+                self._stale += 1
+                self.totals["stale_groups_filtered"] += 1
+                self._drop(g.prompt_id, int(g.metadata["attempt"]), "stale", retryable=True)
+                continue
+            self.ledger.train(g.prompt_id, trainer_version)
+            self._drawn_staleness.append(st)
+            out.append(g)
+        self.totals["groups_trained"] += len(out)
+        return out
+
+    def step_metrics(self, trainer_version: int) -> dict[str, float]:
+        """The metrics of one training step (counters since the previous call), then reset."""
+        waiting = [self.staleness(g, trainer_version) for g in self._waiting]
+        drawn = self._drawn_staleness
+        m: dict[str, float] = {
+            P + "queue_size": float(len(self._waiting)),
+            P + "aborted_groups_filtered": float(self._aborted),
+            P + "stale_groups_filtered": float(self._stale),
+            P + "avg_staleness": sum(drawn) / len(drawn) if drawn else 0.0,
+            P + "max_staleness": float(max(drawn)) if drawn else 0.0,
+            P + "buffer_avg_staleness": sum(waiting) / len(waiting) if waiting else 0.0,
+            P + "buffer_max_staleness": float(max(waiting)) if waiting else 0.0,
+        }
+        for reason, k in self._drops.items():
+            m[f"rollout/dynamic_filter/drop_{reason}"] = float(k)
+        self._aborted = self._stale = 0
+        self._drops = Counter()
+        self._drawn_staleness = []
+        return m
+
+    # -- checkpoint ------------------------------------------------------------
+    def dump(self) -> dict[str, Any]:
+        """JSON-able state: the ledger and the prompts it still needs. Generated data is not kept."""
+        needed = {p for p in self._prompts if self.ledger.get(p).state in ("pending", "in_flight", "finished")}
+        return {"ledger": self.ledger.dump(), "prompts": {p: self._prompts[p] for p in sorted(needed)},
+                "totals": dict(self.totals)}
+
+    def load(self, d: dict[str, Any]) -> None:
+        """Restore a dump into this (fresh) buffer; in-flight and waiting prompts start again."""
+        if self._open or self._waiting or self._running:
+            raise BufferError("buffer: load() needs a fresh buffer (work is running or waiting)")
+        self.ledger = Ledger.restore(d["ledger"])
+        self._prompts = {str(k): dict(v) for k, v in d["prompts"].items()}
+        self.totals = Counter({str(k): int(v) for k, v in d.get("totals", {}).items()})
