@@ -8,7 +8,6 @@ weight version, optimizer steps; written by rank 0) and one `rng_rank{r}.bin` pe
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,11 +21,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from miles.core.errors import TrainerError
+from miles.models.config import ModelSpec
 from miles.models.decoder import CausalLM
-from miles.models.hf_io import load_hf_tensors, save_model
+from miles.models.hf_io import hf_tensor_views, load_hf_tensors, save_model
 from miles.models.registry import build_model
-
-_STACKED = re.compile(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$")
 
 
 def save(
@@ -66,20 +64,28 @@ def load(path: str | Path, module: nn.Module, opt: torch.optim.Optimizer) -> dic
     return dict(json.loads((d / "meta.json").read_text()))
 
 
+class _OneParam:
+    """Duck-types the part of CausalLM that `hf_tensor_views` reads, for one parameter, so
+    HF naming (fused and stacked tensors split) stays defined in one place, models/hf_io."""
+
+    def __init__(self, spec: ModelSpec, name: str, tensor: torch.Tensor) -> None:
+        self.spec = spec
+        self._item = (name, nn.Parameter(tensor, requires_grad=False))
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        yield self._item
+
+
 def iter_hf_state(model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full fp32 tensor) for every weight, gathered from the FSDP shards.
+    """(HF name, full fp32 tensor) for every weight, gathered from the FSDP shards one
+    parameter at a time.
 
     Gathering is a collective: every rank must consume the iterator to the end, in step.
     """
     for name, p in model.named_parameters():
         full = p.full_tensor() if isinstance(p, DTensor) else p
-        full = full.detach()
-        m = _STACKED.match(name)
-        if m:
-            for e in range(full.shape[0]):
-                yield f"{m.group(1)}.{e}.{m.group(2)}.weight", full[e]
-        else:
-            yield name, full
+        views = hf_tensor_views(_OneParam(model.spec, name, full.detach()))  # type: ignore[arg-type]
+        yield from views.items()
 
 
 def export_hf(path: str | Path, model: CausalLM) -> None:
