@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from miles.core.errors import ConfigError, MilesError
-from miles.rollout.filters import FilterFn, check_verdict, keep_all
+from miles.core.schema.buffer import BufferConfig
+from miles.rollout.filters import FilterFn, check_verdict, keep_all, load_filter
 from miles.rollout.ledger import Ledger
 from miles.rollout.types import Group, Sample
 
@@ -108,6 +109,13 @@ class RolloutBuffer:
         self._drops: Counter[str] = Counter()
         self._drawn_staleness: list[int] = []
         self.totals: Counter[str] = Counter()
+
+    @classmethod
+    def from_config(cls, cfg: BufferConfig, n_samples: int,
+                    prompt_source: Callable[[], dict[str, Any] | None] | None = None) -> RolloutBuffer:
+        return cls(cfg.capacity, n_samples, None if cfg.max_staleness < 0 else cfg.max_staleness,
+                   cfg.retry, cfg.max_attempts, cfg.admission_control, cfg.batch_groups, cfg.max_waiting,
+                   load_filter(cfg.filter_fn), prompt_source)
 
     # -- prompts ---------------------------------------------------------------
     def add_prompts(self, prompts: list[dict[str, Any]]) -> None:

@@ -22,6 +22,7 @@ from typing import Any, Literal
 import numpy as np
 
 from miles.core.errors import Diverged, NotAppendOnly, ProtocolError, SessionError
+from miles.core.schema.rollout import RolloutConfig
 from miles.rollout.messages import (
     Message,
     check_ends_for_generation,
@@ -143,6 +144,12 @@ class SessionStore:
                                     + "\nset rollout.template_fallback to one of "
                                     + ", ".join(FALLBACKS) + " to accept a documented fallback")
         self._stop_texts = [self.tok.decode([i]) for i in self.tok.stop_token_ids]
+
+    @classmethod
+    def from_config(cls, cfg: RolloutConfig, tokenizer: Tokenizer) -> SessionStore:
+        tags = cfg.reasoning_tags
+        return cls(tokenizer, cfg.session_policy, cfg.match_policy, cfg.tool_parser, cfg.template_fallback,
+                   (tags[0], tags[1]) if tags else None, cfg.max_sessions)
 
     # -- lifecycle -------------------------------------------------------------
     def create(self, session_id: str | None = None, routing_key: str | None = None,

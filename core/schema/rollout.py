@@ -1,12 +1,76 @@
-"""Config section for the rollout subsystem (owned by the rollout code; see its field docs)."""
+"""Config section for the rollout side: environment, layers, sampling, sessions, router."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Literal
 
 from miles.core.config import opt
 
 
 @dataclass
 class RolloutConfig:
-    enabled: bool = opt(True, "placeholder; replaced as the rollout section grows")
+    env: str = opt(
+        "miles.rollout.envs.arithmetic:make_env",
+        "import path of `make_env(**env_args) -> Environment` (prompts, reward, agent, tools); "
+        "built-in: miles.rollout.envs.arithmetic | .calculator | .openai_agent",
+    )
+    env_args: dict[str, Any] = opt({}, "keyword arguments passed to the env's make_env (e.g. seed, max_operand)")
+    rollout_fn: str = opt(
+        "miles.rollout.layers:default_rollout",
+        "rollout layer: `async def rollout(ctx: RolloutContext, prompt: dict) -> Group` "
+        "(the n samples of one prompt, each with a reward)",
+    )
+    generate_fn: str = opt(
+        "miles.rollout.layers:default_generate",
+        "generate layer: `async def generate(ctx: GenerateContext) -> list[Sample]` (one trajectory: "
+        "open a session, run the agent, export, close)",
+    )
+    agent_fn: str = opt(
+        "",
+        "agent layer: `async def agent(ctx: AgentContext) -> dict | None` (multi-turn harness talking "
+        "to ctx.client or, as a black box, to ctx.base_url); empty = the env's agent",
+    )
+    reward_fn: str = opt("", "`(prompt: dict, sample: Sample) -> float` (may be async); empty = the env's reward")
+    n_samples_per_prompt: int = opt(8, "trajectories per prompt (the group size)", "samples")
+    max_turns: int = opt(8, "most assistant turns an agent may take in one trajectory", "turns")
+    temperature: float = opt(1.0, "sampling temperature")
+    top_p: float = opt(1.0, "nucleus sampling mass")
+    top_k: int = opt(-1, "top-k sampling; -1 = off")
+    max_new_tokens: int = opt(1024, "most tokens the engine samples per turn", "tokens")
+    session_policy: Literal["linear", "branching"] = opt(
+        "linear",
+        "linear: a request whose history diverges from the stored one is rejected (Diverged); "
+        "branching: it forks a child and every leaf is exported as a trajectory",
+    )
+    match_policy: Literal["strict", "loose_tool_call", "role_content"] = opt(
+        "loose_tool_call",
+        "when a stored message equals an incoming one: strict (role, content, reasoning, tool calls "
+        "as text), loose_tool_call (tool-call arguments compared as parsed JSON), role_content",
+    )
+    template_fallback: Literal["none", "anchor_diff"] = opt(
+        "none",
+        "what to do when the chat template fails the append-only check: none = refuse (NotAppendOnly); "
+        "anchor_diff = tokenize appended messages after a reasoning-free anchor (see rollout/template_check.py)",
+    )
+    tool_parser: str = opt("json_tags", "named parser turning model text into tool_calls: json_tags | none")
+    reasoning_tags: list[str] = opt(
+        ["<think>", "</think>"], "open/close tags of reasoning text split into reasoning_content; [] = off"
+    )
+    max_sessions: int = opt(100_000, "most open sessions the session store holds", "sessions")
+    router_affinity: bool = opt(
+        True, "route every turn of a session to the engine that served its first turn (KV-cache reuse)"
+    )
+
+    def __post_init__(self) -> None:
+        if self.n_samples_per_prompt < 1:
+            raise ValueError(f"n_samples_per_prompt must be >= 1, got {self.n_samples_per_prompt}")
+        if self.max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
+        if self.reasoning_tags and len(self.reasoning_tags) != 2:
+            raise ValueError(f"reasoning_tags must be [open, close] or [], got {self.reasoning_tags}")
+
+    def sampling(self) -> dict[str, Any]:
+        """The sampling params passed to the engine for every turn."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                "max_new_tokens": self.max_new_tokens}
