@@ -1,0 +1,159 @@
+"""Trainer throughput: tokens/s of FSDPTrainer.train_step, with and without R3 replay.
+
+CPU (default): a tiny MoE model, one rank (gloo). R3 overhead = fractional step-time
+increase of replay over live routing on the same batch (goal <= 5%).
+--device cuda: a ~0.5B dense and a small MoE config in bf16; also reports model FLOPs
+utilisation against --peak-tflops (the measured bf16 matmul rate, ~780 on an H200).
+The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from miles.core.schema.trainer import TrainerConfig
+from miles.models.config import ModelSpec
+from miles.models.presets import tiny_config
+from miles.models.registry import build_model
+from miles.trainer.batch import TrainBatch
+from miles.trainer.fsdp import FSDPTrainer
+from miles.trainer.synthetic import engine_batch
+
+CUDA_MODELS = {
+    "dense_0.5b": dict(
+        arch="qwen2",
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=151936,
+    ),
+    "moe_small": dict(
+        arch="qwen3_moe",
+        hidden_size=1024,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        vocab_size=32000,
+        num_experts=32,
+        num_experts_per_tok=4,
+        moe_intermediate_size=512,
+    ),
+}
+
+
+def _spec(arch: str, **kw: object) -> ModelSpec:
+    return ModelSpec.from_hf(tiny_config(arch, **kw))  # type: ignore[arg-type]
+
+
+def _flops_per_token(spec: ModelSpec) -> float:
+    """Training FLOPs per token (6 x active params, attention ignored: short sequences)."""
+    h, layers = spec.hidden_size, spec.num_layers
+    attn = (
+        h * (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+        + spec.num_heads * spec.head_dim * h
+    )
+    dense_mlp = 3 * h * spec.intermediate_size
+    moe_mlp = 3 * h * spec.moe_intermediate_size * spec.num_experts_per_tok + h * spec.num_experts
+    mlp = sum(moe_mlp if i in spec.moe_layers else dense_mlp for i in range(layers))
+    return 6.0 * (layers * attn + mlp + 2 * h * spec.vocab_size)
+
+
+def _trainer(spec: ModelSpec, replay: bool, device: str, args: argparse.Namespace) -> FSDPTrainer:
+    cfg = TrainerConfig()
+    cfg.device = device  # type: ignore[assignment]
+    cfg.routing_replay = replay
+    cfg.micro_batch_tokens = args.micro_tokens
+    cfg.optim.lr = 1e-5
+    return FSDPTrainer(cfg, spec, 0, 1, seed=0)
+
+
+def _timed(t: FSDPTrainer, batch: TrainBatch, device: str) -> float:
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    t.train_step(batch)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def _compare(
+    spec: ModelSpec, device: str, args: argparse.Namespace, modes: tuple[bool, ...]
+) -> tuple[dict[bool, float], int]:
+    """Median step time per routing mode; steps alternate between modes so that load from
+    other processes affects both alike."""
+    eng = build_model(spec, seed=0).to(device)
+    batch = engine_batch(
+        eng.cpu(),
+        groups=args.groups,
+        group_size=args.group_size,
+        prompt_len=(args.seq // 4, args.seq // 4 + 1),
+        response_len=(args.seq // 2, args.seq // 2 + 1),
+    )
+    del eng
+    trainers = {m: _trainer(spec, m, device, args) for m in modes}
+    for t in trainers.values():
+        t.train_step(batch)  # warm-up
+    times: dict[bool, list[float]] = {m: [] for m in modes}
+    for _ in range(args.steps):
+        for m, t in trainers.items():
+            times[m].append(_timed(t, batch, device))
+    for t in trainers.values():
+        t.close()
+    return {m: statistics.median(v) for m, v in times.items()}, batch.num_tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--groups", type=int, default=4)
+    ap.add_argument("--group-size", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--micro-tokens", type=int, default=512)
+    ap.add_argument("--peak-tflops", type=float, default=780.0)
+    args = ap.parse_args()
+    result: dict[str, float] = {}
+    rows = []
+    if args.device == "cpu":
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+        spec = _spec("qwen3_moe", vocab_size=512, hidden_size=128, num_hidden_layers=2)
+        times, n = _compare(spec, "cpu", args, (False, True))
+        live, r3 = times[False], times[True]
+        rows.append(("cpu tiny-moe", "live", n / live, live))
+        rows.append(("cpu tiny-moe", "R3", n / r3, r3))
+        result["cpu_tokens_per_s"] = n / r3
+        result["cpu_tokens_per_s_live"] = n / live
+        result["cpu_r3_overhead"] = r3 / live - 1.0
+    else:
+        for name, kw in CUDA_MODELS.items():
+            kw = dict(kw)
+            spec = _spec(str(kw.pop("arch")), **kw)
+            modes = (False, True) if spec.is_moe else (False,)
+            times, n = _compare(spec, "cuda", args, modes)
+            for replay in modes:
+                dt = times[replay]
+                mfu = n * _flops_per_token(spec) / dt / (args.peak_tflops * 1e12)
+                rows.append((name, "R3" if replay else "live", n / dt, dt))
+                result[f"{name}_{'r3' if replay else 'live'}_tokens_per_s"] = n / dt
+                result[f"{name}_{'r3' if replay else 'live'}_mfu"] = mfu
+            if True in times:
+                result[f"{name}_r3_overhead"] = times[True] / times[False] - 1.0
+    print(f"{'model':<16}{'routing':<8}{'tokens/s':>12}{'step s':>10}")
+    for name, mode, tps, dt in rows:
+        print(f"{name:<16}{mode:<8}{tps:>12.1f}{dt:>10.3f}")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
