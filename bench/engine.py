@@ -97,7 +97,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=None)
     ap.add_argument("--new", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads for both sides")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)  # the CPU box is shared; more threads only add noise
     gpu = args.device == "cuda"
     args.batch = args.batch or (32 if gpu else 8)
     args.prompt = args.prompt or (128 if gpu else 32)

@@ -30,6 +30,7 @@ class Sequence:
     finish: FinishReason | None = None
     flushing: bool = False  # finished; fed once more so its last token's KV/routing exist
     abort_requested: bool = False
+    done_pending: bool = False  # finished in the worker; the loop finalizes it
 
     @property
     def wants_flush(self) -> bool:

@@ -35,6 +35,11 @@ from miles.models.hf_io import checksums, hf_tensor_views
 
 log = get_logger("miles.engine")
 
+# One worker-thread hop runs several decode steps (thread handoffs cost ~0.5 ms each)
+# but returns quickly enough for new requests, pause, abort and commit to get in.
+_MAX_STEPS_PER_HOP = 64
+_MAX_HOP_S = 0.05
+
 
 class TorchEngine(Engine):
     def __init__(self, model: CausalLM, cfg: EngineConfig | None = None, version: int = 0) -> None:
@@ -55,6 +60,7 @@ class TorchEngine(Engine):
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._paused = False
+        self._boundary = False  # set from the loop: the worker should return after this step
         self._closed = False
         self._task: asyncio.Task[None] | None = None
         self._last_error = ""
@@ -83,16 +89,19 @@ class TorchEngine(Engine):
         if req.session_key is not None:
             self._known_sessions.add(req.session_key)
         self._queue.append(seq)
+        self._boundary = True
         self._ensure_loop()
         self._wake.set()
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
             seq.abort_requested = True  # the caller gave up: free the row at the next step
+            self._boundary = True
             self._wake.set()
             raise
 
     async def abort(self, request_id: str) -> bool:
+        self._boundary = True
         async with self._lock:
             for seq in [*self._queue, *self._running]:
                 if seq.req.request_id == request_id and not seq.future.done():
@@ -110,6 +119,7 @@ class TorchEngine(Engine):
     async def pause(self, mode: PauseMode = "in_place") -> list[GenerateResult]:
         if mode not in ("abort", "retract", "in_place"):
             raise EngineError(f"pause: unknown mode {mode!r}; valid: abort, retract, in_place")
+        self._boundary = True
         async with self._lock:
             self._paused = True
             if mode == "in_place":
@@ -133,6 +143,7 @@ class TorchEngine(Engine):
 
     async def commit(self, version: int) -> None:
         self.stager.check_complete(version)
+        self._boundary = True
         async with self._lock:
             await asyncio.to_thread(self.stager.apply)
             self.version = version
@@ -210,13 +221,29 @@ class TorchEngine(Engine):
                 prefill = self._admit()
                 if not decode and not prefill:
                     continue
+                self._boundary = False
                 try:
-                    out = await asyncio.to_thread(self.stepper.step, decode, prefill)
+                    await asyncio.to_thread(self._run_steps, decode, prefill)
                 except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the engine
                     self._fail_running(exc)
                     continue
-                self._after_step(out)
+                for seq in list(self._running):
+                    if seq.done_pending:
+                        self._finalize(seq, seq.finish or "abort")
             await asyncio.sleep(0)
+
+    def _run_steps(self, decode: list[Sequence], prefill: list[Sequence]) -> None:
+        """Worker thread: step until a sequence finishes or the loop needs a boundary
+        (new request, pause, abort, commit), at most `_MAX_STEPS_PER_HOP` steps."""
+        t_end = time.monotonic() + _MAX_HOP_S
+        for i in range(_MAX_STEPS_PER_HOP):
+            self._apply(self.stepper.step(decode, prefill) if i == 0 else self.stepper.step(decode, []))
+            if i == 0:
+                decode = decode + prefill
+            if self._boundary or any(s.done_pending for s in decode):
+                return
+            if time.monotonic() > t_end:
+                return
 
     def _reap_aborts(self) -> None:
         for seq in [*self._running, *self._queue]:
@@ -251,12 +278,13 @@ class TorchEngine(Engine):
         if item.routed is not None:
             seq.routed_prefix = item.routed[:n]
 
-    def _after_step(self, out: StepOut) -> None:
+    def _apply(self, out: StepOut) -> None:
+        """Record this step's tokens (worker thread; touches only sequence state)."""
         for seq, chosen in out.items():
             if seq.future.done():
                 continue
             if chosen is None:  # flush step done
-                self._finalize(seq, seq.finish or "abort")
+                seq.done_pending = True
                 continue
             tok, lp = chosen
             seq.tokens.append(tok)
@@ -276,7 +304,7 @@ class TorchEngine(Engine):
             if seq.wants_flush:
                 seq.flushing = True
             else:
-                self._finalize(seq, reason)
+                seq.done_pending = True
 
     def _finalize(self, seq: Sequence, reason: FinishReason, retracted: bool = False) -> GenerateResult:
         result = seq.result(reason, retracted, self.spec.num_experts)

@@ -1,8 +1,9 @@
 """`CausalLM`: the decoder-only LM shared by the engine and the trainer (one forward API).
 
 Parameter names equal the Hugging Face names (`model.layers.3.self_attn.q_proj.weight`, ...)
-except MoE experts, stored stacked as `model.layers.L.mlp.experts.{gate,up,down}_proj`
-([E, out, in]); `hf_io` converts both ways.
+except fused projections: `self_attn.qkv_proj` (q, k, v rows), `mlp.gate_up_proj` (gate, up
+rows) and MoE experts stacked as `mlp.experts.gate_up_proj` [E, 2I, H] / `mlp.experts.down_proj`
+[E, H, I]; `hf_io.hf_tensor_views` maps HF names to views into them.
 """
 
 from __future__ import annotations
@@ -10,12 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+
 from miles.models.config import ModelSpec
 from miles.models.errors import ModelInputError
-from miles.models.layers import MLP, Attention, KVCache, RMSNorm, Rotary
+from miles.models.layers import MLP, Attention, KVCache, RMSNorm, Rotary, grouped_bias
 from miles.models.masks import packed_causal_mask, packed_position_ids
 from miles.models.moe import MoEBlock
-from torch import nn
 
 
 @dataclass
@@ -131,11 +133,15 @@ class CausalLM(nn.Module):
                     f"routed_experts holds expert id {int(routed_experts.max())} >= num_experts={spec.num_experts}"
                 )
         h = self.model.embed_tokens(input_ids)
+        bias = None
+        if attention_mask is not None:
+            groups = spec.num_heads // spec.num_kv_heads
+            bias = grouped_bias(attention_mask.to(torch.bool), groups, h.dtype)
         cos, sin = self.model.rotary(position_ids, h.dtype)
         used: list[torch.Tensor] = []
         j = 0
         for layer in self.model.layers:
-            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, attention_mask, kv_cache)
+            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, bias, kv_cache)
             x = layer.post_attention_layernorm(h)
             if layer.is_moe:
                 given = routed_experts[:, :, j] if routed_experts is not None else None

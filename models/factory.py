@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from miles.core.errors import ConfigError
 from miles.core.schema.model import ModelConfig
 from miles.models.config import ModelSpec

@@ -14,26 +14,47 @@ from pathlib import Path
 
 import torch
 import xxhash
+from safetensors import safe_open
+from safetensors.torch import save_file
+
 from miles.models.config import ModelSpec
 from miles.models.decoder import CausalLM
 from miles.models.errors import CheckpointError
 from miles.models.registry import build_model
-from safetensors import safe_open
-from safetensors.torch import save_file
 
-_STACKED = re.compile(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$")
+_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
 def hf_tensor_views(model: CausalLM) -> dict[str, torch.Tensor]:
-    """HF name -> a view into the model's parameter (per-expert slices of stacked experts)."""
+    """HF name -> a view into the model's parameter (row slices of fused projections,
+    per-expert slices of stacked experts)."""
+    spec = model.spec
+    nq, nk = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
-        m = _STACKED.match(name)
+        d = p.data
+        m = _EXPERTS.match(name)
         if m:
-            for e in range(p.shape[0]):
-                out[f"{m.group(1)}.{e}.{m.group(2)}.weight"] = p.data[e]
+            inter = d.shape[1] // 2 if m.group(2) == "gate_up_proj" else 0
+            for e in range(d.shape[0]):
+                pre = f"{m.group(1)}.{e}"
+                if inter:
+                    out[f"{pre}.gate_proj.weight"] = d[e, :inter]
+                    out[f"{pre}.up_proj.weight"] = d[e, inter:]
+                else:
+                    out[f"{pre}.down_proj.weight"] = d[e]
+        elif ".self_attn.qkv_proj." in name:
+            pre, kind = name.split(".qkv_proj.")
+            out[f"{pre}.q_proj.{kind}"] = d[:nq]
+            out[f"{pre}.k_proj.{kind}"] = d[nq : nq + nk]
+            out[f"{pre}.v_proj.{kind}"] = d[nq + nk :]
+        elif ".mlp.gate_up_proj." in name:
+            pre, kind = name.split(".gate_up_proj.")
+            half = d.shape[0] // 2
+            out[f"{pre}.gate_proj.{kind}"] = d[:half]
+            out[f"{pre}.up_proj.{kind}"] = d[half:]
         else:
-            out[name] = p.data
+            out[name] = d
     return out
 
 

@@ -11,8 +11,9 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from miles.models.config import ModelSpec
 from torch import nn
+
+from miles.models.config import ModelSpec
 
 
 class KVCache(Protocol):
@@ -33,10 +34,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        # fp32 statistics as in HF; F.rms_norm is one fused kernel for x * rsqrt(mean(x^2) + eps)
+        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * h.to(x.dtype)
 
 
 class Rotary(nn.Module):
@@ -64,15 +64,28 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + _rotate_half(x) * sin
 
 
+def grouped_bias(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """Bool mask [B, 1, T, S] -> additive float mask [B, 1, groups*T, S] for grouped queries."""
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    bias = bias.masked_fill(~mask, torch.finfo(dtype).min)
+    return bias.repeat(1, 1, groups, 1) if groups > 1 else bias
+
+
 class Attention(nn.Module):
+    """Self-attention; q/k/v share one fused projection (HF q_proj/k_proj/v_proj are row slices).
+
+    Grouped-query attention folds the query heads of one KV head into the query
+    axis ([B, kv_heads, groups*T, hd]), so keys/values are never repeated; the mask
+    passed in must therefore come from `grouped_bias` (or be None for plain causal).
+    """
+
     def __init__(self, spec: ModelSpec, layer: int) -> None:
         super().__init__()
         self.layer = layer
         self.nh, self.nkv, self.hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.groups = self.nh // self.nkv
         h = spec.hidden_size
-        self.q_proj = nn.Linear(h, self.nh * self.hd, bias=spec.qkv_bias)
-        self.k_proj = nn.Linear(h, self.nkv * self.hd, bias=spec.qkv_bias)
-        self.v_proj = nn.Linear(h, self.nkv * self.hd, bias=spec.qkv_bias)
+        self.qkv_proj = nn.Linear(h, (self.nh + 2 * self.nkv) * self.hd, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(self.nh * self.hd, h, bias=spec.o_bias)
         self.q_norm = RMSNorm(self.hd, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(self.hd, spec.rms_norm_eps) if spec.qk_norm else None
@@ -82,39 +95,43 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None,
+        bias: torch.Tensor | None,
         kv_cache: KVCache | None,
     ) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.nh, self.hd)
-        k = self.k_proj(x).view(b, t, self.nkv, self.hd)
-        v = self.v_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
+        qkv = self.qkv_proj(x)
+        nq, nk = self.nh * self.hd, self.nkv * self.hd
+        q = qkv[..., :nq].view(b, t, self.nh, self.hd)
+        k = qkv[..., nq : nq + nk].view(b, t, self.nkv, self.hd)
+        v = qkv[..., nq + nk :].view(b, t, self.nkv, self.hd).transpose(1, 2)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q.transpose(1, 2), cos, sin)
         k = apply_rotary(k.transpose(1, 2), cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer, k, v)
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            is_causal=mask is None and kv_cache is None and t > 1,
-            scale=self.hd**-0.5,
-            enable_gqa=self.nkv != self.nh,
-        )
+        if bias is None:
+            if kv_cache is not None:
+                raise ValueError("attention with a KV cache needs an explicit mask")
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=t > 1, scale=self.hd**-0.5, enable_gqa=self.groups > 1
+            )
+        else:
+            qg = q.reshape(b, self.nkv, self.groups * t, self.hd)
+            out = F.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=self.hd**-0.5)
+            out = out.view(b, self.nh, t, self.hd)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.nh * self.hd))
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward (HF gate_proj/up_proj/down_proj)."""
+    """SwiGLU feed-forward; gate and up share one fused projection (HF gate_proj/up_proj row slices)."""
 
     def __init__(self, hidden: int, inter: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
-        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.inter = inter
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gu = self.gate_up_proj(x)
+        return self.down_proj(F.silu(gu[..., : self.inter]) * gu[..., self.inter :])

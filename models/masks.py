@@ -9,6 +9,7 @@ All return shape [B, 1, T, S] for `F.scaled_dot_product_attention`.
 from __future__ import annotations
 
 import torch
+
 from miles.models.errors import ModelInputError
 
 

@@ -3,8 +3,8 @@
 Routing replay: given expert ids replace the router's top-k choice, while the gate
 weights are still the live router probabilities gathered at those ids (then
 renormalised when `norm_topk_prob`), so the router keeps its gradient.
-Expert weights are stored stacked ([E, ...]) for speed; `hf_io` maps them to the
-per-expert HF names `mlp.experts.{e}.{gate,up,down}_proj.weight`.
+Expert weights are stored stacked ([E, ...], gate and up fused) for speed; `hf_io`
+maps them to the per-expert HF names `mlp.experts.{e}.{gate,up,down}_proj.weight`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from miles.models.config import ModelSpec
 from miles.models.errors import ModelInputError
-from torch import nn
 
 
 def expert_id_dtype(num_experts: int) -> np.dtype:
@@ -34,8 +35,8 @@ def compact_expert_ids(ids: torch.Tensor, num_experts: int) -> np.ndarray:
 class Experts(nn.Module):
     def __init__(self, num: int, hidden: int, inter: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Parameter(torch.empty(num, inter, hidden))
-        self.up_proj = nn.Parameter(torch.empty(num, inter, hidden))
+        self.inter = inter
+        self.gate_up_proj = nn.Parameter(torch.empty(num, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num, hidden, inter))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -45,7 +46,7 @@ class Experts(nn.Module):
             return torch.zeros_like(x)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.gate_proj.shape[0]).tolist()
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
         token_of = order // k
         xs = x[token_of]
         w = weights.reshape(-1)[order].unsqueeze(-1).to(x.dtype)
@@ -55,13 +56,15 @@ class Experts(nn.Module):
             if c == 0:
                 continue
             xe = xs[start : start + c]
-            h = F.silu(xe @ self.gate_proj[e].t()) * (xe @ self.up_proj[e].t())
+            gu = xe @ self.gate_up_proj[e].t()
+            h = F.silu(gu[:, : self.inter]) * gu[:, self.inter :]
             outs.append(h @ self.down_proj[e].t())
             start += c
         y = torch.cat(outs, dim=0) * w
         out = torch.zeros_like(x)
         out.index_add_(0, token_of, y)
         return out
+
 
 
 class MoEBlock(nn.Module):

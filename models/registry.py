@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from miles.core.hooks import Registry
 from miles.models.config import ModelSpec
 from miles.models.decoder import CausalLM

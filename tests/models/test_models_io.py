@@ -6,13 +6,14 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+
 from miles.core.errors import ConfigError
 from miles.models.config import ModelSpec
 from miles.models.errors import CheckpointError
 from miles.models.hf_io import checksums, hf_state_dict, load_model, save_model
 from miles.models.presets import tiny_config
 from miles.models.registry import build_model
-from safetensors.torch import load_file, save_file
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from miles.models.config import ModelSpec
 from miles.models.errors import ModelInputError
 from miles.models.logprobs import token_logprobs

@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 import transformers
+
 from miles.models.config import ModelSpec
 from miles.models.hf_io import load_model, save_model
 from miles.models.masks import padded_causal_mask
