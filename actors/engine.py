@@ -24,6 +24,7 @@ from miles.actors.messages import (
 from miles.actors.runtime.actor import Actor, handler
 from miles.core.errors import EngineError
 from miles.engines.base import Engine, GenerateRequest, GenerateResult, SamplingParams
+from miles.transport.bulk.buckets import Reassembler
 
 
 def result_to_wire(r: GenerateResult) -> dict[str, Any]:
@@ -47,6 +48,7 @@ def sampling_from_wire(d: dict[str, Any]) -> SamplingParams:
 class EngineActor(Actor):
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self._reassembler = Reassembler()
 
     async def on_stop(self) -> None:
         await self.engine.close()
@@ -77,7 +79,12 @@ class EngineActor(Actor):
     async def stage(self, msg: Stage) -> int:
         if len(msg.names) != len(msg.tensors):
             raise EngineError(f"stage v{msg.version}: {len(msg.names)} names for {len(msg.tensors)} tensors")
-        return await self.engine.stage(msg.version, list(zip(msg.names, msg.tensors, strict=True)))
+        whole = []
+        for name, t in zip(msg.names, msg.tensors, strict=True):
+            done = self._reassembler.add(name, t)  # tensors larger than a bucket arrive in chunks
+            if done is not None:
+                whole.append(done)
+        return await self.engine.stage(msg.version, whole)
 
     @handler(Commit)
     async def commit(self, msg: Commit) -> None:
@@ -85,6 +92,7 @@ class EngineActor(Actor):
 
     @handler(AbortVersion)
     async def abort_version(self, msg: AbortVersion) -> None:
+        self._reassembler = Reassembler()
         await self.engine.abort_version(msg.version)
 
     @handler(EndSession, concurrency=16)
