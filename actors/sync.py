@@ -82,12 +82,15 @@ class WeightSync:
             if self.cfg.pause_mode != "none":
                 await self._all("pause", live, lambda: Pause(self.cfg.pause_mode), rep.dead)
                 paused = True
-            converted = ((n, t.to(dtype) if dtype is not None else t) for n, t in named)
-            for bucket in iter_buckets(converted, self.cfg.bucket_mib << 20):
-                live = [n for n in live if n not in rep.dead]
-                if verify:
-                    for n, t in zip(bucket.names, bucket.tensors, strict=True):
+            def converted() -> Iterable[tuple[str, torch.Tensor]]:
+                for n, t in named:
+                    t = t.to(dtype) if dtype is not None else t
+                    if verify:  # whole tensors, before any chunking, as the engine holds them
                         sums[n] = tensor_checksum(t)
+                    yield n, t
+
+            for bucket in iter_buckets(converted(), self.cfg.bucket_mib << 20):
+                live = [n for n in live if n not in rep.dead]
                 await self._all(f"stage v{version} bucket {rep.buckets}", live,
                                 lambda b=bucket: Stage(version, b.names, b.tensors), rep.dead)
                 rep.bytes += bucket.nbytes
