@@ -17,6 +17,7 @@ Message = dict[str, Any]
 MatchPolicy = Literal["strict", "loose_tool_call", "role_content"]
 MATCH_POLICIES: tuple[str, ...] = ("strict", "loose_tool_call", "role_content")
 ROLES = ("system", "user", "assistant", "tool")
+_SIMPLE = frozenset(("user", "assistant", "system"))
 
 
 def _content(v: Any, where: str) -> str:
@@ -57,6 +58,12 @@ def normalize(messages: Any, where: str = "messages") -> list[Message]:
         raise SessionError(f"{where}: expected a non-empty list of messages")
     out: list[Message] = []
     for i, m in enumerate(messages):
+        # fast path: a plain user/assistant/system text message (the bulk of every history)
+        if type(m) is dict and len(m) == 2 and type(m.get("content")) is str:
+            role = m.get("role")
+            if role in _SIMPLE and (role != "system" or i == 0):
+                out.append({"role": role, "content": m["content"]})
+                continue
         w = f"{where}[{i}]"
         if not isinstance(m, dict):
             raise SessionError(f"{w}: expected an object, got {type(m).__name__}")

@@ -37,6 +37,7 @@ from miles.rollout.types import Sample
 
 SessionPolicy = Literal["linear", "branching"]
 FINISH_REASONS = ("stop", "length", "abort", "error")
+_TAIL = 24  # characters of the generation prompt kept to locate sampled text in a rendering
 
 
 @dataclass
@@ -86,7 +87,8 @@ class _Pending:
     messages: list[Message]  # full history of the request
     new: list[Message]  # appended part
     new_ids: list[int]
-    prompt_text: str
+    prompt_text: str  # "" when the fast path did not render the whole prompt
+    gen_tail: str
 
 
 @dataclass
@@ -119,7 +121,8 @@ class SessionStore:
     def __init__(self, tokenizer: Tokenizer, policy: SessionPolicy = "linear",
                  match: str = "loose_tool_call", tool_parser: str = "json_tags",
                  template_fallback: str = "none", reasoning_tags: tuple[str, str] | None = ("<think>", "</think>"),
-                 max_sessions: int = 100_000, verify_template: bool = True) -> None:
+                 max_sessions: int = 100_000, verify_template: bool = True,
+                 render_mode: str = "auto") -> None:
         if policy not in ("linear", "branching"):
             raise SessionError(f"unknown session policy {policy!r}; valid: linear, branching")
         self.tok = tokenizer
@@ -129,7 +132,7 @@ class SessionStore:
         self.reasoning_tags = reasoning_tags
         self.max_sessions = max_sessions
         self._sessions: dict[str, _Session] = {}
-        from miles.rollout.template_check import FALLBACKS, check_template
+        from miles.rollout.template_check import FALLBACKS, check_local_render, check_template
 
         if template_fallback != "none" and template_fallback not in FALLBACKS:
             raise SessionError(f"unknown template fallback {template_fallback!r}; valid: none, "
@@ -144,12 +147,18 @@ class SessionStore:
                                     + "\nset rollout.template_fallback to one of "
                                     + ", ".join(FALLBACKS) + " to accept a documented fallback")
         self._stop_texts = [self.tok.decode([i]) for i in self.tok.stop_token_ids]
+        if render_mode not in ("auto", "full", "local"):
+            raise SessionError(f"unknown render mode {render_mode!r}; valid: auto, full, local")
+        # local: render only the last turn + the new messages (verified equal on canonical chats)
+        self.local_render = render_mode == "local" or (
+            render_mode == "auto" and verify_template and template_fallback == "none"
+            and not check_local_render(tokenizer).findings)
 
     @classmethod
     def from_config(cls, cfg: RolloutConfig, tokenizer: Tokenizer) -> SessionStore:
         tags = cfg.reasoning_tags
         return cls(tokenizer, cfg.session_policy, cfg.match_policy, cfg.tool_parser, cfg.template_fallback,
-                   (tags[0], tags[1]) if tags else None, cfg.max_sessions)
+                   (tags[0], tags[1]) if tags else None, cfg.max_sessions, render_mode=cfg.render_mode)
 
     # -- lifecycle -------------------------------------------------------------
     def create(self, session_id: str | None = None, routing_key: str | None = None,
@@ -192,7 +201,7 @@ class SessionStore:
             for child in node.children:
                 k = len(child.messages)
                 if pos + k <= len(msgs) and all(
-                    self._match(a, b) for a, b in zip(child.messages, msgs[pos:pos + k], strict=True)
+                    a == b or self._match(a, b) for a, b in zip(child.messages, msgs[pos:pos + k], strict=True)
                 ):
                     node, pos = child, pos + k
                     break
@@ -227,27 +236,62 @@ class SessionStore:
         new = msgs[pos:]
         if not new:
             raise SessionError(f"session {s.id!r}: the request appends no message to the stored history")
-        full = self._render(s, msgs, True)
-        suffix = self._suffix(s, node, msgs, pos, full)
-        new_ids = self.tok.encode(node.gap + suffix)
+        text, prompt_text, gen_tail = self._new_text(s, node, msgs, pos)
+        new_ids = self.tok.encode(text)
         plan = TurnPlan(s.id, "plan-" + os.urandom(6).hex(), node.id, node.token_ids() + new_ids,
                         node.n_tokens, s.routing_key)
-        s.pending[plan.plan_id] = _Pending(plan, node, msgs, new, new_ids, full)
+        s.pending[plan.plan_id] = _Pending(plan, node, msgs, new, new_ids, prompt_text, gen_tail)
         return plan
 
-    def _suffix(self, s: _Session, node: Node, msgs: list[Message], pos: int, full: str) -> str:
+    def _prompt_text(self, s: _Session, node: Node) -> str:
+        """The rendered prompt of `node`'s turn (kept from prepare, or rendered when not kept)."""
+        if not node.prompt_text:
+            node.prompt_text = self._render(s, node.all_messages()[:-1], True)
+        return node.prompt_text
+
+    def _local_new_text(self, s: _Session, node: Node, new: list[Message]) -> tuple[str, str] | None:
+        """Fast path for templates verified local: render only the last turn plus the new messages."""
+        if not node.sampled_text:
+            return None
+        if node.local_text is None:
+            first = node.path()[0].messages[0]
+            head = [first] if first["role"] == "system" and node.messages[0] is not first else []
+            node.local_ctx = head + node.messages
+            node.local_text = self._render(s, node.local_ctx, False)
+        a = node.local_text
+        b = self._render(s, node.local_ctx + new, True)
+        idx = a.rfind(node.sampled_text)
+        if not b.startswith(a) or idx < 0 or not a[:idx].endswith(node.gen_tail):
+            return None
+        return a[idx + len(node.sampled_text):] + b[len(a):], b[-_TAIL:]
+
+    def _new_text(self, s: _Session, node: Node, msgs: list[Message], pos: int) -> tuple[str, str, str]:
+        """(text to tokenize, the full prompt text if rendered, the generation prompt's tail)."""
         if node.parent is None:
-            return full
-        if full.startswith(node.rendered):
-            return full[len(node.rendered):]
-        # the request's wording of stored messages may differ (lenient match policies)
+            full = self._render(s, msgs, True)
+            return full, full, full[-_TAIL:]
+        if self.local_render:
+            got = self._local_new_text(s, node, msgs[pos:])
+            if got is not None:
+                return got[0], "", got[1]
+        full = self._render(s, msgs, True)
+        covered = node.covered or self._prompt_text(s, node) + node.sampled_text
+        if full.startswith(covered):  # one render, nothing re-tokenized
+            return full[len(covered):], full, full[-_TAIL:]
+        # The template writes the stored turn differently from how the model sampled it
+        # (tool-call JSON spacing, a truncated turn, a leniently matched message): close the
+        # stored turn with the template's own end-of-turn text, then append the new messages.
+        rendered = self._render(s, node.all_messages(), False)
+        gap = self._gap(rendered, self._prompt_text(s, node), node.sampled_text, node.ids[node.n_spliced:])
+        if full.startswith(rendered):
+            return gap + full[len(rendered):], full, full[-_TAIL:]
         prefix = self._render(s, msgs[:pos], False)
         if full.startswith(prefix):
-            return full[len(prefix):]
+            return gap + full[len(prefix):], full, full[-_TAIL:]
         if self.fallback == "anchor_diff":
             from miles.rollout.template_check import anchor_suffix
 
-            return anchor_suffix(self.tok, node.messages[-1], msgs[pos:], s.tools)
+            return gap + anchor_suffix(self.tok, node.messages[-1], msgs[pos:], s.tools), full, full[-_TAIL:]
         at = _first_difference(prefix, full)
         raise NotAppendOnly(f"session {s.id!r}: rendering the stored messages is not a prefix of rendering "
                             f"the request (first difference at character {at}: stored "
@@ -289,13 +333,11 @@ class SessionStore:
             experts = ex[-seg_len:] if seg_len else ex[:0]
         text = self.tok.decode(sampled)
         message, oa_finish = self._assistant_message(text, sampled, finish_reason)
-        msgs = p.messages + [message]
-        rendered = self._render(s, msgs, False)
-        gap = self._gap(rendered, p.prompt_text, text, sampled)
         parent = p.parent
         node = Node(id=s.next_node, parent=parent, messages=p.new + [message], n_spliced=len(p.new_ids),
                     ids=p.new_ids + sampled, logprobs=[float(x) for x in logprobs], versions=vers,
-                    experts=experts, rendered=rendered, gap=gap, finish_reason=finish_reason,
+                    experts=experts, prompt_text=p.prompt_text, sampled_text=text, gen_tail=p.gen_tail,
+                    covered=p.prompt_text + text if p.prompt_text else "", finish_reason=finish_reason,
                     n_messages=parent.n_messages + len(p.new) + 1, n_tokens=parent.n_tokens + seg_len)
         s.next_node += 1
         parent.children.append(node)

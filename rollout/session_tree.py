@@ -3,9 +3,11 @@
 A node is one committed turn: the messages it appended (spliced prompt text,
 mask 0) followed by the assistant message the engine sampled (mask 1). Its
 `rendered` text is the chat-template rendering of every message up to and
-including that assistant message; `gap` is the template text after the sampled
-tokens (e.g. the newline after the end-of-turn token) that the next turn splices
-before its own suffix. The root holds no tokens.
+`covered` is the text its token ids stand for from the root: the prompt text the
+engine got plus the decoded sampled text. A next turn whose rendering starts
+with `covered` tokenizes only the rest; otherwise the store falls back to the
+canonical rendering of the stored messages (see SessionStore._suffix). The root
+holds no tokens.
 """
 
 from __future__ import annotations
@@ -34,8 +36,12 @@ class Node:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     experts: np.ndarray | None = None  # [len(ids), L, k] for this segment
-    rendered: str = ""
-    gap: str = ""
+    prompt_text: str = ""  # the rendered prompt of this turn (the engine's input, as text)
+    sampled_text: str = ""  # the decoded sampled ids
+    covered: str = ""  # prompt_text + sampled_text ("" when prompt_text was not rendered)
+    gen_tail: str = ""  # the end of this turn's prompt text (the generation prompt)
+    local_ctx: list[Message] = field(default_factory=list)  # fast path: system + this turn
+    local_text: str | None = None  # rendering of local_ctx
     finish_reason: str = "stop"
     children: list[Node] = field(default_factory=list)
     n_messages: int = 0  # messages from the root through this node

@@ -170,3 +170,33 @@ def anchor_suffix(tok: Tokenizer, last_assistant: Message, new: list[Message],
         raise NotAppendOnly(f"anchor_diff fallback: the anchor's rendering is not a prefix at char {at} "
                             f"({a[at:at + 40]!r} vs {b[at:at + 40]!r}); this template cannot use TITO")
     return b[len(a):]
+
+
+def check_local_render(tok: Tokenizer,
+                       conversations: dict[str, tuple[list[Message], list[dict[str, Any]] | None]] | None = None,
+                       ) -> TemplateReport:
+    """Whether rendering only (system prompt + the last turn + new messages) yields the same new
+    text as rendering the whole conversation, at every turn of the canonical conversations."""
+    rep = TemplateReport()
+    for name, (raw, tools) in (conversations or CANONICAL).items():
+        msgs = normalize(raw, name)
+        head = [msgs[0]] if msgs[0]["role"] == "system" else []
+        bounds = [j for j, m in enumerate(msgs) if m["role"] == "assistant"]
+        for prev, j in zip(bounds, [*bounds[1:], len(msgs)], strict=True):
+            nxt = j if j < len(msgs) else len(msgs)
+            start = max((b for b in bounds if b < prev), default=-1) + 1
+            ctx = msgs[start:prev + 1]
+            ctx_full = ctx if start == 0 else head + ctx
+            new = msgs[prev + 1:nxt]
+            if not new or new[-1]["role"] not in ("user", "tool"):
+                continue
+            whole_prev = _render(tok, msgs[:prev + 1], tools, False)
+            whole_next = _render(tok, msgs[:nxt], tools, True)
+            a = _render(tok, ctx_full, tools, False)
+            b = _render(tok, ctx_full + new, tools, True)
+            want = whole_next[len(whole_prev):] if whole_next.startswith(whole_prev) else None
+            got = b[len(a):] if b.startswith(a) else None
+            if want != got:
+                rep.findings.append(Finding(name, prev, "not_local", 0, str(want)[:40], str(got)[:40]))
+        rep.checked.append(name)
+    return rep

@@ -12,9 +12,10 @@ import json
 import string
 from pathlib import Path
 
-from miles.rollout.tokenizer import HFTokenizer, load_tokenizer
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models
 from tokenizers import Tokenizer as _HFTok
+
+from miles.rollout.tokenizer import HFTokenizer, load_tokenizer
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
                   "<unk>"]
@@ -46,8 +47,8 @@ CHATML_TEMPLATE = (
 def build_tiny_tokenizer() -> _HFTok:
     """The character-level `tokenizers.Tokenizer` (deterministic ids)."""
     vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + WORD_TOKENS + list(CHARS))}
-    tok = _HFTok(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    # BPE without merges = one token per character, and faster than a per-character pre-tokenizer
+    tok = _HFTok(models.BPE(vocab, [], unk_token="<unk>"))
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in WORD_TOKENS])

@@ -11,9 +11,10 @@ import json
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from tokenizers import Tokenizer as _HFTok
+
 from miles.core.errors import ConfigError
 from miles.rollout.chat_template import ChatTemplate
-from tokenizers import Tokenizer as _HFTok
 
 
 @runtime_checkable

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 import numpy as np
+
 from miles.core.errors import ProtocolError
 
 Status = Literal["completed", "truncated", "aborted", "failed"]

@@ -53,6 +53,12 @@ class RolloutConfig:
         "what to do when the chat template fails the append-only check: none = refuse (NotAppendOnly); "
         "anchor_diff = tokenize appended messages after a reasoning-free anchor (see rollout/template_check.py)",
     )
+    render_mode: Literal["auto", "full", "local"] = opt(
+        "auto",
+        "how a turn renders the chat: full = the whole conversation; local = only the system prompt, "
+        "the last stored turn and the new messages (fast); auto = local when the template passes "
+        "the locality check on the canonical conversations, else full",
+    )
     tool_parser: str = opt("json_tags", "named parser turning model text into tool_calls: json_tags | none")
     reasoning_tags: list[str] = opt(
         ["<think>", "</think>"], "open/close tags of reasoning text split into reasoning_content; [] = off"

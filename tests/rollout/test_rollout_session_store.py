@@ -236,3 +236,55 @@ def test_store_refuses_non_append_only_template_unless_fallback(tmp_path: Path) 
     # the stored (reasoning-bearing) tokens stay; only the new user turn is spliced on
     assert plan2.prompt_ids == plan.prompt_ids + sampled + tok.encode(
         "\n<|im_start|>user\nC<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_local_render_matches_full_render(tmp_path: Path) -> None:
+    """The fast path (render the last turn + new messages) gives the same ids as full renders."""
+    from miles.rollout.template_check import check_local_render
+
+    tok = tiny_tokenizer(tmp_path)
+    assert check_local_render(tok).ok
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
+    runs = {}
+    for mode in ("full", "local"):
+        store = SessionStore(tok, render_mode=mode)
+        assert store.local_render == (mode == "local")
+        sid = store.create(tools=tools)
+        msgs: list[dict] = [{"role": "system", "content": "sys"}, {"role": "user", "content": "2*3?"}]
+        replies = ['<tool_call>{"name":"calc","arguments":{"expr":"2*3"}}</tool_call>', "<think>t</think>6",
+                   "truncated"]
+        plans = []
+        for k, reply in enumerate(replies):
+            plan = store.prepare_turn(sid, msgs, tools)
+            plans.append(plan.prompt_ids)
+            end = [] if k == 2 else [tok.token_to_id("<|im_end|>")]
+            ids = tok.encode(reply) + end
+            res = store.commit_turn(sid, plan, ids, [-0.5] * len(ids), finish_reason="length" if k == 2 else "stop")
+            msgs.append(res.message)
+            if res.message.get("tool_calls"):
+                msgs.append({"role": "tool", "content": "6"})
+            else:
+                msgs.append({"role": "user", "content": f"next {k}"})
+        plans.append(store.prepare_turn(sid, msgs, tools).prompt_ids)
+        runs[mode] = plans
+    assert runs["full"] == runs["local"]
+    whole = tok.encode(tok.apply_chat_template(
+        [{"role": "system", "content": "sys"}, {"role": "user", "content": "2*3?"}], tools, True))
+    assert runs["local"][0] == whole
+
+
+def test_auto_render_mode_is_full_for_non_local_template(tmp_path: Path) -> None:
+    # a template that numbers turns depends on the whole history, so it must not render locally
+    d = save_tiny_tokenizer(tmp_path)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ loop.index }}:{{ m.content }}"
+                            "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = load_tokenizer(d)
+    store = SessionStore(tok)
+    assert not store.local_render
+    sid = store.create()
+    plan = store.prepare_turn(sid, [A])
+    r = store.commit_turn(sid, plan, tok.encode("1:x"), [0.0] * 3)
+    plan2 = store.prepare_turn(sid, [A, r.message, C])
+    assert tok.decode(plan2.prompt_ids).endswith("<|im_start|>user\n3:C<|im_end|>\n<|im_start|>assistant\n")

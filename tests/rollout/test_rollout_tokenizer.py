@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from miles.core.errors import ConfigError
 from miles.rollout.tiny_tokenizer import save_tiny_tokenizer, tiny_tokenizer
 from miles.rollout.tokenizer import Tokenizer, load_tokenizer

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgpack
 import numpy as np
 import pytest
+
 from miles.core.errors import ProtocolError
 from miles.rollout.types import Group, Sample
 
