@@ -159,26 +159,34 @@ async def default_generate(ctx: GenerateContext) -> list[Sample]:
     return samples
 
 
+async def generate_one(ctx: RolloutContext, prompt: Prompt, sample_index: int) -> list[Sample]:
+    """One trajectory with its reward(s): what a rollout worker runs for one buffer `Work` item.
+
+    A generation error becomes a `failed` sample (the buffer drops its group); a plug-in that
+    breaks its contract (ProtocolError, ConfigError) propagates."""
+    gctx = GenerateContext(ctx.client, prompt, ctx.agent, ctx.tools, ctx.sampling, sample_index, ctx.max_turns)
+    try:
+        samples = validate_generate_output(await ctx.generate(gctx))
+    except (ProtocolError, ConfigError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - a generation error marks the sample failed, buffer drops it
+        return [Sample(prompt_ids=[], status="failed", index=sample_index,
+                       metadata={"error": f"{type(exc).__name__}: {exc}"})]
+    for s in samples:
+        s.index = sample_index
+        if s.status in ("completed", "truncated"):
+            r = ctx.reward(prompt, s)
+            s.reward = float(await r) if inspect.isawaitable(r) else float(r)
+    return samples
+
+
 async def default_rollout(ctx: RolloutContext, prompt: Prompt) -> Group:
-    """n concurrent `generate` calls, then a reward per sample; a failed generate gives a failed sample."""
-
-    async def one(i: int) -> list[Sample]:
-        gctx = GenerateContext(ctx.client, prompt, ctx.agent, ctx.tools, ctx.sampling, i, ctx.max_turns)
-        try:
-            return validate_generate_output(await ctx.generate(gctx))
-        except (ProtocolError, ConfigError):
-            raise
-        except Exception as exc:  # noqa: BLE001 - a generation error marks the sample failed, buffer drops it
-            return [Sample(prompt_ids=[], status="failed", metadata={"error": f"{type(exc).__name__}: {exc}"})]
-
-    outs = await asyncio.gather(*(one(i) for i in range(ctx.n_samples)))
+    """n concurrent trajectories (`generate_one`), each rewarded; the group of one prompt."""
+    outs = await asyncio.gather(*(generate_one(ctx, prompt, i) for i in range(ctx.n_samples)))
     samples: list[Sample] = []
     for i, out in enumerate(outs):
         for s in out:
-            s.index = len(samples)
             s.metadata.setdefault("generate_index", i)
-            if s.status in ("completed", "truncated"):
-                r = ctx.reward(prompt, s)
-                s.reward = float(await r) if inspect.isawaitable(r) else float(r)
+            s.index = len(samples)
             samples.append(s)
     return Group(prompt_id=str(prompt.get("id")), samples=samples, prompt_index=int(prompt.get("index", 0)))
