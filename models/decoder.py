@@ -22,10 +22,22 @@ from miles.models.moe import MoEBlock
 
 @dataclass
 class CausalLMOutput:
-    """logits: [B, T', V] (T' = T, or 1 with `logits_at`); routed_experts: [B, T, L_moe, k] int64 or None."""
+    """logits: [B, T, V]; [B, 1, V] with `logits_at`; [M, V] with `logits_index`; None when
+    `compute_logits=False`. routed_experts: [B, T, L_moe, k] int64 or None.
+    hidden: [B, T, H] final hidden state (after the last norm) when `return_hidden`."""
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     routed_experts: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+
+
+def _check_head_args(b: int, logits_at: torch.Tensor | None, logits_index: torch.Tensor | None) -> None:
+    if logits_at is not None and logits_index is not None:
+        raise ModelInputError("pass either logits_at or logits_index, not both")
+    if logits_at is not None and tuple(logits_at.shape) != (b,):
+        raise ModelInputError(f"logits_at must have shape [B]=({b},), got {tuple(logits_at.shape)}")
+    if logits_index is not None and logits_index.dim() != 1:
+        raise ModelInputError(f"logits_index must be 1-D [M], got shape {tuple(logits_index.shape)}")
 
 
 class DecoderLayer(nn.Module):
@@ -40,6 +52,27 @@ class DecoderLayer(nn.Module):
         )
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        given_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """h: [B, T, H] -> (new h [B, T, H], expert ids [B, T, k] for a MoE layer else None).
+
+        A real forward (rather than the LM reaching into the block) so that FSDP2 can shard
+        one unit per block: its pre-forward hook gathers exactly this block's weights.
+        """
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, bias, kv_cache)
+        x = self.post_attention_layernorm(h)
+        if self.is_moe:
+            y, ids = self.mlp(x, given_ids)
+            return h + y, ids
+        return h + self.mlp(x), None
 
 
 class Backbone(nn.Module):
@@ -86,6 +119,9 @@ class CausalLM(nn.Module):
         routed_experts: torch.Tensor | None = None,
         return_routed_experts: bool = False,
         logits_at: torch.Tensor | None = None,
+        logits_index: torch.Tensor | None = None,
+        return_hidden: bool = False,
+        compute_logits: bool = True,
     ) -> CausalLMOutput:
         """Run the LM.
 
@@ -103,6 +139,11 @@ class CausalLM(nn.Module):
             are the live router softmax gathered at those ids.
         return_routed_experts: also return the ids used, [B, T, L_moe, k] int64.
         logits_at: LongTensor [B]: compute logits only at this position of each row -> [B, 1, V].
+        logits_index: LongTensor [M]: compute logits only at these positions of the flattened
+            [B*T] token axis (packed training: the response positions) -> [M, V].
+        return_hidden: also return the final hidden state [B, T, H] (after the last norm);
+            `logits_from_hidden` turns (a selection of) it into logits.
+        compute_logits: False skips the LM head (logits = None), e.g. to chunk it yourself.
         """
         spec = self.spec
         if input_ids.dim() != 2:
@@ -132,6 +173,7 @@ class CausalLM(nn.Module):
                 raise ModelInputError(
                     f"routed_experts holds expert id {int(routed_experts.max())} >= num_experts={spec.num_experts}"
                 )
+        _check_head_args(b, logits_at, logits_index)
         h = self.model.embed_tokens(input_ids)
         bias = None
         if attention_mask is not None:
@@ -141,22 +183,14 @@ class CausalLM(nn.Module):
         used: list[torch.Tensor] = []
         j = 0
         for layer in self.model.layers:
-            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, bias, kv_cache)
-            x = layer.post_attention_layernorm(h)
+            given = None
             if layer.is_moe:
                 given = routed_experts[:, :, j] if routed_experts is not None else None
-                y, ids = layer.mlp(x, given)
-                if return_routed_experts:
-                    used.append(ids)
                 j += 1
-            else:
-                y = layer.mlp(x)
-            h = h + y
-        if logits_at is not None:
-            h = h[torch.arange(b, device=h.device), logits_at.to(h.device)].unsqueeze(1)
-        h = self.model.norm(h)
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = h @ weight.t()
+            h, ids = layer(h, cos, sin, bias, kv_cache, given)
+            if return_routed_experts and ids is not None:
+                used.append(ids)
+        logits, hidden = self._head(h, logits_at, logits_index, return_hidden, compute_logits)
         out_ids = None
         if return_routed_experts:
             k = spec.num_experts_per_tok
@@ -165,4 +199,38 @@ class CausalLM(nn.Module):
                 if used
                 else torch.zeros(b, t, 0, k, dtype=torch.long, device=input_ids.device)
             )
-        return CausalLMOutput(logits=logits, routed_experts=out_ids)
+        return CausalLMOutput(logits=logits, routed_experts=out_ids, hidden=hidden)
+
+    def _head(
+        self,
+        h: torch.Tensor,
+        logits_at: torch.Tensor | None,
+        logits_index: torch.Tensor | None,
+        return_hidden: bool,
+        compute_logits: bool,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        b, t, _ = h.shape
+        hidden = None
+        if return_hidden:
+            hidden = h = self.model.norm(h)
+        elif not compute_logits:
+            return None, None
+        # Select before the norm when the full hidden state is not wanted: the norm is per token.
+        if logits_at is not None:
+            h = h[torch.arange(b, device=h.device), logits_at.to(h.device)].unsqueeze(1)
+        elif logits_index is not None:
+            h = h.reshape(b * t, -1)[logits_index.to(h.device)]
+        if not compute_logits:
+            return None, hidden
+        if hidden is None:
+            h = self.model.norm(h)
+        return self._project(h), hidden
+
+    def _project(self, h: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return h @ weight.t()
+
+    def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [..., V] from final (already normed) hidden states [..., H], e.g. `out.hidden`
+        or a selection of it."""
+        return self._project(hidden)

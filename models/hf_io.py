@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,36 +26,71 @@ from miles.models.registry import build_model
 _EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
+@dataclass(frozen=True)
+class HFSlice:
+    """Where one HF tensor sits inside a model parameter: `param[expert][rows]`
+    (expert None: no expert axis; rows: a slice of the remaining first axis)."""
+
+    hf_name: str
+    expert: int | None
+    rows: slice
+
+    def view(self, param: torch.Tensor) -> torch.Tensor:
+        t = param if self.expert is None else param[self.expert]
+        return t[self.rows]
+
+
+_ALL = slice(None)
+
+
+def hf_param_slices(spec: ModelSpec, name: str, shape: Sequence[int]) -> list[HFSlice]:
+    """The HF tensors held by the model parameter `name` of shape `shape` (its full,
+    unsharded shape): fused q/k/v and gate/up projections are split into row slices,
+    stacked experts into per-expert tensors; any other parameter maps to itself."""
+    m = _EXPERTS.match(name)
+    if m:
+        if len(shape) != 3:
+            raise CheckpointError(f"expert parameter {name!r} should be 3-D [E, rows, cols], got shape {tuple(shape)}")
+        out = []
+        for e in range(shape[0]):
+            pre = f"{m.group(1)}.{e}"
+            if m.group(2) == "gate_up_proj":
+                half = shape[1] // 2
+                out += [HFSlice(f"{pre}.gate_proj.weight", e, slice(0, half)),
+                        HFSlice(f"{pre}.up_proj.weight", e, slice(half, shape[1]))]
+            else:
+                out.append(HFSlice(f"{pre}.down_proj.weight", e, _ALL))
+        return out
+    if ".self_attn.qkv_proj." in name:
+        nq, nk = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        pre, kind = name.split(".qkv_proj.")
+        return [
+            HFSlice(f"{pre}.q_proj.{kind}", None, slice(0, nq)),
+            HFSlice(f"{pre}.k_proj.{kind}", None, slice(nq, nq + nk)),
+            HFSlice(f"{pre}.v_proj.{kind}", None, slice(nq + nk, nq + 2 * nk)),
+        ]
+    if ".mlp.gate_up_proj." in name:
+        pre, kind = name.split(".gate_up_proj.")
+        half = shape[0] // 2
+        return [
+            HFSlice(f"{pre}.gate_proj.{kind}", None, slice(0, half)),
+            HFSlice(f"{pre}.up_proj.{kind}", None, slice(half, shape[0])),
+        ]
+    return [HFSlice(name, None, _ALL)]
+
+
+def hf_param_views(spec: ModelSpec, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """(HF name, view into `tensor`) for the model parameter `name` whose full value is `tensor`
+    (e.g. an FSDP parameter after `full_tensor()`)."""
+    return [(s.hf_name, s.view(tensor)) for s in hf_param_slices(spec, name, tensor.shape)]
+
+
 def hf_tensor_views(model: CausalLM) -> dict[str, torch.Tensor]:
     """HF name -> a view into the model's parameter (row slices of fused projections,
     per-expert slices of stacked experts)."""
-    spec = model.spec
-    nq, nk = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
-        d = p.data
-        m = _EXPERTS.match(name)
-        if m:
-            inter = d.shape[1] // 2 if m.group(2) == "gate_up_proj" else 0
-            for e in range(d.shape[0]):
-                pre = f"{m.group(1)}.{e}"
-                if inter:
-                    out[f"{pre}.gate_proj.weight"] = d[e, :inter]
-                    out[f"{pre}.up_proj.weight"] = d[e, inter:]
-                else:
-                    out[f"{pre}.down_proj.weight"] = d[e]
-        elif ".self_attn.qkv_proj." in name:
-            pre, kind = name.split(".qkv_proj.")
-            out[f"{pre}.q_proj.{kind}"] = d[:nq]
-            out[f"{pre}.k_proj.{kind}"] = d[nq : nq + nk]
-            out[f"{pre}.v_proj.{kind}"] = d[nq + nk :]
-        elif ".mlp.gate_up_proj." in name:
-            pre, kind = name.split(".gate_up_proj.")
-            half = d.shape[0] // 2
-            out[f"{pre}.gate_proj.{kind}"] = d[:half]
-            out[f"{pre}.up_proj.{kind}"] = d[half:]
-        else:
-            out[name] = d
+        out.update(hf_param_views(model.spec, name, p.data))
     return out
 
 

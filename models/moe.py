@@ -32,7 +32,15 @@ def compact_expert_ids(ids: torch.Tensor, num_experts: int) -> np.ndarray:
     return ids.detach().to("cpu", torch.int32).numpy().astype(expert_id_dtype(num_experts))
 
 
+# Rough cost of launching one expert's matmuls in the sorted-loop path, in multiply-adds:
+# below it, running every expert densely on every token (and zero-weighting the
+# unselected ones) is cheaper than looping over the active experts.
+_LOOP_OVERHEAD_MACS = {"cpu": 3e5, "cuda": 2e9}
+
+
 class Experts(nn.Module):
+    """E SwiGLU experts stacked: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+
     def __init__(self, num: int, hidden: int, inter: int) -> None:
         super().__init__()
         self.inter = inter
@@ -40,10 +48,30 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num, hidden, inter))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x: [N, H]; ids, weights: [N, k] -> [N, H]."""
+        """x: [N, H]; ids, weights: [N, k] -> [N, H] (a fresh tensor)."""
         n, k = ids.shape
         if n == 0:
             return torch.zeros_like(x)
+        e, two_i, h = self.gate_up_proj.shape
+        extra_macs = n * (e - k) * (two_i + self.inter) * h
+        if extra_macs <= e * _LOOP_OVERHEAD_MACS.get(x.device.type, 3e5):
+            return self._dense(x, ids, weights)
+        return self._grouped(x, ids, weights)
+
+    def _dense(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token, unselected ones weighted 0: three big ops instead of a
+        loop of small ones (decode batches)."""
+        n, e, i = x.shape[0], self.gate_up_proj.shape[0], self.inter
+        gu = (x @ self.gate_up_proj.reshape(e * 2 * i, -1).t()).view(n, e, 2 * i)
+        act = F.silu(gu[..., :i]) * gu[..., i:]  # [N, E, I]
+        y = torch.bmm(act.transpose(0, 1), self.down_proj.transpose(1, 2))  # [E, N, H]
+        dense_w = torch.zeros(n, e, dtype=x.dtype, device=x.device)
+        dense_w = dense_w.scatter_add(1, ids, weights.to(x.dtype))
+        return torch.einsum("enh,ne->nh", y, dense_w)
+
+    def _grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Tokens sorted by expert, one matmul pair per active expert (prefill, training)."""
+        k = ids.shape[1]
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
@@ -66,7 +94,6 @@ class Experts(nn.Module):
         return out
 
 
-
 class MoEBlock(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -79,7 +106,11 @@ class MoEBlock(nn.Module):
     def forward(
         self, x: torch.Tensor, given_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [B, T, H]; given_ids: [B, T, k] or None -> (out [B, T, H], ids [B, T, k] int64)."""
+        """x: [B, T, H]; given_ids: [B, T, k] or None -> (out [B, T, H], ids [B, T, k] int64).
+
+        Both outputs are fresh tensors, not views (FSDP2 hooks on a module's output
+        are lost through in-place ops on a view).
+        """
         b, t, h = x.shape
         flat = x.reshape(-1, h)
         logits = self.gate(flat)
@@ -93,4 +124,4 @@ class MoEBlock(nn.Module):
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
         top_w = top_w.to(logits.dtype)
         out = self.experts(flat, ids, top_w)
-        return out.view(b, t, h), ids.view(b, t, self.top_k)
+        return out.unflatten(0, (b, t)).clone(), ids.unflatten(0, (b, t)).clone()

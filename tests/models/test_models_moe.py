@@ -65,3 +65,26 @@ def test_token_logprobs_is_temperature_scaled_full_softmax() -> None:
     assert torch.allclose(got, want.unsqueeze(0))
     greedy = token_logprobs(logits, torch.tensor([2]), temperature=0.0)
     assert torch.allclose(greedy, torch.log_softmax(logits, -1)[:, 2])
+
+
+def test_dense_and_grouped_expert_paths_agree_with_gradients() -> None:
+    model = moe_model()
+    block = model.model.layers[0].mlp
+    x = torch.randn(5, model.spec.hidden_size, generator=torch.Generator().manual_seed(2))
+    ids = torch.tensor([[0, 3], [3, 7], [1, 0], [7, 6], [2, 2]])  # a repeated id counts twice
+    w = torch.rand(5, 2, generator=torch.Generator().manual_seed(3))
+    outs, grads = [], []
+    for path in (block.experts._dense, block.experts._grouped):
+        block.zero_grad()
+        y = path(x, ids, w)
+        (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        outs.append(y.detach())
+        grads.append(block.experts.gate_up_proj.grad.clone())
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
+
+
+def test_moe_block_outputs_are_not_views() -> None:
+    block = moe_model().model.layers[0].mlp
+    out, ids = block(torch.randn(2, 3, block.gate.in_features))
+    assert out._base is None and ids._base is None
