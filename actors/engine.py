@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from miles.actors.messages import (
     AbortRequest,
     AbortVersion,
@@ -22,8 +24,11 @@ from miles.actors.messages import (
     Stats,
 )
 from miles.actors.runtime.actor import Actor, handler
-from miles.core.errors import EngineError
+from miles.actors.sync_messages import BulkClose, BulkOpen, BulkRecv
+from miles.core.errors import EngineError, SyncError
 from miles.engines.base import Engine, GenerateRequest, GenerateResult, SamplingParams
+from miles.models.hf_io import hf_tensor_views
+from miles.transport.bulk.base import BulkReceiver, LocalWeights, make_receiver
 from miles.transport.bulk.buckets import Reassembler
 
 
@@ -49,8 +54,11 @@ class EngineActor(Actor):
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._reassembler = Reassembler()
+        self._receiver: BulkReceiver | None = None
+        self._live: dict[str, torch.Tensor] | None = None
 
     async def on_stop(self) -> None:
+        await self._close_receiver()
         await self.engine.close()
 
     @handler(Generate, concurrency=1024)
@@ -110,3 +118,46 @@ class EngineActor(Actor):
     @handler(Checksums)
     def checksums(self, msg: Checksums) -> dict[str, str]:
         return self.engine.checksums()
+
+    # ---- receiver side of the bulk weight channels (transport/bulk) -------------------
+    async def _close_receiver(self) -> None:
+        rx, self._receiver = self._receiver, None
+        if rx is not None:
+            await rx.close()
+
+    def _local(self) -> LocalWeights:
+        if self._live is None:
+            model = getattr(self.engine, "model", None)
+            # Live views (updated in place by commit); engines without a torch model give copies.
+            self._live = hf_tensor_views(model) if model is not None else self.engine.state_dict_hf()
+        live = self._live
+
+        def get(name: str) -> torch.Tensor:
+            t = live.get(name)
+            if t is None:
+                raise SyncError(f"engine {self.name!r} holds no tensor {name!r}")
+            return t
+
+        return LocalWeights(int(self.engine.health()["version"]), get)
+
+    @handler(BulkOpen)
+    async def bulk_open(self, msg: BulkOpen) -> None:
+        await self._close_receiver()
+        rx = make_receiver(msg.transport, msg.info, msg.bucket_bytes)
+        await rx.open()
+        self._receiver = rx
+
+    @handler(BulkRecv)
+    async def bulk_recv(self, msg: BulkRecv) -> int:
+        if self._receiver is None:
+            raise SyncError(f"engine {self.name!r}: bucket of v{msg.version} arrived before BulkOpen")
+        whole = []
+        for name, t in await self._receiver.recv(msg.header, self._local()):
+            done = self._reassembler.add(name, t)
+            if done is not None:
+                whole.append(done)
+        return await self.engine.stage(msg.version, whole)
+
+    @handler(BulkClose)
+    async def bulk_close(self, msg: BulkClose) -> None:
+        await self._close_receiver()

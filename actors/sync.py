@@ -1,7 +1,9 @@
 """Weight-sync coordinator: trainer -> engines in fixed-size buckets, atomic commit per version.
 
 Protocol per version v: pause (configured mode) -> stage every bucket on every engine
--> commit(v) everywhere -> resume -> optional checksum check. Every step has a
+-> commit(v) everywhere -> resume -> optional checksum check. Buckets travel on the
+bulk channel named by `sync.transport` (transport/bulk/); the control messages
+(open, per-bucket header, commit) always travel over the actor wire. Every step has a
 deadline. A live engine that fails or times out aborts v everywhere with a
 `SyncError` naming the step and the peer; an engine the directory declares dead is
 dropped from this sync, reported, and caught up when it comes back.
@@ -10,8 +12,9 @@ dropped from this sync, reported, and caught up when it comes back.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,10 +22,12 @@ import torch
 
 from miles.actors.messages import AbortVersion, Checksums, Commit, Pause, Resume, Stage
 from miles.actors.runtime.host import Host
+from miles.actors.sync_messages import BulkClose, BulkOpen, BulkRecv
 from miles.core.errors import ActorDeadError, MilesError, SyncError
 from miles.core.logging import get_logger
 from miles.core.schema.sync import SyncConfig
 from miles.models.hf_io import tensor_checksum
+from miles.transport.bulk.base import BulkSender, make_sender
 from miles.transport.bulk.buckets import iter_buckets
 
 log = get_logger("miles.sync")
@@ -32,6 +37,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 @dataclass
 class SyncReport:
     version: int
+    transport: str = "zmq"
     bytes: int = 0
     buckets: int = 0
     seconds: float = 0.0
@@ -44,24 +50,36 @@ class SyncReport:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
+def _advertise(host: Host, cfg: SyncConfig) -> str:
+    """The address engines reach this process at: config, else the actor host's TCP address."""
+    if cfg.advertise_addr:
+        return cfg.advertise_addr
+    if host.address.startswith("tcp://"):
+        ip = host.address.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+        if ip not in ("0.0.0.0", "*", "::"):
+            return ip
+    return "127.0.0.1"
+
+
 class WeightSync:
-    """Pushes one weight version to a set of engine actors over the zmq bulk path."""
+    """Pushes weight versions to a set of engine actors over the configured bulk channel."""
 
     def __init__(self, host: Host, cfg: SyncConfig, engines: list[str]) -> None:
-        if cfg.transport != "zmq":
-            raise SyncError(
-                f"sync.transport={cfg.transport!r} is not available in this build; valid: 'zmq'"
-            )
         self.host = host
         self.cfg = cfg
         self.engines = list(engines)
+        self.sender: BulkSender = make_sender(cfg)
+        if hasattr(self.sender, "advertise"):
+            self.sender.advertise = _advertise(host, cfg)
+        self._open_for: list[str] | None = None  # engines whose receivers are connected to the sender
+        self.versions: dict[str, int] = {}  # last version each engine committed through this coordinator
 
-    async def _all(self, step: str, names: list[str], make: Any, dead: list[str]) -> list[Any]:
+    async def _all(self, step: str, names: list[str], make: Callable[[str], Any], dead: list[str]) -> list[Any]:
         """Ask every live engine; a dead one is dropped, any other failure raises SyncError."""
 
         async def one(name: str) -> Any:
             try:
-                return await self.host.ref(name).ask(make(), timeout=self.cfg.step_timeout_s)
+                return await self.host.ref(name).ask(make(name), timeout=self.cfg.step_timeout_s)
             except ActorDeadError:
                 dead.append(name)
                 return None
@@ -70,18 +88,48 @@ class WeightSync:
 
         return await asyncio.gather(*(one(n) for n in names))
 
+    async def _open(self, live: list[str], dead: list[str]) -> None:
+        """(Re)connect the channel when the engine set changed; once per run otherwise."""
+        if self.sender.inline or self._open_for == live:
+            return
+        self._open_for = None
+        infos = dict(zip(live, await self.sender.open(live), strict=True))
+        tag, nbytes = self.sender.tag, self.sender.bucket_bytes
+        await self._together(self._all(f"open {tag} channel", live,
+                                       lambda n: BulkOpen(tag, infos[n], nbytes), dead),
+                             getattr(self.sender, "connected", None))
+        self._open_for = list(live)
+
+    @staticmethod
+    async def _together(asks: Any, local: Callable[[], Any] | None) -> None:
+        """Run the engines' side and this side of one step at once; the first failure wins."""
+        tasks = [asyncio.ensure_future(asks)]
+        if local is not None:
+            tasks.append(asyncio.ensure_future(local()))
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
     async def push(self, version: int, named: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
-        rep = SyncReport(version)
+        rep = SyncReport(version, self.sender.tag)
         live = [n for n in self.engines]
         t0 = time.perf_counter()
         dtype = _DTYPES.get(self.cfg.dtype)
         sums: dict[str, str] = {}
         verify = self.cfg.verify_every > 0 and version % self.cfg.verify_every == 0
         paused = False
+        snd = self.sender
         try:
             if self.cfg.pause_mode != "none":
-                await self._all("pause", live, lambda: Pause(self.cfg.pause_mode), rep.dead)
+                await self._all("pause", live, lambda _n: Pause(self.cfg.pause_mode), rep.dead)
                 paused = True
+            live = [n for n in live if n not in rep.dead]
+            await self._open(live, rep.dead)
+
             def converted() -> Iterable[tuple[str, torch.Tensor]]:
                 for n, t in named:
                     t = t.to(dtype) if dtype is not None else t
@@ -89,43 +137,91 @@ class WeightSync:
                         sums[n] = tensor_checksum(t)
                     yield n, t
 
-            for bucket in iter_buckets(converted(), self.cfg.bucket_mib << 20):
+            deferred: list[dict[str, Any]] = []
+            for seq, bucket in enumerate(iter_buckets(converted(), self.cfg.bucket_mib << 20)):
                 live = [n for n in live if n not in rep.dead]
-                await self._all(f"stage v{version} bucket {rep.buckets}", live,
-                                lambda b=bucket: Stage(version, b.names, b.tensors), rep.dead)
+                step = f"stage v{version} bucket {seq} ({snd.tag})"
+                header = snd.prepare(version, seq, bucket)
+                if snd.inline:
+                    await self._all(step, live, lambda _n, b=bucket: Stage(version, b.names, b.tensors), rep.dead)
+                elif snd.streaming:
+                    await self._together(self._all(step, live, lambda _n, h=header: BulkRecv(version, h), rep.dead),
+                                         snd.transmit)
+                else:
+                    await snd.transmit()
+                    deferred.append(header)
                 rep.bytes += bucket.nbytes
                 rep.buckets += 1
+            await snd.finish(version)
+            for seq, header in enumerate(deferred):
+                live = [n for n in live if n not in rep.dead]
+                await self._all(f"stage v{version} bucket {seq} ({snd.tag})", live,
+                                lambda _n, h=header: BulkRecv(version, h), rep.dead)
             live = [n for n in live if n not in rep.dead]
-            await self._all(f"commit v{version}", live, lambda: Commit(version), rep.dead)
+            await self._all(f"commit v{version}", live, lambda _n: Commit(version), rep.dead)
             rep.committed = [n for n in live if n not in rep.dead]
-        except SyncError:
+            await snd.committed(version)
+            for n in rep.committed:
+                self.versions[n] = version
+        except (SyncError, asyncio.CancelledError):
+            self._open_for = None  # a failed channel is rebuilt on the next push
+            await snd.abort(version)
             await self._abort(version, [n for n in live if n not in rep.dead])
             raise
         finally:
             if paused:
                 try:
                     await self._all("resume", [n for n in live if n not in rep.dead],
-                                    lambda: Resume(), rep.dead)
+                                    lambda _n: Resume(), rep.dead)
                 except SyncError as exc:
                     log.error("resume_failed", error=str(exc))
         rep.seconds = time.perf_counter() - t0
         if verify:
             rep.verified = await self.verify(rep.committed, sums)
         if rep.dead:
+            self._open_for = None
             log.warning("sync_engines_dead", version=version, dead=rep.dead)
         return rep
+
+    async def catch_up(self, engine: str, version: int, named: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
+        """Bring one (restarted or lagging) engine to `version` with a full copy over the zmq path.
+
+        The engine joins this coordinator's set; the bulk channel is rebuilt on the next push
+        so it gets a receiver too. Delta channels need no change: the engine now holds the
+        version their next delta is based on.
+        """
+        cfg = dataclasses.replace(self.cfg, transport="zmq", delta_dir="", pause_mode="none")
+        rep = await WeightSync(self.host, cfg, [engine]).push(version, named)
+        if engine not in rep.committed:
+            raise SyncError(f"catch-up of engine {engine!r} to v{version} failed: it is dead")
+        if engine not in self.engines:
+            self.engines.append(engine)
+        self.versions[engine] = version
+        self._open_for = None
+        return rep
+
+    async def close(self) -> None:
+        """Tear the channel down on both sides (engines first, so none waits on a gone sender)."""
+        if self._open_for:
+            dead: list[str] = []
+            try:
+                await self._all("close channel", self._open_for, lambda _n: BulkClose(), dead)
+            except SyncError as exc:
+                log.warning("channel_close_failed", error=str(exc))
+        self._open_for = None
+        await self.sender.close()
 
     async def _abort(self, version: int, names: list[str]) -> None:
         dead: list[str] = []
         try:
-            await self._all(f"abort v{version}", names, lambda: AbortVersion(version), dead)
+            await self._all(f"abort v{version}", names, lambda _n: AbortVersion(version), dead)
         except SyncError as exc:
             log.error("abort_version_failed", version=version, error=str(exc))
 
     async def verify(self, engines: list[str], expected: dict[str, str]) -> bool:
         """Compare each engine's per-tensor xxh64 with the trainer's; raise SyncError on mismatch."""
         dead: list[str] = []
-        got = await self._all("checksum", engines, lambda: Checksums(), dead)
+        got = await self._all("checksum", engines, lambda _n: Checksums(), dead)
         for name, sums in zip(engines, got, strict=True):
             if sums is None:
                 continue

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from miles.core.config import opt
+from miles.core.errors import ConfigError
 
 
 @dataclass
@@ -22,3 +23,23 @@ class SyncConfig:
     dtype: Literal["float32", "bfloat16", "float16", "same"] = opt(
         "same", "dtype the weights travel in; 'same' = the trainer's export dtype"
     )
+    advertise_addr: str = opt(
+        "", "address engines reach trainer rank 0 at (broadcast store, ucx listener); '' = the actor host's"
+    )
+    delta_dir: str = opt("", "shared directory of disk_delta versions (weight_v{N}/); required for disk_delta")
+    delta_compression: Literal["auto", "zlib", "lz4", "none"] = opt(
+        "auto", "compression of disk_delta XOR deltas; auto = lz4 if installed, else zlib"
+    )
+    delta_keep: int = opt(2, "disk_delta versions kept on disk (older ones are deleted)", "versions")
+
+    def __post_init__(self) -> None:
+        if self.bucket_mib <= 0:
+            raise ConfigError(f"sync.bucket_mib={self.bucket_mib} must be > 0")
+        if self.step_timeout_s <= 0:
+            raise ConfigError(f"sync.step_timeout_s={self.step_timeout_s} must be > 0")
+        if self.verify_every < 0:
+            raise ConfigError(f"sync.verify_every={self.verify_every} must be >= 0")
+        if self.delta_keep < 1:
+            raise ConfigError(f"sync.delta_keep={self.delta_keep} must be >= 1")
+        if self.transport == "disk_delta" and not self.delta_dir:
+            raise ConfigError("sync.transport='disk_delta' needs sync.delta_dir (a directory shared with engines)")

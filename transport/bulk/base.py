@@ -1,0 +1,183 @@
+"""The bulk-channel interface weight buckets travel on, and the registry of channels by tag.
+
+A sync run opens one sender (trainer rank 0) and one receiver per engine. Control
+(what bucket comes next, its layout) travels as small msgpack messages over the
+actor wire; the bytes travel on the channel. Per bucket the coordinator calls
+`sender.prepare()` for the layout header it forwards to every receiver, then runs
+`sender.transmit()` concurrently with every receiver's `recv()` (streaming
+channels) or before them (`streaming = False`: the receivers read after
+`finish()`, e.g. a directory written atomically).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from miles.core.errors import SyncError
+from miles.core.hooks import Registry
+from miles.core.schema.sync import SyncConfig
+from miles.transport.bulk.buckets import Bucket
+
+# Tags of `sync.transport` -> sender / receiver classes, imported only when chosen.
+SENDERS = Registry("sync.transport", {
+    "zmq": "miles.transport.bulk.zmq_channel:ZmqSender",
+    "broadcast": "miles.transport.bulk.broadcast:BroadcastSender",
+    "disk_delta": "miles.transport.bulk.disk_delta:DiskDeltaSender",
+    "ucx": "miles.transport.bulk.ucx:UcxSender",
+    "cuda_ipc": "miles.transport.bulk.cuda_ipc:CudaIpcSender",
+})
+RECEIVERS = Registry("sync.transport", {
+    "broadcast": "miles.transport.bulk.broadcast:BroadcastReceiver",
+    "disk_delta": "miles.transport.bulk.disk_delta:DiskDeltaReceiver",
+    "ucx": "miles.transport.bulk.ucx:UcxReceiver",
+    "cuda_ipc": "miles.transport.bulk.cuda_ipc:CudaIpcReceiver",
+})
+
+
+
+@dataclass
+class LocalWeights:
+    """What a receiving engine holds now: its live version and its tensors by HF name."""
+
+    version: int
+    get: Callable[[str], torch.Tensor]
+
+
+@dataclass
+class Layout:
+    """Where each tensor of a bucket lies in its flat byte buffer (msgpack-able via `to_wire`)."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    offsets: list[int]
+    nbytes: int
+
+    @classmethod
+    def of(cls, bucket: Bucket) -> Layout:
+        offs, pos = [], 0
+        for t in bucket.tensors:
+            offs.append(pos)
+            pos += t.numel() * t.element_size()
+        return cls(list(bucket.names), [str(t.dtype).removeprefix("torch.") for t in bucket.tensors],
+                   [list(t.shape) for t in bucket.tensors], offs, pos)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"names": self.names, "dtypes": self.dtypes, "shapes": self.shapes,
+                "offsets": self.offsets, "nbytes": self.nbytes}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> Layout:
+        try:
+            lay = cls(list(d["names"]), list(d["dtypes"]), [list(s) for s in d["shapes"]],
+                      [int(o) for o in d["offsets"]], int(d["nbytes"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SyncError(f"malformed bucket layout: {exc}") from exc
+        if not len(lay.names) == len(lay.dtypes) == len(lay.shapes) == len(lay.offsets):
+            raise SyncError(f"bucket layout lists differ in length: {len(lay.names)} names, "
+                            f"{len(lay.dtypes)} dtypes, {len(lay.shapes)} shapes, {len(lay.offsets)} offsets")
+        return lay
+
+
+def dtype_of(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise SyncError(f"unknown tensor dtype {name!r} in a bucket layout")
+    return dt
+
+
+def pack_into(bucket: Bucket, buf: torch.Tensor) -> Layout:
+    """Copy a bucket's tensors back to back into the uint8 buffer `buf` (one copy each)."""
+    lay = Layout.of(bucket)
+    if lay.nbytes > buf.numel():
+        raise SyncError(f"bucket of {lay.nbytes} bytes does not fit the {buf.numel()}-byte staging buffer")
+    for t, off in zip(bucket.tensors, lay.offsets, strict=True):
+        n = t.numel() * t.element_size()
+        buf[off:off + n].copy_(t.contiguous().reshape(-1).view(torch.uint8))
+    return lay
+
+
+def unpack(lay: Layout, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Views of each tensor inside `buf` (valid until the buffer is reused)."""
+    if lay.nbytes > buf.numel():
+        raise SyncError(f"layout needs {lay.nbytes} bytes, buffer holds {buf.numel()}")
+    out = []
+    for name, dt_s, shape, off in zip(lay.names, lay.dtypes, lay.shapes, lay.offsets, strict=True):
+        dt = dtype_of(dt_s)
+        n = dt.itemsize
+        for s in shape:
+            n *= s
+        out.append((name, buf[off:off + n].view(dt).reshape(shape)))
+    return out
+
+
+class BulkSender(abc.ABC):
+    """Trainer side of a channel. One instance per run; `open` again when the peer set changes."""
+
+    tag: ClassVar[str]
+    streaming: ClassVar[bool] = True
+    inline: ClassVar[bool] = False  # True: the tensors ride in the control message (zmq)
+
+    def __init__(self, cfg: SyncConfig) -> None:
+        self.cfg = cfg
+        self.bucket_bytes = cfg.bucket_mib << 20
+        self.peers: list[str] = []
+
+    @abc.abstractmethod
+    async def open(self, peers: list[str]) -> list[dict[str, Any]]:
+        """Set the channel up for `peers`; returns what each peer's receiver needs to connect."""
+
+    @abc.abstractmethod
+    def prepare(self, version: int, seq: int, bucket: Bucket) -> dict[str, Any]:
+        """Stage bucket `seq` of `version` for sending; returns the header every receiver gets."""
+
+    @abc.abstractmethod
+    async def transmit(self) -> None:
+        """Move the prepared bucket's bytes (concurrently with the receivers' `recv`)."""
+
+    async def finish(self, version: int) -> None:  # noqa: B027 - optional hook
+        """Called once every bucket of `version` was transmitted."""
+
+    async def committed(self, version: int) -> None:  # noqa: B027 - optional hook
+        """Called once `version` is live on the engines (delta channels move their base here)."""
+
+    async def abort(self, version: int) -> None:  # noqa: B027 - optional hook
+        """Called when `version` is abandoned; drop anything half-written."""
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+
+class BulkReceiver(abc.ABC):
+    """Engine side of a channel: receives each bucket into a pre-allocated staging buffer."""
+
+    tag: ClassVar[str]
+
+    def __init__(self, info: dict[str, Any], bucket_bytes: int) -> None:
+        self.info = info
+        self.bucket_bytes = bucket_bytes
+
+    async def open(self) -> None:  # noqa: B027 - optional hook
+        """Connect using `info` (runs once per sender `open`)."""
+
+    @abc.abstractmethod
+    async def recv(self, header: dict[str, Any], local: LocalWeights) -> list[tuple[str, torch.Tensor]]:
+        """Receive one bucket; returned tensors may be views valid until the next `recv`."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the channel."""
+
+
+def make_sender(cfg: SyncConfig) -> BulkSender:
+    cls = SENDERS.get(cfg.transport)
+    return cls(cfg)  # type: ignore[no-any-return]
+
+
+def make_receiver(tag: str, info: dict[str, Any], bucket_bytes: int) -> BulkReceiver:
+    cls = RECEIVERS.get(tag)
+    return cls(info, bucket_bytes)  # type: ignore[no-any-return]

@@ -1,0 +1,166 @@
+"""`broadcast` channel: one torch.distributed group spanning trainer rank 0 and every engine.
+
+The group is standalone (its own TCPStore, not the trainer's default group), created
+once per peer set and torn down explicitly. Buckets go as one flat uint8 buffer per
+bucket from rank 0; gloo on CPU, NCCL when the weights live on a GPU. Blocking
+collectives run in a worker thread so the actor loops stay responsive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+from typing import Any
+
+import torch
+
+from miles.core.errors import SyncError
+from miles.core.logging import get_logger
+from miles.transport.bulk.base import (
+    BulkReceiver,
+    BulkSender,
+    Layout,
+    LocalWeights,
+    pack_into,
+    unpack,
+)
+from miles.transport.bulk.buckets import Bucket
+
+log = get_logger("miles.bulk.broadcast")
+
+
+def _group(backend: str, addr: str, port: int, rank: int, world: int, timeout_s: float) -> tuple[Any, Any]:
+    from torch.distributed import TCPStore
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = TCPStore(addr, port, world, False, timeout=timeout, wait_for_workers=False)
+    return store, _make_pg(backend, store, rank, world, timeout)
+
+
+def _make_pg(backend: str, store: Any, rank: int, world: int, timeout: datetime.timedelta) -> Any:
+    if backend == "nccl":
+        from torch.distributed import ProcessGroupNCCL
+
+        opts = ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return ProcessGroupNCCL(store, rank, world, opts)
+    from torch.distributed import ProcessGroupGloo
+
+    return ProcessGroupGloo(store, rank, world, timeout)
+
+
+def _shutdown(pg: Any) -> None:
+    try:
+        pg.shutdown()
+    except RuntimeError as exc:  # a peer already gone: the group is dead either way
+        log.warning("broadcast_group_shutdown_failed", error=str(exc))
+
+
+class BroadcastSender(BulkSender):
+    tag = "broadcast"
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__(cfg)
+        self.advertise = "127.0.0.1"
+        self._store: Any = None
+        self._pg: Any = None
+        self._pending: asyncio.Future[Any] | None = None
+        self._buf: torch.Tensor | None = None
+        self._lay: Layout | None = None
+        self.device = torch.device("cpu")
+
+    async def open(self, peers: list[str]) -> list[dict[str, Any]]:
+        await self.close()
+        from torch.distributed import TCPStore
+
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        world = len(peers) + 1
+        timeout = datetime.timedelta(seconds=self.cfg.step_timeout_s)
+        # Port 0: the OS picks a free one; its number is handed to the engines in their open info.
+        self._store = TCPStore(self.advertise, 0, world, True, timeout=timeout, wait_for_workers=False)
+        port = self._store.port
+        self.peers = list(peers)
+        infos = [{"backend": backend, "addr": self.advertise, "port": port, "rank": i + 1, "world": world,
+                  "timeout_s": self.cfg.step_timeout_s} for i in range(len(peers))]
+        # Rank 0 joins concurrently with the engines, who are told to join by the coordinator.
+        loop = asyncio.get_running_loop()
+        self._pending = loop.run_in_executor(None, self._join, backend, world, timeout)
+        return infos
+
+    def _join(self, backend: str, world: int, timeout: datetime.timedelta) -> None:
+        self._pg = _make_pg(backend, self._store, 0, world, timeout)
+
+    async def connected(self) -> None:
+        """Await rank 0's join (after the engines were told to join)."""
+        if self._pending is not None:
+            fut, self._pending = self._pending, None
+            try:
+                await fut
+            except RuntimeError as exc:
+                raise SyncError(f"broadcast group setup failed: {exc}") from exc
+
+    def prepare(self, version: int, seq: int, bucket: Bucket) -> dict[str, Any]:
+        if self._buf is None or self._buf.numel() < bucket.nbytes:
+            self._buf = torch.empty(max(self.bucket_bytes, bucket.nbytes), dtype=torch.uint8, device=self.device)
+        self._lay = pack_into(bucket, self._buf)
+        return {"layout": self._lay.to_wire()}
+
+    async def transmit(self) -> None:
+        await self.connected()
+        if self._pg is None or self._lay is None or self._buf is None:
+            raise SyncError("broadcast: transmit before open/prepare")
+        view = self._buf[: self._lay.nbytes]
+        try:
+            await asyncio.to_thread(lambda: self._pg.broadcast(view, 0).wait())
+        except RuntimeError as exc:
+            raise SyncError(f"broadcast of {self._lay.nbytes} bytes failed: {exc}") from exc
+
+    async def close(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            await asyncio.gather(pending, return_exceptions=True)
+        if self._pg is not None:
+            await asyncio.to_thread(_shutdown, self._pg)
+        self._pg = None
+        self._store = None
+
+
+class BroadcastReceiver(BulkReceiver):
+    tag = "broadcast"
+
+    def __init__(self, info: dict[str, Any], bucket_bytes: int) -> None:
+        super().__init__(info, bucket_bytes)
+        self._pg: Any = None
+        self._store: Any = None
+        dev = "cuda" if info.get("backend") == "nccl" else "cpu"
+        self._buf = torch.empty(bucket_bytes, dtype=torch.uint8, device=dev)
+
+    async def open(self) -> None:
+        i = self.info
+        try:
+            self._store, self._pg = await asyncio.to_thread(
+                _group, str(i["backend"]), str(i["addr"]), int(i["port"]), int(i["rank"]), int(i["world"]),
+                float(i["timeout_s"]))
+        except (KeyError, ValueError) as exc:
+            raise SyncError(f"broadcast open info is malformed: {exc}") from exc
+        except RuntimeError as exc:
+            raise SyncError(f"joining the broadcast group failed: {exc}") from exc
+
+    async def recv(self, header: dict[str, Any], local: LocalWeights) -> list[tuple[str, torch.Tensor]]:
+        if self._pg is None:
+            raise SyncError("broadcast: recv before open")
+        lay = Layout.from_wire(header["layout"])
+        if lay.nbytes > self._buf.numel():
+            self._buf = torch.empty(lay.nbytes, dtype=torch.uint8, device=self._buf.device)
+        view = self._buf[: lay.nbytes]
+        try:
+            await asyncio.to_thread(lambda: self._pg.broadcast(view, 0).wait())
+        except RuntimeError as exc:
+            raise SyncError(f"broadcast receive of {lay.nbytes} bytes failed: {exc}") from exc
+        return unpack(lay, self._buf)
+
+    async def close(self) -> None:
+        if self._pg is not None:
+            await asyncio.to_thread(_shutdown, self._pg)
+        self._pg = None
+        self._store = None
