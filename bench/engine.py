@@ -2,9 +2,11 @@
 
 CPU (default): tiny dense and MoE configs. `--device cuda`: a ~0.5B dense config and a
 small MoE config, random bf16 weights. Both sides decode greedily exactly
-`--new` tokens for `--batch` prompts of `--prompt` tokens (no early stop); the
-best of `--repeats` timed runs counts. Last line: one JSON object with
-`{cpu|gpu}_{dense|moe}_speedup_vs_hf` and the tokens/s behind them.
+`--new` tokens for `--batch` prompts of `--prompt` tokens (no early stop). After one
+warm-up run each, HF and engine runs are interleaved (order alternating) for
+`--repeats` rounds, so load from other processes hits both alike; the speedup is the
+median of the per-round ratios, tokens/s the medians of each side. Last line: one JSON
+object with `{cpu|gpu}_{dense|moe}_speedup_vs_hf` and the tokens/s behind them.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import tempfile
 import time
 from typing import Any
@@ -46,15 +49,26 @@ CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
-def best_of(repeats: int, fn: Any) -> float:
-    times = []
-    for _ in range(repeats + 1):  # the first run warms up
-        t0 = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return min(times[1:])
+def timed(fn: Any) -> float:
+    t0 = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def interleaved(repeats: int, a: Any, b: Any) -> tuple[list[float], list[float]]:
+    """Warm both up, then `repeats` rounds of one timed run each, alternating which goes first."""
+    a(), b()
+    ta, tb = [], []
+    for r in range(repeats):
+        if r % 2 == 0:
+            ta.append(timed(a))
+            tb.append(timed(b))
+        else:
+            tb.append(timed(b))
+            ta.append(timed(a))
+    return ta, tb
 
 
 def bench_one(cfg: dict[str, Any], device: str, dtype: torch.dtype, args: argparse.Namespace) -> dict[str, float]:
@@ -82,12 +96,15 @@ def bench_one(cfg: dict[str, Any], device: str, dtype: torch.dtype, args: argpar
     def run_engine() -> None:
         loop.run_until_complete(gen_all())
 
-    t_hf = best_of(args.repeats, run_hf)
-    t_en = best_of(args.repeats, run_engine)
+    t_hf, t_en = interleaved(args.repeats, run_hf, run_engine)
     loop.run_until_complete(engine.close())
     loop.close()
     n = args.batch * args.new
-    return {"hf_tok_s": n / t_hf, "engine_tok_s": n / t_en, "speedup": t_hf / t_en}
+    return {
+        "hf_tok_s": n / statistics.median(t_hf),
+        "engine_tok_s": n / statistics.median(t_en),
+        "speedup": statistics.median(h / e for h, e in zip(t_hf, t_en, strict=True)),
+    }
 
 
 def main() -> None:
@@ -96,7 +113,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--prompt", type=int, default=None)
     ap.add_argument("--new", type=int, default=None)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads for both sides")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)  # the CPU box is shared; more threads only add noise

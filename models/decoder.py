@@ -15,7 +15,15 @@ from torch import nn
 
 from miles.models.config import ModelSpec
 from miles.models.errors import ModelInputError
-from miles.models.layers import MLP, Attention, KVCache, RMSNorm, Rotary, grouped_bias
+from miles.models.layers import (
+    MLP,
+    Attention,
+    KVCache,
+    RMSNorm,
+    Rotary,
+    grouped_bias,
+    rotary_tables,
+)
 from miles.models.masks import packed_causal_mask, packed_position_ids
 from miles.models.moe import MoEBlock
 
@@ -179,7 +187,7 @@ class CausalLM(nn.Module):
         if attention_mask is not None:
             groups = spec.num_heads // spec.num_kv_heads
             bias = grouped_bias(attention_mask.to(torch.bool), groups, h.dtype)
-        cos, sin = self.model.rotary(position_ids, h.dtype)
+        cos, sin = rotary_tables(*self.model.rotary(position_ids, h.dtype))
         used: list[torch.Tensor] = []
         j = 0
         for layer in self.model.layers:

@@ -34,9 +34,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # fp32 statistics as in HF; F.rms_norm is one fused kernel for x * rsqrt(mean(x^2) + eps)
-        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * h.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF RMSNorm: statistics in fp32, then cast back and scale. `weight` broadcasts over the
+    trailing axes of x (shape [D] or e.g. [heads, D] for per-head norms of a fused q|k)."""
+    d = x.shape[-1]
+    if x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.dim() == 1:
+        # the same ops as below, with the scaling inside the one F.rms_norm call (bit-identical)
+        return F.rms_norm(x, (d,), weight, eps=eps)
+    return weight * F.rms_norm(x.float(), (d,), eps=eps).to(x.dtype)
 
 
 class Rotary(nn.Module):
@@ -53,15 +61,18 @@ class Rotary(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, signed sin) [B, T, 1, hd] for `apply_rotary_thd` on [B, T, heads, hd] tensors;
+    built once per forward and shared by every layer."""
+    half = cos.shape[-1] // 2
+    signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    return cos.unsqueeze(2), signed.unsqueeze(2)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, heads, T, hd]; cos/sin: [B, T, hd]."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + _rotate_half(x) * sin
+def apply_rotary_thd(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on x [B, T, heads, hd] with tables from `rotary_tables`. Equals `apply_rotary`
+    bit for bit: rotate_half(x) * sin == roll(x, half) * signed_sin (only signs move)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def grouped_bias(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
@@ -98,16 +109,18 @@ class Attention(nn.Module):
         bias: torch.Tensor | None,
         kv_cache: KVCache | None,
     ) -> torch.Tensor:
+        """x: [B, T, H]; cos, sin: [B, T, 1, hd] from `rotary_tables`; bias from `grouped_bias`."""
         b, t, _ = x.shape
         qkv = self.qkv_proj(x)
-        nq, nk = self.nh * self.hd, self.nkv * self.hd
-        q = qkv[..., :nq].view(b, t, self.nh, self.hd)
-        k = qkv[..., nq : nq + nk].view(b, t, self.nkv, self.hd)
-        v = qkv[..., nq + nk :].view(b, t, self.nkv, self.hd).transpose(1, 2)
+        nh, nkv, hd = self.nh, self.nkv, self.hd
+        # q and k heads side by side: one norm call and one rotary call cover both
+        qk = qkv[..., : (nh + nkv) * hd].view(b, t, nh + nkv, hd)
+        v = qkv[..., (nh + nkv) * hd :].view(b, t, nkv, hd).transpose(1, 2)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q.transpose(1, 2), cos, sin)
-        k = apply_rotary(k.transpose(1, 2), cos, sin)
+            w = torch.cat((self.q_norm.weight.expand(nh, hd), self.k_norm.weight.expand(nkv, hd)))
+            qk = rms_norm(qk, w, self.q_norm.eps)
+        qk = apply_rotary_thd(qk, cos, sin).transpose(1, 2)
+        q, k = qk[:, :nh], qk[:, nh:]
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer, k, v)
         if bias is None:

@@ -63,11 +63,10 @@ class Experts(nn.Module):
         loop of small ones (decode batches)."""
         n, e, i = x.shape[0], self.gate_up_proj.shape[0], self.inter
         gu = (x @ self.gate_up_proj.reshape(e * 2 * i, -1).t()).view(n, e, 2 * i)
-        act = F.silu(gu[..., :i]) * gu[..., i:]  # [N, E, I]
-        y = torch.bmm(act.transpose(0, 1), self.down_proj.transpose(1, 2))  # [E, N, H]
         dense_w = torch.zeros(n, e, dtype=x.dtype, device=x.device)
         dense_w = dense_w.scatter_add(1, ids, weights.to(x.dtype))
-        return torch.einsum("enh,ne->nh", y, dense_w)
+        act = F.silu(gu[..., :i]) * gu[..., i:] * dense_w.unsqueeze(-1)  # [N, E, I]
+        return torch.bmm(act.transpose(0, 1), self.down_proj.transpose(1, 2)).sum(0)
 
     def _grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Tokens sorted by expert, one matmul pair per active expert (prefill, training)."""
