@@ -33,10 +33,14 @@ def choose_tokens(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> tuple[list[int], list[float]]:
     """logits [B, V] -> (token ids, logprobs under softmax(logits / T) before truncation)."""
-    temps = torch.tensor(
-        [p.temperature for p in params], dtype=torch.float32, device=logits.device
-    ).unsqueeze(-1)
-    scaled = scale_logits(logits, temps)
+    # a plain float when the whole batch shares one temperature (the common case) spares
+    # building a per-row tensor and, for greedy / T = 1, the division itself
+    distinct = {p.temperature if p.temperature > 0 else 1.0 for p in params}
+    if len(distinct) == 1:
+        scaled = scale_logits(logits, distinct.pop())
+    else:
+        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits.device)
+        scaled = scale_logits(logits, temps.unsqueeze(-1))
     logp = torch.log_softmax(scaled, dim=-1)
     tokens = torch.argmax(scaled, dim=-1)
     for i, (p, g) in enumerate(zip(params, generators, strict=True)):

@@ -22,6 +22,7 @@ from miles.models.layers import (
     RMSNorm,
     Rotary,
     grouped_bias,
+    rms_norm,
     rotary_tables,
 )
 from miles.models.masks import packed_causal_mask, packed_position_ids
@@ -75,8 +76,9 @@ class DecoderLayer(nn.Module):
         A real forward (rather than the LM reaching into the block) so that FSDP2 can shard
         one unit per block: its pre-forward hook gathers exactly this block's weights.
         """
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, bias, kv_cache)
-        x = self.post_attention_layernorm(h)
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        h = h + self.self_attn(rms_norm(h, ln1.weight, ln1.eps), cos, sin, bias, kv_cache)
+        x = rms_norm(h, ln2.weight, ln2.eps)
         if self.is_moe:
             y, ids = self.mlp(x, given_ids)
             return h + y, ids

@@ -16,7 +16,7 @@ def scale_logits(logits: torch.Tensor, temperature: float | torch.Tensor) -> tor
     if isinstance(temperature, torch.Tensor):
         t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).to(x)
         return x / t
-    return x / temperature if temperature > 0 else x
+    return x / temperature if temperature > 0 and temperature != 1.0 else x
 
 
 def token_logprobs(
