@@ -71,10 +71,13 @@ class Stepper:
         read = max(s.kv_len for s in seqs) + 1
         self.pool.bind(seqs[0].row, lens[:, None], read)
         want = any(s.req.return_routed_experts for s in seqs)
+        # rows of one length (e.g. the samples of one prompt, decoding in lockstep) attend
+        # to every cached key: no mask to build, and attention takes its unmasked kernel
+        uniform = all(s.kv_len == seqs[0].kv_len for s in seqs)
         res = self.model(
             ids,
             lens[:, None],
-            attention_mask=cached_causal_mask(lens, 1, read),
+            attention_mask=None if uniform else cached_causal_mask(lens, 1, read),
             kv_cache=self.pool,
             return_routed_experts=want,
         )
@@ -83,6 +86,8 @@ class Stepper:
                 s.routed.append(res.routed_experts[i])
             s.kv_len += 1
         live = [i for i, s in enumerate(seqs) if not s.flushing]
+        if len(live) == len(seqs):  # the usual case: a view, no gather of the logits
+            return self._choose(seqs, res.logits[:, 0])
         out: StepOut = {s: None for s in seqs if s.flushing}
         if live:
             out.update(self._choose([seqs[i] for i in live], res.logits[live, 0]))

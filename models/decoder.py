@@ -143,6 +143,7 @@ class CausalLM(nn.Module):
           - cu_seqlens: IntTensor [n+1] (B must be 1): packed sequences, block-diagonal causal;
           - attention_mask: BoolTensor [B, 1, T, S], True = may attend (see `miles.models.masks`
             for padded and KV-cached layouts); S = T without a cache, cached + T with one.
+            With a cache and T = 1 it may be omitted when every row attends to all S keys.
         kv_cache: a `KVCache` (engine); keys/values of this call are appended to it.
         routed_experts: int tensor [B, T, L_moe, k] (R3 replay): these expert ids are used
             instead of the router's top-k in MoE layer j = routed_experts[:, :, j]; gate weights
@@ -167,6 +168,8 @@ class CausalLM(nn.Module):
             attention_mask = packed_causal_mask(cu_seqlens.to(input_ids.device), t)
             if position_ids is None:
                 position_ids = packed_position_ids(cu_seqlens.to(input_ids.device), t)
+        if kv_cache is not None and attention_mask is None and t > 1:
+            raise ModelInputError(f"a forward over a KV cache with T={t} new tokens needs attention_mask")
         if position_ids is None:
             position_ids = torch.arange(t, device=input_ids.device).unsqueeze(0).expand(b, t)
         if position_ids.shape != input_ids.shape:

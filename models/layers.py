@@ -77,8 +77,7 @@ def apply_rotary_thd(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tenso
 
 def grouped_bias(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
     """Bool mask [B, 1, T, S] -> additive float mask [B, 1, groups*T, S] for grouped queries."""
-    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
-    bias = bias.masked_fill(~mask, torch.finfo(dtype).min)
+    bias = torch.where(mask, 0.0, torch.finfo(dtype).min).to(dtype)
     return bias.repeat(1, 1, groups, 1) if groups > 1 else bias
 
 
@@ -126,8 +125,8 @@ class Attention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer, k, v)
         if bias is None:
-            if kv_cache is not None:
-                raise ValueError("attention with a KV cache needs an explicit mask")
+            if kv_cache is not None and t > 1:
+                raise ValueError("attention over a KV cache with several new tokens needs an explicit mask")
             out = F.scaled_dot_product_attention(
                 q, k, v, is_causal=t > 1, scale=self.hd**-0.5, enable_gqa=self.groups > 1
             )
