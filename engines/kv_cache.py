@@ -26,23 +26,23 @@ class RowPool:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
         self.max_seq_len = max_seq_len
         self._r0 = 0
-        self._rows = torch.zeros(0, 1, dtype=torch.long, device=device)
-        self._pos = torch.zeros(0, 1, dtype=torch.long, device=device)
+        self._index = torch.zeros(0, 0, 0, 0, dtype=torch.long, device=device)
         self._read = 0
 
     def bind(self, r0: int, pos: torch.Tensor, read_len: int) -> None:
         """The next forward writes rows r0..r0+n-1 at positions pos [n, T] and reads :read_len."""
-        n = pos.shape[0]
+        n, t = pos.shape
+        _, kvh, _, hd = self.k[0].shape
         self._r0 = r0
-        self._rows = torch.arange(n, device=pos.device).unsqueeze(-1)
-        self._pos = pos.clamp(max=self.max_seq_len)
+        # one scatter index for every layer: [n, kv_heads, T, head_dim] positions along dim 2
+        self._index = pos.clamp(max=self.max_seq_len)[:, None, :, None].expand(n, kvh, t, hd)
         self._read = read_len
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n = k.shape[0]
         kr, vr = self.k[layer][self._r0 : self._r0 + n], self.v[layer][self._r0 : self._r0 + n]
-        kr[self._rows, :, self._pos] = k.transpose(1, 2)
-        vr[self._rows, :, self._pos] = v.transpose(1, 2)
+        kr.scatter_(2, self._index, k)
+        vr.scatter_(2, self._index, v)
         return kr[:, :, : self._read], vr[:, :, : self._read]
 
     def move(self, src: int, dst: int, length: int) -> None:
