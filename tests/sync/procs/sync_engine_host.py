@@ -1,12 +1,14 @@
 """Test process: an engine actor over a tiny random model (optionally also the directory).
 
-argv: --name NAME --seed S [--arch qwen3 --vocab 96 --hidden 64 --layers 2] [--run-directory | --directory ADDR]
+argv: --name NAME --seed S [--arch qwen3 --vocab 96 --hidden 64 --layers 2 --device cpu] [--run-directory | --directory ADDR]
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
+import signal
 import sys
 
 from miles.actors.engine import EngineActor
@@ -30,6 +32,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=96)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--ready", required=True)
     a = ap.parse_args()
     cfg = TransportConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0)
@@ -38,7 +41,8 @@ def main() -> None:
 
     async def setup(host: Host) -> None:
         for n in a.name:
-            eng = TorchEngine(build_model(spec, seed=a.seed), EngineConfig(max_batch_size=8, max_seq_len=256))
+            model = build_model(spec, seed=a.seed, device=a.device)
+            eng = TorchEngine(model, EngineConfig(max_batch_size=8, max_seq_len=256, device=a.device))
             await host.add(EngineActor(eng), n)
 
     sys.exit(run(setup, cfg=cfg, directory=a.directory or None, run_directory=a.run_directory,
@@ -47,4 +51,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # stack dump of a hung engine, for debugging
     main()

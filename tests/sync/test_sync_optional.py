@@ -1,0 +1,67 @@
+"""The channels that need optional pieces: ucx (UCXX) and cuda_ipc (a CUDA GPU shared by trainer and engine)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from miles.actors.messages import Checksums
+from miles.actors.sync import WeightSync
+from miles.core.errors import SyncError
+from miles.core.schema.sync import SyncConfig
+from miles.models.hf_io import checksums
+
+from .sync_helpers import client, named, perturb, start_engines, trainer_model
+
+pytestmark = pytest.mark.timeout(90)
+HAS_UCXX = importlib.util.find_spec("ucxx") is not None
+NO_UCXX = "ucxx is not installed: the `ucx` extra (ucxx-cu12) needs CUDA libraries (rmm, cuda-core)"
+NO_CUDA = "cuda_ipc needs a CUDA GPU shared by trainer and engine; this machine has none"
+
+
+@pytest.mark.skipif(HAS_UCXX, reason="ucxx is installed here; the missing-package error cannot be shown")
+async def test_ucx_without_ucxx_says_how_to_get_it() -> None:
+    from miles.transport.bulk.base import make_receiver, make_sender
+
+    with pytest.raises(SyncError, match=r"miles\[ucx\]"):
+        make_sender(SyncConfig(transport="ucx"))
+    with pytest.raises(SyncError, match=r"miles\[ucx\]"):
+        make_receiver("ucx", {"addr": "127.0.0.1", "port": 1, "index": 0}, 1 << 20)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available; the no-GPU error cannot be shown")
+def test_cuda_ipc_without_cuda_is_a_clear_error() -> None:
+    from miles.transport.bulk.base import make_sender
+
+    with pytest.raises(SyncError, match="needs CUDA"):
+        make_sender(SyncConfig(transport="cuda_ipc"))
+
+
+async def _sync_two_versions(procs, transport: str, device: str) -> None:
+    directory = start_engines(procs, extra=["--device", device])
+    host = await client(directory)
+    model = trainer_model().to(device)
+    sync = WeightSync(host, SyncConfig(transport=transport, bucket_mib=1, verify_every=1, step_timeout_s=20),
+                      ["e0", "e1"])
+    try:
+        for version in (1, 2):
+            perturb(model, seed=version)
+            rep = await sync.push(version, named(model))
+            assert rep.committed == ["e0", "e1"] and rep.verified
+            for e in ("e0", "e1"):
+                assert await host.ref(e).ask(Checksums(), timeout=10) == checksums(model)
+    finally:
+        await sync.close()
+        await host.stop()
+
+
+@pytest.mark.skipif(not HAS_UCXX, reason=NO_UCXX)
+async def test_ucx_sync_is_bit_equal(procs) -> None:
+    await _sync_two_versions(procs, "ucx", "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+async def test_cuda_ipc_sync_is_bit_equal(procs) -> None:
+    await _sync_two_versions(procs, "cuda_ipc", "cuda")
