@@ -1,0 +1,258 @@
+"""Weight-sync benchmark (CPU): time per update vs model size and bucket size, per transport.
+
+One engine process (a real EngineActor over a tiny-architecture model) receives each
+update from this process (the trainer side). Every transport is compared with its raw
+channel moving the same bytes in the same bucket sizes, measured in this run:
+  zmq        PUSH of the bucket frames to a second process (PULL), acked at the end
+  broadcast  a bare gloo broadcast of the same buffers to a second process
+  disk_delta write + read back of the full weights as files (what a naive disk sync moves)
+plus a host memcpy of the weights as the machine's limit. disk_delta sends a sparse
+update (half the tensors change, as with a small-lr step); its GB/s counts the full
+model bytes it brings up to date. Prints a table, then one JSON line.
+
+Usage: python bench/weight_sync.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import zmq
+
+from miles.actors.runtime.host import Host
+from miles.core.schema.sync import SyncConfig
+from miles.core.schema.transport import TransportConfig
+from miles.models.config import ModelSpec
+from miles.models.hf_io import hf_tensor_views
+from miles.models.presets import tiny_config
+from miles.models.registry import build_model
+
+torch.set_num_threads(1)
+
+
+def spec(hidden: int, layers: int) -> ModelSpec:
+    return ModelSpec.from_hf(tiny_config("qwen3", vocab_size=4096, hidden_size=hidden, intermediate_size=3 * hidden,
+                                         num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
+                                         head_dim=hidden // 8))
+
+
+# ------------------------------------------------------------------ child processes
+def serve_engine(hidden: int, layers: int, ready: str) -> None:
+    from miles.actors.engine import EngineActor
+    from miles.actors.runtime.process import run
+    from miles.core.schema.engine import EngineConfig
+    from miles.engines.torch_engine import TorchEngine
+
+    async def setup(host: Host) -> None:
+        eng = TorchEngine(build_model(spec(hidden, layers), seed=1), EngineConfig(max_batch_size=2, max_seq_len=64))
+        await host.add(EngineActor(eng), "engine")
+
+    sys.exit(run(setup, cfg=TransportConfig(), run_directory=True, ready_file=ready))
+
+
+def zmq_sink(ready: str) -> None:
+    ctx = zmq.Context()
+    pull, rep = ctx.socket(zmq.PULL), ctx.socket(zmq.REP)
+    p1, p2 = pull.bind_to_random_port("tcp://127.0.0.1"), rep.bind_to_random_port("tcp://127.0.0.1")
+    Path(ready).write_text(f"{p1} {p2}")
+    while True:
+        n = int(rep.recv())
+        for _ in range(n):
+            pull.recv(copy=False)
+        rep.send(b"ok")
+
+
+def gloo_sink(port: int, total: int, bucket: int, reps: int) -> None:
+    from torch.distributed import ProcessGroupGloo, TCPStore
+
+    store = TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=60))
+    pg = ProcessGroupGloo(store, 1, 2, datetime.timedelta(seconds=60))
+    buf = torch.empty(bucket, dtype=torch.uint8)
+    for _ in range(reps):
+        for s in buckets_of(total, bucket):
+            pg.broadcast(buf[:s], 0).wait()
+    pg.shutdown()
+
+
+def spawn(args: list[str], ready: str | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    p = subprocess.Popen([sys.executable, __file__, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    if ready is None:
+        return p, ""
+    deadline = time.monotonic() + 60
+    while not os.path.exists(ready):
+        if p.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"child {args} failed: {p.stderr.read().decode() if p.stderr else ''}")
+        time.sleep(0.02)
+    return p, Path(ready).read_text()
+
+
+# ------------------------------------------------------------------ raw channels
+def buckets_of(total: int, bucket: int) -> list[int]:
+    return [min(bucket, total - i) for i in range(0, total, bucket)]
+
+
+def raw_zmq(ports: str, total: int, bucket: int, reps: int) -> float:
+    p1, p2 = ports.split()
+    ctx = zmq.Context.instance()
+    push, req = ctx.socket(zmq.PUSH), ctx.socket(zmq.REQ)
+    push.connect(f"tcp://127.0.0.1:{p1}")
+    req.connect(f"tcp://127.0.0.1:{p2}")
+    sizes = buckets_of(total, bucket)
+    bufs = [torch.empty(s, dtype=torch.uint8).numpy() for s in sizes]
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        req.send(str(len(sizes)).encode())
+        for b in bufs:
+            push.send(b, copy=False)
+        req.recv()
+        best = min(best, time.perf_counter() - t0)
+    push.close(0)
+    req.close(0)
+    return total / best / 1e9
+
+
+def raw_gloo(total: int, bucket: int, reps: int) -> float:
+    from torch.distributed import ProcessGroupGloo, TCPStore
+
+    sizes = buckets_of(total, bucket)
+    store = TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    child, _ = spawn(["--gloo-sink", str(store.port), str(total), str(bucket), str(reps)])
+    pg = ProcessGroupGloo(store, 0, 2, datetime.timedelta(seconds=60))
+    buf = torch.ones(bucket, dtype=torch.uint8)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for s in sizes:
+            pg.broadcast(buf[:s], 0).wait()
+        best = min(best, time.perf_counter() - t0)
+    pg.shutdown()
+    child.wait(30)
+    return total / best / 1e9
+
+
+def raw_disk(root: Path, total: int, bucket: int, reps: int) -> float:
+    sizes = buckets_of(total, bucket)
+    data = torch.ones(bucket, dtype=torch.uint8).numpy()
+    best = float("inf")
+    for r in range(reps):
+        d = root / f"raw{r}"
+        d.mkdir(parents=True)
+        t0 = time.perf_counter()
+        for i, s in enumerate(sizes):
+            (d / f"b{i}").write_bytes(memoryview(data)[:s])
+        for i in range(len(sizes)):
+            (d / f"b{i}").read_bytes()
+        best = min(best, time.perf_counter() - t0)
+    return total / best / 1e9
+
+
+def memcpy_gbps(total: int) -> float:
+    a, b = torch.ones(total, dtype=torch.uint8), torch.empty(total, dtype=torch.uint8)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t0)
+    return total / best / 1e9
+
+
+# ------------------------------------------------------------------ miles updates
+@torch.no_grad()
+def perturb(model: torch.nn.Module, step: int, fraction: float) -> None:
+    for i, p in enumerate(model.parameters()):
+        if fraction >= 1.0 or (i + step) % round(1 / fraction) == 0:
+            p.add_(1e-3)
+
+
+async def miles_update(directory: str, model: torch.nn.Module, transport: str, bucket_mib: int,
+                       reps: int, root: Path) -> float:
+    from miles.actors.sync import WeightSync
+
+    host = Host(TransportConfig(), directory)
+    await host.start()
+    cfg = SyncConfig(transport=transport, bucket_mib=bucket_mib, pause_mode="none", step_timeout_s=60,
+                     delta_dir=str(root / f"delta-{bucket_mib}"), delta_compression="auto")
+    sync = WeightSync(host, cfg, ["engine"])
+    total = sum(t.numel() * t.element_size() for t in hf_tensor_views(model).values())  # type: ignore[arg-type]
+    best = float("inf")
+    try:
+        version = int(time.time() * 1000) % 10**9  # fresh versions per run; the engine only wants increasing ones
+        await sync.push(version, hf_tensor_views(model).items())  # warm-up: opens channels, disk base
+        for r in range(reps):
+            perturb(model, r, 0.5 if transport == "disk_delta" else 1.0)
+            t0 = time.perf_counter()
+            await sync.push(version + 1 + r, hf_tensor_views(model).items())
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        await sync.close()
+        await host.stop()
+    return total / best / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--serve-engine", nargs=3)
+    ap.add_argument("--zmq-sink")
+    ap.add_argument("--gloo-sink", nargs=4, type=int)
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args()
+    if a.serve_engine:
+        return serve_engine(int(a.serve_engine[0]), int(a.serve_engine[1]), a.serve_engine[2])
+    if a.zmq_sink:
+        return zmq_sink(a.zmq_sink)
+    if a.gloo_sink:
+        return gloo_sink(*a.gloo_sink)
+    sizes = [(256, 2)] if a.quick else [(256, 2), (512, 4)]
+    bucket_mibs = [4] if a.quick else [4, 16]
+    reps = 3
+    rows, ratios = [], {}
+    with tempfile.TemporaryDirectory(prefix="miles-bench-sync-") as tmp:
+        root = Path(tmp)
+        zsink, zports = spawn(["--zmq-sink", str(root / "zready")], str(root / "zready"))
+        try:
+            for hidden, layers in sizes:
+                model = build_model(spec(hidden, layers), seed=2)
+                total = sum(t.numel() * t.element_size() for t in hf_tensor_views(model).values())
+                ready = str(root / f"eready-{hidden}")
+                eng, directory = spawn(["--serve-engine", str(hidden), str(layers), ready], ready)
+                try:
+                    mem = memcpy_gbps(total)
+                    for mib in bucket_mibs:
+                        raw = {"zmq": raw_zmq(zports, total, mib << 20, reps),
+                               "broadcast": raw_gloo(total, mib << 20, reps),
+                               "disk_delta": raw_disk(root / f"raw-{hidden}-{mib}", total, mib << 20, reps)}
+                        for tr in ("zmq", "broadcast", "disk_delta"):
+                            got = asyncio.run(miles_update(directory, model, tr, mib, reps, root))
+                            ratio = got / raw[tr]
+                            rows.append((total / 2**20, mib, tr, got, raw[tr], ratio, mem))
+                            ratios[tr] = ratio  # the last row (largest model, largest bucket) is the headline
+                finally:
+                    eng.terminate()
+                    eng.wait(10)
+        finally:
+            zsink.kill()
+            zsink.wait(5)
+    print(f"{'model MiB':>9} {'bucket MiB':>10} {'transport':>10} {'miles GB/s':>10} {'raw GB/s':>9} "
+          f"{'ratio':>6} {'memcpy GB/s':>11} {'ms/update':>9}")
+    for size, mib, tr, got, raw_g, ratio, mem in rows:
+        print(f"{size:9.1f} {mib:10d} {tr:>10} {got:10.3f} {raw_g:9.3f} {ratio:6.2f} {mem:11.2f} "
+              f"{size * 2**20 / got / 1e6:9.1f}")
+    out = {f"{k}_ratio": round(v, 3) for k, v in ratios.items()}
+    out["ucx_ratio"] = None  # ucxx is not installable on this CPU machine (needs CUDA libraries)
+    out["goal"] = 0.8
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
