@@ -93,3 +93,28 @@ class WeightVersion:
 
     version: int
     step: int
+
+
+# ------------------------------------------------------------------ rollout / buffer
+@message("rollout.PullBatch")
+@dataclass
+class PullBatch:
+    """Trainer rank -> rollout: the groups of training step `step` (same batch for every rank)."""
+
+    step: int
+    trainer_version: int
+    n_groups: int
+
+
+@message("rollout.SetVersion")
+@dataclass
+class SetVersion:
+    """Trainer rank 0 -> rollout: every engine now serves `version`."""
+
+    version: int
+
+
+@message("rollout.DumpState")
+@dataclass
+class DumpState:
+    pass

@@ -109,62 +109,22 @@ def socket(kind: int, ctx: Any = None, hwm: int = 10000, linger_ms: int = 0) -> 
     return s
 
 
-class FastSocket:
-    """An asyncio ZeroMQ socket with a non-blocking fast path.
+class LoopSocket:
+    """A ZeroMQ socket driven by the event loop's FD reader, with non-blocking fast-path sends.
 
-    Sends go straight through a synchronous shadow of the socket when ZeroMQ can
-    take them at once (no future, no loop round trip) and fall back to the asyncio
-    path only under backpressure; receives drain everything already queued after
-    each wake-up. Ordering is kept: while an async send is pending, later sends queue
-    behind it instead of overtaking it.
-    """
-
-    __slots__ = ("sock", "sync", "_pending")
-
-    def __init__(self, sock: Any) -> None:
-        self.sock = sock
-        self.sync = zmq.Socket.shadow(sock.underlying)
-        self._pending = 0
-
-    async def send(self, frames: list[Any]) -> None:
-        if not self._pending:
-            try:
-                self.sync.send_multipart(frames, zmq.NOBLOCK, copy=False)
-                return
-            except zmq.Again:
-                pass
-        self._pending += 1
-        try:
-            await self.sock.send_multipart(frames, copy=False)
-        finally:
-            self._pending -= 1
-
-    async def recv_batch(self, limit: int = 256) -> list[list[Any]]:
-        out = [await self.sock.recv_multipart(copy=False)]
-        while len(out) < limit:
-            try:
-                out.append(self.sync.recv_multipart(zmq.NOBLOCK, copy=False))
-            except zmq.Again:
-                break
-        return out
-
-    def close(self) -> None:
-        self.sock.close(0)
-
-
-class ReaderSocket:
-    """A synchronous ZeroMQ socket driven by the event loop's FD reader, for request/reply clients.
-
-    Replies are handed to `on_frames` straight from the FD callback (no task hop), so
-    an awaiting caller wakes in the same loop iteration as with a bare socket. ZeroMQ's
-    FD is edge-triggered: every wake-up and every send drains until EVENTS shows no input.
+    Incoming messages are handed to `on_frames` straight from the FD callback (no task
+    hop, no future per message). Sends go through `zmq.NOBLOCK` at once and back off
+    briefly only under backpressure. ZeroMQ's FD is edge-triggered and a send can
+    consume the edge of an arrival, so every wake-up and every send drains until
+    EVENTS shows no input: no message is ever left unnoticed.
     """
 
     def __init__(self, sock: Any, on_frames: Any) -> None:
         self.sync = sock
         self.on_frames = on_frames
-        self.loop = None
+        self.loop: Any = None
         self.fd = sock.getsockopt(zmq.FD)
+        self._closed = False
 
     def start(self, loop: Any) -> None:
         self.loop = loop
@@ -173,7 +133,7 @@ class ReaderSocket:
 
     def drain(self) -> None:
         s = self.sync
-        while s.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while not self._closed and s.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             self.on_frames(s.recv_multipart(zmq.NOBLOCK, copy=False))
 
     async def send(self, frames: list[Any]) -> None:
@@ -185,13 +145,38 @@ class ReaderSocket:
                 self.sync.send_multipart(frames, zmq.NOBLOCK, copy=False)
                 break
             except zmq.Again:
-                # Backpressure (HWM reached): back off briefly; rare on request/reply paths.
+                # Backpressure (HWM reached): back off briefly, up to 5 ms between tries.
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.005)
         if self.sync.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            self.loop.call_soon(self.drain)  # type: ignore[union-attr]
+            self.loop.call_soon(self.drain)
 
     def close(self) -> None:
+        self._closed = True
         if self.loop is not None:
             self.loop.remove_reader(self.fd)
         self.sync.close(0)
+
+
+class QueuedLoopSocket(LoopSocket):
+    """A `LoopSocket` whose arrivals queue up for one consumer task (`recv_batch`)."""
+
+    def __init__(self, sock: Any) -> None:
+        import asyncio
+        from collections import deque
+
+        super().__init__(sock, self._arrived)
+        self._queue: deque[list[Any]] = deque()
+        self._event = asyncio.Event()
+
+    def _arrived(self, frames: list[Any]) -> None:
+        self._queue.append(frames)
+        self._event.set()
+
+    async def recv_batch(self) -> list[list[Any]]:
+        while not self._queue:
+            self._event.clear()
+            await self._event.wait()
+        out = list(self._queue)
+        self._queue.clear()
+        return out

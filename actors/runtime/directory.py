@@ -29,8 +29,9 @@ log = get_logger("miles.directory")
 
 
 class Directory(Actor):
-    def __init__(self, heartbeat_timeout_s: float = 3.0) -> None:
+    def __init__(self, heartbeat_timeout_s: float = 3.0, heartbeat_interval_s: float = 0.5) -> None:
         self.timeout = heartbeat_timeout_s
+        self.interval = heartbeat_interval_s
         self.entries: dict[str, Location] = {}
         self.last_seen: dict[str, float] = {}
         self._changed = asyncio.Event()
@@ -47,7 +48,11 @@ class Directory(Actor):
     def register(self, msg: Register) -> Location:
         old = self.entries.get(msg.name)
         if old is not None and old.host_id != msg.host_id and old.host_id in self.last_seen:
-            raise MilesError(f"actor name {msg.name!r} is already taken by live host {old.host_id}")
+            silent = time.monotonic() - self.last_seen[old.host_id]
+            if silent < 2 * self.interval:
+                raise MilesError(f"actor name {msg.name!r} is already taken by live host {old.host_id}")
+            # The old holder went quiet (a crashed process being replaced): the new one takes over.
+            log.warning("actor_taken_over", actor=msg.name, old_host=old.host_id, silent_s=round(silent, 2))
         loc = Location(msg.name, msg.address, msg.pub_address, msg.host_id)
         self.entries[msg.name] = loc
         self.last_seen[msg.host_id] = time.monotonic()

@@ -41,8 +41,8 @@ from miles.core.schema.transport import TransportConfig
 from miles.transport import codec
 from miles.transport.schema import spec_for_class
 from miles.transport.sockets import (
-    FastSocket,
-    ReaderSocket,
+    LoopSocket,
+    QueuedLoopSocket,
     apply_options,
     bind,
     make_curve_client,
@@ -81,12 +81,14 @@ class Host:
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
-        self._router = socket(zmq.ROUTER, hwm=self.cfg.hwm, linger_ms=self.cfg.linger_ms)
+        self._router = zmq.Context.instance().socket(zmq.ROUTER)
+        apply_options(self._router, self.cfg.hwm, self.cfg.linger_ms)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)
         if self.cfg.curve_server_key:
             make_curve_server(self._router, self.cfg.curve_server_key)
         self.address = bind(self._router, self.cfg.scheme, self.cfg.interface, "router", self.cfg.ipc_dir)
-        self._rfast = FastSocket(self._router)
+        self._rfast = QueuedLoopSocket(self._router)
+        self._rfast.start(asyncio.get_running_loop())
         self._pub = socket(zmq.PUB, hwm=self.cfg.hwm, linger_ms=self.cfg.linger_ms)
         self.pub_address = bind(self._pub, self.cfg.scheme, self.cfg.interface, "pub", self.cfg.ipc_dir)
         self._subscriber = Subscriber(self)
@@ -165,7 +167,7 @@ class Host:
             d.close()
         if self._subscriber is not None:
             self._subscriber.close()
-        self._router.close(0)
+        self._rfast.close()
         self._pub.close(0)
 
     # ---------------------------------------------------------------- outgoing
@@ -258,7 +260,7 @@ class Host:
         loc = await self.lookup(publisher, timeout)
         await self._subscriber.subscribe(loc.pub_address, topic, callback)
 
-    def _dealer(self, address: str) -> ReaderSocket:
+    def _dealer(self, address: str) -> LoopSocket:
         d = self._dealers.get(address)
         if d is None:
             sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -266,7 +268,7 @@ class Host:
             if self.cfg.curve_client_key:
                 make_curve_client(sock, self.cfg.curve_client_key, self.cfg.curve_public_key)
             sock.connect(address)
-            d = ReaderSocket(sock, self._on_reply)
+            d = LoopSocket(sock, self._on_reply)
             d.start(asyncio.get_running_loop())
             self._dealers[address] = d
         return d

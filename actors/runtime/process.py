@@ -20,6 +20,18 @@ DIRECTORY_ENV = "MILES_DIRECTORY"
 Setup = Callable[[Host], Awaitable[None]]
 
 
+def dump_tasks() -> None:
+    """SIGUSR1: write every asyncio task and where it waits to stderr (for a hung process)."""
+    import sys
+    import traceback
+
+    for t in asyncio.all_tasks():
+        frames = t.get_stack(limit=8)
+        where = " <- ".join(f"{f.f_code.co_name}:{f.f_lineno}" for f in reversed(frames))
+        print(f"[task] {t.get_name()}: {where}", file=sys.stderr, flush=True)
+    traceback.print_stack(file=sys.stderr)
+
+
 async def serve(setup: Setup, cfg: TransportConfig | None = None, directory: str | None = None,
                 run_directory: bool = False, ready_file: str = "",
                 stop_event: asyncio.Event | None = None) -> int:
@@ -32,11 +44,12 @@ async def serve(setup: Setup, cfg: TransportConfig | None = None, directory: str
     host = Host(cfg, None if run_directory else directory)
     await host.start()
     if run_directory:
-        await host.add(Directory(cfg.heartbeat_timeout_s), DIRECTORY_NAME)
+        await host.add(Directory(cfg.heartbeat_timeout_s, cfg.heartbeat_interval_s), DIRECTORY_NAME)
     stop = stop_event or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
     await setup(host)
     if ready_file:
         # Written last, atomically, so a parent polling for it sees a fully started host.

@@ -17,3 +17,9 @@ class RunConfig:
     log_json: Literal["auto", "json", "console"] = opt(
         "auto", "log format: auto = JSON unless stderr is a TTY"
     )
+    steps: int = opt(20, "training steps (weight versions) the run makes", "steps")
+    warmup_sft_steps: int = opt(
+        300, "supervised warm-up steps on the env's answers when no checkpoint is given; 0 = none", "steps"
+    )
+    warmup_lr: float = opt(3e-3, "learning rate of the supervised warm-up")
+    progress: bool = opt(True, "print a one-line progress record per training step")

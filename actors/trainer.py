@@ -1,0 +1,113 @@
+"""Trainer-rank actor: pulls a batch from the rollout buffer, steps, syncs weights, logs metrics.
+
+Each rank runs the same loop; rank 0 also pushes the new weights to the engines,
+announces the version to the rollout side and writes metrics.jsonl. Every rank
+drains the weight export (it is a collective over FSDP shards).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+from miles.actors.messages import PullBatch, SetVersion
+from miles.actors.runtime.actor import Actor
+from miles.actors.sync import WeightSync
+from miles.core.errors import TrainerError
+from miles.core.logging import get_logger
+from miles.core.schema import MilesConfig
+from miles.models.config import ModelSpec
+from miles.trainer.batch import TrainBatch, TrainSample
+from miles.trainer.fsdp import FSDPTrainer
+
+log = get_logger("miles.trainer")
+
+
+def samples_from_wire(groups: list[dict[str, Any]]) -> TrainBatch:
+    out: list[TrainSample] = []
+    for gi, g in enumerate(groups):
+        for s in g["samples"]:
+            out.append(TrainSample(
+                prompt_ids=s["prompt_ids"], response_ids=s["response_ids"], reward=float(s["reward"] or 0.0),
+                group_index=gi, loss_mask=s["loss_mask"], rollout_logprobs=s["rollout_logprobs"],
+                routed_experts=s.get("routed_experts"), versions=s["versions"],
+            ))
+    if not out:
+        raise TrainerError("the rollout side returned an empty batch")
+    return TrainBatch(out)
+
+
+class TrainerActor(Actor):
+    def __init__(self, cfg: MilesConfig, spec: ModelSpec, rank: int, world: int, engines: list[str],
+                 init_checkpoint: str, done: asyncio.Event, sink: Any = None) -> None:
+        self.cfg, self.rank, self.world = cfg, rank, world
+        self.trainer = FSDPTrainer(cfg.trainer, spec, rank, world, init_checkpoint=init_checkpoint,
+                                   seed=cfg.run.seed, asynchronous=cfg.buffer.mode != "sync")
+        self.engines = engines
+        self.done = done
+        self.sink = sink
+        self.error: BaseException | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def on_start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="trainer-loop")
+        self._task.add_done_callback(self._finished)
+
+    def _finished(self, t: asyncio.Task[None]) -> None:
+        if not t.cancelled() and t.exception() is not None:
+            self.error = t.exception()
+            log.error("trainer_failed", error=f"{type(self.error).__name__}: {self.error}")
+        self.done.set()
+
+    async def on_stop(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+
+    async def _loop(self) -> None:
+        cfg = self.cfg
+        rollout = self.ref("rollout")
+        sync = WeightSync(self.host, cfg.sync, self.engines) if self.rank == 0 else None
+        run_dir = Path(cfg.run.dir)
+        while self.trainer.step < cfg.run.steps:
+            t0 = time.perf_counter()
+            version = self.trainer.weight_version
+            reply = await rollout.ask(PullBatch(self.trainer.step, version, cfg.buffer.batch_groups),
+                                      timeout=cfg.sync.step_timeout_s * 10)
+            t_wait = time.perf_counter() - t0
+            batch = samples_from_wire(reply["groups"])
+            from miles.trainer.batch import shard_batch
+
+            shard = shard_batch(batch, self.world)[self.rank] if self.world > 1 else batch
+            metrics = await asyncio.to_thread(self.trainer.train_step, shard)
+            new_version = version + 1
+            self.trainer.weight_version = new_version
+            t_sync = time.perf_counter()
+            state = self.trainer.export_hf_state()
+            if sync is not None:
+                rep = await sync.push(new_version, state)
+                await rollout.tell(SetVersion(new_version))
+                metrics.update({"sync/seconds": rep.seconds, "sync/gbps": rep.gbps,
+                                "sync/dead_engines": float(len(rep.dead))})
+            else:
+                for _ in state:  # every rank drains the gather collective
+                    pass
+            step = self.trainer.step
+            if self.rank == 0 and self.sink is not None:
+                rec = {"step": step, "version": new_version, **reply["metrics"], **metrics,
+                       "perf/step_time_s": time.perf_counter() - t0, "perf/wait_rollout_s": t_wait,
+                       "perf/sync_s": time.perf_counter() - t_sync}
+                self.sink.write(rec)
+                if cfg.run.progress:
+                    print(
+                        f"step {step:4d} | reward {rec.get('rollout/reward_mean', 0):.3f} | "
+                        f"staleness {rec.get('rollout/fully_async/avg_staleness', 0):.2f} | "
+                        f"Δlogp {rec.get('train/train_rollout_logprob_abs_diff', 0):.4f} | "
+                        f"tok/s {rec.get('train/tokens_per_s', 0):.0f} | step {rec['perf/step_time_s']:.2f}s",
+                        flush=True,
+                    )
+            if cfg.trainer.checkpoint_interval and step % cfg.trainer.checkpoint_interval == 0:
+                await asyncio.to_thread(self.trainer.save_checkpoint, run_dir / "checkpoints" / "latest")
+        await asyncio.to_thread(self.trainer.export_hf_checkpoint, run_dir / "final_hf")
+        log.info("training_done", steps=self.trainer.step, version=self.trainer.weight_version)

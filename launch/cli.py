@@ -1,0 +1,101 @@
+"""The `miles` command line: train, launch (Slurm), config, check-template, bench."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+from miles.core.config import dump_toml, load_config
+from miles.core.errors import MilesError
+from miles.core.logging import configure_logging
+from miles.core.schema import MilesConfig
+
+BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
+
+
+def _load(args: argparse.Namespace) -> MilesConfig:
+    return load_config(MilesConfig, args.config, args.set)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from miles.launch.local import LocalLauncher
+    from miles.launch.plots import write_plots
+    from miles.launch.warmup import ensure_initial_checkpoint
+
+    cfg = _load(args)
+    configure_logging(cfg.run.log_level, None if cfg.run.log_json == "auto" else cfg.run.log_json == "json",
+                      run=cfg.run.name, role="launcher")
+    path = ensure_initial_checkpoint(cfg)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=path))
+    rc = asyncio.run(LocalLauncher(cfg).run())
+    plots = write_plots(cfg.run.dir)
+    print(f"run dir: {cfg.run.dir}  (metrics.jsonl, {len(plots)} plots, final_hf/)", flush=True)
+    return rc
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    print(dump_toml(_load(args), with_docs=True), end="")
+    return 0
+
+
+def cmd_check_template(args: argparse.Namespace) -> int:
+    from miles.rollout.template_check import check_template
+    from miles.rollout.tokenizer import load_tokenizer
+
+    report = check_template(load_tokenizer(args.model_dir))
+    print(report.summary())
+    return 0 if report.ok else 1
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    script = BENCH_DIR / f"{args.name}.py"
+    if not script.is_file():
+        names = sorted(p.stem for p in BENCH_DIR.glob("*.py"))
+        print(f"miles bench: no benchmark named {args.name!r}; available: {', '.join(names)}", file=sys.stderr)
+        return 2
+    return subprocess.call([sys.executable, str(script), *args.rest])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="miles", description="fully asynchronous RL post-training")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    def with_config(p: argparse.ArgumentParser) -> None:
+        p.add_argument("config", nargs="?", default=None, help="TOML config file")
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config value, e.g. --set trainer.optim.lr=1e-6")
+
+    p = sub.add_parser("train", help="run every role as local processes")
+    with_config(p)
+    p.set_defaults(fn=cmd_train)
+    p = sub.add_parser("config", help="print the resolved config with every option's doc and unit")
+    with_config(p)
+    p.set_defaults(fn=cmd_config)
+    p = sub.add_parser("check-template", help="verify a tokenizer's chat template is append-only")
+    p.add_argument("model_dir")
+    p.set_defaults(fn=cmd_check_template)
+    p = sub.add_parser("bench", help="run a benchmark script from bench/")
+    p.add_argument("name")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(fn=cmd_bench)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except MilesError as exc:
+        print(f"miles: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Local launcher: every role as a process on this machine, supervised.
+
+The head process runs the directory. It starts the engines, the rollout process
+and the trainer ranks, forwards SIGINT/SIGTERM, restarts a crashed engine or
+rollout process (the trainer re-syncs weights on its next version), and stops the
+run when a trainer rank exits. It leaves no orphans: children are started in their
+own process group and killed by PID on the way out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from miles.actors.runtime.directory import Directory
+from miles.actors.runtime.host import DIRECTORY_NAME, Host
+from miles.core.config import dump_toml, to_dict
+from miles.core.logging import get_logger
+from miles.core.schema import MilesConfig
+from miles.trainer.dist import free_port
+
+log = get_logger("miles.launch")
+
+
+@dataclass
+class Child:
+    role: str
+    index: int
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+
+class LocalLauncher:
+    def __init__(self, cfg: MilesConfig, max_restarts: int = 3) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run.dir)
+        self.children: list[Child] = []
+        self.max_restarts = max_restarts
+        self._stop = asyncio.Event()
+
+    def _spawn(self, c: Child) -> None:
+        log_f = c.log_path.open("ab")
+        c.proc = subprocess.Popen(c.argv, stdout=log_f if c.role != "trainer" or c.index else None,
+                                  stderr=log_f, env=c.env, start_new_session=True)
+        c.started = time.monotonic()
+        log.info("role_started", role=c.role, index=c.index, pid=c.proc.pid)
+
+    async def run(self) -> int:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "logs").mkdir(exist_ok=True)
+        cfg_path = self.run_dir / "config.resolved.json"
+        cfg_path.write_text(json.dumps(to_dict(self.cfg), indent=1))
+        (self.run_dir / "config.resolved.toml").write_text(dump_toml(self.cfg, with_docs=True))
+        host = Host(self.cfg.transport, None)
+        await host.start()
+        await host.add(Directory(self.cfg.transport.heartbeat_timeout_s, self.cfg.transport.heartbeat_interval_s), DIRECTORY_NAME)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._stop.set)
+        env = {**os.environ, "MILES_DIRECTORY": host.address, "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1"}
+        base = [sys.executable, "-m", "miles.launch.role"]
+        roles = [("engine", i) for i in range(self.cfg.engine.num_engines)] + [("rollout", 0)] + [
+            ("trainer", r) for r in range(self.cfg.trainer.world_size)]
+        for role, i in roles:
+            argv = [*base, role, "--config", str(cfg_path), "--index", str(i), "--directory", host.address]
+            c = Child(role, i, argv, {**env, "RANK": str(i), "WORLD_SIZE": str(self.cfg.trainer.world_size)},
+                      self.run_dir / "logs" / f"{role}-{i}.log")
+            self.children.append(c)
+            self._spawn(c)
+        try:
+            rc = await self._supervise()
+        finally:
+            self._terminate()
+            await host.stop(grace_s=1.0)
+        return rc
+
+    async def _supervise(self) -> int:
+        while not self._stop.is_set():
+            for c in self.children:
+                assert c.proc is not None
+                code = c.proc.poll()
+                if code is None:
+                    continue
+                if c.role == "trainer":
+                    if code == 0 and all(t.proc and t.proc.poll() is not None for t in self.children
+                                         if t.role == "trainer"):
+                        return 0
+                    if code != 0:
+                        log.error("trainer_exited", rank=c.index, code=code,
+                                  hint=f"see {c.log_path}; the last checkpoint is kept")
+                        return code
+                    continue
+                if c.restarts >= self.max_restarts:
+                    log.error("role_gave_up", role=c.role, index=c.index, code=code, log=str(c.log_path))
+                    return 1
+                c.restarts += 1
+                log.warning("role_crashed_restarting", role=c.role, index=c.index, code=code,
+                            restart=c.restarts)
+                self._spawn(c)
+            try:
+                await asyncio.wait_for(self._stop.wait(), 0.2)
+            except TimeoutError:
+                pass
+        log.warning("run_interrupted")
+        return 130
+
+    def _terminate(self) -> None:
+        live = [c.proc for c in self.children if c.proc is not None and c.proc.poll() is None]
+        for p in live:
+            p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for p in live:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)

@@ -1,0 +1,92 @@
+"""Entry point of one role process: `python -m miles.launch.role ROLE --config resolved.json ...`.
+
+The launcher (local or Slurm) starts one of these per engine, one for the rollout
+side and one per trainer rank; each registers its actors with the directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+
+from miles.actors.runtime.host import Host
+from miles.actors.runtime.process import serve
+from miles.core.config import from_dict
+from miles.core.logging import configure_logging, get_logger
+from miles.core.schema import MilesConfig
+
+log = get_logger("miles.role")
+
+
+def engine_names(cfg: MilesConfig) -> list[str]:
+    return [f"engine-{i}" for i in range(cfg.engine.num_engines)]
+
+
+async def _wait_engines(host: Host, cfg: MilesConfig) -> None:
+    for name in engine_names(cfg):
+        await host.lookup(name, timeout=300)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="miles-role")
+    ap.add_argument("role", choices=["engine", "rollout", "trainer"])
+    ap.add_argument("--config", required=True, help="resolved config JSON written by the launcher")
+    ap.add_argument("--index", type=int, default=0, help="engine index or trainer rank")
+    ap.add_argument("--directory", default=os.environ.get("MILES_DIRECTORY", ""))
+    ap.add_argument("--ready", default="")
+    a = ap.parse_args(argv)
+    with open(a.config) as f:
+        cfg = from_dict(MilesConfig, json.load(f))
+    configure_logging(cfg.run.log_level, None if cfg.run.log_json == "auto" else cfg.run.log_json == "json",
+                      run=cfg.run.name, role=a.role, rank=a.index)
+    import uvloop
+
+    stop = asyncio.Event()
+    code = {"rc": 0}
+
+    async def setup(host: Host) -> None:
+        if a.role == "engine":
+            from miles.actors.engine import EngineActor
+            from miles.engines.base import ENGINES
+
+            engine = ENGINES.get(cfg.engine.type).from_config(cfg.engine, cfg.model)
+            await host.add(EngineActor(engine), f"engine-{a.index}")
+        elif a.role == "rollout":
+            from miles.actors.rollout import RolloutActor
+            from miles.rollout.tokenizer import load_tokenizer
+
+            await _wait_engines(host, cfg)
+            tok = load_tokenizer(cfg.model.path)
+            await host.add(RolloutActor(cfg, engine_names(cfg), tok), "rollout")
+        else:
+            from miles.actors.trainer import TrainerActor
+            from miles.launch.metrics import MetricsSink
+            from miles.models.config import ModelSpec
+
+            await _wait_engines(host, cfg)
+            await host.lookup("rollout", timeout=300)
+            sink = MetricsSink(cfg.run.dir) if a.index == 0 else None
+            done = asyncio.Event()
+            actor = TrainerActor(cfg, ModelSpec.from_dir(cfg.model.path), a.index, cfg.trainer.world_size,
+                                 engine_names(cfg), cfg.model.path, done, sink)
+
+            async def finish() -> None:
+                await done.wait()
+                code["rc"] = 1 if actor.error is not None else 0
+                if sink is not None:
+                    sink.close()
+                stop.set()
+
+            host._finish_task = asyncio.create_task(finish())  # type: ignore[attr-defined]
+            await host.add(actor, f"trainer-{a.index}")
+
+    rc = uvloop.run(serve(setup, cfg=cfg.transport, directory=a.directory, ready_file=a.ready,
+                          stop_event=stop))
+    return code["rc"] or rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
