@@ -34,8 +34,22 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=path))
     rc = asyncio.run(LocalLauncher(cfg).run())
     plots = write_plots(cfg.run.dir)
+    print(summarize(cfg.run.dir), flush=True)
     print(f"run dir: {cfg.run.dir}  (metrics.jsonl, {len(plots)} plots, final_hf/)", flush=True)
     return rc
+
+
+def summarize(run_dir: str, window: int = 10) -> str:
+    """One line comparing the reward of the first and last steps of a run."""
+    from miles.launch.metrics import read_metrics
+
+    rows = read_metrics(Path(run_dir) / "metrics.jsonl")
+    r = [x["rollout/reward_mean"] for x in rows if x.get("rollout/reward_mean") is not None]
+    if not r:
+        return "no training steps recorded"
+    w = max(1, min(window, len(r) // 2))
+    first, last = sum(r[:w]) / w, sum(r[-w:]) / w
+    return f"reward: first {w} steps {first:.3f} -> last {w} steps {last:.3f} ({len(r)} steps)"
 
 
 def cmd_config(args: argparse.Namespace) -> int:
