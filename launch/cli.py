@@ -16,6 +16,13 @@ from miles.core.schema import MilesConfig
 BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
 
 
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    """The positional CONFIG and repeated --set KEY=VALUE every config-taking command accepts."""
+    p.add_argument("config", nargs="?", default=None, help="TOML config file")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set trainer.optim.lr=1e-6")
+
+
 def _load(args: argparse.Namespace) -> MilesConfig:
     return load_config(MilesConfig, args.config, args.set)
 
@@ -75,20 +82,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return subprocess.call([sys.executable, str(script), *args.rest])
 
 
+# Subcommands defined in their own modules: each exposes `add_parser(subparsers)`, which
+# registers the command and sets `fn` (args -> exit code). Add one line per module.
+SUBCOMMAND_MODULES: list[str] = [
+]
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="miles", description="fully asynchronous RL post-training")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    def with_config(p: argparse.ArgumentParser) -> None:
-        p.add_argument("config", nargs="?", default=None, help="TOML config file")
-        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a config value, e.g. --set trainer.optim.lr=1e-6")
-
     p = sub.add_parser("train", help="run every role as local processes")
-    with_config(p)
+    add_config_args(p)
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("config", help="print the resolved config with every option's doc and unit")
-    with_config(p)
+    add_config_args(p)
     p.set_defaults(fn=cmd_config)
     p = sub.add_parser("check-template", help="verify a tokenizer's chat template is append-only")
     p.add_argument("model_dir")
@@ -97,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name")
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(fn=cmd_bench)
+    import importlib
+
+    for mod in SUBCOMMAND_MODULES:
+        importlib.import_module(mod).add_parser(sub)
     return ap
 
 
