@@ -24,12 +24,6 @@ pytestmark = pytest.mark.timeout(90)
 BIG = ["--hidden", "512", "--layers", "1"]
 
 
-# Fails about half the runs today through a transport bug, not the sync: FastSocket.send's
-# synchronous fast path (transport/sockets.py) can consume ZeroMQ's edge-triggered FD
-# signal, so the engine host's asyncio receive never wakes and every later ask times out.
-# Fix: call `self.sock._schedule_remaining_events()` after a successful fast-path send.
-@pytest.mark.xfail(reason="transport/sockets.py FastSocket fast-path send loses the ZeroMQ FD edge "
-                          "under mixed load (host stops receiving)", raises=SyncError, strict=False)
 async def test_every_response_comes_from_one_version(procs) -> None:
     directory = start_engines(procs, n=1)
     host = await client(directory)
