@@ -85,6 +85,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 # Subcommands defined in their own modules: each exposes `add_parser(subparsers)`, which
 # registers the command and sets `fn` (args -> exit code). Add one line per module.
 SUBCOMMAND_MODULES: list[str] = [
+    "miles.launch.slurm",
 ]
 
 
