@@ -179,14 +179,20 @@ def render_script(plan: SlurmPlan, *, run_dir: str, config_path: str, python: st
                  '--directory-file "$ADDR"', f"--directory-wait-s {int(o.directory_wait_s)}"]
         if s.role == "trainer":
             entry += [f"--master-node {master}"] + ([f"--master-port {o.master_port}"] if o.master_port else [])
-        out = f'--output="$RUN/logs/{s.role}-%t.log"'
+        # the trainer's stdout (rank 0's progress line) goes to the job's own output
+        out = f'--{"error" if s.role == "trainer" else "output"}="$RUN/logs/{s.role}-%t.log"'
         lines.append(f"step_{s.role}() {{ {' '.join(_q(a) for a in srun)} {out} {' '.join(entry)}; }}")
     restartable = " ".join(s.role for s in plan.steps if s.role in ("engine", "rollout"))
     lines += [
         "",
         "declare -A NAME=() TRIES=()",
         'start() { "step_$1" & NAME[$!]=$1; echo "miles: step $1 started (srun pid $!)"; }',
-        'stop_all() { local p; for p in "${!NAME[@]}"; do kill -TERM "$p" 2>/dev/null; done; wait; }',
+        "# SIGTERM to srun ends its step; the head goes last so the others can still unregister",
+        'stop_all() {',
+        '  local p; for p in "${!NAME[@]}"; do [ "${NAME[$p]}" = head ] || kill -TERM "$p" 2>/dev/null; done',
+        '  for p in "${!NAME[@]}"; do [ "${NAME[$p]}" = head ] || wait "$p"; done',
+        '  for p in "${!NAME[@]}"; do kill -TERM "$p" 2>/dev/null; done; wait',
+        '}',
         'finish() { echo "$1" > "$RUN/slurm/exit_code"; echo "miles: job exit code $1"; exit "$1"; }',
         "trap 'echo \"miles: interrupted\" >&2; stop_all; finish 130' INT TERM",
         "",
