@@ -7,12 +7,23 @@ The orchestration mode decides when new groups may start:
 - `fully_async`: whenever the buffer has a free slot (bounded by capacity/staleness);
 - `one_step_off`: at most one batch generated ahead of the trainer;
 - `sync`: one batch per weight version, generated only after the trainer's update.
+
+Work the buffer starts while the mode forbids generating is held and generated once
+the mode allows (it then samples under the newer weights). A weight update pauses the
+engines in `sync.pause_mode`; a request retracted by the pause comes back with its
+partial output, and `_engine_call` resubmits prompt + partial output under the new
+version, so the sample keeps every token already drawn and its per-token versions
+record the mix. A prompt may carry its own `max_new_tokens` (long-tailed workloads).
+On stop the buffer's state (ledger included) is written to `<run.dir>/rollout_state.json`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import json
+import time
+from pathlib import Path
 from typing import Any
 
 from miles.actors.messages import DumpState, Generate, PullBatch, SetVersion
@@ -59,11 +70,16 @@ class RolloutActor(Actor):
         self.collected_at = -1  # trainer version at the last collect (sync mode waits for a newer one)
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
-        self._held: list[Work] = []  # work the buffer started while the mode forbids generating
+        self._held: list[Work] = []  # work the buffer started that the mode does not let generate yet
+        self._released: set[str] = set()  # groups generating in sync / one_step_off (<= one batch)
         self._batches: dict[int, dict[str, Any]] = {}
         self._pump_task: asyncio.Task[None] | None = None
-        self.rewards: list[float] = []
+        self._pull_lock = asyncio.Lock()  # ranks asking for the same step must not collect twice
         self.gen_tokens = 0
+        self.gen_samples = 0  # samples of finished trajectories, trained or not (for the length bias)
+        self.gen_response_tokens = 0
+        self.resubmits = 0  # requests retracted by a weight update and continued under the new version
+        self.mixed_version_samples = 0
 
     async def on_start(self) -> None:
         self._pump_task = asyncio.create_task(self._pump(), name="rollout-pump")
@@ -75,24 +91,51 @@ class RolloutActor(Actor):
             log.error("rollout_pump_failed", error=f"{type(exc).__name__}: {exc}")
 
     async def on_stop(self) -> None:
-        for t in [*self._tasks, *( [self._pump_task] if self._pump_task else [])]:
+        for t in [*self._tasks, *([self._pump_task] if self._pump_task else [])]:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        path = Path(self.cfg.run.dir) / "rollout_state.json"
+        try:
+            path.write_text(json.dumps(self.dump_state(DumpState())))
+        except OSError as exc:
+            log.warning("rollout_state_not_written", path=str(path), error=str(exc))
 
     # ------------------------------------------------------------------ generation
-    def _may_start(self) -> bool:
+    def _may_open_group(self) -> bool:
+        """May a group that has not generated yet begin now (before the per-batch bound)?"""
+        if self.mode == "sync":
+            return self.collected_at < self.version  # this version's batch is taken: wait for the update
+        return True
+
+    def _release(self) -> None:
+        """Generate the held work the mode allows now.
+
+        fully_async generates all of it. sync / one_step_off let at most one batch of groups be
+        generating or waiting: a group's work is released with its first trajectory, so every
+        trajectory of a group samples under the weights the group started with (or newer).
+        """
         if self.mode == "fully_async":
-            return True
-        if self.mode == "sync" and self.collected_at >= self.version:
-            return False  # the batch for this version is taken: wait for the trainer's update
-        return self.buffer.num_waiting + len(self.buffer.groups_in_flight()) < self.cfg.buffer.batch_groups
+            held, self._held = self._held, []
+            for w in held:
+                self._spawn(w)
+            return
+        self._released &= set(self.buffer.groups_in_flight())  # arrived groups now count as waiting
+        active = self.buffer.num_waiting + len(self._released)
+        keep: list[Work] = []
+        for w in self._held:
+            if w.group_id not in self._released:
+                if not (self._may_open_group() and active < self.cfg.buffer.batch_groups):
+                    keep.append(w)
+                    continue
+                self._released.add(w.group_id)
+                active += 1
+            self._spawn(w)
+        self._held = keep
 
     async def _pump(self) -> None:
         while True:
-            if self._may_start():
-                held, self._held = self._held, []
-                for w in [*held, *self.buffer.fill()]:
-                    self._spawn(w)
+            self._held += self.buffer.fill()
+            self._release()
             self._changed.clear()
             await self._changed.wait()
 
@@ -102,19 +145,42 @@ class RolloutActor(Actor):
         t.add_done_callback(self._tasks.discard)
 
     async def _engine_call(self, key: str, prompt_ids: list[int], sampling: dict[str, Any]) -> EngineOutput:
-        engine = self.router.route(key, len(prompt_ids))
+        params = {**self.sampling, **sampling}
+        budget = int(params["max_new_tokens"])
+        ids: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        while True:
+            r = await self._generate_once(key, prompt_ids + ids, {**params, "max_new_tokens": budget - len(ids)})
+            ids += r["output_ids"]
+            logprobs += r["logprobs"]
+            versions += r["versions"]
+            finish = r["finish_reason"]
+            if not r["retracted"]:
+                break
+            if len(ids) >= budget:
+                finish = "length"  # retracted exactly at the budget: nothing left to sample
+                break
+            # Retracted by a weight update: continue prompt + partial output under the new weights.
+            # The routed experts of the continuation cover the whole sequence, so only its are kept.
+            self.resubmits += 1
+        if len(set(versions)) > 1:
+            self.mixed_version_samples += 1
+        self.gen_tokens += len(ids)
+        return EngineOutput(ids, logprobs, finish, versions, r["routed_experts"])
+
+    async def _generate_once(self, key: str, input_ids: list[int], sampling: dict[str, Any]) -> dict[str, Any]:
+        engine = self.router.route(key, len(input_ids))
         cached: int | None = None
         try:
-            r = await self.ref(engine).ask(
-                Generate(prompt_ids, {**self.sampling, **sampling}, None, self.cfg.trainer.routing_replay),
+            r: dict[str, Any] = await self.ref(engine).ask(
+                Generate(input_ids, sampling, None, self.cfg.trainer.routing_replay),
                 timeout=self.cfg.transport.default_deadline_s * 4,
             )
             cached = int(r["cached_tokens"])
         finally:
-            self.router.finish(engine, len(prompt_ids), cached)
-        self.gen_tokens += len(r["output_ids"])
-        return EngineOutput(r["output_ids"], r["logprobs"], r["finish_reason"], r["versions"],
-                            r["routed_experts"])
+            self.router.finish(engine, len(input_ids), cached)
+        return r
 
     async def _run(self, work: Work) -> None:
         key = f"{work.group_id}/{work.sample_index}"
@@ -123,10 +189,13 @@ class RolloutActor(Actor):
             return await self._engine_call(key, ids, sampling)
 
         client = LocalSessionClient(self.store, engine_fn)
-        ctx = GenerateContext(client, work.prompt, self.agent, getattr(self.env, "tools", None), {},
+        own = {"max_new_tokens": int(work.prompt["max_new_tokens"])} if "max_new_tokens" in work.prompt else {}
+        ctx = GenerateContext(client, work.prompt, self.agent, getattr(self.env, "tools", None), own,
                               work.sample_index, self.cfg.rollout.max_turns)
         try:
             samples = await self.generate(ctx)
+            self.gen_samples += len(samples)
+            self.gen_response_tokens += sum(len(s.response_ids) for s in samples)
             for s in samples:
                 if s.status in ("completed", "truncated"):
                     r = self.reward(work.prompt, s)
@@ -136,12 +205,9 @@ class RolloutActor(Actor):
             log.warning("trajectory_failed", group=work.group_id, sample=work.sample_index,
                         error=f"{type(exc).__name__}: {exc}")
             started = self.buffer.fail(work, f"{type(exc).__name__}: {exc}")
-        # The buffer starts new work in the freed slot at once; generate it.
-        if self._may_start():
-            for w in started:
-                self._spawn(w)
-        else:
-            self._held.extend(started)
+        # The buffer starts new work in the freed slot at once; generate it if the mode allows.
+        self._held += started
+        self._release()
         self._changed.set()
 
     # ------------------------------------------------------------------ trainer side
@@ -152,27 +218,40 @@ class RolloutActor(Actor):
 
     @handler(PullBatch, concurrency=16)
     async def pull_batch(self, msg: PullBatch) -> dict[str, Any]:
-        if msg.step in self._batches:
+        async with self._pull_lock:
+            if msg.step not in self._batches:
+                self._batches = {msg.step: await self._collect_batch(msg)}  # same batch for every rank
             return self._batches[msg.step]
+
+    async def _collect_batch(self, msg: PullBatch) -> dict[str, Any]:
         groups: list[Group] = []
         while len(groups) < msg.n_groups:
             if self.buffer.num_waiting:
                 groups += self.buffer.collect(msg.n_groups - len(groups), msg.trainer_version)
-                self.collected_at = msg.trainer_version
-                self._changed.set()
+                self._changed.set()  # slots below max_waiting / admission bound may have opened
                 continue
             self._changed.clear()
             await self._changed.wait()
+        # Only a complete batch closes this version's generation in sync mode: a group still
+        # missing (e.g. a retry after a failure) must be allowed to generate.
+        self.collected_at = msg.trainer_version
+        self._changed.set()
         metrics = self.buffer.step_metrics(msg.trainer_version)
-        rewards = [s.reward for g in groups for s in g.samples if s.reward is not None]
-        metrics["rollout/reward_mean"] = sum(rewards) / len(rewards) if rewards else 0.0
-        metrics["rollout/response_len_mean"] = (
-            sum(len(s.response_ids) for g in groups for s in g.samples) / max(1, sum(len(g.samples) for g in groups))
-        )
-        metrics["rollout/prefix_hit_rate"] = float(self.router.prefix_hit_rate)
-        out = {"groups": [g.to_wire() for g in groups], "metrics": metrics}
-        self._batches = {msg.step: out}  # every rank of this step gets the same batch
-        return out
+        samples = [s for g in groups for s in g.samples]
+        rewards = [s.reward for s in samples if s.reward is not None]
+        trained_tokens = sum(len(s.response_ids) for s in samples)
+        metrics.update({
+            "rollout/reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
+            "rollout/response_len_mean": trained_tokens / max(1, len(samples)),
+            "rollout/trained_response_tokens": float(trained_tokens),
+            "rollout/generated_response_len_mean": self.gen_response_tokens / max(1, self.gen_samples),
+            "rollout/generated_samples": float(self.gen_samples),
+            "rollout/retracted_resubmits": float(self.resubmits),
+            "rollout/mixed_version_samples": float(self.mixed_version_samples),
+            "rollout/prefix_hit_rate": float(self.router.prefix_hit_rate),
+            "rollout/batch_ready_time": time.time(),
+        })
+        return {"groups": [g.to_wire() for g in groups], "metrics": metrics}
 
     @handler(DumpState)
     def dump_state(self, msg: DumpState) -> dict[str, Any]:
