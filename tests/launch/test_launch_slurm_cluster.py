@@ -1,0 +1,93 @@
+"""The Slurm launcher on a real cluster: the quick start across two nodes, and a failing head step.
+
+Needs a running Slurm cluster with at least two idle nodes (CI starts one with
+scripts/slurm/local-cluster.sh); skipped otherwise. The run directory is under
+pytest's tmp_path, which every virtual node of the local cluster shares.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+QUICKSTART = str(REPO / "examples" / "quickstart.toml")
+
+
+def _cluster_nodes() -> tuple[list[str], str]:
+    if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
+        return [], "no Slurm client (sinfo/sbatch) on PATH; CI starts one with scripts/slurm/local-cluster.sh"
+    try:
+        res = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True, timeout=10)
+    except subprocess.TimeoutExpired:
+        return [], "sinfo timed out: slurmctld is not answering"
+    if res.returncode != 0:
+        return [], f"sinfo failed ({res.stderr.strip()}): no running slurmctld"
+    up = sorted({ln.split()[0] for ln in res.stdout.splitlines() if ln.split()[1:] in (["idle"], ["mix"])})
+    if len(up) < 2:
+        return up, f"need 2 idle Slurm nodes, sinfo shows: {res.stdout.strip() or 'none'}"
+    return up, ""
+
+
+NODES, WHY = _cluster_nodes()
+pytestmark = [pytest.mark.skipif(bool(WHY), reason=WHY or "-"), pytest.mark.timeout(420), pytest.mark.slow]
+
+
+def launch(tmp_path: Path, name: str, *sets: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    run = tmp_path / "run"
+    args = [sys.executable, "-m", "miles.launch.cli", "launch", QUICKSTART, "--slurm", "--wait", "--time", "6",
+            "--set", "run.steps=3", "--set", "run.warmup_sft_steps=10", "--set", f"run.dir={run}",
+            "--set", f"run.name={name}", "--set", "run.log_json=json", *[x for s in sets for x in ("--set", s)]]
+    try:
+        res = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=400,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    finally:
+        # only this test's job carries this name; a timed-out test must not leave it running
+        subprocess.run(["scancel", f"--name=miles-{name}"], capture_output=True)
+    return res, run
+
+
+def step_events(run: Path) -> dict[str, dict[str, object]]:
+    out = {}
+    for log in sorted((run / "logs").glob("*.log")):
+        for line in log.read_text().splitlines():
+            if line.startswith("{") and '"slurm_step"' in line:
+                ev = json.loads(line)
+                out[f"{ev['role']}-{ev['index']}"] = ev
+    return out
+
+
+def test_quickstart_runs_across_two_nodes(tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    res, run = launch(tmp_path, f"slurmci-{os.getpid()}")
+    detail = f"stdout:\n{res.stdout}\nstderr:\n{res.stderr[-3000:]}"
+    assert res.returncode == 0, detail
+    assert "submitted job" in res.stdout
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert [r["step"] for r in rows][-1] == 3 and all("rollout/reward_mean" in r for r in rows), rows
+    assert (run / "final_hf" / "config.json").is_file()
+    assert (run / "slurm" / "exit_code").read_text().strip() == "0"
+    ev = step_events(run)
+    assert set(ev) == {"head-0", "engine-0", "rollout-0", "trainer-0"}, ev
+    # default placement: head, rollout and trainer on the first node, the engine on the second
+    assert ev["engine-0"]["node"] == NODES[1] and ev["trainer-0"]["node"] == NODES[0], ev
+    assert ev["head-0"]["node"] == NODES[0]
+    job_log = next((run / "slurm").glob("slurm-*.out")).read_text()
+    assert "miles: trainer step exited with 0" in job_log, job_log
+    print(f"slurm quickstart: {time.monotonic() - t0:.1f}s")
+
+
+def test_failing_head_step_fails_the_job_with_the_cause_in_its_log(tmp_path: Path) -> None:
+    res, run = launch(tmp_path, f"slurmci-bad-{os.getpid()}", "transport.interface=no-such-nic0")
+    assert res.returncode == 1, f"{res.stdout}\n{res.stderr[-2000:]}"
+    assert "no-such-nic0" in (run / "logs" / "head-0.log").read_text()
+    job_log = next((run / "slurm").glob("slurm-*.out")).read_text()
+    assert "head step exited before writing" in job_log, job_log
+    assert not (run / "metrics.jsonl").exists()
