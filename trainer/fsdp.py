@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from miles.core.errors import ConfigError
+from miles.core.errors import ConfigError, TrainerError
 from miles.core.logging import get_logger
 from miles.core.schema.trainer import TrainerConfig
 from miles.models.config import ModelSpec
@@ -44,6 +44,7 @@ from miles.trainer.dist import Collectives, ensure_process_group, pick_device
 from miles.trainer.forward import RouterProbe, packed_forward
 from miles.trainer.kl import kl_estimate
 from miles.trainer.metrics import StepMetrics
+from miles.trainer.offload import FlatOffload, trainer_state_tensors
 from miles.trainer.optim import build_adamw, lr_at, set_lr
 from miles.trainer.packing import MicroBatch, filler_micro_batch, pack, plan_micro_batches
 from miles.trainer.rl_loss import LossInputs, rl_loss
@@ -117,12 +118,14 @@ class FSDPTrainer:
         self.opt_steps = 0
         self.weight_version = weight_version
         self._rollout_lp = False
+        self._offload: FlatOffload | None = None
 
     # ---------------------------------------------------------------- step
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One RL update on this rank's shard; returns globally reduced metrics."""
         cfg = self.cfg
         t0 = time.perf_counter()
+        self._ensure_loaded()
         validate_batch(
             batch,
             needs_rollout_logprobs=needs_rollout_logprobs(cfg.correction),
@@ -337,15 +340,43 @@ class FSDPTrainer:
         self.opt_steps += 1
         return float(norm)
 
+    # ---------------------------------------------------------------- offload
+    @property
+    def offloaded(self) -> bool:
+        return self._offload is not None and self._offload.offloaded
+
+    def offload(self) -> float:
+        """Move params, optimizer state and the reference model to host memory as one block
+        (gradients are dropped); the next step or export reloads. Returns seconds spent."""
+        if self._offload is None:
+            mods = [self.trainable] + ([self.ref] if self.ref is not None else [])
+            self._offload = FlatOffload(
+                lambda: trainer_state_tensors(mods, [self.opt]), self.device
+            )
+        return self._offload.offload([self.trainable])
+
+    def reload(self) -> float:
+        """Bring the offloaded state back to the device. Returns seconds spent."""
+        if self._offload is None:
+            raise TrainerError("reload() before any offload()")
+        return self._offload.reload()
+
+    def _ensure_loaded(self) -> None:
+        if self.offloaded:
+            self.reload()
+
     # ---------------------------------------------------------------- weights and state
     def export_hf_state(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) of every policy weight; a collective every rank must drain."""
+        self._ensure_loaded()
         return checkpoint.iter_hf_state(self.policy)
 
     def export_hf_checkpoint(self, path: str | Path) -> None:
+        self._ensure_loaded()
         checkpoint.export_hf(path, self.policy)
 
     def save_checkpoint(self, path: str | Path) -> None:
+        self._ensure_loaded()
         meta = {
             "step": self.step,
             "opt_steps": self.opt_steps,
@@ -355,6 +386,7 @@ class FSDPTrainer:
         checkpoint.save(path, self.trainable, self.opt, meta)
 
     def load_checkpoint(self, path: str | Path) -> None:
+        self._ensure_loaded()
         meta = checkpoint.load(path, self.trainable, self.opt)
         if meta.get("world") != self.world:
             log.warning("checkpoint_world_changed", saved=meta.get("world"), now=self.world)
