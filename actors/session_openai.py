@@ -1,0 +1,175 @@
+"""The OpenAI chat-completions schema as the session server speaks it.
+
+Request bodies are checked field by field (a bad one raises `SessionError`
+naming it); OpenAI sampling fields map to the engine's (`max_tokens` →
+`max_new_tokens`; `top_k`, `stop_token_ids` accepted as extensions). Fields the
+server cannot honour (n > 1, stop strings, forced tool choice, logprobs) are
+refused rather than silently ignored; other unknown fields are ignored, as
+agents often send client-specific extras. Replies are `chat.completion`
+objects, or `chat.completion.chunk` lists for streaming.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from miles.core.clock import new_id
+from miles.core.errors import ProtocolError, SessionError
+from miles.rollout.types import Sample
+
+
+@dataclass
+class ChatRequest:
+    messages: list[Any]
+    tools: list[dict[str, Any]] | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+    stream: bool = False
+    include_usage: bool = False
+    model: str = "policy"
+
+
+def _number(body: dict[str, Any], key: str, lo: float, hi: float) -> float | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= hi:
+        raise SessionError(f"{key}: expected a number in [{lo}, {hi}], got {v!r}")
+    return float(v)
+
+
+def _int(body: dict[str, Any], key: str, lo: int) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise SessionError(f"{key}: expected an integer >= {lo}, got {v!r}")
+    return v
+
+
+def _tools(v: Any) -> list[dict[str, Any]] | None:
+    if v is None:
+        return None
+    if not isinstance(v, list):
+        raise SessionError(f"tools: expected a list, got {type(v).__name__}")
+    for i, t in enumerate(v):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) \
+                or not isinstance(fn.get("name"), str):
+            raise SessionError(f"tools[{i}]: expected {{'type': 'function', 'function': {{'name': str, ...}}}}")
+    return v
+
+
+def parse_chat_request(body: Any) -> ChatRequest:
+    """Validate an OpenAI chat-completions body; raises SessionError naming the bad field."""
+    if not isinstance(body, dict):
+        raise SessionError(f"request body: expected a JSON object, got {type(body).__name__}")
+    if "messages" not in body:
+        raise SessionError("messages: missing (a chat request needs the whole conversation)")
+    if body.get("n") not in (None, 1):
+        raise SessionError(f"n: only 1 choice per request is supported, got {body['n']!r} (open n sessions)")
+    if body.get("stop") not in (None, [], ""):
+        raise SessionError("stop: stop strings are not supported (the engine stops on token ids; "
+                           "use stop_token_ids)")
+    if body.get("logprobs") not in (None, False):
+        raise SessionError("logprobs: not returned by this server (export the session's samples instead)")
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise SessionError(f"tool_choice: only 'auto' and 'none' are supported, got {choice!r}")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise SessionError(f"response_format: only {{'type': 'text'}} is supported, got {fmt!r}")
+    sampling: dict[str, Any] = {}
+    for key, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0)):
+        v = _number(body, key, lo, hi)
+        if v is not None:
+            sampling[key] = v
+    max_tokens = _int(body, "max_completion_tokens", 1) or _int(body, "max_tokens", 1)
+    if max_tokens is not None:
+        sampling["max_new_tokens"] = max_tokens
+    for key, lo in (("top_k", -1), ("seed", 0)):
+        iv = _int(body, key, lo)
+        if iv is not None:
+            sampling[key] = max(0, iv) if key == "top_k" else iv
+    stops = body.get("stop_token_ids")
+    if stops is not None:
+        if not isinstance(stops, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in stops):
+            raise SessionError(f"stop_token_ids: expected a list of ints, got {stops!r}")
+        sampling["stop_token_ids"] = stops
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise SessionError(f"stream: expected true or false, got {stream!r}")
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise SessionError(f"stream_options: expected an object, got {opts!r}")
+    model = body.get("model", "policy")
+    if not isinstance(model, str):
+        raise SessionError(f"model: expected a string, got {model!r}")
+    tools = _tools(body.get("tools"))
+    return ChatRequest(body["messages"], tools if choice != "none" else None, sampling, stream,
+                       bool(opts.get("include_usage")), model)
+
+
+def _usage(u: dict[str, Any]) -> dict[str, Any]:
+    return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
+            "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
+            "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]}}
+
+
+def completion(turn: dict[str, Any], model: str) -> dict[str, Any]:
+    """A `chat.completion` object from a session turn (see SessionService.chat)."""
+    return {"id": new_id("chatcmpl-"), "object": "chat.completion", "created": int(time.time()),
+            "model": model, "choices": [{"index": 0, "message": turn["message"], "logprobs": None,
+                                         "finish_reason": turn["finish_reason"]}],
+            "usage": _usage(turn["usage"])}
+
+
+def completion_chunks(turn: dict[str, Any], model: str, include_usage: bool) -> list[dict[str, Any]]:
+    """The same turn as `chat.completion.chunk`s: role, content, one per tool call, finish (, usage)."""
+    cid, created = new_id("chatcmpl-"), int(time.time())
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        c: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        if include_usage:
+            c["usage"] = None
+        return c
+
+    msg = turn["message"]
+    out = [chunk({"role": "assistant", "content": ""})]
+    if msg.get("reasoning_content"):
+        out.append(chunk({"reasoning_content": msg["reasoning_content"]}))
+    if msg.get("content"):
+        out.append(chunk({"content": msg["content"]}))
+    for i, call in enumerate(msg.get("tool_calls") or []):
+        out.append(chunk({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
+                                          "function": dict(call["function"])}]}))
+    out.append(chunk({}, turn["finish_reason"]))
+    if include_usage:
+        out.append({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                    "choices": [], "usage": _usage(turn["usage"])})
+    return out
+
+
+# ---------------------------------------------------------------- samples as JSON
+def sample_to_json(s: Sample) -> dict[str, Any]:
+    """`Sample.to_wire()` with routed experts as {dtype, shape, data: base64} (JSON-safe)."""
+    d = s.to_wire(arrays_as_bytes=True)
+    re = d["routed_experts"]
+    if re is not None:
+        d["routed_experts"] = {**re, "data": base64.b64encode(re["data"]).decode("ascii")}
+    return d
+
+
+def sample_from_json(d: Any, where: str = "sample") -> Sample:
+    if isinstance(d, dict) and isinstance(d.get("routed_experts"), dict):
+        re = d["routed_experts"]
+        try:
+            data = base64.b64decode(re.get("data", ""), validate=True)
+        except (ValueError, TypeError) as exc:
+            raise ProtocolError(f"{where}.routed_experts.data: not base64 ({exc})") from exc
+        d = {**d, "routed_experts": {**re, "data": data}}
+    return Sample.from_wire(d, where)
+

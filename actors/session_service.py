@@ -1,0 +1,105 @@
+"""The session server's logic without sockets: a `SessionStore` plus an engine call.
+
+One chat turn = prepare (tokenize only the appended messages) → engine call with
+the session's routing key (so the router keeps the session on one engine and the
+engine reuses its KV) → commit the sampled ids as they are. A failed engine call
+cancels the prepared turn, so the session stays as it was. Closing a session
+tells the engines (through `end_session`) to drop its KV. Both fronts of the
+session actor (HTTP and actor asks) call this class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+
+from miles.core.errors import MilesError, SessionError
+from miles.core.logging import get_logger
+from miles.rollout.session_store import SessionStore
+from miles.rollout.types import Sample
+
+log = get_logger("miles.session")
+
+# (routing key, prompt ids, engine sampling params) -> the engine's result dict
+# (output_ids, logprobs, finish_reason, versions, cached_tokens, routed_experts, ...)
+EngineCall = Callable[[str, list[int], dict[str, Any]], Awaitable[dict[str, Any]]]
+EndSessionCall = Callable[[str], Awaitable[Any]]
+SAMPLING_KEYS = frozenset({"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "seed"})
+
+
+def check_sampling(sampling: Any, where: str = "sampling") -> dict[str, Any]:
+    if not isinstance(sampling, dict):
+        raise SessionError(f"{where}: expected an object, got {type(sampling).__name__}")
+    unknown = set(sampling) - SAMPLING_KEYS
+    if unknown:
+        raise SessionError(f"{where}: unknown key(s) {sorted(unknown)}; valid: {sorted(SAMPLING_KEYS)}")
+    return dict(sampling)
+
+
+class SessionService:
+    """Sessions over one store; `engine` runs a turn, `end_session` frees a session's KV."""
+
+    def __init__(self, store: SessionStore, engine: EngineCall, end_session: EndSessionCall | None = None,
+                 sampling: dict[str, Any] | None = None) -> None:
+        self.store = store
+        self.engine = engine
+        self.end_session = end_session
+        # The defaults every turn starts from: stop at the tokenizer's end-of-turn ids.
+        self.sampling = {"stop_token_ids": list(store.tok.stop_token_ids),
+                         **check_sampling(sampling or {}, "default sampling")}
+        self._keys: dict[str, str] = {}  # session id -> routing key, for sessions the engines saw
+        self.turns = 0
+        self.cached_tokens = 0
+        self.prompt_tokens = 0
+
+    def create(self, tools: list[dict[str, Any]] | None = None, metadata: dict[str, Any] | None = None,
+               session_id: str = "", routing_key: str = "") -> str:
+        return self.store.create(session_id or None, routing_key or None, tools, metadata)
+
+    def exists(self, session_id: str) -> bool:
+        return session_id in self.store
+
+    async def chat(self, session_id: str, messages: Any, tools: list[dict[str, Any]] | None = None,
+                   sampling: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One turn; returns {"message", "finish_reason", "usage"} (see rollout/client.py)."""
+        params = {**self.sampling, **check_sampling(sampling or {})}
+        plan = self.store.prepare_turn(session_id, messages, tools)
+        try:
+            r = await self.engine(plan.routing_key, plan.prompt_ids, params)
+        except BaseException:
+            self.store.cancel_turn(session_id, plan)
+            raise
+        self._keys[session_id] = plan.routing_key
+        experts = r.get("routed_experts")
+        res = self.store.commit_turn(session_id, plan, r["output_ids"], r["logprobs"],
+                                     None if experts is None else np.asarray(experts),
+                                     r.get("versions", 0), r["finish_reason"])
+        cached = int(r.get("cached_tokens", 0))
+        self.turns += 1
+        self.prompt_tokens += res.prompt_tokens
+        self.cached_tokens += cached
+        return {"message": res.message, "finish_reason": res.finish_reason,
+                "usage": {"prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens,
+                          "cached_tokens": cached}}
+
+    def info(self, session_id: str) -> dict[str, Any]:
+        return self.store.info(session_id)
+
+    def export(self, session_id: str) -> list[Sample]:
+        return self.store.export(session_id)
+
+    async def close(self, session_id: str) -> None:
+        self.store.close(session_id)
+        key = self._keys.pop(session_id, None)
+        if key is not None and self.end_session is not None:
+            try:
+                await self.end_session(key)
+            except MilesError as exc:  # the engine KV is only a cache; the session is closed anyway
+                log.warning("end_session_failed", session=session_id, error=f"{type(exc).__name__}: {exc}")
+
+    def stats(self) -> dict[str, Any]:
+        return {"sessions": len(self.store), "turns": self.turns, "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_tokens,
+                "prefix_hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0}

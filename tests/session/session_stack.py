@@ -1,0 +1,139 @@
+"""Helpers for the session tests: a tiny model, a quick SFT warm-up, and an in-process actor stack.
+
+The stack is real: a directory, engine actors over `TorchEngine`, the router
+actor and the session actor with its HTTP front, all on one host in the test's
+event loop (every message still goes through ZeroMQ sockets).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from miles.actors.engine import EngineActor
+from miles.actors.router import RouterActor
+from miles.actors.runtime.directory import Directory
+from miles.actors.runtime.host import DIRECTORY_NAME, Host
+from miles.actors.session import SessionActor
+from miles.core.schema.engine import EngineConfig
+from miles.core.schema.transport import TransportConfig
+from miles.engines.torch_engine import TorchEngine
+from miles.models.config import ModelSpec
+from miles.models.decoder import CausalLM
+from miles.models.presets import tiny_config
+from miles.models.registry import build_model
+from miles.rollout.envs.calculator import CALC_TOOL
+from miles.rollout.session_store import SessionStore
+from miles.rollout.tiny_tokenizer import tiny_tokenizer
+from miles.rollout.tokenizer import HFTokenizer
+
+QUESTION = "What is 12*3+4? Use the calc tool, then answer with the number."
+ANSWER = "40"
+
+
+def make_tok(tmp: Path) -> HFTokenizer:
+    return tiny_tokenizer(tmp / "tok")
+
+
+def tiny_lm(tok: HFTokenizer, seed: int = 0, **kw: Any) -> CausalLM:
+    cfg = tiny_config("qwen3", vocab_size=tok.vocab_size, **kw)
+    return build_model(ModelSpec.from_hf(cfg), seed=seed)
+
+
+def tool_conversation() -> list[dict[str, Any]]:
+    """THE TESTS' TARGET BEHAVIOUR: ask → calc tool call → tool result → final answer."""
+    call = {"id": "call_0", "type": "function", "function": {"name": "calc", "arguments": {"expr": "12*3+4"}}}
+    return [{"role": "user", "content": QUESTION},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_0", "content": ANSWER},
+            {"role": "assistant", "content": f"The answer is {ANSWER}."}]
+
+
+def sft_tool_calls(model: CausalLM, tok: HFTokenizer, max_steps: int = 400) -> int:
+    """Warm-up: teach the tiny model the two assistant turns of `tool_conversation` until greedy
+    decoding reproduces them exactly (teacher-forced argmax == target everywhere). Returns steps."""
+    msgs, tools = tool_conversation(), [CALC_TOOL]
+    ids = tok.encode(tok.apply_chat_template(msgs, tools))
+    mask = torch.zeros(len(ids), dtype=torch.bool)
+    for k in (1, 3):  # the assistant turns: from the generation prompt through <|im_end|>
+        start = len(tok.encode(tok.apply_chat_template(msgs[:k], tools, True)))
+        end = len(tok.encode(tok.apply_chat_template(msgs[:k + 1], tools))) - 1  # drop the trailing "\n"
+        mask[start:end] = True
+    x = torch.tensor([ids[:-1]])
+    y = torch.tensor(ids[1:])
+    m = mask[1:]
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    model.train()
+    for step in range(1, max_steps + 1):
+        logits = model(x).logits[0]
+        loss = torch.nn.functional.cross_entropy(logits[m], y[m])
+        # checked before the update, so the weights returned are the ones that passed
+        if loss.item() < 0.05 and bool((logits[m].argmax(-1) == y[m]).all()):
+            model.eval()
+            return step
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    raise AssertionError(f"warm-up did not memorise the tool-call turns in {max_steps} steps "
+                         f"(loss {loss.item():.4f})")
+
+
+_TRAINED: dict[int, dict[str, torch.Tensor]] = {}
+
+
+def tool_calling_lm(tok: HFTokenizer) -> CausalLM:
+    """A tiny model warmed up by `sft_tool_calls` (trained once per test process, then copied)."""
+    model = tiny_lm(tok)
+    if tok.vocab_size not in _TRAINED:
+        sft_tool_calls(model, tok)
+        _TRAINED[tok.vocab_size] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    else:
+        model.load_state_dict(_TRAINED[tok.vocab_size])
+    return model.eval()
+
+
+def transport_cfg() -> TransportConfig:
+    return TransportConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0)
+
+
+@dataclass
+class Stack:
+    host: Host
+    session: SessionActor
+    router: RouterActor
+    engines: dict[str, TorchEngine] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        assert self.session.http is not None
+        return self.session.http.url
+
+    async def stop(self) -> None:
+        await self.host.stop()
+
+
+async def start_host(cfg: TransportConfig | None = None) -> Host:
+    """A host running the directory (the head of a small actor system)."""
+    cfg = cfg or transport_cfg()
+    host = Host(cfg)
+    await host.start()
+    await host.add(Directory(cfg.heartbeat_timeout_s, cfg.heartbeat_interval_s), DIRECTORY_NAME)
+    return host
+
+
+async def start_stack(tok: HFTokenizer, models: list[CausalLM], affinity: bool = True,
+                      engine_cfg: EngineConfig | None = None, **session_kw: Any) -> Stack:
+    host = await start_host()
+    ecfg = engine_cfg or EngineConfig(max_batch_size=8, max_seq_len=1024, kv_budget_tokens=50_000)
+    engines: dict[str, TorchEngine] = {}
+    for i, model in enumerate(models):
+        engines[f"engine-{i}"] = TorchEngine(model, ecfg)
+        await host.add(EngineActor(engines[f"engine-{i}"]), f"engine-{i}")
+    router = RouterActor(list(engines), affinity=affinity, engine_timeout_s=60.0)
+    await host.add(router, "router")
+    session = SessionActor(SessionStore(tok), "router", engine_timeout_s=60.0, **session_kw)
+    await host.add(session, "session")
+    return Stack(host, session, router, engines)
