@@ -45,7 +45,8 @@ from miles.trainer.forward import RouterProbe, packed_forward
 from miles.trainer.kl import kl_estimate
 from miles.trainer.metrics import StepMetrics
 from miles.trainer.offload import FlatOffload, trainer_state_tensors
-from miles.trainer.optim import build_adamw, lr_at, set_lr
+from miles.trainer.optim import lr_at, set_lr
+from miles.trainer.optim_stream import build_optimizer
 from miles.trainer.packing import MicroBatch, filler_micro_batch, pack, plan_micro_batches
 from miles.trainer.rl_loss import LossInputs, rl_loss
 from miles.trainer.sharding import build_policy, compute_dtype, make_mesh, shard
@@ -112,7 +113,7 @@ class FSDPTrainer:
             ref = build_policy(model_spec, ref_checkpoint or init_checkpoint, seed)
             ref.requires_grad_(False)
             self.ref = shard(ref, [ref], mesh, self.device, self.dtype)
-        self.opt = build_adamw(self.trainable.parameters(), cfg.optim)
+        self.opt = build_optimizer(self.trainable.parameters(), cfg, self.device, rank)
         self.coll = Collectives(self.device)
         self.step = 0
         self.opt_steps = 0

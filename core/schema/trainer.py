@@ -109,6 +109,44 @@ class OptimConfig:
 
 
 @dataclass
+class MemoryConfig:
+    optimizer: Literal["adamw", "streamed"] = opt(
+        "adamw",
+        "adamw: moments in device memory; streamed: moments on disk in per-bucket files, "
+        "one bucket at a time through a pinned buffer (bit-identical updates)",
+    )
+    stream_dir: str = opt(
+        "", "directory of the streamed moment files; empty = a fresh temporary directory", "path"
+    )
+    stream_bucket_mb: float = opt(
+        256.0, "moment bytes (exp_avg + exp_avg_sq) per streamed bucket", "MiB"
+    )
+
+
+@dataclass
+class LoraConfig:
+    rank: int = opt(0, "LoRA rank; 0 = full fine-tuning (no adapters)")
+    alpha: float = opt(16.0, "LoRA scale numerator: the update is (alpha / rank) * B @ A")
+    targets: list[str] = opt(
+        ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+        "module names (last path component) of the linear layers that get adapters",
+    )
+
+
+@dataclass
+class DistillConfig:
+    teacher_checkpoint: str = opt(
+        "", "HF checkpoint of the teacher; non-empty turns on on-policy distillation", "path"
+    )
+    kl_coef: float = opt(
+        1.0, "weight of the per-token reverse KL (logp_student - logp_teacher) advantage"
+    )
+    reward_coef: float = opt(
+        0.0, "weight of the task-reward advantage added to the distillation advantage"
+    )
+
+
+@dataclass
 class TrainerConfig:
     backend: Literal["fsdp", "megatron"] = opt("fsdp", "training backend")
     world_size: int = opt(1, "trainer data-parallel ranks (one process each)", "ranks")
@@ -146,3 +184,12 @@ class TrainerConfig:
         CorrectionConfig, "rollout/trainer mismatch corrections (TIS, Clip-or-Pop, MIS, OPSM)"
     )
     optim: OptimConfig = section(OptimConfig, "AdamW, gradient clipping and LR schedule")
+    true_on_policy: bool = opt(
+        False,
+        "batch-invariant forward (fixed-shape GEMM tiles, fixed-length attention, one sequence "
+        "per forward) so trainer logprobs equal the engine's bit for bit; the engine must run "
+        "with batch_invariant too",
+    )
+    memory: MemoryConfig = section(MemoryConfig, "optimizer-state streaming")
+    lora: LoraConfig = section(LoraConfig, "low-rank adapters (LoRA RL)")
+    distill: DistillConfig = section(DistillConfig, "on-policy distillation from a teacher")
