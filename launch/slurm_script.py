@@ -181,18 +181,33 @@ def render_script(plan: SlurmPlan, *, run_dir: str, config_path: str, python: st
             entry += [f"--master-node {master}"] + ([f"--master-port {o.master_port}"] if o.master_port else [])
         # the trainer's stdout (rank 0's progress line) goes to the job's own output
         out = f'--{"error" if s.role == "trainer" else "output"}="$RUN/logs/{s.role}-%t.log"'
-        lines.append(f"step_{s.role}() {{ {' '.join(_q(a) for a in srun)} {out} {' '.join(entry)}; }}")
+        # exec: the background job started for a step IS its srun, so a TERM to $! reaches srun
+        lines.append(f"step_{s.role}() {{ exec {' '.join(_q(a) for a in srun)} {out} {' '.join(entry)}; }}")
     restartable = " ".join(s.role for s in plan.steps if s.role in ("engine", "rollout"))
     lines += [
         "",
         "declare -A NAME=() TRIES=()",
         'start() { "step_$1" & NAME[$!]=$1; echo "miles: step $1 started (srun pid $!)"; }',
-        "# SIGTERM to srun ends its step; the head goes last so the others can still unregister",
-        'stop_all() {',
-        '  local p; for p in "${!NAME[@]}"; do [ "${NAME[$p]}" = head ] || kill -TERM "$p" 2>/dev/null; done',
-        '  for p in "${!NAME[@]}"; do [ "${NAME[$p]}" = head ] || wait "$p"; done',
-        '  for p in "${!NAME[@]}"; do kill -TERM "$p" 2>/dev/null; done; wait',
-        '}',
+        "# Graceful stop: SIGTERM to a step's tasks (scancel JOB.STEP, found by step name), so they drain",
+        "# and unregister; srun itself turns a SIGTERM into a hard kill, so it only gets one after 20 s.",
+        "# (Slurm 22.05's scancel reports a spurious 'Invalid job id' after signalling a step: ignored.)",
+        "in_list() { [[ \" ${*:2} \" == *\" $1 \"* ]]; }",
+        "stop_steps() {",
+        "  local p sid sname live t=0",
+        '  while read -r sid sname; do in_list "$sname" "$@" && { scancel -s TERM "$sid" 2>/dev/null || :; }; done \\',
+        '    < <(squeue -h -s -j "${SLURM_JOB_ID:-0}" -o "%i %j" 2>/dev/null)',
+        "  while :; do",
+        '    live=""',
+        '    for p in "${!NAME[@]}"; do in_list "${NAME[$p]}" "$@" && kill -0 "$p" 2>/dev/null && live="$live $p"; done',
+        '    [ -z "$live" ] && break',
+        '    if [ "$t" -ge 100 ]; then kill -TERM $live 2>/dev/null; break; fi',
+        "    sleep 0.2; t=$((t + 1))",
+        "  done",
+        '  for p in "${!NAME[@]}"; do in_list "${NAME[$p]}" "$@" && { wait "$p"; unset "NAME[$p]"; }; done',
+        "  return 0",
+        "}",
+        "# the head goes last so the other steps can still unregister from the directory",
+        "stop_all() { stop_steps engine rollout trainer; stop_steps head; }",
         'finish() { echo "$1" > "$RUN/slurm/exit_code"; echo "miles: job exit code $1"; exit "$1"; }',
         "trap 'echo \"miles: interrupted\" >&2; stop_all; finish 130' INT TERM",
         "",

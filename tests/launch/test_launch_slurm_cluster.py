@@ -40,10 +40,13 @@ NODES, WHY = _cluster_nodes()
 pytestmark = [pytest.mark.skipif(bool(WHY), reason=WHY or "-"), pytest.mark.timeout(420), pytest.mark.slow]
 
 
-def launch(tmp_path: Path, name: str, *sets: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+def launch(tmp_path: Path, name: str, *sets: str, salloc: bool = False,
+           steps: int = 3) -> tuple[subprocess.CompletedProcess[str], Path]:
     run = tmp_path / "run"
-    args = [sys.executable, "-m", "miles.launch.cli", "launch", QUICKSTART, "--slurm", "--wait", "--time", "6",
-            "--set", "run.steps=3", "--set", "run.warmup_sft_steps=10", "--set", f"run.dir={run}",
+    # under salloc, `miles launch` runs the script itself inside that allocation (no sbatch)
+    pre = ["salloc", "-N2", "--ntasks-per-node=3", "-t", "6", f"--job-name=miles-{name}"] if salloc else []
+    args = [*pre, sys.executable, "-m", "miles.launch.cli", "launch", QUICKSTART, "--slurm",
+            *([] if salloc else ["--wait", "--time", "6"]), "--set", f"run.steps={steps}", "--set", "run.warmup_sft_steps=10", "--set", f"run.dir={run}",
             "--set", f"run.name={name}", "--set", "run.log_json=json", *[x for s in sets for x in ("--set", s)]]
     try:
         res = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=400,
@@ -91,3 +94,17 @@ def test_failing_head_step_fails_the_job_with_the_cause_in_its_log(tmp_path: Pat
     job_log = next((run / "slurm").glob("slurm-*.out")).read_text()
     assert "head step exited before writing" in job_log, job_log
     assert not (run / "metrics.jsonl").exists()
+
+
+def test_inside_an_allocation_the_steps_run_directly_and_stop_gracefully(tmp_path: Path) -> None:
+    res, run = launch(tmp_path, f"slurmci-alloc-{os.getpid()}", salloc=True, steps=2)
+    assert res.returncode == 0, f"{res.stdout}\n{res.stderr[-3000:]}"
+    assert "inside allocation" in res.stdout and "submitted job" not in res.stdout
+    assert "miles: trainer step exited with 0" in res.stdout
+    assert (run / "slurm" / "exit_code").read_text().strip() == "0"
+    assert not list((run / "slurm").glob("slurm-*.out"))  # nothing went through sbatch
+    ev = step_events(run)
+    assert ev["engine-0"]["node"] == NODES[1] and ev["trainer-0"]["node"] == NODES[0], ev
+    # the steps were asked to stop (SIGTERM to their tasks), not killed: each host drained
+    for role in ("engine", "rollout", "head"):
+        assert '"host_stopping"' in (run / "logs" / f"{role}-0.log").read_text(), role
