@@ -6,7 +6,7 @@ Turns the task's Slurm facts into what a role process needs, then runs it:
   a NIC name (e.g. "ib0") is resolved to that NIC's IPv4 address on each node;
 - `head`: runs the directory and writes its address to F (on the shared filesystem);
 - other roles: wait for F, then start `miles.launch.role` with index = SLURM_PROCID and,
-  for trainer ranks, RANK/WORLD_SIZE/LOCAL_RANK and MASTER_ADDR (the trainer step's
+  for trainer ranks, RANK/WORLD_SIZE, LOCAL_RANK (see `local_rank`) and MASTER_ADDR (the trainer step's
   first node, from SLURM_JOB_NODELIST) / MASTER_PORT (given, or 20000 + job id % 10000).
 """
 
@@ -67,6 +67,17 @@ def bind_address(interface: str, env: SlurmEnv) -> str:
 
 def master_port(given: int, env: SlurmEnv) -> int:
     return given or MASTER_PORT_BASE + env.port_offset(MASTER_PORT_SPAN)
+
+
+def local_rank(env: SlurmEnv, visible_devices: str) -> int:
+    """The GPU index this task uses among those it sees.
+
+    With per-task GPU binding (`--gpus-per-task=1`) each task sees one device, index 0;
+    with node-wide visibility it is the task's rank on the node (SLURM_LOCALID).
+    """
+    local = env.local_id or 0
+    n = len([d for d in visible_devices.split(",") if d.strip()])
+    return local % n if n else local
 
 
 def wait_for_address(path: Path, timeout_s: float) -> str:
@@ -133,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"--master-node {a.master_node} is outside the job's {len(hosts)} nodes")
             os.environ.update(MASTER_ADDR=hosts[a.master_node], MASTER_PORT=str(master_port(a.master_port, env)),
                               RANK=str(env.proc_id), WORLD_SIZE=str(env.ntasks or 1),
-                              LOCAL_RANK=str(env.local_id or 0))
+                              LOCAL_RANK=str(local_rank(env, os.environ.get("CUDA_VISIBLE_DEVICES", ""))))
     except MilesError as exc:
         print(f"miles slurm step {a.role}: error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -17,7 +17,7 @@ from miles.core.schema import MilesConfig
 from miles.launch.cli import main as cli_main
 from miles.launch.slurm_env import SlurmEnv, expand_nodelist
 from miles.launch.slurm_script import SlurmOptions, make_plan, render_script
-from miles.launch.slurm_step import bind_address, master_port, nic_address
+from miles.launch.slurm_step import bind_address, local_rank, master_port, nic_address
 
 QUICKSTART = "examples/quickstart.toml"
 
@@ -202,6 +202,13 @@ def test_bind_address_rules() -> None:
 def test_master_port_is_given_or_derived_from_the_job() -> None:
     assert master_port(29500, SlurmEnv(job_id="7")) == 29500
     assert master_port(0, SlurmEnv(job_id="123456")) == 20000 + 3456
+
+
+def test_local_rank_follows_gpu_binding() -> None:
+    env = SlurmEnv(local_id=3)
+    assert local_rank(env, "") == 3  # no CUDA_VISIBLE_DEVICES: the node-local task rank
+    assert local_rank(env, "0,1,2,3,4,5,6,7") == 3  # node-wide visibility
+    assert local_rank(env, "5") == 0  # --gpus-per-task=1: the one visible device
 
 
 # ---------------------------------------------------------------- the CLI
