@@ -40,6 +40,7 @@ from miles.trainer.corrections import (
     finish_ess,
     needs_rollout_logprobs,
 )
+from miles.trainer.deterministic import enable_deterministic
 from miles.trainer.dist import Collectives, ensure_process_group, pick_device
 from miles.trainer.forward import RouterProbe, packed_forward
 from miles.trainer.kl import kl_estimate
@@ -89,10 +90,10 @@ class FSDPTrainer:
     ) -> None:
         check_trainer_config(cfg, asynchronous, world)
         self.cfg, self.spec, self.rank, self.world = cfg, model_spec, rank, world
+        if cfg.deterministic:  # before CUDA / NCCL initialise
+            enable_deterministic(seed)
         self.device = pick_device(cfg.device, rank)
         ensure_process_group(rank, world, self.device)
-        if cfg.deterministic:
-            torch.use_deterministic_algorithms(True)
         self.dtype = compute_dtype(cfg.param_dtype, self.device)
         mesh = make_mesh(self.device, world)
         policy = build_policy(model_spec, init_checkpoint, seed)
