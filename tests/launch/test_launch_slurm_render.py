@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -237,3 +239,31 @@ def test_bad_input_gives_one_error_line_and_nonzero_exit(args: list[str], word: 
 def test_launch_without_slurm_flag_points_to_train(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["launch", QUICKSTART, "--dry-run"]) == 2
     assert "miles train" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- examples/slurm
+
+
+def _example_launch_args(sbatch: Path) -> tuple[dict[str, str], list[str]]:
+    text = sbatch.read_text().replace("\\\n", " ")
+    header = dict(ln[len("#SBATCH --"):].split("=", 1) for ln in text.splitlines()
+                  if ln.startswith("#SBATCH --") and "=" in ln)
+    line = next(ln for ln in text.splitlines() if ln.startswith("exec miles launch"))
+    return header, [a for a in shlex.split(line)[2:] if a != "$@"]
+
+
+@pytest.mark.parametrize("name", ["multinode.sbatch", "quickstart-2node.sbatch"])
+def test_example_sbatch_renders_within_its_own_allocation(name: str, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    path = Path("examples/slurm") / name
+    assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
+    header, args = _example_launch_args(path)
+    # inside the example's allocation: miles takes the node count from Slurm
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_JOB_NUM_NODES", header["nodes"])
+    assert cli_main([*args, "--dry-run"]) == 0
+    script = capsys.readouterr().out
+    assert f"#SBATCH --nodes={header['nodes']}" in script
+    per_node = int(next(ln for ln in script.splitlines() if ln.startswith("#SBATCH --ntasks-per-node="))
+                   .split("=")[1])
+    assert per_node <= int(header["ntasks-per-node"]), "the example allocates fewer tasks than its steps need"
