@@ -1,22 +1,46 @@
 """Session throughput: turns/s through the TITO session store (tokenize suffix + append + export).
 
-Each measurement is a function returning a row; the lead's HTTP measurement
-(`http_turns_per_s`) plugs into MEASUREMENTS the same way. Baseline in the same
-run: re-rendering and re-tokenizing the whole conversation every turn, which is
-what a server without checkpoints would do. `prefix_hit_rate` comes from the
-router's multi-turn workload over SIMULATED engine prefix caches
-(miles.rollout.prefix_cache_sim). Last line: one JSON object.
+Each measurement is a function returning a row (MEASUREMENTS, run interleaved).
+Baseline in the same run: re-rendering and re-tokenizing the whole conversation
+every turn, which is what a server without checkpoints would do.
+
+HTTP: `http_turns_per_s` is turns/s through the session server's HTTP front
+(aiohttp, JSON, OpenAI schema; client and server share this process) with a
+TRIVIAL ENGINE FUNCTION that returns a fixed reply, so it measures the front +
+store alone; `http_engine_turns_per_s` is the same path through the router actor
+to a real TorchEngine (tiny random model, 8 tokens a turn). `prefix_hit_rate`
+is measured on REAL engines: the router actor over 3 TorchEngine actors running
+the multi-turn workload of miles.actors.router_workload, with affinity and
+without; the simulated-cache numbers (miles.rollout.prefix_cache_sim) are kept
+for comparison. Last line: one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
+import aiohttp
+
+from miles.actors.engine import EngineActor
+from miles.actors.router import RouterActor
+from miles.actors.router_workload import MultiTurnWorkload, run_multi_turn
+from miles.actors.runtime.directory import Directory
+from miles.actors.runtime.host import DIRECTORY_NAME, Host
+from miles.actors.session import SessionActor
+from miles.actors.session_http import SessionHTTP
+from miles.actors.session_service import SessionService
+from miles.core.schema.engine import EngineConfig
+from miles.core.schema.transport import TransportConfig
+from miles.engines.torch_engine import TorchEngine
+from miles.models.config import ModelSpec
+from miles.models.presets import tiny_config
+from miles.models.registry import build_model
 from miles.rollout.prefix_cache_sim import simulate_multi_turn
 from miles.rollout.session_store import SessionStore
 from miles.rollout.tiny_tokenizer import tiny_tokenizer
@@ -69,7 +93,105 @@ def retokenize_turns(tok: HFTokenizer, sessions: int, turns: int) -> dict[str, A
             "turns_per_s": sessions * turns / dt}
 
 
-MEASUREMENTS: list[Callable[[HFTokenizer, int, int], dict[str, Any]]] = [store_turns, retokenize_turns]
+async def _drive_http(url: str, sessions: int, turns: int, concurrency: int = 16,
+                      max_tokens: int = 8) -> tuple[float, int]:
+    """Per session: create, `turns` chat turns (whole history each time), export, delete."""
+    sem = asyncio.Semaphore(concurrency)
+    errors = 0
+
+    async def one(http: aiohttp.ClientSession, s: int) -> None:
+        nonlocal errors
+        async with sem:
+            async with http.post(f"{url}/sessions") as r:
+                sid = (await r.json())["session_id"]
+            msgs: list[dict[str, Any]] = [SYSTEM]
+            for t in range(turns):
+                msgs.append({"role": "user", "content": f"What is {s % 97}+{t}?"})
+                body = {"model": "policy", "messages": msgs, "max_tokens": max_tokens}
+                async with http.post(f"{url}/sessions/{sid}/v1/chat/completions", json=body) as r:
+                    d = await r.json()
+                if r.status != 200:
+                    errors += 1
+                    break
+                msgs.append({k: v for k, v in d["choices"][0]["message"].items() if v is not None})
+            async with http.post(f"{url}/sessions/{sid}/samples") as r:
+                assert r.status == 200 and len((await r.json())["samples"]) == 1
+            async with http.delete(f"{url}/sessions/{sid}") as r:
+                assert r.status == 200
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as http:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(http, s) for s in range(sessions)))
+        return time.perf_counter() - t0, errors
+
+
+async def _http_front(tok: HFTokenizer, sessions: int, turns: int) -> dict[str, Any]:
+    replies = _replies(tok, turns)
+    seen: dict[str, int] = {}
+
+    async def trivial_engine(key: str, ids: list[int], sampling: dict[str, Any]) -> dict[str, Any]:
+        """TRIVIAL ENGINE FUNCTION (not a model): the fixed reply of this session's turn."""
+        t = seen[key] = seen.get(key, -1) + 1
+        out = replies[t % turns]
+        return {"output_ids": out, "logprobs": [-0.1] * len(out), "finish_reason": "stop", "versions": 1,
+                "cached_tokens": 0}
+
+    front = SessionHTTP(SessionService(SessionStore(tok), trivial_engine))
+    url = await front.start()
+    try:
+        dt, errors = await _drive_http(url, sessions, turns)
+    finally:
+        await front.stop()
+    assert errors == 0
+    return {"name": "HTTP front (trivial engine fn)", "turns": sessions * turns, "seconds": dt,
+            "turns_per_s": sessions * turns / dt}
+
+
+def http_turns(tok: HFTokenizer, sessions: int, turns: int) -> dict[str, Any]:
+    """Turns/s through the HTTP front with a trivial engine function (front + store alone)."""
+    return asyncio.run(_http_front(tok, max(1, sessions // 4), turns))
+
+
+MEASUREMENTS: list[Callable[[HFTokenizer, int, int], dict[str, Any]]] = [store_turns, retokenize_turns, http_turns]
+
+
+# ---------------------------------------------------------------- real engines (actors)
+async def _actors(tok: HFTokenizer, n_engines: int, affinity: bool) -> tuple[Host, SessionActor]:
+    cfg = TransportConfig()
+    host = Host(cfg)
+    await host.start()
+    await host.add(Directory(cfg.heartbeat_timeout_s, cfg.heartbeat_interval_s), DIRECTORY_NAME)
+    spec = ModelSpec.from_hf(tiny_config("qwen3", vocab_size=tok.vocab_size))
+    names = [f"engine-{i}" for i in range(n_engines)]
+    for i, name in enumerate(names):
+        eng = TorchEngine(build_model(spec, seed=i), EngineConfig(max_batch_size=16, max_seq_len=2048,
+                                                                  kv_budget_tokens=200_000))
+        await host.add(EngineActor(eng), name)
+    await host.add(RouterActor(names, affinity=affinity), "router")
+    session = SessionActor(SessionStore(tok), "router")
+    await host.add(session, "session")
+    return host, session
+
+
+async def _real_engine_numbers(tok: HFTokenizer, sessions: int, turns: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    host, session = await _actors(tok, 1, True)
+    try:
+        assert session.http is not None
+        dt, errors = await _drive_http(session.http.url, sessions, turns)
+        out["http_engine_turns_per_s"] = sessions * turns / dt
+        out["http_engine_errors"] = errors
+    finally:
+        await host.stop()
+    for affinity in (True, False):
+        host, _ = await _actors(tok, 3, affinity)
+        try:
+            wl = MultiTurnWorkload(sessions=6, turns=16, vocab=tok.vocab_size)
+            res = await run_multi_turn(host.ref("router"), wl)
+            out["hit_affinity" if affinity else "hit_none"] = res.prefix_hit_rate
+        finally:
+            await host.stop()
+    return out
 
 
 def main() -> None:
@@ -87,18 +209,30 @@ def main() -> None:
     rows = [max(r, key=lambda x: x["turns_per_s"]) for r in runs]
     hit_aff = simulate_multi_turn(engines=4, affinity=True).prefix_hit_rate
     hit_none = simulate_multi_turn(engines=4, affinity=False).prefix_hit_rate
+    real = asyncio.run(_real_engine_numbers(tok, 16, args.turns))
     print(f"{args.sessions} sessions x {args.turns} turns, best of {args.repeats}")
     print(f"{'measurement':32} {'turns':>8} {'seconds':>9} {'turns/s':>10}")
     for r in rows:
         print(f"{r['name']:32} {r['turns']:>8} {r['seconds']:>9.3f} {r['turns_per_s']:>10.0f}")
+    print(f"HTTP front -> router actor -> TorchEngine (tiny random model, 8 tokens/turn, 16 sessions): "
+          f"{real['http_engine_turns_per_s']:.0f} turns/s")
+    print(f"prefix hit rate (REAL engines: router actor + 3 TorchEngines, 6 sessions x 16 turns): "
+          f"affinity {real['hit_affinity']:.4f}, no affinity {real['hit_none']:.4f}")
     print(f"prefix hit rate (SIMULATED caches, 4 engines): affinity {hit_aff:.4f}, no affinity {hit_none:.4f}")
     result = {
         "store_turns_per_s": round(rows[0]["turns_per_s"], 1),
         "baseline_retokenize_turns_per_s": round(rows[1]["turns_per_s"], 1),
         "store_vs_retokenize": round(rows[0]["turns_per_s"] / rows[1]["turns_per_s"], 3),
-        "prefix_hit_rate": round(hit_aff, 4),
-        "prefix_hit_rate_no_affinity": round(hit_none, 4),
-        "prefix_hit_rate_source": "simulation",
+        "http_turns_per_s": round(rows[2]["turns_per_s"], 1),
+        "http_turns_per_s_engine": "trivial engine function (front + store alone)",
+        "http_vs_store": round(rows[2]["turns_per_s"] / rows[0]["turns_per_s"], 3),
+        "http_engine_turns_per_s": round(real["http_engine_turns_per_s"], 1),
+        "http_engine_failed_turns": int(real["http_engine_errors"]),
+        "prefix_hit_rate": round(real["hit_affinity"], 4),
+        "prefix_hit_rate_no_affinity": round(real["hit_none"], 4),
+        "prefix_hit_rate_source": "real engines (router actor, 3 TorchEngine actors)",
+        "sim_prefix_hit_rate": round(hit_aff, 4),
+        "sim_prefix_hit_rate_no_affinity": round(hit_none, 4),
         "goal_store_turns_per_s": 10000,
     }
     print(json.dumps(result))
