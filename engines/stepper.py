@@ -6,12 +6,15 @@ the step lock, so one step always sees a single weight version.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from miles.engines.kv_cache import RowPool
 from miles.engines.sampling import choose_tokens
 from miles.engines.sequence import Sequence
 from miles.models.decoder import CausalLM
+from miles.models.invariant import BatchInvariant
 from miles.models.masks import cached_causal_mask
 
 # Per sequence: the token chosen this step (None for a flushing sequence) and its logprob.
@@ -19,18 +22,24 @@ StepOut = dict[Sequence, tuple[int, float] | None]
 
 
 class Stepper:
-    def __init__(self, model: CausalLM, pool: RowPool, device: torch.device) -> None:
+    def __init__(
+        self, model: CausalLM, pool: RowPool, device: torch.device, batch_invariant: bool = False
+    ) -> None:
         self.model = model
         self.pool = pool
         self.device = device
+        # true on-policy: logits independent of the batch, equal to the trainer's per-sequence forward
+        self.batch_invariant = batch_invariant
 
     @torch.inference_mode()
     def step(self, decode: list[Sequence], prefill: list[Sequence]) -> StepOut:
         out: StepOut = {}
-        if prefill:
-            out.update(self._prefill(prefill))
-        if decode:
-            out.update(self._decode(decode))
+        mode = BatchInvariant() if self.batch_invariant else contextlib.nullcontext()
+        with mode:  # entered here: the step runs in the engine's worker thread
+            if prefill:
+                out.update(self._prefill(prefill))
+            if decode:
+                out.update(self._decode(decode))
         return out
 
     def _prefill(self, seqs: list[Sequence]) -> StepOut:

@@ -42,7 +42,14 @@ _MAX_HOP_S = 0.05
 
 
 class TorchEngine(Engine):
-    def __init__(self, model: CausalLM, cfg: EngineConfig | None = None, version: int = 0) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        cfg: EngineConfig | None = None,
+        version: int = 0,
+        *,
+        batch_invariant: bool = False,
+    ) -> None:
         self.cfg = cfg or EngineConfig()
         self.model = model.eval()
         self.spec = model.spec
@@ -50,7 +57,7 @@ class TorchEngine(Engine):
         self.device, self.dtype = p.device, p.dtype
         self.max_seq_len = min(self.cfg.max_seq_len, self.spec.max_position_embeddings)
         self.pool = RowPool(self.spec, self.cfg.max_batch_size, self.max_seq_len, self.dtype, self.device)
-        self.stepper = Stepper(model, self.pool, self.device)
+        self.stepper = Stepper(model, self.pool, self.device, batch_invariant)
         self.sessions = SessionStore(self.cfg.kv_budget_tokens)
         self.stager = WeightStager(hf_tensor_views(model))
         self.version = version

@@ -42,7 +42,7 @@ from miles.trainer.corrections import (
 )
 from miles.trainer.deterministic import enable_deterministic
 from miles.trainer.dist import Collectives, ensure_process_group, pick_device
-from miles.trainer.forward import RouterProbe, packed_forward
+from miles.trainer.forward import ForwardOut, RouterProbe, packed_forward
 from miles.trainer.kl import kl_estimate
 from miles.trainer.metrics import StepMetrics
 from miles.trainer.offload import FlatOffload, trainer_state_tensors
@@ -51,6 +51,7 @@ from miles.trainer.optim_stream import build_optimizer
 from miles.trainer.packing import MicroBatch, filler_micro_batch, pack, plan_micro_batches
 from miles.trainer.rl_loss import LossInputs, rl_loss
 from miles.trainer.sharding import build_policy, compute_dtype, make_mesh, shard
+from miles.trainer.true_on_policy import invariant_forward
 from miles.trainer.value import ValueModel
 
 log = get_logger("trainer.fsdp")
@@ -202,7 +203,7 @@ class FSDPTrainer:
                 if self.probe is not None:
                     self.probe.reset()
                     self.probe.active = real
-                fo = packed_forward(
+                fo = self._forward(
                     self.policy,
                     mb,
                     temperature=cfg.temperature,
@@ -220,7 +221,7 @@ class FSDPTrainer:
                 cpu_mb.fields["old_logp"] = fo.logp.float().cpu()
             if self.ref is not None:
                 cpu_mb.fields["ref_logp"] = (
-                    packed_forward(
+                    self._forward(
                         self.ref,
                         mb,
                         temperature=cfg.temperature,
@@ -301,7 +302,7 @@ class FSDPTrainer:
         self.opt.zero_grad(set_to_none=True)
         for cpu_mb in plan:
             mb = cpu_mb.to(self.device)
-            fo = packed_forward(
+            fo = self._forward(
                 self.policy, mb, temperature=cfg.temperature, replay=self.replay, with_entropy=True
             )
             if not mb.num_seqs:
@@ -341,6 +342,12 @@ class FSDPTrainer:
         self.opt.step()
         self.opt_steps += 1
         return float(norm)
+
+    def _forward(
+        self, model: nn.Module, mb: MicroBatch, *, temperature: float, replay: bool, with_entropy: bool
+    ) -> ForwardOut:
+        fwd = invariant_forward if self.cfg.true_on_policy else packed_forward
+        return fwd(model, mb, temperature=temperature, replay=replay, with_entropy=with_entropy)
 
     # ---------------------------------------------------------------- offload
     @property

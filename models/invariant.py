@@ -1,0 +1,134 @@
+"""Batch-invariant execution of the shared model code, for true on-policy RL.
+
+Inside `BatchInvariant()` a token's logits no longer depend on how many other rows or
+sequences share the forward, so the engine (decoding a changing batch over a KV cache)
+and the trainer (one full sequence per forward) compute bit-identical logprobs with the
+same `CausalLM` code. It is a `TorchFunctionMode` that swaps three ops:
+
+- `F.linear` and `x @ W` with a 2-D W: the rows are cut into fixed tiles of `row_block`
+  rows (the last zero-padded), one GEMM per tile, so every GEMM has one shape and a row's
+  reduction order cannot depend on the batch size (BLAS picks kernels, and split-K, by
+  shape).
+- `F.scaled_dot_product_attention`: an explicit softmax attention per (batch row, head)
+  whose key axis is zero-padded to a multiple of `kv_block` (padded keys masked with
+  -inf), scores and weighted sums through the tiled GEMM above. Keys must sit at the
+  same positions on both sides (position p of a sequence at key slot p): the trainer runs
+  one unpacked sequence per forward, and the engine's KV rows start at slot 0.
+
+Everything else in the model is per-row already (elementwise ops, RMSNorm and softmax
+over the last axis). The mode is thread-local: enter it in the thread that runs the
+forward. Dense models only (the MoE expert dispatch is not covered).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+
+def tiled_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int
+) -> torch.Tensor:
+    """F.linear with every GEMM of shape [rows, K] x [K, N]: batch-size invariant per row."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    pad = (-m) % rows
+    if pad:
+        x2 = torch.cat([x2, x2.new_zeros(pad, k)])
+    tiles = [F.linear(x2[i : i + rows], weight) for i in range(0, x2.shape[0], rows)]
+    if pad:  # cut the padding before the cat, so the result is not a view of a larger tensor
+        tiles[-1] = tiles[-1][: rows - pad]
+    out = torch.cat(tiles)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*lead, weight.shape[0])
+
+
+def invariant_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    rows: int,
+    kv_block: int,
+) -> torch.Tensor:
+    """q [B, Hq, T, d], k/v [B, Hk, S, d] -> [B, Hq, T, d] with a fixed reduction layout."""
+    b, hq, t, d = q.shape
+    s = k.shape[2]
+    if enable_gqa and k.shape[1] != hq:
+        k = k.repeat_interleave(hq // k.shape[1], dim=1)
+        v = v.repeat_interleave(hq // v.shape[1], dim=1)
+    length = -(-s // kv_block) * kv_block
+    bias = torch.zeros(b, 1, t, length, dtype=q.dtype, device=q.device)
+    bias[..., s:] = float("-inf")
+    if is_causal:
+        qi = torch.arange(t, device=q.device)[:, None] + (s - t)
+        kj = torch.arange(s, device=q.device)[None, :]
+        bias[..., :s] = bias[..., :s].masked_fill(kj > qi, float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            bias[..., :s] = bias[..., :s].masked_fill(~attn_mask, float("-inf"))
+        else:
+            bias[..., :s] = bias[..., :s] + attn_mask
+    scale = d**-0.5 if scale is None else scale
+    kp = F.pad(k, (0, 0, 0, length - s))
+    vp = F.pad(v, (0, 0, 0, length - s))
+    out = q.new_empty(b, hq, t, d)
+    for i in range(b):
+        mb = bias[i, 0] if bias.shape[0] > 1 else bias[0, 0]
+        for h in range(hq):
+            scores = tiled_linear(q[i, h], kp[i, h], None, rows) * scale + mb
+            probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+            out[i, h] = tiled_linear(probs, vp[i, h].t().contiguous(), None, rows)
+    return out
+
+
+class BatchInvariant(TorchFunctionMode):
+    """Context manager: batch-invariant linear / matmul / attention (see module docstring)."""
+
+    def __init__(self, row_block: int = 16, kv_block: int = 256) -> None:
+        super().__init__()
+        self.rows = row_block
+        self.kv_block = kv_block
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, w = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            return tiled_linear(x, w, bias, self.rows)
+        if func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__):
+            x, w = args[0], args[1]
+            if isinstance(w, torch.Tensor) and w.dim() == 2 and x.dim() >= 2:
+                return tiled_linear(x, w.t(), None, self.rows)
+        if func is F.scaled_dot_product_attention:
+            names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+            a = dict(zip(names, args, strict=False)) | kwargs
+            if a.get("dropout_p", 0.0):
+                raise ValueError("batch-invariant attention does not support dropout")
+            return invariant_attention(
+                a["query"],
+                a["key"],
+                a["value"],
+                a.get("attn_mask"),
+                bool(a.get("is_causal", False)),
+                a.get("scale"),
+                bool(a.get("enable_gqa", False)),
+                self.rows,
+                self.kv_block,
+            )
+        return func(*args, **kwargs)

@@ -1,0 +1,50 @@
+"""True on-policy forward: one sequence per forward, batch-invariant ops.
+
+The engine (with `batch_invariant=True`) samples and reports logprobs under
+`miles.models.invariant.BatchInvariant`; this runs the trainer's forward the same way
+(each packed sequence alone, unpacked, keys from slot 0), so the trainer's logprobs of
+the sampled tokens equal the engine's bit for bit (same dtype, same device kind). Costs
+one forward per sequence and fixed-shape GEMM tiles instead of one packed forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from miles.models.invariant import BatchInvariant
+from miles.models.logprobs import token_logprobs
+from miles.trainer.forward import ForwardOut, packed_forward
+from miles.trainer.kl import entropy_from_logits
+from miles.trainer.packing import MicroBatch
+
+
+def invariant_forward(
+    model: nn.Module,
+    mb: MicroBatch,
+    *,
+    temperature: float,
+    replay: bool,
+    with_entropy: bool,
+) -> ForwardOut:
+    """`packed_forward`'s result, computed per sequence in batch-invariant mode."""
+    if mb.num_seqs == 0:  # a filler micro-batch only needs a graph
+        return packed_forward(
+            model, mb, temperature=temperature, replay=replay, with_entropy=with_entropy
+        )
+    cu = mb.cu_seqlens.tolist()
+    parts = []
+    with BatchInvariant():
+        for s, e in zip(cu[:-1], cu[1:], strict=True):
+            routes = None
+            if replay and mb.routed_experts is not None:
+                routes = mb.routed_experts[s:e].unsqueeze(0)
+            out = model(mb.input_ids[s:e].unsqueeze(0), routed_experts=routes)
+            parts.append(out.logits[0])
+    logits = torch.cat(parts).unsqueeze(0)
+    sel = logits[0, mb.resp_pos]
+    logp = token_logprobs(sel, mb.resp_targets, temperature)
+    ent = None
+    if with_entropy:
+        ent = entropy_from_logits(sel, temperature if temperature > 0 else 1.0)
+    return ForwardOut(logp=logp, entropy=ent, logits=logits)
