@@ -8,18 +8,20 @@ drains the weight export (it is a collective over FSDP shards).
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import time
 from pathlib import Path
 from typing import Any
 
-from miles.actors.messages import PullBatch, SetVersion
+from miles.actors.messages import DumpState, PullBatch, SetVersion
 from miles.actors.runtime.actor import Actor
 from miles.actors.sync import WeightSync
 from miles.core.errors import TrainerError
 from miles.core.logging import get_logger
 from miles.core.schema import MilesConfig
 from miles.models.config import ModelSpec
-from miles.trainer.batch import TrainBatch, TrainSample
+from miles.trainer.batch import TrainBatch, TrainSample, shard_batch
 from miles.trainer.fsdp import FSDPTrainer
 
 log = get_logger("miles.trainer")
@@ -41,11 +43,12 @@ def samples_from_wire(groups: list[dict[str, Any]]) -> TrainBatch:
 
 class TrainerActor(Actor):
     def __init__(self, cfg: MilesConfig, spec: ModelSpec, rank: int, world: int, engines: list[str],
-                 init_checkpoint: str, done: asyncio.Event, sink: Any = None) -> None:
+                 init_checkpoint: str, done: asyncio.Event, sink: Any = None, resume_from: str = "") -> None:
         self.cfg, self.rank, self.world = cfg, rank, world
         self.trainer = FSDPTrainer(cfg.trainer, spec, rank, world, init_checkpoint=init_checkpoint,
                                    seed=cfg.run.seed, asynchronous=cfg.buffer.mode != "sync")
         self.engines = engines
+        self.resume_from = resume_from
         self.done = done
         self.sink = sink
         self.error: BaseException | None = None
@@ -65,11 +68,35 @@ class TrainerActor(Actor):
         if self._task is not None and not self._task.done():
             self._task.cancel()
 
+    async def _checkpoint(self, run_dir: Path, step: int) -> None:
+        """Trainer state (every rank) + rollout state (rank 0), then an atomic `latest` pointer."""
+        ckpt = run_dir / "checkpoints" / f"step_{step:06d}"
+        if self.rank == 0:
+            # Taken before any rank can pull the next batch, so ledger and weights agree.
+            state = await self.ref("rollout").ask(DumpState(), timeout=self.cfg.transport.default_deadline_s)
+        await asyncio.to_thread(self.trainer.save_checkpoint, ckpt / "trainer")
+        if self.rank == 0:
+            _write_json(ckpt / "rollout_state.json", state)
+            _write_text(run_dir / "checkpoints" / "latest", ckpt.name)
+            log.info("checkpoint_saved", step=step, path=str(ckpt))
+
     async def _loop(self) -> None:
         cfg = self.cfg
         rollout = self.ref("rollout")
         sync = WeightSync(self.host, cfg.sync, self.engines) if self.rank == 0 else None
         run_dir = Path(cfg.run.dir)
+        if self.resume_from:
+            await asyncio.to_thread(self.trainer.load_checkpoint, Path(self.resume_from) / "trainer")
+            log.info("resumed", step=self.trainer.step, version=self.trainer.weight_version,
+                     checkpoint=self.resume_from)
+            # Engines restart from the initial weights: bring them to the checkpoint's version.
+            state = self.trainer.export_hf_state()
+            if sync is not None:
+                await sync.push(self.trainer.weight_version, state)
+                await rollout.tell(SetVersion(self.trainer.weight_version))
+            else:
+                for _ in state:
+                    pass
         while self.trainer.step < cfg.run.steps:
             t0 = time.perf_counter()
             version = self.trainer.weight_version
@@ -77,8 +104,6 @@ class TrainerActor(Actor):
                                       timeout=cfg.sync.step_timeout_s * 10)
             t_wait = time.perf_counter() - t0
             batch = samples_from_wire(reply["groups"])
-            from miles.trainer.batch import shard_batch
-
             shard = shard_batch(batch, self.world)[self.rank] if self.world > 1 else batch
             metrics = await asyncio.to_thread(self.trainer.train_step, shard)
             new_version = version + 1
@@ -108,6 +133,29 @@ class TrainerActor(Actor):
                         flush=True,
                     )
             if cfg.trainer.checkpoint_interval and step % cfg.trainer.checkpoint_interval == 0:
-                await asyncio.to_thread(self.trainer.save_checkpoint, run_dir / "checkpoints" / "latest")
+                await self._checkpoint(run_dir, step)
+        if self.rank == 0:
+            state = await rollout.ask(DumpState(), timeout=cfg.transport.default_deadline_s)
+            _write_json(run_dir / "ledger.json", state["buffer"]["ledger"])
+            _write_json(run_dir / "rollout_final.json", state)
         await asyncio.to_thread(self.trainer.export_hf_checkpoint, run_dir / "final_hf")
         log.info("training_done", steps=self.trainer.step, version=self.trainer.weight_version)
+
+
+def _write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    _write_text(path, json.dumps(obj, indent=1))
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint of a run (the `latest` pointer is written last)."""
+    ptr = Path(run_dir) / "checkpoints" / "latest"
+    if not ptr.is_file():
+        return None
+    return Path(run_dir) / "checkpoints" / ptr.read_text().strip()

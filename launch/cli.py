@@ -34,16 +34,41 @@ def cmd_train(args: argparse.Namespace) -> int:
     from miles.launch.plots import write_plots
     from miles.launch.warmup import ensure_initial_checkpoint
 
-    cfg = _load(args)
+    resume = ""
+    if args.resume:
+        cfg, resume = _resume_config(args.resume, args.set)
+    else:
+        cfg = _load(args)
     configure_logging(cfg.run.log_level, None if cfg.run.log_json == "auto" else cfg.run.log_json == "json",
                       run=cfg.run.name, role="launcher")
-    path = ensure_initial_checkpoint(cfg)
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=path))
-    rc = asyncio.run(LocalLauncher(cfg).run())
+    if not resume:
+        path = ensure_initial_checkpoint(cfg)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=path))
+    rc = asyncio.run(LocalLauncher(cfg, resume_from=resume).run())
     plots = write_plots(cfg.run.dir)
     print(summarize(cfg.run.dir), flush=True)
     print(f"run dir: {cfg.run.dir}  (metrics.jsonl, {len(plots)} plots, final_hf/)", flush=True)
     return rc
+
+
+def _resume_config(run_dir: str, overrides: list[str]) -> tuple[MilesConfig, str]:
+    """The config a run was started with (plus overrides) and its newest complete checkpoint."""
+    import json
+
+    from miles.actors.trainer import latest_checkpoint
+    from miles.core.config import apply_overrides, from_dict
+    from miles.core.errors import ConfigError
+
+    resolved = Path(run_dir) / "config.resolved.json"
+    if not resolved.is_file():
+        raise ConfigError(f"--resume {run_dir!r}: no config.resolved.json there; is it a miles run directory?")
+    data = apply_overrides(MilesConfig, json.loads(resolved.read_text()), overrides)
+    data.setdefault("run", {})["dir"] = str(run_dir)
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        raise ConfigError(f"--resume {run_dir!r}: no checkpoint yet; set trainer.checkpoint_interval "
+                          "to a number of steps so runs can be resumed")
+    return from_dict(MilesConfig, data), str(ckpt)
 
 
 def summarize(run_dir: str, window: int = 10) -> str:
@@ -95,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="run every role as local processes")
     add_config_args(p)
+    p.add_argument("--resume", default="", metavar="RUN_DIR",
+                   help="continue RUN_DIR from its last checkpoint (trainer, buffer ledger, data position)")
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("config", help="print the resolved config with every option's doc and unit")
     add_config_args(p)

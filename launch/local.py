@@ -42,8 +42,9 @@ class Child:
 
 
 class LocalLauncher:
-    def __init__(self, cfg: MilesConfig, max_restarts: int = 3) -> None:
+    def __init__(self, cfg: MilesConfig, max_restarts: int = 3, resume_from: str = "") -> None:
         self.cfg = cfg
+        self.resume_from = resume_from
         self.run_dir = Path(cfg.run.dir)
         self.children: list[Child] = []
         self.max_restarts = max_restarts
@@ -69,7 +70,7 @@ class LocalLauncher:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._stop.set)
         env = {**os.environ, "MILES_DIRECTORY": host.address, "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1"}
+               "MASTER_PORT": str(free_port()), "PYTHONUNBUFFERED": "1", "MILES_RESUME": self.resume_from}
         base = [sys.executable, "-m", "miles.launch.role"]
         roles = [("engine", i) for i in range(self.cfg.engine.num_engines)] + [("rollout", 0)] + [
             ("trainer", r) for r in range(self.cfg.trainer.world_size)]
@@ -102,12 +103,22 @@ class LocalLauncher:
                                   hint=f"see {c.log_path}; the last checkpoint is kept")
                         return code
                     continue
+                if c.role == "rollout":
+                    # The buffer lives in the rollout process: restarting it empty would lose the
+                    # in-flight prompts, so stop and let the user resume from the last checkpoint.
+                    log.error("rollout_crashed", code=code, log=str(c.log_path),
+                              hint=f"resume with: miles train --resume {self.run_dir}")
+                    return 1
                 if c.restarts >= self.max_restarts:
                     log.error("role_gave_up", role=c.role, index=c.index, code=code, log=str(c.log_path))
                     return 1
                 c.restarts += 1
                 log.warning("role_crashed_restarting", role=c.role, index=c.index, code=code,
                             restart=c.restarts)
+                # A restarted engine loads the initial weights; the trainer's next push (every
+                # version is a full push) brings it to the current version, and anything it
+                # generates before that is dropped as stale by the buffer.
+                c.env = {**c.env, "MILES_RESUME": ""}
                 self._spawn(c)
             try:
                 await asyncio.wait_for(self._stop.wait(), 0.2)

@@ -60,7 +60,16 @@ def main(argv: list[str] | None = None) -> int:
 
             await _wait_engines(host, cfg)
             tok = load_tokenizer(cfg.model.path)
-            await host.add(RolloutActor(cfg, engine_names(cfg), tok), "rollout")
+            actor = RolloutActor(cfg, engine_names(cfg), tok)
+            resume = os.environ.get("MILES_RESUME", "")
+            if resume:
+                with open(os.path.join(resume, "rollout_state.json")) as f:
+                    state = json.load(f)
+                # In-flight and finished-but-untrained prompts become pending again.
+                actor.buffer.load(state["buffer"])
+                actor.env.prompts.load_state(state["data"])
+                log.info("rollout_resumed", checkpoint=resume)
+            await host.add(actor, "rollout")
         else:
             from miles.actors.trainer import TrainerActor
             from miles.launch.metrics import MetricsSink
@@ -71,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
             sink = MetricsSink(cfg.run.dir) if a.index == 0 else None
             done = asyncio.Event()
             actor = TrainerActor(cfg, ModelSpec.from_dir(cfg.model.path), a.index, cfg.trainer.world_size,
-                                 engine_names(cfg), cfg.model.path, done, sink)
+                                 engine_names(cfg), cfg.model.path, done, sink,
+                                 resume_from=os.environ.get("MILES_RESUME", ""))
 
             async def finish() -> None:
                 await done.wait()

@@ -72,6 +72,7 @@ class Host:
         self._tasks: list[asyncio.Task[Any]] = []
         self._locations: dict[str, Location] = {}
         self._dead: set[str] = set()
+        self._dead_hosts: set[str] = set()
         self._death_callbacks: list[Callable[[DeathNotice], Any]] = []
         self._subscriber: Subscriber | None = None
         self.protocol_errors = 0
@@ -188,6 +189,9 @@ class Host:
         loc = self._locations.get(name)
         if loc is None:
             loc = await self._directory_ask(Lookup(name, wait_s), timeout=timeout)
+            if loc.host_id in self._dead_hosts:
+                # A lookup answered just before the death notice arrived: the address is stale.
+                raise ActorDeadError(f"actor {name!r} is dead (its host {loc.host_id} missed heartbeats)")
             self._locations[name] = loc
             self._dead.discard(name)
         return loc
@@ -220,7 +224,13 @@ class Host:
         await self._check_alive(name)
         t0 = time.monotonic()
         loc = await self._lookup(name, wait_s=0.0, timeout=timeout)
-        return await self._send_ask(loc.address, name, msg, max(0.0, timeout - (time.monotonic() - t0)))
+        try:
+            return await self._send_ask(loc.address, name, msg, max(0.0, timeout - (time.monotonic() - t0)))
+        except PeerTimeout:
+            # The peer may have been replaced at another address: resolve afresh next time.
+            if self._locations.get(name) is loc:
+                self._locations.pop(name, None)
+            raise
 
     async def _send_ask(self, address: str, name: str, msg: Any, timeout: float) -> Any:
         msg_id = next(self._ids)
@@ -401,9 +411,13 @@ class Host:
                 log.warning("event_loop_lag", lag_ms=round(lag, 1))
 
     def _on_death(self, notice: DeathNotice) -> None:
+        self._dead_hosts.add(notice.host_id)
         for name in notice.names:
             self._dead.add(name)
             self._locations.pop(name, None)
+        for name, loc in list(self._locations.items()):
+            if loc.host_id == notice.host_id:
+                self._locations.pop(name, None)
         dead = set(notice.names)
         for fut, target in list(self._pending.values()):
             if target in dead and not fut.done():

@@ -1,0 +1,68 @@
+"""Fault tolerance end to end: kill -9 the whole run and resume; kill an engine mid-run."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+from pathlib import Path
+
+import pytest
+
+from .e2e_helpers import check_ledger, kill_tree, metrics, resume_run, start_run, wait, wait_for
+
+pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
+
+
+def _children(pid: int, needle: str) -> list[int]:
+    """PIDs of the launcher's children whose command line contains `needle`."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if int(stat[1]) == pid and needle in cmd:
+            out.append(int(d.name))
+    return out
+
+
+def test_kill_9_whole_run_then_resume(tmp_path: Path) -> None:
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    p = start_run(run, cache, "--set", "run.steps=10", "--set", "trainer.checkpoint_interval=2")
+    # Kill at a random moment after the first checkpoint exists.
+    wait_for(lambda: (run / "checkpoints" / "latest").exists(), 240, "the first checkpoint")
+    target = random.Random(os.getpid()).randint(3, 6)
+    wait_for(lambda: len(metrics(run)) >= target or p.poll() is not None, 240, f"step {target}")
+    kill_tree(p)
+    assert not (run / "rollout_final.json").exists()
+    q = resume_run(run, cache)
+    assert wait(q, 300) == 0, (tmp_path / "run.launcher.log").read_text()[-3000:]
+    steps = [r["step"] for r in metrics(run)]
+    assert steps[-1] == 10 and set(range(1, 11)) <= set(steps)
+    final = check_ledger(run)
+    trained = [e for e in final["buffer"]["ledger"]["entries"] if e["state"] == "trained"]
+    assert len(trained) >= 10 * 8 * 0.5  # most of 10 steps x 8 groups were trained exactly once
+
+
+def test_killed_engine_is_restarted_and_training_continues(tmp_path: Path) -> None:
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    p = start_run(run, cache, "--set", "run.steps=12")
+    try:
+        wait_for(lambda: len(metrics(run)) >= 3, 240, "step 3")
+        (engine,) = _children(p.pid, "miles.launch.role engine")
+        os.kill(engine, signal.SIGKILL)
+        assert wait(p, 300) == 0, (tmp_path / "run.launcher.log").read_text()[-3000:]
+    finally:
+        if p.poll() is None:
+            kill_tree(p)
+    log = (tmp_path / "run.launcher.log").read_text()
+    assert "role_crashed_restarting" in log
+    assert [r["step"] for r in metrics(run)][-1] == 12
+    final = check_ledger(run)
+    led = final["buffer"]["ledger"]
+    # The killed engine's trajectories failed: their prompts were retried or dropped with a reason.
+    assert led["retried"] > 0 or led["dropped_by_reason"], led
