@@ -67,6 +67,16 @@ def sft_tool_calls(model: CausalLM, tok: HFTokenizer, max_steps: int = 400) -> i
     m = mask[1:]
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     model.train()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: extra threads only contend on the shared 2-core machine
+    try:
+        return _train(model, opt, x, y, m, max_steps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(model: CausalLM, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, m: torch.Tensor,
+           max_steps: int) -> int:
     for step in range(1, max_steps + 1):
         logits = model(x).logits[0]
         loss = torch.nn.functional.cross_entropy(logits[m], y[m])
