@@ -92,6 +92,8 @@ class FlatOffload:
     """
 
     def __init__(self, collect: Callable[[], list[torch.Tensor]], device: torch.device) -> None:
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self._collect = collect
         self._tensors: list[torch.Tensor] = []
