@@ -72,6 +72,7 @@ class RolloutActor(Actor):
         self._tasks: set[asyncio.Task[None]] = set()
         self._held: list[Work] = []  # work the buffer started that the mode does not let generate yet
         self._released: set[str] = set()  # groups generating in sync / one_step_off (<= one batch)
+        self._collecting = 0  # groups of the batch being collected (still count toward the one batch)
         self._batches: dict[int, dict[str, Any]] = {}
         self._pump_task: asyncio.Task[None] | None = None
         self._pull_lock = asyncio.Lock()  # ranks asking for the same step must not collect twice
@@ -121,7 +122,7 @@ class RolloutActor(Actor):
                 self._spawn(w)
             return
         self._released &= set(self.buffer.groups_in_flight())  # arrived groups now count as waiting
-        active = self.buffer.num_waiting + len(self._released)
+        active = self.buffer.num_waiting + len(self._released) + self._collecting
         keep: list[Work] = []
         for w in self._held:
             if w.group_id not in self._released:
@@ -237,10 +238,12 @@ class RolloutActor(Actor):
         while len(groups) < msg.n_groups:
             if self.buffer.num_waiting:
                 groups += self.buffer.collect(msg.n_groups - len(groups), msg.trainer_version)
+                self._collecting = len(groups)
                 self._changed.set()  # slots below max_waiting / admission bound may have opened
                 continue
             self._changed.clear()
             await self._changed.wait()
+        self._collecting = 0
         # Only a complete batch closes this version's generation in sync mode: a group still
         # missing (e.g. a retry after a failure) must be allowed to generate.
         self.collected_at = msg.trainer_version

@@ -20,6 +20,13 @@ SMALL = {
     "buffer.batch_groups": "2", "buffer.capacity": "8", "buffer.max_staleness": "1",
 }
 
+# Long-tailed per-prompt budgets (rollout/envs/long_tail.py): groups finish far out of order,
+# so batches are often collected piecemeal while other groups still generate.
+LONG_TAIL = {
+    "rollout.env": "miles.rollout.envs.long_tail:make_env", "rollout.env_args.median_tokens": "4",
+    "rollout.env_args.sigma": "1.0", "rollout.env_args.max_tokens": "24",
+}
+
 
 def train(run_dir: Path, cache: Path, overrides: dict[str, str], timeout: float = 120.0) -> None:
     """Run `miles train` on the quick start with SMALL + overrides; raise with the logs on failure."""
