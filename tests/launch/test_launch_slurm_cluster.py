@@ -40,13 +40,10 @@ NODES, WHY = _cluster_nodes()
 pytestmark = [pytest.mark.skipif(bool(WHY), reason=WHY or "-"), pytest.mark.timeout(420), pytest.mark.slow]
 
 
-def launch(tmp_path: Path, name: str, *sets: str, salloc: bool = False,
-           steps: int = 3) -> tuple[subprocess.CompletedProcess[str], Path]:
+def launch(tmp_path: Path, name: str, *sets: str) -> tuple[subprocess.CompletedProcess[str], Path]:
     run = tmp_path / "run"
-    # under salloc, `miles launch` runs the script itself inside that allocation (no sbatch)
-    pre = ["salloc", "-N2", "--ntasks-per-node=3", "-t", "6", f"--job-name=miles-{name}"] if salloc else []
-    args = [*pre, sys.executable, "-m", "miles.launch.cli", "launch", QUICKSTART, "--slurm",
-            *([] if salloc else ["--wait", "--time", "6"]), "--set", f"run.steps={steps}", "--set", "run.warmup_sft_steps=10", "--set", f"run.dir={run}",
+    args = [sys.executable, "-m", "miles.launch.cli", "launch", QUICKSTART, "--slurm", "--wait", "--time", "6",
+            "--set", "run.steps=3", "--set", "run.warmup_sft_steps=10", "--set", f"run.dir={run}",
             "--set", f"run.name={name}", "--set", "run.log_json=json", *[x for s in sets for x in ("--set", s)]]
     try:
         res = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=400,
@@ -96,15 +93,44 @@ def test_failing_head_step_fails_the_job_with_the_cause_in_its_log(tmp_path: Pat
     assert not (run / "metrics.jsonl").exists()
 
 
-def test_inside_an_allocation_the_steps_run_directly_and_stop_gracefully(tmp_path: Path) -> None:
-    res, run = launch(tmp_path, f"slurmci-alloc-{os.getpid()}", salloc=True, steps=2)
-    assert res.returncode == 0, f"{res.stdout}\n{res.stderr[-3000:]}"
-    assert "inside allocation" in res.stdout and "submitted job" not in res.stdout
-    assert "miles: trainer step exited with 0" in res.stdout
-    assert (run / "slurm" / "exit_code").read_text().strip() == "0"
+def test_inside_an_allocation_a_killed_engine_step_is_restarted(tmp_path: Path) -> None:
+    """Under salloc the steps run directly; the engine step is killed after the first training step."""
+    name = f"slurmci-alloc-{os.getpid()}"
+    run = tmp_path / "run"
+    args = ["salloc", "-N2", "--ntasks-per-node=3", "-t", "6", f"--job-name=miles-{name}",
+            sys.executable, "-m", "miles.launch.cli", "launch", QUICKSTART, "--slurm", "--set", "run.steps=4", "--set", "run.warmup_sft_steps=10", "--set", f"run.dir={run}",
+            "--set", f"run.name={name}", "--set", "run.log_json=json"]
+    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        metrics = run / "metrics.jsonl"
+        while not (metrics.is_file() and metrics.read_text().strip()):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its first step"
+            time.sleep(0.5)
+        job = subprocess.run(["squeue", "-h", f"--name=miles-{name}", "-o", "%i"], capture_output=True,
+                             text=True, check=True).stdout.split()
+        assert len(job) == 1, job
+        steps = subprocess.run(["squeue", "-h", "-s", "-j", job[0], "-o", "%i %j"], capture_output=True,
+                               text=True, check=True).stdout.split("\n")
+        engine = [ln.split()[0] for ln in steps if ln.endswith(" engine")]
+        assert len(engine) == 1, steps
+        subprocess.run(["scancel", "-s", "KILL", engine[0]], capture_output=True)
+        out, _ = proc.communicate(timeout=max(10.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        subprocess.run(["scancel", f"--name=miles-{name}"], capture_output=True)
+    assert proc.returncode == 0, out[-3000:]
+    assert "inside allocation" in out and "submitted job" not in out
     assert not list((run / "slurm").glob("slurm-*.out"))  # nothing went through sbatch
+    assert "miles: step engine exited with 137; restart 1/3" in out, out[-3000:]
+    assert "miles: trainer step exited with 0" in out
+    assert (run / "slurm" / "exit_code").read_text().strip() == "0"
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert rows[-1]["step"] == 4
     ev = step_events(run)
     assert ev["engine-0"]["node"] == NODES[1] and ev["trainer-0"]["node"] == NODES[0], ev
-    # the steps were asked to stop (SIGTERM to their tasks), not killed: each host drained
+    # at the end the steps were asked to stop (SIGTERM to their tasks), not killed: each host drained
     for role in ("engine", "rollout", "head"):
         assert '"host_stopping"' in (run / "logs" / f"{role}-0.log").read_text(), role
