@@ -42,6 +42,7 @@ from miles.trainer.corrections import (
 )
 from miles.trainer.deterministic import enable_deterministic
 from miles.trainer.dist import Collectives, ensure_process_group, pick_device
+from miles.trainer.distill import distill_advantages, load_teacher
 from miles.trainer.forward import ForwardOut, RouterProbe, packed_forward
 from miles.trainer.kl import kl_estimate
 from miles.trainer.metrics import StepMetrics
@@ -115,6 +116,10 @@ class FSDPTrainer:
             ref = build_policy(model_spec, ref_checkpoint or init_checkpoint, seed)
             ref.requires_grad_(False)
             self.ref = shard(ref, [ref], mesh, self.device, self.dtype)
+        self.teacher: nn.Module | None = None
+        if cfg.distill.teacher_checkpoint:
+            teacher = load_teacher(cfg.distill, model_spec)
+            self.teacher = shard(teacher, [teacher], mesh, self.device, self.dtype)
         self.opt = build_optimizer(self.trainable.parameters(), cfg, self.device, rank)
         self.coll = Collectives(self.device)
         self.step = 0
@@ -231,6 +236,18 @@ class FSDPTrainer:
                     .logp.float()
                     .cpu()
                 )
+            if self.teacher is not None:
+                cpu_mb.fields["teacher_logp"] = (
+                    self._forward(
+                        self.teacher,
+                        mb,
+                        temperature=cfg.temperature,
+                        replay=False,  # another model: the student's routes do not apply
+                        with_entropy=False,
+                    )
+                    .logp.float()
+                    .cpu()
+                )
             if self.critic is not None:
                 routes = mb.routed_experts.unsqueeze(0) if mb.routed_experts is not None else None
                 cpu_mb.fields["old_values"] = self.critic(mb, routes).cpu()
@@ -274,6 +291,16 @@ class FSDPTrainer:
             advs, rets = gae(tr, values, ac.gamma, ac.lam)
             if ac.whiten:
                 advs = whiten(advs, masks, self.coll.sum)
+        if "teacher_logp" in tok:
+            advs, kls = distill_advantages(
+                [old[i] for i in range(n)],
+                [tok["teacher_logp"][i] for i in range(n)],
+                advs,
+                cfg.distill,
+            )
+            for i in range(n):
+                m = masks[i] > 0
+                metrics.add_mean("train/distill_reverse_kl", float(kls[i][m].sum()), float(m.sum()))
         for mb in mbs:
             mb.fields["adv"] = torch.cat([advs[i] for i in mb.sample_ids]).float()
             if rets is not None:
@@ -283,7 +310,7 @@ class FSDPTrainer:
         for p in plans:
             for mb in p:
                 if not mb.num_seqs:
-                    for name in ("adv", "returns", "old_logp", "ref_logp", "old_values"):
+                    for name in ("adv", "returns", "old_logp", "ref_logp", "old_values", "teacher_logp"):
                         mb.fields.setdefault(name, torch.zeros(0))
         for i, s in enumerate(samples):
             m = masks[i] > 0
@@ -358,7 +385,7 @@ class FSDPTrainer:
         """Move params, optimizer state and the reference model to host memory as one block
         (gradients are dropped); the next step or export reloads. Returns seconds spent."""
         if self._offload is None:
-            mods = [self.trainable] + ([self.ref] if self.ref is not None else [])
+            mods = [self.trainable] + [m for m in (self.ref, self.teacher) if m is not None]
             self._offload = FlatOffload(
                 lambda: trainer_state_tensors(mods, [self.opt]), self.device
             )
