@@ -45,6 +45,7 @@ from miles.trainer.dist import Collectives, ensure_process_group, pick_device
 from miles.trainer.distill import distill_advantages, load_teacher
 from miles.trainer.forward import ForwardOut, RouterProbe, packed_forward
 from miles.trainer.kl import kl_estimate
+from miles.trainer.lora import apply_lora, export_merged, iter_adapters, iter_merged_hf_state
 from miles.trainer.metrics import StepMetrics
 from miles.trainer.offload import FlatOffload, trainer_state_tensors
 from miles.trainer.optim import lr_at, set_lr
@@ -99,6 +100,9 @@ class FSDPTrainer:
         self.dtype = compute_dtype(cfg.param_dtype, self.device)
         mesh = make_mesh(self.device, world)
         policy = build_policy(model_spec, init_checkpoint, seed)
+        self.lora = cfg.lora.rank > 0
+        if self.lora:  # adapters before sharding; only they are trainable
+            apply_lora(policy, cfg.lora, seed)
         self.replay = cfg.routing_replay and model_spec.is_moe
         self.probe = RouterProbe(policy) if model_spec.is_moe else None
         shard(policy, [policy], mesh, self.device, self.dtype)
@@ -405,10 +409,22 @@ class FSDPTrainer:
     def export_hf_state(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) of every policy weight; a collective every rank must drain."""
         self._ensure_loaded()
+        if self.lora:
+            return iter_merged_hf_state(self.policy)
         return checkpoint.iter_hf_state(self.policy)
+
+    def export_lora_state(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(layer name + '.lora_A' / '.lora_B', full tensor): the adapter-only sync payload."""
+        if not self.lora:
+            raise TrainerError("export_lora_state(): trainer.lora.rank is 0 (no adapters)")
+        self._ensure_loaded()
+        return iter_adapters(self.policy)
 
     def export_hf_checkpoint(self, path: str | Path) -> None:
         self._ensure_loaded()
+        if self.lora:
+            export_merged(path, self.policy)
+            return
         checkpoint.export_hf(path, self.policy)
 
     def save_checkpoint(self, path: str | Path) -> None:

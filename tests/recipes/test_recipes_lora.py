@@ -1,0 +1,67 @@
+"""LoRA RL: only adapters train and sync; the engine re-merges them and agrees with the trainer."""
+
+from __future__ import annotations
+
+import torch
+
+from miles.core.schema.engine import EngineConfig
+from miles.core.schema.trainer import TrainerConfig
+from miles.engines.lora import LoraMerger
+from miles.engines.torch_engine import TorchEngine
+from miles.models.config import ModelSpec
+from miles.models.hf_io import hf_tensor_views
+from miles.models.presets import tiny_config
+from miles.models.registry import build_model
+from miles.trainer.fsdp import FSDPTrainer
+
+from .rl_loop import prompts, rollout, to_batch
+
+SPEC = ModelSpec.from_hf(
+    tiny_config("qwen3", vocab_size=64, num_hidden_layers=2, initializer_range=0.1)
+)
+
+
+async def test_adapter_sync_and_logprob_agreement() -> None:
+    cfg = TrainerConfig()
+    cfg.device = "cpu"
+    cfg.micro_batch_tokens = 128
+    cfg.optim.lr = 2e-2
+    cfg.lora.rank = 4
+    cfg.lora.alpha = 8.0
+    trainer = FSDPTrainer(cfg, SPEC, 0, 1, seed=4)
+    base = build_model(SPEC, seed=4)  # the same init the trainer's policy got
+    engine = TorchEngine(build_model(SPEC, seed=4), EngineConfig(max_batch_size=16))
+    merger = LoraMerger(engine, cfg.lora.alpha / cfg.lora.rank)
+    trainable = [n for n, p in trainer.policy.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in n for n in trainable)
+    full_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
+    try:
+        diffs = []
+        for step in range(3):
+            ps = prompts(SPEC.vocab_size, 3, seed=step)
+            res = await rollout(engine, ps, 4, run_seed=2, step=step, max_new=6)
+            m = trainer.train_step(to_batch(ps, res, 4))
+            diffs.append(m["train/train_rollout_logprob_abs_diff_max"])
+            adapters = dict(trainer.export_lora_state())
+            assert all(k.endswith((".lora_A", ".lora_B")) for k in adapters)
+            sent = sum(v.numel() * v.element_size() for v in adapters.values())
+            assert 0 < sent < full_bytes / 5  # only adapter bytes move
+            assert await merger.apply(step + 1, adapters) == 4 * SPEC.num_layers
+        # every rollout ran on the trainer's current effective weights
+        assert max(diffs) < 1e-5
+        # the engine now holds exactly the trainer's merged weights
+        merged = dict(trainer.export_hf_state())
+        eng = engine.state_dict_hf()
+        assert merged.keys() == eng.keys()
+        assert all(torch.equal(merged[k], eng[k]) for k in merged)
+        # the adapters moved the model; the trainer's frozen base did not
+        hf_base = hf_tensor_views(base)
+        assert any(not torch.equal(merged[k], hf_base[k]) for k in merged)
+        frozen = dict(base.named_parameters())
+        for name, p in trainer.policy.named_parameters():
+            if name.endswith(".parametrizations.weight.original"):
+                plain = name.replace(".parametrizations.weight.original", ".weight")
+                assert torch.equal(p.full_tensor(), frozen[plain])
+    finally:
+        await engine.close()
+        trainer.close()
