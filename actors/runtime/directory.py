@@ -45,14 +45,16 @@ class Directory(Actor):
             self._monitor.cancel()
 
     @handler(Register, concurrency=4)
-    def register(self, msg: Register) -> Location:
+    async def register(self, msg: Register) -> Location:
         old = self.entries.get(msg.name)
         if old is not None and old.host_id != msg.host_id and old.host_id in self.last_seen:
             silent = time.monotonic() - self.last_seen[old.host_id]
             if silent < 2 * self.interval:
                 raise MilesError(f"actor name {msg.name!r} is already taken by live host {old.host_id}")
-            # The old holder went quiet (a crashed process being replaced): the new one takes over.
+            # The old holder went quiet (a crashed process being replaced): the new one takes over,
+            # and everyone is told the old host is dead so no one keeps its stale address.
             log.warning("actor_taken_over", actor=msg.name, old_host=old.host_id, silent_s=round(silent, 2))
+            await self._declare_dead(old.host_id, f"replaced by {msg.host_id} after {silent:.1f}s of silence")
         loc = Location(msg.name, msg.address, msg.pub_address, msg.host_id)
         self.entries[msg.name] = loc
         self.last_seen[msg.host_id] = time.monotonic()
@@ -104,11 +106,15 @@ class Directory(Actor):
             for host_id, seen in list(self.last_seen.items()):
                 if now - seen <= self.timeout:
                     continue
-                del self.last_seen[host_id]
-                names = [n for n, loc in self.entries.items() if loc.host_id == host_id]
-                for n in names:
-                    del self.entries[n]
-                if names:
-                    reason = f"host {host_id} missed heartbeats for {now - seen:.1f}s"
-                    log.warning("actors_dead", host=host_id, actors=names, reason=reason)
-                    await self.host.publish(DEATH_TOPIC, DeathNotice(host_id, names, reason))
+                await self._declare_dead(host_id, f"host {host_id} missed heartbeats for {now - seen:.1f}s")
+
+    async def _declare_dead(self, host_id: str, reason: str) -> None:
+        """Forget a host's names and tell every host (this one included) that they died."""
+        self.last_seen.pop(host_id, None)
+        names = [n for n, loc in self.entries.items() if loc.host_id == host_id]
+        for n in names:
+            del self.entries[n]
+        log.warning("actors_dead", host=host_id, actors=names, reason=reason)
+        notice = DeathNotice(host_id, names, reason)
+        self.host._on_death(notice)  # actors co-hosted with the directory learn it too
+        await self.host.publish(DEATH_TOPIC, notice)
