@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The H200 benchmark/test suite, run through the device tool in one call:
+#   run(command="bash bench/h200_suite.sh", carry=[".wheels-lead"])
+# Installs the carried cp312 wheels (the device has no internet), makes the checkout importable
+# as `miles`, then runs each GPU measurement with its own time limit; outputs land in $OUT.
+set -u
+OUT="${OUT:-/tmp/out}"
+mkdir -p "$OUT" /tmp/deps /tmp/pkg
+pip install -q --no-index --no-deps --target /tmp/deps .wheels-lead/*.whl > "$OUT/install.log" 2>&1
+ln -sfn "$PWD" /tmp/pkg/miles
+export PYTHONPATH="/tmp/pkg:/tmp/deps:${PYTHONPATH:-}"
+export NCCL_NVLS_ENABLE=0
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
+step() {  # step NAME SECONDS CMD...
+  local name=$1 secs=$2; shift 2
+  echo "== $name" >&2
+  timeout "$secs" "$@" > "$OUT/$name.txt" 2>&1
+  echo "rc=$?" >> "$OUT/$name.txt"
+  tail -2 "$OUT/$name.txt" >&2
+}
+step engine_h200 150 python bench/engine.py --device cuda --repeats 3
+step trainer_h200 150 python bench/trainer.py --device cuda
+step true_on_policy_h200 90 python bench/true_on_policy.py --device cuda
+step cuda_ipc_test 90 python -m pytest -q -p no:cacheprovider --import-mode=importlib tests/sync/test_sync_optional.py
+exit 0
