@@ -13,7 +13,8 @@ the mode allows (it then samples under the newer weights). A weight update pause
 engines in `sync.pause_mode`; a request retracted by the pause comes back with its
 partial output, and `_engine_call` resubmits prompt + partial output under the new
 version, so the sample keeps every token already drawn and its per-token versions
-record the mix. A prompt may carry its own `max_new_tokens` (long-tailed workloads).
+record the mix. A prompt may carry its own `max_new_tokens` and `sampling` overrides
+(long-tailed workloads).
 On stop the buffer's state (ledger included) is written to `<run.dir>/rollout_state.json`.
 """
 
@@ -199,7 +200,9 @@ class RolloutActor(Actor):
             return await self._engine_call(key, ids, sampling)
 
         client = LocalSessionClient(self.store, engine_fn)
-        own = {"max_new_tokens": int(work.prompt["max_new_tokens"])} if "max_new_tokens" in work.prompt else {}
+        own = dict(work.prompt.get("sampling") or {})  # per-prompt sampling overrides
+        if "max_new_tokens" in work.prompt:
+            own["max_new_tokens"] = int(work.prompt["max_new_tokens"])
         ctx = GenerateContext(client, work.prompt, self.agent, getattr(self.env, "tools", None), own,
                               work.sample_index, self.cfg.rollout.max_turns)
         try:

@@ -45,8 +45,8 @@ CORES = sorted(os.sched_getaffinity(0))
 # role -> cores: the engine alone on the first core, everything else on the last
 PIN = {"engine": str(CORES[0]), "rollout": str(CORES[-1]), "trainer": str(CORES[-1])}
 
-WORKLOAD = {"base": "miles.rollout.envs.arithmetic:make_env", "median_tokens": 6.0, "sigma": 1.1,
-            "min_tokens": 2, "max_tokens": 56, "seed": 0}
+WORKLOAD = {"base": "miles.rollout.envs.arithmetic:make_env", "median_tokens": 12.0, "sigma": 1.0,
+            "min_tokens": 2, "max_tokens": 160, "seed": 0, "ignore_stop": True}
 
 
 class PinnedLauncher(LocalLauncher):
@@ -64,9 +64,9 @@ def real_config(run_dir: Path, mode: str, admission: bool, steps: int) -> MilesC
         "run.dir": str(run_dir), "run.steps": str(steps), "run.warmup_sft_steps": "0", "run.progress": "false",
         "run.log_level": "error", "rollout.env": "miles.rollout.envs.long_tail:make_env",
         "rollout.n_samples_per_prompt": "4", "rollout.max_new_tokens": str(WORKLOAD["max_tokens"]),
-        "engine.max_seq_len": "96", "engine.max_batch_size": "64",
-        "buffer.mode": mode, "buffer.batch_groups": "4", "buffer.max_staleness": "1",
-        "buffer.capacity": "48" if mode == "fully_async" else "16",
+        "engine.max_seq_len": "192", "engine.max_batch_size": "64",
+        "buffer.mode": mode, "buffer.batch_groups": "8", "buffer.max_staleness": "2",
+        "buffer.capacity": "64" if mode == "fully_async" else "32",
         "buffer.admission_control": "true" if admission else "false",
         "trainer.routing_replay": "false",
     }
@@ -97,12 +97,13 @@ def run_real(root: Path, name: str, mode: str, admission: bool, steps: int) -> d
             "max_staleness": max(r["rollout/fully_async/max_staleness"] for r in rows), "wall": wall}
 
 
-def real_part(steps: int) -> dict[str, dict[str, Any]]:
+def real_part(steps: int, keep: str = "") -> dict[str, dict[str, Any]]:
     print(f"== real: quick-start model on CPU, engine on core {PIN['engine']}, trainer+rollout on core "
           f"{PIN['trainer']}; log-normal max_new_tokens (median {WORKLOAD['median_tokens']}, sigma "
-          f"{WORKLOAD['sigma']}, <= {WORKLOAD['max_tokens']}); 4 groups x 4 samples a step; {steps} steps")
+          f"{WORKLOAD['sigma']}, <= {WORKLOAD['max_tokens']}); 8 groups x 4 samples a step; {steps} steps")
     out: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory(prefix="miles-async-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="miles-async-bench-") as tmp_dir:
+        tmp = keep or tmp_dir
         for i, (name, mode, adm) in enumerate([("sync", "sync", False), ("fully_async+admission", "fully_async", True),
                                                ("fully_async (discard-and-retry)", "fully_async", False)]):
             out[name] = run_real(Path(tmp), f"run{i}", mode, adm, steps)
@@ -144,9 +145,13 @@ def sim_part(fleets: list[int], steps: int) -> dict[int, dict[str, Any]]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer steps and fleet sizes")
+    ap.add_argument("--keep", default="", help="write the real runs' directories here (kept)")
+    ap.add_argument("--real-only", action="store_true", help="skip the simulation")
     a = ap.parse_args()
     configure_logging("error", None, run="bench", role="launcher")
-    real = real_part(5 if a.quick else 10)
+    real = real_part(5 if a.quick else 20, a.keep)
+    if a.real_only:
+        return
     sim = sim_part([1, 4] if a.quick else [1, 2, 4, 8, 16], 10 if a.quick else 30)
     base = real["sync"]["tok_s"]
     adm, disc = real["fully_async+admission"], real["fully_async (discard-and-retry)"]

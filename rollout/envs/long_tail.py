@@ -3,7 +3,8 @@
 Wraps another env's prompts and gives prompt i a budget drawn from a log-normal
 distribution seeded by (seed, i) only, so the workload is identical across runs and
 orchestration modes (what bench/async_vs_sync.py compares). The rollout actor honours
-a prompt's `max_new_tokens` over `rollout.max_new_tokens`.
+a prompt's `max_new_tokens` over `rollout.max_new_tokens`, and its `sampling` dict
+over the configured sampling (`ignore_stop` uses that to sample every budget in full).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class LongTailPrompts:
     min_tokens: int
     max_tokens: int
     seed: int = 0
+    ignore_stop: bool = False  # sample the whole budget: lengths follow the distribution exactly
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_tokens <= self.max_tokens:
@@ -43,7 +45,10 @@ class LongTailPrompts:
         return max(self.min_tokens, min(self.max_tokens, round(x)))
 
     def _with_budget(self, p: Prompt) -> Prompt:
-        return {**p, "max_new_tokens": self.budget(int(p.get("index", 0)))}
+        out = {**p, "max_new_tokens": self.budget(int(p.get("index", 0)))}
+        if self.ignore_stop:
+            out["sampling"] = {**p.get("sampling", {}), "stop_token_ids": []}
+        return out
 
     def item(self, i: int) -> Prompt:
         return self._with_budget(self.base.item(i))
@@ -60,7 +65,7 @@ class LongTailPrompts:
 
 def make_env(base: str = "miles.rollout.envs.arithmetic:make_env", base_args: dict[str, Any] | None = None,
              median_tokens: float = 8.0, sigma: float = 1.0, min_tokens: int = 1, max_tokens: int = 64,
-             seed: int = 0) -> Environment:
+             seed: int = 0, ignore_stop: bool = False) -> Environment:
     env: Environment = resolve_hook(base, "rollout.env_args.base")(**(base_args or {}))
-    prompts = LongTailPrompts(env.prompts, median_tokens, sigma, min_tokens, max_tokens, seed)
+    prompts = LongTailPrompts(env.prompts, median_tokens, sigma, min_tokens, max_tokens, seed, ignore_stop)
     return replace(env, name=f"{env.name}+long_tail", prompts=prompts)
