@@ -24,6 +24,21 @@ class EngineConfig:
         "in_place", "what pause() does to running requests around a weight update"
     )
     max_queue: int = opt(4096, "most requests waiting for a batch slot; more are refused", "requests")
+    # ---- type = "sglang": a stock SGLang server driven over HTTP (engines/sglang.py) ----
+    sglang_url: str = opt("", "URL of an already running SGLang server; '' = launch one (sglang_model_path)")
+    sglang_model_path: str = opt("", "HF checkpoint directory the launched server loads (config.json + safetensors)")
+    sglang_host: str = opt("127.0.0.1", "host the launched server binds")
+    sglang_port: int = opt(30000, "port the launched server listens on")
+    sglang_tp: int = opt(1, "tensor-parallel size of the launched server", "GPUs")
+    sglang_dp: int = opt(1, "data-parallel size of the launched server", "replicas")
+    sglang_mem_fraction: float = opt(0.5, "--mem-fraction-static: GPU memory share for weights + KV cache")
+    sglang_return_routed_experts: bool = opt(False, "start with --enable-return-routed-experts (R3 on a MoE model)")
+    sglang_extra_args: list[str] = opt([], "more launch_server arguments, passed as given")
+    sglang_python: str = opt("", "python executable that runs sglang.launch_server; '' = this one")
+    sglang_startup_timeout_s: float = opt(600.0, "longest wait for a (re)started server to answer /health", "s")
+    sglang_request_timeout_s: float = opt(3600.0, "longest wait for one HTTP call to the server", "s")
+    sglang_max_restarts: int = opt(3, "restarts after a crash of the launched server before giving up", "restarts")
+    sglang_stage_dir: str = opt("", "folder for staged weight versions (update from disk); '' = a temp dir")
 
     def __post_init__(self) -> None:
         for name in ("num_engines", "max_batch_size", "max_seq_len", "max_queue"):
@@ -31,5 +46,24 @@ class EngineConfig:
                 raise ConfigError(f"engine.{name}={getattr(self, name)} must be >= 1")
         if self.kv_budget_tokens < 0:
             raise ConfigError(f"engine.kv_budget_tokens={self.kv_budget_tokens} must be >= 0")
+        if self.type == "sglang":
+            self._check_sglang()
         if self.dtype == "float16" and self.device == "cpu":
             raise ConfigError("engine.dtype=float16 is not supported on cpu; use float32 or bfloat16")
+
+    def _check_sglang(self) -> None:
+        if not self.sglang_url and not self.sglang_model_path:
+            raise ConfigError("engine.type=sglang needs engine.sglang_url (running server) or sglang_model_path")
+        if self.pause_mode == "in_place":
+            raise ConfigError(
+                "engine.pause_mode=in_place is not available with engine.type=sglang: stock SGLang reports one "
+                "weight_version per response, so tokens of a request held across a commit cannot be attributed "
+                "to versions; use pause_mode=retract or abort"
+            )
+        for name in ("sglang_tp", "sglang_dp", "sglang_port"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"engine.{name}={getattr(self, name)} must be >= 1")
+        if not 0 < self.sglang_mem_fraction < 1:
+            raise ConfigError(f"engine.sglang_mem_fraction={self.sglang_mem_fraction} must be in (0, 1)")
+        if self.sglang_max_restarts < 0:
+            raise ConfigError(f"engine.sglang_max_restarts={self.sglang_max_restarts} must be >= 0")

@@ -1,0 +1,373 @@
+"""`SGLangEngine`: the engine contract (engines/base.py) served by a stock SGLang server over HTTP.
+
+Tested against SGLang 0.5.17 (sglang/srt/entrypoints/http_server.py). Endpoints used:
+  POST /generate                  input_ids + sampling_params + rid + return_logprob [+ return_routed_experts]
+  POST /pause_generation          {"mode": "abort"}; POST /continue_generation {}
+  POST /abort_request             {"rid": ...}
+  POST /flush_cache
+  POST /update_weights_from_disk  {"model_path", "weight_version", "flush_cache": true}
+  POST /get_weights_by_name       {"name", "truncate_size"} (checksums of unfused tensors)
+  GET  /health, GET /get_model_info (model_path, weight_version)
+Request/response fields: engines/sglang_wire.py. Launcher: engines/sglang_server.py.
+
+Weight updates go through disk: `stage` writes each bucket as a safetensors shard of
+a version folder, `commit` checks that every tensor of the checkpoint is there, completes
+the folder (config + index) and asks the server to load it with the new weight_version.
+The server applies the load between two scheduler iterations, and commit runs while
+generation is paused, so no request sees a mix of versions. Not used, on purpose:
+  - /update_weights_from_tensor takes ForkingPickler-serialized tensors (pickle across a
+    process boundary, which miles never does);
+  - /update_weights_from_distributed loads every bucket into the live model as it arrives
+    (no atomic staging of a whole version), so miles cannot offer its commit semantics on it;
+  - pause(mode="in_place") exists in SGLang, but the server reports one weight_version per
+    response, so tokens of a request held across a commit could not be given their versions.
+These raise EngineError naming the gap instead of pretending.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from miles.core.clock import Deadline
+from miles.core.errors import EngineError
+from miles.core.logging import get_logger
+from miles.core.schema.engine import EngineConfig
+from miles.core.schema.model import ModelConfig
+from miles.engines.base import Engine, GenerateRequest, GenerateResult, PauseMode
+from miles.engines.sglang_server import SGLangServer, wait_healthy
+from miles.engines.sglang_wire import ModelFacts, generate_payload, parse_generate, parse_version
+from miles.engines.validate import validate_request
+from miles.models.hf_io import iter_checkpoint, tensor_checksum
+
+log = get_logger("miles.engine.sglang")
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def checkpoint_shapes(path: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """HF name -> (shape, safetensors dtype) of every tensor in a checkpoint folder (headers only)."""
+    d = Path(path)
+    index = d / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [
+        "model.safetensors"]
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    for fname in files:
+        with safe_open(str(d / fname), framework="pt") as f:
+            for k in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                sl = f.get_slice(k)
+                out[k] = (tuple(sl.get_shape()), sl.get_dtype())
+    return out
+
+
+class SGLangEngine(Engine):
+    def __init__(self, cfg: EngineConfig, model_path: str = "", version: int = 0) -> None:
+        self.cfg = cfg
+        self.model_path = model_path or cfg.sglang_model_path
+        if not self.model_path:
+            raise EngineError("SGLangEngine needs the served checkpoint folder (engine.sglang_model_path)")
+        self.facts = ModelFacts.from_dir(self.model_path)
+        self.max_seq_len = min(cfg.max_seq_len, self.facts.max_positions)
+        self.shapes = checkpoint_shapes(self.model_path)
+        self.version = version
+        root = cfg.sglang_stage_dir or tempfile.mkdtemp(prefix="miles-sglang-")
+        self.stage_root = Path(root)
+        self.server: SGLangServer | None = None
+        self.url = cfg.sglang_url.rstrip("/")
+        if not self.url:
+            self.server = SGLangServer(cfg, self.model_path, self.stage_root / "server.log", self.max_seq_len)
+            self.server.weight_version = version
+            self.url = self.server.url
+        self._session: aiohttp.ClientSession | None = None
+        self._ready = asyncio.Lock()
+        self._started = False
+        self._inflight: dict[str, asyncio.Task[GenerateResult]] = {}
+        self._aborted: set[str] = set()  # rids this client asked the server to abort
+        self._paused = False
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._staged_version: int | None = None
+        self._staged: set[str] = set()
+        self._committed_dir: Path | None = None
+        self._closed = False
+        self._last_error = ""
+        self._totals = {"prompt": 0, "cached": 0, "generated": 0, "requests": 0}
+        self._rate_mark = (time.monotonic(), 0)
+
+    @classmethod
+    def from_config(
+        cls, cfg: EngineConfig, model_cfg: ModelConfig, vocab_size: int | None = None, version: int = 0
+    ) -> SGLangEngine:
+        return cls(cfg, cfg.sglang_model_path or model_cfg.path, version)
+
+    # ---- HTTP ---------------------------------------------------------------------
+    async def start(self) -> None:
+        """Launch (or reach) the server and wait until it answers; called lazily by every request."""
+        async with self._ready:
+            if self._closed:
+                raise EngineError("engine is closed")
+            if self._session is None:
+                timeout = aiohttp.ClientTimeout(total=self.cfg.sglang_request_timeout_s)
+                self._session = aiohttp.ClientSession(timeout=timeout)
+            if self.server is not None:
+                await self.server.ensure_running(self._session)
+            elif not self._started:
+                await wait_healthy(self._session, self.url, Deadline.after(self.cfg.sglang_startup_timeout_s))
+            if not self._started:
+                info = await self._call("GET", "/get_model_info")
+                served = parse_version(info.get("weight_version"), "sglang /get_model_info")
+                if served != self.version:
+                    log.info("sglang_version_adopted", configured=self.version, served=served)
+                    self.version = served
+                self._started = True
+
+    async def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        assert self._session is not None
+        try:
+            async with self._session.request(method, self.url + path, json=body) as r:
+                text = await r.text()
+                if r.status != 200:
+                    raise EngineError(f"sglang {path}: HTTP {r.status}: {text[:500]}")
+        except aiohttp.ClientError as exc:
+            self._last_error = f"{path}: {type(exc).__name__}: {exc}"
+            if self.server is not None and not self.server.alive:
+                code = self.server.exit_code()
+                raise EngineError(f"sglang server died (exit code {code}) during {path}; "
+                                  f"it is restarted on the next request") from exc
+            raise EngineError(f"sglang {path}: {type(exc).__name__}: {exc}") from exc
+        return json.loads(text) if text.strip() else {}
+
+    # ---- requests -----------------------------------------------------------------
+    async def generate(self, req: GenerateRequest) -> GenerateResult:
+        validate_request(req, self.facts.vocab_size, self.max_seq_len)
+        await self.start()
+        await self._resumed.wait()  # pause(): new requests wait, like the embedded engine's queue
+        task = asyncio.get_running_loop().create_task(self._generate(req))
+        self._inflight[req.request_id] = task
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            await self.abort(req.request_id)
+            raise
+        finally:
+            if task.done():
+                self._inflight.pop(req.request_id, None)
+
+    async def _generate(self, req: GenerateRequest) -> GenerateResult:
+        try:
+            body = await self._call("POST", "/generate", generate_payload(req))
+        except EngineError:
+            if req.request_id not in self._aborted:
+                raise
+            # An abort the server answered with an error instead of a partial result: nothing was
+            # delivered, so the request finishes empty (the caller resubmits the prompt).
+            return GenerateResult(req.request_id, [], [], "abort", [], len(req.input_ids), 0)
+        finally:
+            self._aborted.discard(req.request_id)
+        res = parse_generate(body, req, self.facts)
+        self._totals["requests"] += 1
+        self._totals["prompt"] += res.prompt_tokens
+        self._totals["cached"] += res.cached_tokens
+        self._totals["generated"] += len(res.output_ids)
+        return res
+
+    async def abort(self, request_id: str) -> bool:
+        if request_id not in self._inflight:
+            return False
+        self._aborted.add(request_id)
+        await self._call("POST", "/abort_request", {"rid": request_id})
+        return True
+
+    async def end_session(self, key: str) -> None:
+        # SGLang's radix cache reuses any matching prefix by itself; there is no per-session KV to drop.
+        return None
+
+    async def flush_cache(self) -> None:
+        await self.start()
+        await self._call("POST", "/flush_cache")
+
+    # ---- pause / weights ----------------------------------------------------------
+    async def pause(self, mode: PauseMode = "in_place") -> list[GenerateResult]:
+        if mode == "in_place":
+            raise EngineError(
+                "pause(in_place) is not offered on stock SGLang 0.5.17: its responses carry one weight_version, "
+                "so tokens of a request held across a commit cannot be attributed; use 'retract' or 'abort'"
+            )
+        if mode not in ("abort", "retract"):
+            raise EngineError(f"pause: unknown mode {mode!r}; valid: abort, retract")
+        await self.start()
+        self._paused = True
+        self._resumed.clear()
+        running = list(self._inflight.values())
+        self._aborted.update(self._inflight)
+        # SGLang's own 'retract' keeps requests on the server and resumes them after the pause, with
+        # no record of where the version changed; miles' retract returns them to the caller instead,
+        # which is SGLang's 'abort' plus the retracted flag (partial output is kept).
+        await self._call("POST", "/pause_generation", {"mode": "abort"})
+        out: list[GenerateResult] = []
+        for t in running:
+            try:
+                res = await t
+            except EngineError:
+                continue  # its caller sees the error
+            if mode == "retract" and res.finish_reason == "abort":
+                res.retracted = True
+            out.append(res)
+        return out
+
+    async def resume(self) -> None:
+        await self.start()
+        await self._call("POST", "/continue_generation", {})
+        self._paused = False
+        self._resumed.set()
+
+    def _version_dir(self, version: int) -> Path:
+        return self.stage_root / f"v{version}"
+
+    async def stage(
+        self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+    ) -> int:
+        if self._staged_version is not None and version != self._staged_version:
+            raise EngineError(f"stage(version={version}): version {self._staged_version} is still staged; "
+                              "commit or abort it first")
+        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        dtype = _DTYPES[self.cfg.dtype]
+        shard: dict[str, torch.Tensor] = {}
+        for name, t in items:
+            if name not in self.shapes:
+                raise EngineError(f"stage(version={version}): unknown tensor {name!r}")
+            if tuple(t.shape) != self.shapes[name][0]:
+                raise EngineError(f"stage(version={version}): tensor {name!r} has shape {tuple(t.shape)}, "
+                                  f"engine expects {self.shapes[name][0]}")
+            shard[name] = t.detach().to("cpu", dtype).contiguous().clone()
+        d = self._version_dir(version)
+        if self._staged_version is None:
+            shutil.rmtree(d, ignore_errors=True)
+            d.mkdir(parents=True)
+            self._staged_version = version
+        if shard:
+            path = d / f"bucket-{len(list(d.glob('bucket-*.safetensors'))):05d}.safetensors"
+            await asyncio.to_thread(save_file, shard, str(path), {"format": "pt"})
+            self._staged.update(shard)
+        return len(self._staged)
+
+    async def commit(self, version: int) -> None:
+        if self._staged_version != version:
+            raise EngineError(f"commit(version={version}): nothing staged for it (staged: {self._staged_version})")
+        missing = sorted(set(self.shapes) - self._staged)
+        if missing:
+            more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
+            raise EngineError(f"commit(version={version}): {len(missing)} tensors not staged: "
+                              f"{', '.join(missing[:3])}{more}")
+        d = self._version_dir(version)
+        await asyncio.to_thread(self._finish_version_dir, d)
+        await self.start()
+        body = {"model_path": str(d), "weight_version": str(version), "flush_cache": True}
+        res = await self._call("POST", "/update_weights_from_disk", body)
+        if not res.get("success", False):
+            raise EngineError(f"commit(version={version}): server refused the update: {res.get('message')}")
+        old, self._committed_dir = self._committed_dir, d
+        self.version, self._staged_version, self._staged = version, None, set()
+        if self.server is not None:  # a restart after a crash serves this version, not the launch weights
+            self.server.model_path, self.server.weight_version = str(d), version
+        if old is not None and old != d:
+            shutil.rmtree(old, ignore_errors=True)
+        log.info("engine_weights_committed", version=version, path=str(d))
+
+    def _finish_version_dir(self, d: Path) -> None:
+        src = Path(self.model_path)
+        for f in src.iterdir():  # config, generation config, tokenizer files: everything but weights
+            if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+                shutil.copy2(f, d / f.name)
+        weight_map: dict[str, str] = {}
+        for shard in sorted(d.glob("bucket-*.safetensors")):
+            with safe_open(str(shard), framework="pt") as f:
+                weight_map.update(dict.fromkeys(f.keys(), shard.name))  # noqa: SIM118
+        (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+    async def abort_version(self, version: int) -> None:
+        if self._staged_version == version:
+            shutil.rmtree(self._version_dir(version), ignore_errors=True)
+            self._staged_version, self._staged = None, set()
+
+    # ---- introspection ------------------------------------------------------------
+    def health(self) -> dict[str, Any]:
+        alive = self.server.alive if self.server is not None else self._started
+        return {
+            "ok": alive and not self._closed,
+            "version": self.version,
+            "paused": self._paused,
+            "running": len(self._inflight),
+            "queued": 0,
+            "device": f"sglang {self.url}",
+            "restarts": self.server.restarts if self.server is not None else 0,
+            "last_error": self._last_error,
+        }
+
+    def stats(self) -> dict[str, Any]:
+        now, gen = time.monotonic(), self._totals["generated"]
+        t0, g0 = self._rate_mark
+        self._rate_mark = (now, gen)
+        prompt = self._totals["prompt"]
+        return {
+            "tokens_per_s": (gen - g0) / max(now - t0, 1e-9),
+            "running": len(self._inflight),
+            "prefix_hit_rate": self._totals["cached"] / prompt if prompt else 0.0,
+            "prompt_tokens": prompt,
+            "prefix_cached_tokens": self._totals["cached"],
+            "generated_tokens": gen,
+            "requests": self._totals["requests"],
+            "version": self.version,
+        }
+
+    async def served_checksums(self, names: Iterable[str]) -> dict[str, str]:
+        """xxh64 of tensors read back from the live server (/get_weights_by_name). Only names that
+        SGLang keeps unfused (embeddings, lm_head, norms, router gates) can be read this way."""
+        await self.start()
+        dtype = _DTYPES[self.cfg.dtype]
+        out = {}
+        for name in names:
+            shape = self.shapes.get(name)
+            if shape is None:
+                raise EngineError(f"served_checksums: unknown tensor {name!r}")
+            body = {"name": name, "truncate_size": shape[0][0] if shape[0] else 1}
+            vals = await self._call("POST", "/get_weights_by_name", body)
+            t = torch.tensor(vals, dtype=torch.float32).to(dtype)
+            if tuple(t.shape) != shape[0]:
+                raise EngineError(f"served_checksums: server returned shape {tuple(t.shape)} for {name!r}, "
+                                  f"checkpoint has {shape[0]} (tensor-parallel shard or fused name?)")
+            out[name] = tensor_checksum(t)
+        return out
+
+    def checksums(self) -> dict[str, str]:
+        """xxh64 of every HF tensor of the version the server was last told to load (the committed
+        folder on disk). The live copy can be checked per tensor with `served_checksums`."""
+        d = self._committed_dir or Path(self.model_path)
+        return {k: tensor_checksum(v) for k, v in iter_checkpoint(d)}
+
+    def state_dict_hf(self) -> dict[str, torch.Tensor]:
+        d = self._committed_dir or Path(self.model_path)
+        return dict(iter_checkpoint(d))
+
+    async def close(self) -> None:
+        self._closed = True
+        for t in list(self._inflight.values()):
+            t.cancel()
+        await asyncio.gather(*self._inflight.values(), return_exceptions=True)
+        self._inflight.clear()
+        if self.server is not None:
+            await self.server.stop()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

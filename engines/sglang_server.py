@@ -1,0 +1,131 @@
+"""Launcher for a stock SGLang server (`python -m sglang.launch_server`, tested with 0.5.17).
+
+Starts the server as a child process in its own process group, waits for `GET /health`
+(200 once the scheduler is up) under a deadline, and restarts it when it dies. A restart
+loads the last committed weights (`model_path` / `weight_version` are updated by the
+engine after every commit), so a crash never rolls the served version back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+
+from miles.core.clock import Deadline
+from miles.core.errors import EngineError
+from miles.core.logging import get_logger
+from miles.core.schema.engine import EngineConfig
+
+log = get_logger("miles.engine.sglang")
+
+
+def launch_args(cfg: EngineConfig, model_path: str, weight_version: int, context_length: int) -> list[str]:
+    """The launch_server command line (0.5.17 flag names)."""
+    py = cfg.sglang_python or sys.executable
+    args = [
+        py, "-m", "sglang.launch_server",
+        "--model-path", model_path,
+        "--host", cfg.sglang_host,
+        "--port", str(cfg.sglang_port),
+        "--tp-size", str(cfg.sglang_tp),
+        "--dp-size", str(cfg.sglang_dp),
+        "--mem-fraction-static", str(cfg.sglang_mem_fraction),
+        "--dtype", cfg.dtype,
+        "--context-length", str(context_length),
+        "--max-running-requests", str(cfg.max_batch_size),
+        # miles owns tokenization (TITO): the server takes and returns token ids only.
+        "--skip-tokenizer-init",
+        "--weight-version", str(weight_version),
+    ]
+    if cfg.sglang_return_routed_experts:
+        args.append("--enable-return-routed-experts")
+    return args + list(cfg.sglang_extra_args)
+
+
+class SGLangServer:
+    """One launched server process; `ensure_running` (re)starts it, `stop` ends it."""
+
+    def __init__(self, cfg: EngineConfig, model_path: str, log_path: str | Path, context_length: int) -> None:
+        self.cfg = cfg
+        self.context_length = context_length
+        self.model_path = model_path  # the engine moves this to each committed version's folder
+        self.weight_version = 0
+        self.url = f"http://{cfg.sglang_host}:{cfg.sglang_port}"
+        self.log_path = Path(log_path)
+        self.restarts = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._lock = asyncio.Lock()
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def exit_code(self) -> int | None:
+        return None if self._proc is None else self._proc.poll()
+
+    async def ensure_running(self, session: aiohttp.ClientSession) -> bool:
+        """Start the server if it is not running; True when it was (re)started by this call."""
+        async with self._lock:
+            if self.alive:
+                return False
+            if self._proc is not None:
+                if self.restarts >= self.cfg.sglang_max_restarts:
+                    raise EngineError(
+                        f"sglang server exited with code {self._proc.returncode} and has been restarted "
+                        f"{self.restarts} times (engine.sglang_max_restarts); log: {self.log_path}"
+                    )
+                self.restarts += 1
+                log.warning("sglang_server_restart", code=self._proc.returncode, restarts=self.restarts,
+                            model_path=self.model_path, version=self.weight_version)
+            await self._start(session)
+            return True
+
+    async def _start(self, session: aiohttp.ClientSession) -> None:
+        args = launch_args(self.cfg, self.model_path, self.weight_version, self.context_length)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as f:
+            f.write(f"\n# miles launch: {' '.join(args)}\n".encode())
+            f.flush()
+            self._proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                          env=dict(os.environ))
+        log.info("sglang_server_starting", pid=self._proc.pid, url=self.url, log=str(self.log_path))
+        await wait_healthy(session, self.url, Deadline.after(self.cfg.sglang_startup_timeout_s), self)
+
+    async def stop(self, timeout_s: float = 30.0) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        # The server forks scheduler/detokenizer children: signal the whole process group.
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(asyncio.to_thread(proc.wait), timeout_s)
+        except TimeoutError:
+            os.killpg(proc.pid, signal.SIGKILL)
+            await asyncio.to_thread(proc.wait)
+
+
+async def wait_healthy(
+    session: aiohttp.ClientSession, url: str, deadline: Deadline, server: SGLangServer | None = None
+) -> None:
+    """Poll GET /health until 200; fail early if the launched process exits."""
+    last = "no answer yet"
+    while not deadline.expired():
+        if server is not None and server._proc is not None and server._proc.poll() is not None:
+            raise EngineError(
+                f"sglang server exited with code {server._proc.returncode} during start-up; log: {server.log_path}"
+            )
+        try:
+            async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=10)) as r:
+                if r.status == 200:
+                    return
+                last = f"HTTP {r.status}"
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            last = f"{type(exc).__name__}: {exc}"
+        await asyncio.sleep(min(1.0, deadline.remaining()))
+    raise EngineError(f"sglang server at {url} not healthy before the deadline ({last})")
