@@ -118,6 +118,8 @@ class TrainerActor(Actor):
             else:
                 for _ in state:  # every rank drains the gather collective
                     pass
+            if cfg.trainer.memory.offload_when_idle:
+                metrics["perf/offload_s"] = await asyncio.to_thread(self.trainer.offload)
             step = self.trainer.step
             if self.rank == 0 and self.sink is not None:
                 rec = {"step": step, "version": new_version, **reply["metrics"], **metrics,

@@ -41,6 +41,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = _load(args)
     configure_logging(cfg.run.log_level, None if cfg.run.log_json == "auto" else cfg.run.log_json == "json",
                       run=cfg.run.name, role="launcher")
+    from miles.launch.validate import validate_launch
+
+    validate_launch(cfg)
     if not resume:
         path = ensure_initial_checkpoint(cfg)
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=path))
@@ -111,6 +114,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 # registers the command and sets `fn` (args -> exit code). Add one line per module.
 SUBCOMMAND_MODULES: list[str] = [
     "miles.launch.slurm",
+    "miles.launch.perftest",
 ]
 
 

@@ -121,6 +121,10 @@ class MemoryConfig:
     stream_bucket_mb: float = opt(
         256.0, "moment bytes (exp_avg + exp_avg_sq) per streamed bucket", "MiB"
     )
+    offload_when_idle: bool = opt(
+        False, "move all trainer state to pinned host memory as one block between steps "
+        "(frees the device for a colocated engine); reloaded before the next step"
+    )
 
 
 @dataclass

@@ -1,0 +1,33 @@
+"""Checks made at launch, before any process starts: hooks import, sections agree.
+
+Each failure is one `ConfigError` naming the option and the fix, so a wrong config
+never costs a cluster allocation.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from miles.core.errors import ConfigError
+from miles.core.hooks import resolve_hook
+from miles.core.schema import MilesConfig
+
+
+def validate_launch(cfg: MilesConfig) -> None:
+    asynchronous = cfg.buffer.mode != "sync"
+    from miles.trainer.fsdp import check_trainer_config
+
+    check_trainer_config(cfg.trainer, asynchronous, cfg.trainer.world_size)
+    resolve_hook(cfg.rollout.env, "rollout.env")
+    for field in ("agent_fn", "generate_fn", "reward_fn"):
+        path = getattr(cfg.rollout, field)
+        if path:
+            resolve_hook(path, f"rollout.{field}")
+    if cfg.buffer.filter_fn:
+        resolve_hook(cfg.buffer.filter_fn, "buffer.filter_fn")
+    if cfg.model.path and not (Path(cfg.model.path) / "config.json").is_file():
+        raise ConfigError(f"model.path {cfg.model.path!r} has no config.json: point it at an HF model "
+                          "directory, or leave it empty to start from the tiny preset")
+    if cfg.trainer.true_on_policy and not getattr(cfg.engine, "batch_invariant", False):
+        raise ConfigError("trainer.true_on_policy needs engine.batch_invariant = true: the engine must use "
+                          "the same batch-invariant kernels for logprobs to match bit for bit")
