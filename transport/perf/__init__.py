@@ -1,0 +1,1 @@
+"""`miles perftest` measurement engine: sizes, raw baselines, reference limits, reports."""
