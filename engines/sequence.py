@@ -9,7 +9,8 @@ import numpy as np
 import torch
 
 from miles.engines.base import FinishReason, GenerateRequest, GenerateResult
-from miles.models.moe import compact_expert_ids
+from miles.models.config import ModelSpec
+from miles.models.moe import compact_expert_ids, expert_id_dtype
 
 
 @dataclass(eq=False)
@@ -36,15 +37,20 @@ class Sequence:
     def wants_flush(self) -> bool:
         return self.req.return_routed_experts or self.req.session_key is not None
 
-    def routed_array(self, num_experts: int) -> np.ndarray | None:
+    def routed_array(self, spec: ModelSpec) -> np.ndarray | None:
+        """[kv_len, L_moe, k] expert ids of every fed token; [0, L_moe, k] when nothing was fed
+        (a request paused or aborted while still queued)."""
         if not self.req.return_routed_experts:
             return None
         parts = [] if self.routed_prefix is None else [self.routed_prefix]
         if self.routed:
-            parts.append(compact_expert_ids(torch.cat(self.routed, dim=0), num_experts))
+            parts.append(compact_expert_ids(torch.cat(self.routed, dim=0), spec.num_experts))
+        if not parts:
+            shape = (0, spec.num_moe_layers, spec.num_experts_per_tok)
+            return np.zeros(shape, dtype=expert_id_dtype(spec.num_experts))
         return np.concatenate(parts, axis=0)[: self.kv_len]
 
-    def result(self, reason: FinishReason, retracted: bool, num_experts: int) -> GenerateResult:
+    def result(self, reason: FinishReason, retracted: bool, spec: ModelSpec) -> GenerateResult:
         return GenerateResult(
             request_id=self.req.request_id,
             output_ids=list(self.output),
@@ -54,5 +60,5 @@ class Sequence:
             prompt_tokens=self.n_prompt,
             cached_tokens=self.cached,
             retracted=retracted,
-            routed_experts=self.routed_array(num_experts),
+            routed_experts=self.routed_array(spec),
         )

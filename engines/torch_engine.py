@@ -79,7 +79,7 @@ class TorchEngine(Engine):
         cls, cfg: EngineConfig, model_cfg: ModelConfig, vocab_size: int | None = None, version: int = 0
     ) -> TorchEngine:
         model = model_from_config(model_cfg, vocab_size=vocab_size, dtype=cfg.dtype, device=cfg.device)
-        return cls(model, cfg, version)
+        return cls(model, cfg, version, batch_invariant=cfg.batch_invariant)
 
     # ---- requests -----------------------------------------------------------------
     async def generate(self, req: GenerateRequest) -> GenerateResult:
@@ -131,6 +131,7 @@ class TorchEngine(Engine):
             self._paused = True
             if mode == "in_place":
                 return []
+            await self._feed_last_tokens()
             out = []
             for seq in [*self._running, *self._queue]:
                 if seq.finish is not None:  # finished, only waiting for its flush step
@@ -138,6 +139,24 @@ class TorchEngine(Engine):
                 else:
                     out.append(self._finalize(seq, "abort", retracted=mode == "retract"))
             return out
+
+    async def _feed_last_tokens(self) -> None:
+        """Before a pause hands out running requests: feed each one's last sampled token, so
+        their routing (and saved session KV) covers every token, exactly as for a request that
+        finished on its own. The tokens this extra step samples are dropped. Runs under `_lock`,
+        between steps, where every running row has all but its last token fed."""
+        run = [s for s in self._running if not s.future.done()]
+        if not any(s.wants_flush and s.kv_len < len(s.tokens) for s in run):
+            return
+        if any(s.kv_len != len(s.tokens) - 1 for s in self._running):
+            return  # not at a step boundary (cannot happen under the lock); keep results as they are
+        try:
+            out = await asyncio.to_thread(self.stepper.step, list(self._running), [])
+        except Exception as exc:  # noqa: BLE001 - results then lack the last token's routing
+            log.error("engine_pause_feed_failed", error=f"{type(exc).__name__}: {exc}")
+            return
+        for seq in out:
+            seq.flushing = False
 
     async def resume(self) -> None:
         self._paused = False
@@ -314,7 +333,7 @@ class TorchEngine(Engine):
                 seq.done_pending = True
 
     def _finalize(self, seq: Sequence, reason: FinishReason, retracted: bool = False) -> GenerateResult:
-        result = seq.result(reason, retracted, self.spec.num_experts)
+        result = seq.result(reason, retracted, self.spec)
         if seq in self._queue:
             self._queue.remove(seq)
         elif seq.row >= 0 and seq.row < len(self._running) and self._running[seq.row] is seq:
@@ -329,7 +348,7 @@ class TorchEngine(Engine):
         if key is None or key not in self._known_sessions or seq.kv_len == 0:
             return
         k, v = self.pool.export(seq.row, seq.kv_len)
-        routed = seq.routed_array(self.spec.num_experts)
+        routed = seq.routed_array(self.spec)
         self.sessions.put(key, SessionKV(ids=seq.tokens[: seq.kv_len], k=k, v=v, routed=routed))
 
     def _release_row(self, seq: Sequence) -> None:

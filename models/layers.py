@@ -133,7 +133,8 @@ class Attention(nn.Module):
         else:
             qg = q.reshape(b, self.nkv, self.groups * t, self.hd)
             out = F.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=self.hd**-0.5)
-            out = out.view(b, self.nh, t, self.hd)
+            # reshape, not view: CUDA kernels return [B, T, H, d]-major outputs (non-contiguous)
+            out = out.reshape(b, self.nh, t, self.hd)
         out = out.transpose(1, 2).reshape(b, t, self.nh * self.hd)
         return F.linear(out, self.o_proj.weight, self.o_proj.bias)
 

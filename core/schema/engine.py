@@ -24,6 +24,12 @@ class EngineConfig:
         "in_place", "what pause() does to running requests around a weight update"
     )
     max_queue: int = opt(4096, "most requests waiting for a batch slot; more are refused", "requests")
+    batch_invariant: bool = opt(
+        False,
+        "torch engine: batch-invariant kernels (logprobs equal the trainer's bit for bit; needed by "
+        "trainer.true_on_policy; slower, dense models only)",
+    )
+    cuda_graphs: bool = opt(True, "torch engine on CUDA: replay decode steps as CUDA graphs per batch-size bucket")
     # ---- type = "sglang": a stock SGLang server driven over HTTP (engines/sglang.py) ----
     sglang_url: str = opt("", "URL of an already running SGLang server; '' = launch one (sglang_model_path)")
     sglang_model_path: str = opt("", "HF checkpoint directory the launched server loads (config.json + safetensors)")

@@ -76,3 +76,29 @@ def test_per_parameter_hf_naming_covers_the_whole_model(arch: str) -> None:
     if arch == "qwen3_moe":
         e = model.spec.num_experts - 1
         assert f"model.layers.0.mlp.experts.{e}.up_proj.weight" in seen
+
+
+def test_attention_accepts_non_contiguous_sdpa_output() -> None:
+    """CUDA attention kernels return [B, T, H, d]-major outputs; the masked path must not
+    assume the [B, H, T, d] layout is contiguous (a `.view` there failed on the H200)."""
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    class TransposedSDPA(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            if func is F.scaled_dot_product_attention:
+                out = out.transpose(1, 2).contiguous().transpose(1, 2)  # same values, T-major memory
+                assert not out.is_contiguous()
+            return out
+
+    from miles.models.masks import padded_causal_mask
+
+    model = build_model(ModelSpec.from_hf(tiny_config("qwen3", vocab_size=64)), seed=0)
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))
+    mask = padded_causal_mask(torch.ones(2, 5))
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask).logits
+        with TransposedSDPA():
+            got = model(ids, attention_mask=mask).logits
+    assert torch.equal(ref, got)

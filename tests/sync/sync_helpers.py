@@ -37,7 +37,8 @@ def perturb(model: CausalLM, seed: int, fraction: float = 0.5) -> None:
     g = torch.Generator().manual_seed(seed)
     for i, p in enumerate(model.parameters()):
         if (i * 7919 + seed) % 100 < fraction * 100:
-            p.add_(torch.randn(p.shape, generator=g) * 0.01)
+            # drawn on the CPU generator (same numbers on every device), then moved to p
+            p.add_((torch.randn(p.shape, generator=g) * 0.01).to(device=p.device, dtype=p.dtype))
 
 
 def start_engines(procs, n: int = 2, seed: int = 0, extra: list[str] | None = None) -> str:
