@@ -2,8 +2,9 @@
 
 CPU (default): a tiny MoE model, one rank (gloo). R3 overhead = fractional step-time
 increase of replay over live routing on the same batch (goal <= 5%).
---device cuda: a ~0.5B dense and a small MoE config in bf16; also reports model FLOPs
-utilisation against --peak-tflops (the measured bf16 matmul rate, ~780 on an H200).
+--device cuda: a ~0.5B dense and a small MoE config in bf16, a realistic step (default 8 x 4
+sequences of ~768 tokens, ~25k tokens; packed micro-batches of 4k tokens); also reports model
+FLOPs utilisation against --peak-tflops (the measured bf16 matmul rate, ~780 on an H200).
 The last line is one JSON object.
 """
 
@@ -14,13 +15,17 @@ import json
 import statistics
 import time
 
+import numpy as np
 import torch
 
 from miles.core.schema.trainer import TrainerConfig
 from miles.models.config import ModelSpec
+from miles.models.decoder import CausalLM
+from miles.models.logprobs import token_logprobs
+from miles.models.moe import compact_expert_ids
 from miles.models.presets import tiny_config
 from miles.models.registry import build_model
-from miles.trainer.batch import TrainBatch
+from miles.trainer.batch import TrainBatch, TrainSample
 from miles.trainer.fsdp import FSDPTrainer
 from miles.trainer.synthetic import engine_batch
 
@@ -87,20 +92,49 @@ def _timed(t: FSDPTrainer, batch: TrainBatch, device: str) -> float:
     return time.perf_counter() - t0
 
 
+@torch.no_grad()
+def _device_batch(model: CausalLM, groups: int, group_size: int, seq: int, seed: int = 0) -> TrainBatch:
+    """Like `engine_batch`, scored on the model's own device (the CPU is far too slow for ~32k
+    tokens of a 0.5B model): prompts of seq/4 and responses of seq/2 random tokens."""
+    spec, dev = model.spec, next(model.parameters()).device
+    rng = np.random.default_rng(seed)
+    p_len, r_len = seq // 4, seq // 2
+    samples = []
+    for g in range(groups):
+        prompt = rng.integers(0, spec.vocab_size, p_len)
+        resp = rng.integers(0, spec.vocab_size, (group_size, r_len))
+        ids = torch.from_numpy(np.concatenate([np.tile(prompt, (group_size, 1)), resp], axis=1)).to(dev)
+        out = model(ids, return_routed_experts=spec.is_moe)
+        lp = token_logprobs(out.logits[:, p_len - 1 : -1], ids[:, p_len:], 1.0).float().cpu()
+        for i in range(group_size):
+            routes = None
+            if out.routed_experts is not None:
+                routes = compact_expert_ids(out.routed_experts[i, :-1], spec.num_experts)
+            samples.append(TrainSample(
+                prompt_ids=prompt, response_ids=resp[i], reward=float(rng.integers(0, 2)), group_index=g,
+                rollout_logprobs=lp[i].numpy(), routed_experts=routes, versions=np.zeros(r_len, np.int64),
+            ))
+    return TrainBatch(samples)
+
+
 def _compare(
     spec: ModelSpec, device: str, args: argparse.Namespace, modes: tuple[bool, ...]
 ) -> tuple[dict[bool, float], int]:
     """Median step time per routing mode; steps alternate between modes so that load from
     other processes affects both alike."""
-    eng = build_model(spec, seed=0).to(device)
-    batch = engine_batch(
-        eng.cpu(),
-        groups=args.groups,
-        group_size=args.group_size,
-        prompt_len=(args.seq // 4, args.seq // 4 + 1),
-        response_len=(args.seq // 2, args.seq // 2 + 1),
-    )
-    del eng
+    if device == "cpu":
+        batch = engine_batch(
+            build_model(spec, seed=0),
+            groups=args.groups,
+            group_size=args.group_size,
+            prompt_len=(args.seq // 4, args.seq // 4 + 1),
+            response_len=(args.seq // 2, args.seq // 2 + 1),
+        )
+    else:
+        eng = build_model(spec, seed=0, dtype=torch.bfloat16, device=device)
+        batch = _device_batch(eng, args.groups, args.group_size, args.seq)
+        del eng
+        torch.cuda.empty_cache()
     trainers = {m: _trainer(spec, m, device, args) for m in modes}
     for t in trainers.values():
         t.train_step(batch)  # warm-up
@@ -116,13 +150,18 @@ def _compare(
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--groups", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per mode (cpu 8, cuda 4)")
+    ap.add_argument("--groups", type=int, default=None, help="cpu 4, cuda 8")
     ap.add_argument("--group-size", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--micro-tokens", type=int, default=512)
+    ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (cpu 64, cuda 1024)")
+    ap.add_argument("--micro-tokens", type=int, default=None, help="cpu 512, cuda 4096")
     ap.add_argument("--peak-tflops", type=float, default=780.0)
     args = ap.parse_args()
+    gpu = args.device == "cuda"
+    args.steps = args.steps or (4 if gpu else 8)
+    args.groups = args.groups or (8 if gpu else 4)
+    args.seq = args.seq or (1024 if gpu else 64)
+    args.micro_tokens = args.micro_tokens or (4096 if gpu else 512)
     result: dict[str, float] = {}
     rows = []
     if args.device == "cpu":
