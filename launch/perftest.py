@@ -81,8 +81,6 @@ def check_args(a: argparse.Namespace) -> None:
         raise ConfigError(f"--warmup {a.warmup} must be >= 0")
     if a.timeout <= 0 or a.connect_timeout <= 0:
         raise ConfigError("--timeout and --connect-timeout must be > 0")
-    if a.peer and a.listen:
-        raise ConfigError("--peer and --listen exclude each other (one end listens, the other connects)")
     if a.pattern == "bucket" and a.transport == "zmq-ctl":
         raise ConfigError("--pattern bucket needs a bulk transport (zmq-bulk, ucx, broadcast, cuda-ipc, disk); "
                           "zmq-ctl carries control messages")
@@ -119,7 +117,14 @@ def size_limit(transport: str) -> int:
 def cmd_perftest(a: argparse.Namespace) -> int:
     from miles.core.logging import configure_logging
 
-    configure_logging("warning", json=True)
+    configure_logging("error", json=True)
+    import torch
+
+    # One copy thread per end, as a transport's own copies run; torch's parallel copies would
+    # fight the other end (and any neighbour) for the cores and measure that instead.
+    torch.set_num_threads(1)
+    if a.peer and a.listen:
+        raise ConfigError("--peer and --listen exclude each other (one end listens, the other connects)")
     if a.peer:
         host, port = _hostport(a.peer, "--peer")
         from miles.launch.perftest_roles import run_responder

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from miles.core.errors import MilesError, PeerTimeout
+from miles.launch.slurm_env import SlurmEnv
 from miles.transport.perf.control import Control, route_ip
 from miles.transport.perf.limits import cuda_limits, host_limits
 from miles.transport.perf.patterns import Plan, drive, make_plans, respond
@@ -88,7 +89,7 @@ async def run_driver(ctl: Control, a: argparse.Namespace, ctx: Ctx, sizes: list[
     meta = {"transport": a.transport, "pattern": a.pattern, "device": ctx.device, "window": window,
             "iters": a.iters, "warmup": a.warmup, "max_bytes": max_bytes, "limit_kind": kind,
             "latency": "send + ack round" if a.pattern == "pingpong" else "window time / messages",
-            "peer": hello.get("host", ""), "host": platform.node(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "nodes": [SlurmEnv.from_environ().node_name or platform.node(), hello.get("node", "")], "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "torch": torch.__version__}
     return Report(meta, rows)
 
@@ -129,10 +130,13 @@ async def run_responder(connect: Callable[[], Control], host: str, timeout_s: fl
     ctl = connect()
     try:
         own_ip = route_ip(host, 9)
-        await ctl.send("hello", peer_host=host, host=own_ip)
+        node = SlurmEnv.from_environ().node_name or platform.node()
+        await ctl.send("hello", timeout_s, peer_host=host, host=own_ip, node=node)
         idle_s = timeout_s
+        waiting = "answer (is a perftest rank 0 listening there?)"
         while True:
-            msg = await ctl.recv(idle_s, "instruction (is rank 0 still running?)")
+            msg = await ctl.recv(idle_s, waiting)
+            waiting = "instruction (is rank 0 still running?)"
             if msg["op"] == "bye":
                 return 0
             if msg["op"] != "open":

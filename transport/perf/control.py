@@ -56,8 +56,13 @@ class Control:
         sock.connect(f"tcp://{host}:{port}")
         return cls(sock, f"{host}:{port}")
 
-    async def send(self, op: str, **fields: Any) -> None:
-        await self.sock.send(msgpack.packb({"op": op, **fields}, use_bin_type=True))
+    async def send(self, op: str, timeout_s: float = 30.0, **fields: Any) -> None:
+        """Send one message; a PAIR socket holds it until the peer is connected, hence the deadline."""
+        try:
+            await asyncio.wait_for(self.sock.send(msgpack.packb({"op": op, **fields}, use_bin_type=True)), timeout_s)
+        except TimeoutError:
+            raise PeerTimeout(f"perftest: nobody took '{op}' at {self.where} within {timeout_s:g} s "
+                              "(is the other end running and reachable?)") from None
 
     async def recv(self, timeout_s: float, waiting_for: str) -> dict[str, Any]:
         loop = asyncio.get_running_loop()

@@ -36,8 +36,15 @@ def _best_gbps(size: int, copy: Callable[[], None], sync: Callable[[], None], bu
 
 def host_limits(size: int) -> dict[str, float]:
     src = torch.ones(size, dtype=torch.uint8)
-    dst = torch.empty(size, dtype=torch.uint8)
-    return {"memcpy": _best_gbps(size, lambda: dst.copy_(src), lambda: None)}
+    dst = torch.ones(size, dtype=torch.uint8)
+    threads = torch.get_num_threads()
+    # One thread, as memcpy and every transport's copy run: torch's parallel copy would
+    # measure thread contention on a shared machine instead of the memory system.
+    torch.set_num_threads(1)
+    try:
+        return {"memcpy": _best_gbps(size, lambda: dst.copy_(src), lambda: None)}
+    finally:
+        torch.set_num_threads(threads)
 
 
 def cuda_limits(size: int, device: torch.device) -> dict[str, float]:

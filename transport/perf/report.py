@@ -93,7 +93,7 @@ def table(rows: list[Row]) -> str:
 
 
 def _clean(v: Any) -> Any:
-    return round(v, 6) if isinstance(v, float) else v
+    return float(f"{v:.6g}") if isinstance(v, float) else v  # 6 significant digits, tiny values too
 
 
 def write_json(path: str | Path, meta: dict[str, Any], rows: list[Row]) -> None:

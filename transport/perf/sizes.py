@@ -81,10 +81,13 @@ def _item(item: str, spec: str) -> list[int]:
 
 
 def fmt_size(n: int) -> str:
-    """65536 -> '64KiB'; exact binary units when they divide, else bytes."""
+    """65536 -> '64KiB'; exact binary units when they divide, else two decimals of the largest."""
     for unit, mult in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= mult and n % mult == 0:
             return f"{n // mult}{unit}"
+    for unit, mult in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= mult:
+            return f"{n / mult:.2f}{unit}"
     return f"{n}B"
 
 
