@@ -146,7 +146,10 @@ class SGLangEngine(Engine):
                 raise EngineError(f"sglang server died (exit code {code}) during {path}; "
                                   f"it is restarted on the next request") from exc
             raise EngineError(f"sglang {path}: {type(exc).__name__}: {exc}") from exc
-        return json.loads(text) if text.strip() else {}
+        try:
+            return json.loads(text) if text.strip() else {}
+        except json.JSONDecodeError:
+            return {"text": text}  # some control endpoints (/flush_cache) answer plain text
 
     # ---- requests -----------------------------------------------------------------
     async def generate(self, req: GenerateRequest) -> GenerateResult:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -87,6 +88,10 @@ class SGLangServer:
             return True
 
     async def _start(self, session: aiohttp.ClientSession) -> None:
+        if _port_taken(self.cfg.sglang_host, self.cfg.sglang_port):
+            # Without this check a leftover server on the port would answer /health for ours.
+            raise EngineError(f"port {self.cfg.sglang_port} on {self.cfg.sglang_host} is already in use "
+                              "(another server?); stop it or set engine.sglang_port")
         args = launch_args(self.cfg, self.model_path, self.weight_version, self.context_length)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as f:
@@ -108,6 +113,12 @@ class SGLangServer:
         except TimeoutError:
             os.killpg(proc.pid, signal.SIGKILL)
             await asyncio.to_thread(proc.wait)
+
+
+def _port_taken(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        return s.connect_ex((host, port)) == 0
 
 
 async def wait_healthy(

@@ -104,6 +104,13 @@ async def main(out: Path) -> dict[str, Any]:
                                           "--grammar-backend", "none", "--disable-cuda-graph",
                                           "--skip-server-warmup"])
     eng = SGLangEngine(cfg)
+    try:
+        return await checks(eng, R, raw, m0, out)
+    finally:
+        await eng.close()
+
+
+async def checks(eng: SGLangEngine, R: dict[str, Any], raw: dict[str, Any], m0: Any, out: Path) -> dict[str, Any]:
     t = time.monotonic()
     await eng.start()
     R["server_start_s"] = time.monotonic() - t
@@ -220,7 +227,6 @@ async def main(out: Path) -> dict[str, Any]:
         stamp(f"restart {crash}")
     else:
         R["restart"] = "skipped: not enough time left in the device call"
-    await eng.close()
     (out / "sglang_h200_raw.json").write_text(json.dumps(raw))
     return R
 
@@ -233,7 +239,7 @@ if __name__ == "__main__":
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("MILES_COMMIT", subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                                                          text=True).stdout.strip())
-    result = asyncio.run(main(out))
+    result = asyncio.run(main(out))  # main closes the engine (and its server) on every exit path
     (out / "sglang_h200.json").write_text(json.dumps(result, indent=1))
     for k, v in result.items():
         if k != "model":
