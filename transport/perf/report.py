@@ -87,7 +87,7 @@ def table(rows: list[Row]) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r.size:>8} {r.messages:6d} {r.p50_us:9.1f} {r.p99_us:9.1f} {r.max_us:9.1f} "
-                     f"{r.gbps:8.3f} {r.msgs_per_s:9.0f} {r.raw_p50_us:9.1f} {r.raw_gbps:9.3f} {r.ratio_raw:6.2f} "
+                     f"{r.gbps:8.3f} {r.msgs_per_s:9.1f} {r.raw_p50_us:9.1f} {r.raw_gbps:9.3f} {r.ratio_raw:6.2f} "
                      f"{r.limit_gbps:9.2f} {r.ratio_limit:8.4f}")
     return "\n".join(lines)
 
