@@ -10,6 +10,8 @@ import contextlib
 
 import torch
 
+from miles.core.logging import get_logger
+from miles.engines.cuda_graph import DecodeGraphs
 from miles.engines.kv_cache import RowPool
 from miles.engines.sampling import choose_tokens
 from miles.engines.sequence import Sequence
@@ -17,19 +19,29 @@ from miles.models.decoder import CausalLM
 from miles.models.invariant import BatchInvariant
 from miles.models.masks import cached_causal_mask
 
+log = get_logger("miles.engine")
+
 # Per sequence: the token chosen this step (None for a flushing sequence) and its logprob.
 StepOut = dict[Sequence, tuple[int, float] | None]
 
 
 class Stepper:
     def __init__(
-        self, model: CausalLM, pool: RowPool, device: torch.device, batch_invariant: bool = False
+        self,
+        model: CausalLM,
+        pool: RowPool,
+        device: torch.device,
+        batch_invariant: bool = False,
+        cuda_graphs: bool = True,
     ) -> None:
         self.model = model
         self.pool = pool
         self.device = device
         # true on-policy: logits independent of the batch, equal to the trainer's per-sequence forward
         self.batch_invariant = batch_invariant
+        # the batch-invariant mode is a Python-level op override: it cannot be captured
+        use_graphs = cuda_graphs and device.type == "cuda" and not batch_invariant
+        self.graphs = DecodeGraphs(model, pool) if use_graphs else None
 
     @torch.inference_mode()
     def step(self, decode: list[Sequence], prefill: list[Sequence]) -> StepOut:
@@ -74,12 +86,34 @@ class Stepper:
         return self._choose(seqs, res.logits[:, 0])
 
     def _decode(self, seqs: list[Sequence]) -> StepOut:
+        want = any(s.req.return_routed_experts for s in seqs)
+        logits, routed = self._decode_forward(seqs, want)
+        for i, s in enumerate(seqs):
+            if s.req.return_routed_experts and routed is not None:
+                s.routed.append(routed[i])
+            s.kv_len += 1
+        live = [i for i, s in enumerate(seqs) if not s.flushing]
+        if len(live) == len(seqs):  # the usual case: no gather of the logits
+            return self._choose(seqs, logits)
+        out: StepOut = {s: None for s in seqs if s.flushing}
+        if live:
+            out.update(self._choose([seqs[i] for i in live], logits[live]))
+        return out
+
+    def _decode_forward(self, seqs: list[Sequence], want: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Feed every row's last token -> (logits [n, V], routed experts [n, 1, L, k] or None).
+        Rows are pool rows 0..n-1 (decode always covers the running rows from the first)."""
+        if self.graphs is not None and not self.graphs.failed and seqs[0].row == 0:
+            try:
+                return self.graphs.run([s.tokens[-1] for s in seqs], [s.kv_len for s in seqs], want)
+            except RuntimeError as exc:  # a capture the model cannot take: decode eagerly from now on
+                self.graphs.failed = True
+                log.warning("decode_graphs_disabled", error=f"{type(exc).__name__}: {exc}")
         dev = self.device
         lens = torch.tensor([s.kv_len for s in seqs], device=dev)
         ids = torch.tensor([[s.tokens[-1]] for s in seqs], device=dev)
         read = max(s.kv_len for s in seqs) + 1
         self.pool.bind(seqs[0].row, lens[:, None], read)
-        want = any(s.req.return_routed_experts for s in seqs)
         # rows of one length (e.g. the samples of one prompt, decoding in lockstep) attend
         # to every cached key: no mask to build, and attention takes its unmasked kernel
         uniform = all(s.kv_len == seqs[0].kv_len for s in seqs)
@@ -90,17 +124,8 @@ class Stepper:
             kv_cache=self.pool,
             return_routed_experts=want,
         )
-        for i, s in enumerate(seqs):
-            if s.req.return_routed_experts and res.routed_experts is not None:
-                s.routed.append(res.routed_experts[i])
-            s.kv_len += 1
-        live = [i for i, s in enumerate(seqs) if not s.flushing]
-        if len(live) == len(seqs):  # the usual case: a view, no gather of the logits
-            return self._choose(seqs, res.logits[:, 0])
-        out: StepOut = {s: None for s in seqs if s.flushing}
-        if live:
-            out.update(self._choose([seqs[i] for i in live], res.logits[live, 0]))
-        return out
+        assert res.logits is not None
+        return res.logits[:, 0], res.routed_experts
 
     def _choose(self, seqs: list[Sequence], logits: torch.Tensor) -> StepOut:
         tokens, logps = choose_tokens(logits, [s.req.sampling for s in seqs], [s.generator for s in seqs])

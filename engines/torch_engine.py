@@ -57,7 +57,7 @@ class TorchEngine(Engine):
         self.device, self.dtype = p.device, p.dtype
         self.max_seq_len = min(self.cfg.max_seq_len, self.spec.max_position_embeddings)
         self.pool = RowPool(self.spec, self.cfg.max_batch_size, self.max_seq_len, self.dtype, self.device)
-        self.stepper = Stepper(model, self.pool, self.device, batch_invariant)
+        self.stepper = Stepper(model, self.pool, self.device, batch_invariant, self.cfg.cuda_graphs)
         self.sessions = SessionStore(self.cfg.kv_budget_tokens)
         self.stager = WeightStager(hf_tensor_views(model))
         self.version = version

@@ -53,6 +53,8 @@ class Experts(nn.Module):
         if n == 0:
             return torch.zeros_like(x)
         e, two_i, h = self.gate_up_proj.shape
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self._dense(x, ids, weights)  # the loop needs per-expert counts on the host
         extra_macs = n * (e - k) * (two_i + self.inter) * h
         if extra_macs <= e * _LOOP_OVERHEAD_MACS.get(x.device.type, 3e5):
             return self._dense(x, ids, weights)

@@ -1,0 +1,121 @@
+"""CUDA-graph replay of the engine's decode forward, one graph per (batch, key-length) bucket.
+
+A decode step of a small model is a few hundred tiny kernels; launched one by one from
+Python, the GPU mostly waits for the host. Here the whole forward (mask, rotary, KV
+scatter, attention, MLP / MoE, LM head) is captured once per bucket and replayed with one
+launch. Shapes are made static by padding:
+
+- the batch to the next bucket (powers of two up to the pool's row count): pad rows get
+  position `max_seq_len`, the pool's scratch column, so their KV writes land where no
+  sequence reads and their outputs are ignored;
+- the key length to the next power of two >= 256 (at most the pool's width), with the
+  causal mask hiding keys past each row's length.
+
+Decode rows are always pool rows 0..n-1 (the engine keeps rows compact), so a graph
+writes the same KV tensors every replay; inputs live in static device tensors that are
+refilled (one host-to-device copy) before each replay. Weight commits copy into the
+parameters in place, so graphs never go stale. Graphs share one memory pool and never
+run concurrently (the engine steps under its lock).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from miles.core.logging import get_logger
+from miles.engines.kv_cache import RowPool
+from miles.models.decoder import CausalLM
+from miles.models.masks import cached_causal_mask
+
+log = get_logger("miles.engine.graphs")
+
+_MIN_READ = 256
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    inputs: torch.Tensor  # [2, B] int64: last token ids, fed positions (= cached lengths)
+    logits: torch.Tensor  # [B, V]
+    routed: torch.Tensor | None  # [B, 1, L_moe, k]
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+class DecodeGraphs:
+    def __init__(self, model: CausalLM, pool: RowPool, capture: bool = True) -> None:
+        self.model = model
+        self.pool = pool
+        self.rows = pool.k[0].shape[0]
+        self.scratch = pool.max_seq_len
+        # capture=False runs the same padded, bucketed forward eagerly (CPU tests of the layout)
+        self.capture = capture
+        self._graphs: dict[tuple[int, int, bool], _Graph] = {}
+        self._mempool: tuple[int, int] | None = None
+        self.failed = False  # a capture failed: the engine falls back to eager decode for good
+
+    def buckets(self, n: int, read: int) -> tuple[int, int]:
+        b = min(_pow2_at_least(n), self.rows)
+        r = min(max(_pow2_at_least(read), _MIN_READ), self.scratch + 1)
+        return b, r
+
+    def run(
+        self, ids: list[int], lens: list[int], want_routed: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Decode rows 0..n-1 (last token ids, cached lengths) -> (logits [n, V], routed [n, 1, L, k]).
+
+        The logits are the graph's static output, valid until the next replay; routed is a copy."""
+        n = len(ids)
+        b, r = self.buckets(n, max(lens) + 1)
+        host = torch.full((2, b), self.scratch, dtype=torch.long)
+        host[0] = 0
+        host[0, :n] = torch.tensor(ids)
+        host[1, :n] = torch.tensor(lens)
+        if not self.capture:
+            logits, routed = self._forward(host.to(self.pool.k[0].device), r, want_routed)
+            return logits[:n], None if routed is None else routed[:n]
+        key = (b, r, want_routed)
+        g = self._graphs.get(key)
+        if g is None:
+            g = self._graphs[key] = self._capture(b, r, want_routed)
+        g.inputs.copy_(host)
+        g.graph.replay()
+        return g.logits[:n], None if g.routed is None else g.routed[:n].clone()
+
+    def _forward(
+        self, inputs: torch.Tensor, read: int, want_routed: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        ids, lens = inputs[0][:, None], inputs[1]
+        pos = lens[:, None]
+        self.pool.bind(0, pos, read)
+        res = self.model(
+            ids,
+            pos,
+            attention_mask=cached_causal_mask(lens, 1, read),
+            kv_cache=self.pool,
+            return_routed_experts=want_routed,
+        )
+        assert res.logits is not None
+        return res.logits[:, 0], res.routed_experts
+
+    def _capture(self, b: int, read: int, want_routed: bool) -> _Graph:
+        dev = self.pool.k[0].device
+        inputs = torch.zeros(2, b, dtype=torch.long, device=dev)
+        inputs[1] = self.scratch  # every row writes the scratch column while warming up
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up outside the graph: lazy inits, autotuning, workspaces
+                self._forward(inputs, read, want_routed)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        if self._mempool is None:
+            self._mempool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
+            logits, routed = self._forward(inputs, read, want_routed)
+        log.info("decode_graph_captured", batch=b, read=read, routed=want_routed, graphs=len(self._graphs) + 1)
+        return _Graph(graph, inputs, logits, routed)
