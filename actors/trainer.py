@@ -14,10 +14,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from miles.actors.messages import DumpState, PullBatch, SetVersion
+from miles.actors.messages import DumpState, Health, PullBatch, SetVersion
 from miles.actors.runtime.actor import Actor
 from miles.actors.sync import WeightSync
-from miles.core.errors import TrainerError
+from miles.core.errors import MilesError, TrainerError
 from miles.core.logging import get_logger
 from miles.core.schema import MilesConfig
 from miles.models.config import ModelSpec
@@ -53,6 +53,11 @@ class TrainerActor(Actor):
         self.sink = sink
         self.error: BaseException | None = None
         self._task: asyncio.Task[None] | None = None
+        self._watch: asyncio.Task[None] | None = None
+        # Rank 0 keeps a host copy of the last pushed version: a restarted engine is caught up
+        # from it while training goes on (the live parameters may be mid-update in a step).
+        self._last_pushed: tuple[int, dict[str, Any]] | None = None
+        self._sync_lock = asyncio.Lock()
 
     async def on_start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="trainer-loop")
@@ -65,8 +70,46 @@ class TrainerActor(Actor):
         self.done.set()
 
     async def on_stop(self) -> None:
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
+        for t in (self._task, self._watch):
+            if t is not None and not t.done():
+                t.cancel()
+
+    async def _push(self, sync: WeightSync, version: int, state: Any) -> Any:
+        """Push a version to every engine, keeping a host copy for catch-ups."""
+        copy: dict[str, Any] = {}
+
+        def keep() -> Any:
+            for name, t in state:
+                copy[name] = t.detach().to("cpu", copy=True)
+                yield name, t
+
+        async with self._sync_lock:
+            rep = await sync.push(version, keep())
+        self._last_pushed = (version, copy)
+        return rep
+
+    async def _watch_engines(self, sync: WeightSync) -> None:
+        """Catch up any engine that serves an older version than the last push (e.g. restarted)."""
+        while True:
+            await asyncio.sleep(1.0)
+            if self._last_pushed is None:
+                continue
+            version, state = self._last_pushed
+            for name in self.engines:
+                try:
+                    h = await self.ref(name).ask(Health(), timeout=5)
+                except MilesError:
+                    continue  # dead or restarting: try again next round
+                if int(h.get("version", 0)) >= version:
+                    continue
+                async with self._sync_lock:
+                    if self._last_pushed[0] != version:
+                        break  # a newer push happened meanwhile; re-check next round
+                    try:
+                        await sync.catch_up(name, version, state.items())
+                        log.warning("engine_caught_up", engine=name, version=version)
+                    except MilesError as exc:
+                        log.warning("engine_catch_up_failed", engine=name, error=str(exc))
 
     async def _checkpoint(self, run_dir: Path, step: int) -> None:
         """Trainer state (every rank) + rollout state (rank 0), then an atomic `latest` pointer."""
@@ -84,6 +127,8 @@ class TrainerActor(Actor):
         cfg = self.cfg
         rollout = self.ref("rollout")
         sync = WeightSync(self.host, cfg.sync, self.engines) if self.rank == 0 else None
+        if sync is not None:
+            self._watch = asyncio.create_task(self._watch_engines(sync), name="engine-watch")
         run_dir = Path(cfg.run.dir)
         if self.resume_from:
             await asyncio.to_thread(self.trainer.load_checkpoint, Path(self.resume_from) / "trainer")
@@ -92,7 +137,7 @@ class TrainerActor(Actor):
             # Engines restart from the initial weights: bring them to the checkpoint's version.
             state = self.trainer.export_hf_state()
             if sync is not None:
-                await sync.push(self.trainer.weight_version, state)
+                await self._push(sync, self.trainer.weight_version, state)
                 await rollout.tell(SetVersion(self.trainer.weight_version))
             else:
                 for _ in state:
@@ -111,7 +156,7 @@ class TrainerActor(Actor):
             t_sync = time.perf_counter()
             state = self.trainer.export_hf_state()
             if sync is not None:
-                rep = await sync.push(new_version, state)
+                rep = await self._push(sync, new_version, state)
                 await rollout.tell(SetVersion(new_version))
                 metrics.update({"sync/seconds": rep.seconds, "sync/gbps": rep.gbps,
                                 "sync/dead_engines": float(len(rep.dead))})

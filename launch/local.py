@@ -41,6 +41,15 @@ class Child:
     started: float = field(default_factory=time.monotonic)
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the launcher dies, even by SIGKILL (no orphans)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 class LocalLauncher:
     def __init__(self, cfg: MilesConfig, max_restarts: int = 3, resume_from: str = "") -> None:
         self.cfg = cfg
@@ -53,7 +62,8 @@ class LocalLauncher:
     def _spawn(self, c: Child) -> None:
         log_f = c.log_path.open("ab")
         c.proc = subprocess.Popen(c.argv, stdout=log_f if c.role != "trainer" or c.index else None,
-                                  stderr=log_f, env=c.env, start_new_session=True)
+                                  stderr=log_f, env=c.env, start_new_session=True,
+                                  preexec_fn=_die_with_parent)
         c.started = time.monotonic()
         log.info("role_started", role=c.role, index=c.index, pid=c.proc.pid)
 

@@ -46,8 +46,30 @@ def wait(p: subprocess.Popen[bytes], timeout: float) -> int:
         raise
 
 
+def children(pid: int, needle: str = "") -> list[int]:
+    """PIDs of the direct children of `pid` whose command line contains `needle`."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if int(stat[1]) == pid and needle in cmd:
+            out.append(int(d.name))
+    return out
+
+
 def kill_tree(p: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
-    """Kill the launcher and every role it started (same session; nothing else shares it)."""
+    """Kill the launcher and every role process it started, all with `sig` at once."""
+    pids = children(p.pid) + [p.pid]
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
     try:
         os.killpg(p.pid, sig)
     except ProcessLookupError:

@@ -9,25 +9,18 @@ from pathlib import Path
 
 import pytest
 
-from .e2e_helpers import check_ledger, kill_tree, metrics, resume_run, start_run, wait, wait_for
+from .e2e_helpers import (
+    check_ledger,
+    children,
+    kill_tree,
+    metrics,
+    resume_run,
+    start_run,
+    wait,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
-
-
-def _children(pid: int, needle: str) -> list[int]:
-    """PIDs of the launcher's children whose command line contains `needle`."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if int(stat[1]) == pid and needle in cmd:
-            out.append(int(d.name))
-    return out
 
 
 def test_kill_9_whole_run_then_resume(tmp_path: Path) -> None:
@@ -53,7 +46,7 @@ def test_killed_engine_is_restarted_and_training_continues(tmp_path: Path) -> No
     p = start_run(run, cache, "--set", "run.steps=12")
     try:
         wait_for(lambda: len(metrics(run)) >= 3, 240, "step 3")
-        (engine,) = _children(p.pid, "miles.launch.role engine")
+        (engine,) = children(p.pid, "miles.launch.role engine")
         os.kill(engine, signal.SIGKILL)
         assert wait(p, 300) == 0, (tmp_path / "run.launcher.log").read_text()[-3000:]
     finally:
