@@ -106,7 +106,7 @@ class Stepper:
         if self.graphs is not None and not self.graphs.failed and seqs[0].row == 0:
             try:
                 return self.graphs.run([s.tokens[-1] for s in seqs], [s.kv_len for s in seqs], want)
-            except RuntimeError as exc:  # a capture the model cannot take: decode eagerly from now on
+            except Exception as exc:  # noqa: BLE001 - a capture the model cannot take: decode eagerly from now on
                 self.graphs.failed = True
                 log.warning("decode_graphs_disabled", error=f"{type(exc).__name__}: {exc}")
         dev = self.device
