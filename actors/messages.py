@@ -118,3 +118,12 @@ class SetVersion:
 @dataclass
 class DumpState:
     pass
+
+
+@message("rollout.RunEval")
+@dataclass
+class RunEval:
+    """Trainer rank 0 -> rollout (shared eval mode): drain, evaluate on the rollout engines, resume."""
+
+    step: int
+    version: int

@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from miles.actors.messages import DumpState, Generate, PullBatch, SetVersion
+from miles.actors.evaluator import Evaluator
+from miles.actors.messages import DumpState, Generate, PullBatch, RunEval, SetVersion
 from miles.actors.runtime.actor import Actor, handler
 from miles.core.hooks import resolve_hook
 from miles.core.logging import get_logger
@@ -53,6 +54,9 @@ class RolloutActor(Actor):
         self.cfg = cfg
         rc, bc = cfg.rollout, cfg.buffer
         self.env = load_env(cfg)
+        self.engines = list(engines)
+        self.tokenizer = tokenizer
+        self._eval_hold = False  # shared eval mode: no new generation while the engines evaluate
         self.mode = bc.mode
         self.buffer = RolloutBuffer.from_config(bc, rc.n_samples_per_prompt, prompt_source=self.env.prompts.next)
         if self.mode != "fully_async":
@@ -117,6 +121,8 @@ class RolloutActor(Actor):
         generating or waiting: a group's work is released with its first trajectory, so every
         trajectory of a group samples under the weights the group started with (or newer).
         """
+        if self._eval_hold:
+            return
         if self.mode == "fully_async":
             held, self._held = self._held, []
             for w in held:
@@ -222,6 +228,23 @@ class RolloutActor(Actor):
         self._held += started
         self._release()
         self._changed.set()
+
+    # ------------------------------------------------------------------ evaluation (shared mode)
+    @handler(RunEval)
+    async def run_eval(self, msg: RunEval) -> dict[str, float]:
+        """Stop starting new work, let in-flight trajectories finish, evaluate, resume."""
+        self._eval_hold = True
+        t0 = asyncio.get_running_loop().time()
+        try:
+            while self._tasks:
+                await asyncio.wait(list(self._tasks))
+            drained = asyncio.get_running_loop().time() - t0
+            m = await Evaluator(self.cfg, self.tokenizer).evaluate(self.host, self.engines)
+            m["eval/drain_s"] = drained
+            return m
+        finally:
+            self._eval_hold = False
+            self._changed.set()
 
     # ------------------------------------------------------------------ trainer side
     @handler(SetVersion)

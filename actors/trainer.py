@@ -8,13 +8,15 @@ drains the weight export (it is a collective over FSDP shards).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import time
 from pathlib import Path
 from typing import Any
 
-from miles.actors.messages import DumpState, Health, PullBatch, SetVersion
+from miles.actors.evaluator import Evaluator, run_external
+from miles.actors.messages import DumpState, Health, PullBatch, RunEval, SetVersion
 from miles.actors.runtime.actor import Actor
 from miles.actors.sync import WeightSync
 from miles.core.errors import MilesError, TrainerError
@@ -58,6 +60,10 @@ class TrainerActor(Actor):
         # from it while training goes on (the live parameters may be mid-update in a step).
         self._last_pushed: tuple[int, dict[str, Any]] | None = None
         self._sync_lock = asyncio.Lock()
+        self._eval_task: asyncio.Task[None] | None = None
+        self._eval_done: list[dict[str, Any]] = []
+        self.eval_skipped = 0
+        self._evaluator: Evaluator | None = None
 
     async def on_start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="trainer-loop")
@@ -123,6 +129,57 @@ class TrainerActor(Actor):
             _write_text(run_dir / "checkpoints" / "latest", ckpt.name)
             log.info("checkpoint_saved", step=step, path=str(ckpt))
 
+    # ------------------------------------------------------------------ evaluation
+    def _maybe_eval(self, step: int, version: int, run_dir: Path) -> None:
+        ec = self.cfg.eval
+        if ec.mode == "none" or step % ec.every_steps != 0:
+            return
+        if ec.mode == "external":  # a collective over FSDP shards: every rank exports
+            ckpt = run_dir / "eval" / f"step_{step:06d}"
+            self.trainer.export_hf_checkpoint(ckpt)
+        if self.rank != 0:
+            return
+        if self._eval_task is not None and not self._eval_task.done():
+            self.eval_skipped += 1  # the previous evaluation still runs: never queue up behind it
+            log.warning("eval_skipped", step=step, reason="previous evaluation still running")
+            return
+        self._eval_task = asyncio.create_task(self._run_eval(step, version, run_dir), name="eval")
+
+    async def _run_eval(self, step: int, version: int, run_dir: Path) -> None:
+        ec = self.cfg.eval
+        try:
+            if ec.mode == "shared":
+                m = await self.ref("rollout").ask(RunEval(step, version), timeout=ec.timeout_s)
+            elif ec.mode == "snapshot":
+                assert self._last_pushed is not None
+                _, state = self._last_pushed
+                snap = WeightSync(self.host, dataclasses.replace(self.cfg.sync, transport="zmq",
+                                                                 pause_mode="none"), ["eval-engine"])
+                await snap.push(version, state.items())
+                if self._evaluator is None:
+                    from miles.rollout.tokenizer import load_tokenizer
+
+                    self._evaluator = Evaluator(self.cfg, load_tokenizer(self.cfg.model.path))
+                m = await asyncio.wait_for(self._evaluator.evaluate(self.host, ["eval-engine"]), ec.timeout_s)
+            else:
+                m = await run_external(ec.command, str(run_dir / "eval" / f"step_{step:06d}"), step,
+                                       ec.timeout_s)
+        except (MilesError, TimeoutError, OSError) as exc:
+            log.error("eval_failed", step=step, mode=ec.mode, error=f"{type(exc).__name__}: {exc}")
+            m = {"eval/failed": 1.0}
+        m = {**m, "eval/step": float(step), "eval/version": float(version),
+             "eval/lag_steps": float(self.trainer.step - step)}
+        self._eval_done.append(m)
+        with (run_dir / "eval.jsonl").open("a") as f:
+            f.write(json.dumps({"step": step, **m}) + "\n")
+
+    def _eval_metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {"eval/skipped": float(self.eval_skipped)} if self.cfg.eval.mode != "none" else {}
+        if self._eval_done:
+            out.update(self._eval_done[-1])
+            self._eval_done.clear()
+        return out
+
     async def _loop(self) -> None:
         cfg = self.cfg
         rollout = self.ref("rollout")
@@ -166,8 +223,10 @@ class TrainerActor(Actor):
             if cfg.trainer.memory.offload_when_idle:
                 metrics["perf/offload_s"] = await asyncio.to_thread(self.trainer.offload)
             step = self.trainer.step
+            self._maybe_eval(step, new_version, run_dir)
             if self.rank == 0 and self.sink is not None:
                 rec = {"step": step, "version": new_version, **reply["metrics"], **metrics,
+                       **self._eval_metrics(),
                        "perf/step_time_s": time.perf_counter() - t0, "perf/wait_rollout_s": t_wait,
                        "perf/sync_s": time.perf_counter() - t_sync}
                 self.sink.write(rec)
@@ -181,6 +240,11 @@ class TrainerActor(Actor):
                     )
             if cfg.trainer.checkpoint_interval and step % cfg.trainer.checkpoint_interval == 0:
                 await self._checkpoint(run_dir, step)
+        if self._eval_task is not None and not self._eval_task.done():
+            try:  # let the last evaluation land in eval.jsonl
+                await asyncio.wait_for(asyncio.shield(self._eval_task), cfg.eval.timeout_s)
+            except TimeoutError:
+                log.warning("eval_abandoned_at_end")
         if self.rank == 0:
             state = await rollout.ask(DumpState(), timeout=cfg.transport.default_deadline_s)
             _write_json(run_dir / "ledger.json", state["buffer"]["ledger"])

@@ -84,6 +84,8 @@ class LocalLauncher:
         base = [sys.executable, "-m", "miles.launch.role"]
         roles = [("engine", i) for i in range(self.cfg.engine.num_engines)] + [("rollout", 0)] + [
             ("trainer", r) for r in range(self.cfg.trainer.world_size)]
+        if self.cfg.eval.mode == "snapshot":
+            roles.insert(0, ("eval_engine", 0))  # a dedicated engine that evaluates weight snapshots
         for role, i in roles:
             argv = [*base, role, "--config", str(cfg_path), "--index", str(i), "--directory", host.address]
             c = Child(role, i, argv, {**env, "RANK": str(i), "WORLD_SIZE": str(self.cfg.trainer.world_size)},

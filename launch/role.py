@@ -32,7 +32,7 @@ async def _wait_engines(host: Host, cfg: MilesConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="miles-role")
-    ap.add_argument("role", choices=["engine", "rollout", "trainer"])
+    ap.add_argument("role", choices=["engine", "eval_engine", "rollout", "trainer"])
     ap.add_argument("--config", required=True, help="resolved config JSON written by the launcher")
     ap.add_argument("--index", type=int, default=0, help="engine index or trainer rank")
     ap.add_argument("--directory", default=os.environ.get("MILES_DIRECTORY", ""))
@@ -48,12 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     code = {"rc": 0}
 
     async def setup(host: Host) -> None:
-        if a.role == "engine":
+        if a.role in ("engine", "eval_engine"):
             from miles.actors.engine import EngineActor
             from miles.engines.base import ENGINES
 
             engine = ENGINES.get(cfg.engine.type).from_config(cfg.engine, cfg.model)
-            await host.add(EngineActor(engine), f"engine-{a.index}")
+            name = "eval-engine" if a.role == "eval_engine" else f"engine-{a.index}"
+            await host.add(EngineActor(engine), name)
         elif a.role == "rollout":
             from miles.actors.rollout import RolloutActor
             from miles.rollout.tokenizer import load_tokenizer

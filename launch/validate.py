@@ -31,3 +31,8 @@ def validate_launch(cfg: MilesConfig) -> None:
     if cfg.trainer.true_on_policy and not getattr(cfg.engine, "batch_invariant", False):
         raise ConfigError("trainer.true_on_policy needs engine.batch_invariant = true: the engine must use "
                           "the same batch-invariant kernels for logprobs to match bit for bit")
+    if cfg.eval.mode == "external" and not cfg.eval.command:
+        raise ConfigError("eval.mode = 'external' needs eval.command, e.g. "
+                          "'python my_eval.py --model {checkpoint}'")
+    if cfg.eval.mode != "none" and cfg.eval.every_steps < 1:
+        raise ConfigError(f"eval.every_steps must be >= 1, got {cfg.eval.every_steps}")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from miles.core.config import section
 from miles.core.schema.buffer import BufferConfig
 from miles.core.schema.engine import EngineConfig
+from miles.core.schema.eval import EvalConfig
 from miles.core.schema.model import ModelConfig
 from miles.core.schema.rollout import RolloutConfig
 from miles.core.schema.run import RunConfig
@@ -31,3 +32,4 @@ class MilesConfig:
     buffer: BufferConfig = section(BufferConfig, "bounded buffer, staleness and orchestration mode")
     trainer: TrainerConfig = section(TrainerConfig, "trainer backend, losses, corrections, optimizer")
     sync: SyncConfig = section(SyncConfig, "weight handoff: transport, bucket size, deadlines")
+    eval: EvalConfig = section(EvalConfig, "evaluation during training: shared, snapshot or external")

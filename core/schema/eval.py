@@ -1,0 +1,29 @@
+"""Config section for evaluation during training."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from miles.core.config import opt
+
+
+@dataclass
+class EvalConfig:
+    mode: Literal["none", "shared", "snapshot", "external"] = opt(
+        "none",
+        "shared: pause new generation on the rollout engines, let in-flight requests finish, evaluate, "
+        "resume; snapshot: a dedicated eval engine gets a weight snapshot and evaluates alongside "
+        "training; external: export an HF checkpoint and run `command` on it",
+    )
+    every_steps: int = opt(20, "evaluate after every this many training steps", "steps")
+    num_prompts: int = opt(64, "prompts per evaluation (greedy, one sample each)", "prompts")
+    env_args: dict[str, Any] = opt(
+        {"seed": 1_000_003}, "make_env keyword arguments for the eval set (a seed disjoint from training)"
+    )
+    max_new_tokens: int = opt(32, "most tokens sampled per eval answer", "tokens")
+    command: str = opt(
+        "", "external mode: shell command run on each exported checkpoint; '{checkpoint}' and '{step}' "
+        "are substituted; a JSON object on its last stdout line becomes eval/external/* metrics"
+    )
+    timeout_s: float = opt(600.0, "an evaluation still running after this is abandoned and counted skipped", "s")
