@@ -33,8 +33,10 @@ from miles.launch.warmup import ensure_initial_checkpoint  # noqa: E402
 RUNS = [("sync", "sync", False), ("fully_async+admission", "fully_async", True)]
 
 
-def run(root: Path, name: str, mode: str, admission: bool, steps: int, device: str) -> dict[str, Any]:
+def run(root: Path, name: str, mode: str, admission: bool, steps: int, device: str, transport: str) -> dict[str, Any]:
     cfg = real_config(root / name, mode, admission, steps)
+    if transport:
+        cfg = dataclasses.replace(cfg, sync=dataclasses.replace(cfg.sync, transport=transport))
     eng_dev, tr_dev = ("cuda:1", "cuda") if device == "cuda" else ("cpu", "cpu")
     cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, device=eng_dev),
                               trainer=dataclasses.replace(cfg.trainer, device=tr_dev))
@@ -59,12 +61,16 @@ def main() -> None:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--out", default="disagg_async.json")
+    ap.add_argument("--transport", default="", help="sync.transport; default: broadcast on cuda (the zmq "
+                    "control wire refuses CUDA tensors), the config's own on cpu")
     a = ap.parse_args()
+    if not a.transport and a.device == "cuda":
+        a.transport = "broadcast"
     configure_logging("error", None, run="bench", role="launcher")
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="miles-disagg-") as tmp:
         for i, (name, mode, adm) in enumerate(RUNS):
-            out[name] = run(Path(tmp), f"run{i}", mode, adm, a.steps, a.device)
+            out[name] = run(Path(tmp), f"run{i}", mode, adm, a.steps, a.device, a.transport)
     ratio = out["fully_async+admission"]["tok_s"] / out["sync"]["tok_s"]
     note = ("few steps: fully_async's later steps draw on rollouts buffered while step 1 trained, so a short "
             "run overstates the steady-state ratio" if a.steps < 20 else "")
@@ -73,7 +79,7 @@ def main() -> None:
         print(f"{k:24s} {v['tok_s']:13.1f} {v['steps']:5d} {v['wall_s']:7.1f}")
     print(f"fully_async / sync throughput: {ratio:.2f}x")
     result = {"bench": "disagg_async", "device": a.device, "workload": "bench/async_vs_sync.py real part "
-              "(quick-start model, long-tailed lengths)", "runs": out, "ratio_async_vs_sync": round(ratio, 3), "note": note}
+              "(quick-start model, long-tailed lengths)", "sync_transport": a.transport or "config default", "runs": out, "ratio_async_vs_sync": round(ratio, 3), "note": note}
     Path(a.out).write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
 
