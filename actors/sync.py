@@ -64,11 +64,15 @@ def _advertise(host: Host, cfg: SyncConfig) -> str:
 class WeightSync:
     """Pushes weight versions to a set of engine actors over the configured bulk channel."""
 
-    def __init__(self, host: Host, cfg: SyncConfig, engines: list[str]) -> None:
+    def __init__(self, host: Host, cfg: SyncConfig, engines: list[str], device: str | torch.device = "cpu") -> None:
         self.host = host
         self.cfg = cfg
         self.engines = list(engines)
+        self.device = torch.device(device)
         self.sender: BulkSender = make_sender(cfg)
+        if hasattr(self.sender, "device"):
+            # The broadcast channel picks NCCL for a CUDA trainer, gloo for a CPU one.
+            self.sender.device = self.device
         if hasattr(self.sender, "advertise"):
             self.sender.advertise = _advertise(host, cfg)
         self._open_for: list[str] | None = None  # engines whose receivers are connected to the sender
@@ -130,9 +134,13 @@ class WeightSync:
             live = [n for n in live if n not in rep.dead]
             await self._open(live, rep.dead)
 
+            host_only = self.cfg.transport in ("zmq", "disk_delta", "ucx")
+
             def converted() -> Iterable[tuple[str, torch.Tensor]]:
                 for n, t in named:
                     t = t.to(dtype) if dtype is not None else t
+                    if host_only and t.device.type != "cpu":
+                        t = t.to("cpu")  # these channels carry host memory; GPU paths use NCCL/IPC
                     if verify:  # whole tensors, before any chunking, as the engine holds them
                         sums[n] = tensor_checksum(t)
                     yield n, t

@@ -183,7 +183,7 @@ class TrainerActor(Actor):
     async def _loop(self) -> None:
         cfg = self.cfg
         rollout = self.ref("rollout")
-        sync = WeightSync(self.host, cfg.sync, self.engines) if self.rank == 0 else None
+        sync = WeightSync(self.host, cfg.sync, self.engines, self.trainer.device) if self.rank == 0 else None
         if sync is not None:
             self._watch = asyncio.create_task(self._watch_engines(sync), name="engine-watch")
         run_dir = Path(cfg.run.dir)
