@@ -1,7 +1,9 @@
 """Engine actor: serves the engine contract (engines/base.py) over the wire.
 
 A thin shell: messages in, calls into an `Engine` out. Weight buckets arrive as
-zero-copy tensor frames and are cloned into the staging area by the engine.
+zero-copy tensor frames (or through a bulk receiver) and are copied once into the
+engine's staging area; a torch engine's stager is bound to its model so that commit
+swaps parameter storages instead of copying them again.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from miles.actors.runtime.actor import Actor, handler
 from miles.actors.sync_messages import BulkClose, BulkOpen, BulkRecv
 from miles.core.errors import EngineError, SyncError
 from miles.engines.base import Engine, GenerateRequest, GenerateResult, SamplingParams
-from miles.models.hf_io import hf_tensor_views
+from miles.engines.weights import WeightStager
+from miles.models.hf_io import hf_param_views, hf_tensor_views
 from miles.transport.bulk.base import BulkReceiver, LocalWeights, make_receiver
 from miles.transport.bulk.buckets import Reassembler
 
@@ -56,6 +59,9 @@ class EngineActor(Actor):
         self._reassembler = Reassembler()
         self._receiver: BulkReceiver | None = None
         self._live: dict[str, torch.Tensor] | None = None
+        stager, model = getattr(engine, "stager", None), getattr(engine, "model", None)
+        if isinstance(stager, WeightStager) and isinstance(model, torch.nn.Module) and hasattr(model, "spec"):
+            stager.bind_model(model, lambda n, t: hf_param_views(model.spec, n, t))
 
     async def on_stop(self) -> None:
         await self._close_receiver()
@@ -96,7 +102,10 @@ class EngineActor(Actor):
 
     @handler(Commit)
     async def commit(self, msg: Commit) -> None:
-        await self.engine.commit(msg.version)
+        try:
+            await self.engine.commit(msg.version)
+        finally:
+            self._live = None  # a swapping commit moves the live tensors
 
     @handler(AbortVersion)
     async def abort_version(self, msg: AbortVersion) -> None:

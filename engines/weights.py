@@ -1,25 +1,108 @@
 """Staged weight updates: collect HF-named tensors bucket by bucket, then swap them in at once.
 
 The staged copy lives beside the live weights, so the live model is never partially
-updated; `apply` copies every staged tensor in one go and is called by the engine
-between two forward passes.
+updated; `apply` installs every staged tensor in one go and is called by the engine
+between two forward passes. The staging area is allocated once and reused for every
+version, so receiving a tensor is exactly one copy into it. How `apply` installs:
+
+- bound to the model (`bind_model`, CPU weights): the staging area is a second set of
+  parameter tensors; `apply` swaps each parameter's storage with its staged twin
+  (no byte moves), and the next version stages into the previous live set.
+- otherwise (views only, or GPU weights whose pointers CUDA graphs captured): one
+  copy per tensor from the staging arena into the live views.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
 from miles.core.errors import EngineError
+
+# (parameter name, its full tensor) -> [(HF name, view into that tensor)]
+ViewFn = Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]]
+
+
+def _arena_views(live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One contiguous buffer per device/dtype holding a same-shaped slot for every live view."""
+    groups: dict[tuple[torch.device, torch.dtype], list[str]] = {}
+    for name, t in live.items():
+        groups.setdefault((t.device, t.dtype), []).append(name)
+    out: dict[str, torch.Tensor] = {}
+    for (dev, dt), names in groups.items():
+        buf = torch.empty(sum(live[n].numel() for n in names), dtype=dt, device=dev)
+        pos = 0
+        for n in names:
+            k = live[n].numel()
+            out[n] = buf[pos:pos + k].view(live[n].shape)
+            pos += k
+    return out
 
 
 class WeightStager:
     def __init__(self, views: dict[str, torch.Tensor]) -> None:
         self._views = views  # HF name -> live parameter view
         self.version: int | None = None
-        self._staged: dict[str, torch.Tensor] = {}
+        self._staged: set[str] = set()
+        self._slots: dict[str, torch.Tensor] | None = None  # HF name -> staging destination
+        self._params: list[tuple[str, torch.nn.Parameter]] | None = None  # set: commit swaps storages
+        self._shadow: dict[str, torch.Tensor] = {}  # parameter name -> its staged twin
+        self._view_fn: ViewFn | None = None
 
+    @property
+    def swaps(self) -> bool:
+        """True when commit swaps parameter storages instead of copying bytes."""
+        return self._params is not None
+
+    def bind_model(self, model: torch.nn.Module, view_fn: ViewFn) -> bool:
+        """Commit by swapping `model`'s parameter storages, when that is safe; returns whether.
+
+        `view_fn(param_name, tensor)` gives the HF views inside one parameter. Declined
+        (copying stays) for weights off the CPU (captured CUDA graphs hold the old
+        pointers) and when the HF views do not cover every byte of every parameter
+        (a swap would then bring back stale bytes).
+        """
+        if self.version is not None:
+            raise EngineError(f"bind_model: version {self.version} is staged; commit or abort it first")
+        params = list(model.named_parameters())
+        views: dict[str, torch.Tensor] = {}
+        for pname, p in params:
+            pv = view_fn(pname, p.data)
+            if p.device.type != "cpu" or sum(v.numel() for _, v in pv) != p.numel():
+                return False
+            views.update(pv)
+        if set(views) != set(self._views):
+            return False
+        self._params, self._view_fn = params, view_fn
+        self._views, self._slots, self._shadow = views, None, {}
+        return True
+
+    def live_views(self) -> dict[str, torch.Tensor]:
+        """HF name -> live view (changes identity at every swapping commit)."""
+        return self._views
+
+    def _ensure_slots(self) -> dict[str, torch.Tensor]:
+        if self._slots is None:
+            if self._params is not None and self._view_fn is not None:
+                if not self._shadow:
+                    self._shadow = {n: torch.empty_like(p.data) for n, p in self._params}
+                self._slots = {}
+                for n, t in self._shadow.items():
+                    self._slots.update(self._view_fn(n, t))
+            else:
+                self._slots = _arena_views(self._views)
+        return self._slots
+
+    def slot(self, name: str) -> torch.Tensor:
+        """The staging destination of HF tensor `name` (a receiver may write into it directly)."""
+        slots = self._ensure_slots()
+        dst = slots.get(name)
+        if dst is None:
+            raise EngineError(f"unknown tensor {name!r}")
+        return dst
+
+    @torch.no_grad()
     def stage(
         self, version: int, named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
     ) -> int:
@@ -27,10 +110,11 @@ class WeightStager:
             raise EngineError(
                 f"stage(version={version}): version {self.version} is still staged; commit or abort it first"
             )
+        slots = self._ensure_slots()
+        self.version = version
         items = named.items() if isinstance(named, Mapping) else named
-        batch: dict[str, torch.Tensor] = {}
         for name, t in items:
-            dst = self._views.get(name)
+            dst = slots.get(name)
             if dst is None:
                 raise EngineError(f"stage(version={version}): unknown tensor {name!r}")
             if tuple(t.shape) != tuple(dst.shape):
@@ -38,15 +122,15 @@ class WeightStager:
                     f"stage(version={version}): tensor {name!r} has shape {tuple(t.shape)}, "
                     f"engine expects {tuple(dst.shape)}"
                 )
-            batch[name] = t.detach().to(device=dst.device, dtype=dst.dtype, copy=True)
-        self.version = version
-        self._staged.update(batch)
+            if t.data_ptr() != dst.data_ptr():  # a receiver that wrote into the slot is done already
+                dst.copy_(t.detach())
+            self._staged.add(name)
         return len(self._staged)
 
     def check_complete(self, version: int) -> None:
         if self.version != version:
             raise EngineError(f"commit(version={version}): nothing staged for it (staged: {self.version})")
-        missing = sorted(set(self._views) - set(self._staged))
+        missing = sorted(set(self._views) - self._staged)
         if missing:
             more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
             raise EngineError(
@@ -55,10 +139,16 @@ class WeightStager:
 
     @torch.no_grad()
     def apply(self) -> None:
-        for name, t in self._staged.items():
-            self._views[name].copy_(t)
+        slots = self._ensure_slots()
+        if self._params is not None:
+            for pname, p in self._params:
+                p.data, self._shadow[pname] = self._shadow[pname], p.data
+            self._views, self._slots = slots, self._views  # the old live set stages the next version
+        else:
+            for name in self._staged:
+                self._views[name].copy_(slots[name])
         self.drop()
 
     def drop(self) -> None:
         self.version = None
-        self._staged = {}
+        self._staged = set()
