@@ -8,6 +8,7 @@ swaps parameter storages instead of copying them again.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import torch
@@ -28,11 +29,14 @@ from miles.actors.messages import (
 from miles.actors.runtime.actor import Actor, handler
 from miles.actors.sync_messages import BulkClose, BulkOpen, BulkRecv
 from miles.core.errors import EngineError, SyncError
+from miles.core.logging import get_logger
 from miles.engines.base import Engine, GenerateRequest, GenerateResult, SamplingParams
 from miles.engines.weights import WeightStager
 from miles.models.hf_io import hf_param_views, hf_tensor_views
 from miles.transport.bulk.base import BulkReceiver, LocalWeights, make_receiver
 from miles.transport.bulk.buckets import Reassembler
+
+log = get_logger("miles.engine_actor")
 
 
 def result_to_wire(r: GenerateResult) -> dict[str, Any]:
@@ -59,9 +63,11 @@ class EngineActor(Actor):
         self._reassembler = Reassembler()
         self._receiver: BulkReceiver | None = None
         self._live: dict[str, torch.Tensor] | None = None
+        self._pending: asyncio.Future[int] | None = None  # the bucket being staged in the background
         stager, model = getattr(engine, "stager", None), getattr(engine, "model", None)
-        if isinstance(stager, WeightStager) and isinstance(model, torch.nn.Module) and hasattr(model, "spec"):
-            stager.bind_model(model, lambda n, t: hf_param_views(model.spec, n, t))
+        self._stager = stager if isinstance(stager, WeightStager) else None
+        if self._stager is not None and isinstance(model, torch.nn.Module) and hasattr(model, "spec"):
+            self._stager.bind_model(model, lambda n, t: hf_param_views(model.spec, n, t))
 
     async def on_stop(self) -> None:
         await self._close_receiver()
@@ -98,11 +104,25 @@ class EngineActor(Actor):
             done = self._reassembler.add(name, t)  # tensors larger than a bucket arrive in chunks
             if done is not None:
                 whole.append(done)
-        return await self.engine.stage(msg.version, whole)
+        return await self._stage_behind(msg.version, whole)
+
+    async def _stage_behind(self, version: int, whole: list[tuple[str, torch.Tensor]]) -> int:
+        """Start staging one bucket and answer at once, so its copy overlaps the next bucket's
+        transfer. One bucket is in flight at most; its failure surfaces at the next bucket or
+        at commit (both abort the version). The tensors must stay valid until `_settle`."""
+        staged = await self._settle()
+        self._pending = asyncio.ensure_future(self.engine.stage(version, whole))
+        return staged + len(whole)
+
+    async def _settle(self) -> int:
+        """Wait for the bucket still being staged; re-raises its error."""
+        task, self._pending = self._pending, None
+        return 0 if task is None else await task
 
     @handler(Commit)
     async def commit(self, msg: Commit) -> None:
         try:
+            await self._settle()
             await self.engine.commit(msg.version)
         finally:
             self._live = None  # a swapping commit moves the live tensors
@@ -110,6 +130,10 @@ class EngineActor(Actor):
     @handler(AbortVersion)
     async def abort_version(self, msg: AbortVersion) -> None:
         self._reassembler = Reassembler()
+        try:
+            await self._settle()
+        except Exception as exc:  # noqa: BLE001 - the version is being dropped anyway
+            log.info("abort_version_staging_failed", version=msg.version, error=str(exc))
         await self.engine.abort_version(msg.version)
 
     @handler(EndSession, concurrency=16)
@@ -147,7 +171,8 @@ class EngineActor(Actor):
                 raise SyncError(f"engine {self.name!r} holds no tensor {name!r}")
             return t
 
-        return LocalWeights(int(self.engine.health()["version"]), get)
+        slot = self._stager.slot if self._stager is not None else None
+        return LocalWeights(int(self.engine.health()["version"]), get, slot)
 
     @handler(BulkOpen)
     async def bulk_open(self, msg: BulkOpen) -> None:
@@ -160,12 +185,13 @@ class EngineActor(Actor):
     async def bulk_recv(self, msg: BulkRecv) -> int:
         if self._receiver is None:
             raise SyncError(f"engine {self.name!r}: bucket of v{msg.version} arrived before BulkOpen")
+        await self._settle()  # the receiver may reuse the buffer the last bucket is staged from
         whole = []
         for name, t in await self._receiver.recv(msg.header, self._local()):
             done = self._reassembler.add(name, t)
             if done is not None:
                 whole.append(done)
-        return await self.engine.stage(msg.version, whole)
+        return await self._stage_behind(msg.version, whole)
 
     @handler(BulkClose)
     async def bulk_close(self, msg: BulkClose) -> None:

@@ -3,7 +3,8 @@
 One engine process (a real EngineActor over a tiny-architecture model) receives each
 update from this process (the trainer side). Every transport is compared with its raw
 channel moving the same bytes in the same bucket sizes, measured in this run:
-  zmq        PUSH of the bucket frames to a second process (PULL), acked at the end
+  zmq        PUSH of the bucket frames to a second process (PULL) that copies each into its
+             destination buffer (as any receiver must: zmq owns the frame memory), acked at the end
   broadcast  a bare gloo broadcast of the same buffers to a second process
   disk_delta write + read back of the full weights as files (what a naive disk sync moves)
 plus a host memcpy of the weights as the machine's limit. disk_delta sends a sparse
@@ -26,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import zmq
 
@@ -65,10 +67,17 @@ def zmq_sink(ready: str) -> None:
     pull, rep = ctx.socket(zmq.PULL), ctx.socket(zmq.REP)
     p1, p2 = pull.bind_to_random_port("tcp://127.0.0.1"), rep.bind_to_random_port("tcp://127.0.0.1")
     Path(ready).write_text(f"{p1} {p2}")
+    dest = np.empty(0, dtype=np.uint8)
     while True:
-        n = int(rep.recv())
-        for _ in range(n):
-            pull.recv(copy=False)
+        n, total = map(int, rep.recv().split())
+        if dest.size != total:
+            dest = np.empty(total, dtype=np.uint8)
+            dest.fill(0)  # touch the pages once, as an engine's long-lived weights are
+        pos = 0
+        for _ in range(n):  # the receiver's write into its destination is part of the channel
+            f = np.frombuffer(pull.recv(copy=False).buffer, dtype=np.uint8)
+            dest[pos:pos + f.size] = f
+            pos += f.size
         rep.send(b"ok")
 
 
@@ -112,7 +121,7 @@ def raw_zmq(ports: str, total: int, bucket: int, reps: int) -> float:
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
-        req.send(str(len(sizes)).encode())
+        req.send(f"{len(sizes)} {total}".encode())
         for b in bufs:
             push.send(b, copy=False)
         req.recv()
@@ -155,6 +164,14 @@ def raw_disk(root: Path, total: int, bucket: int, reps: int) -> float:
             (d / f"b{i}").read_bytes()
         best = min(best, time.perf_counter() - t0)
     return total / best / 1e9
+
+
+def raw_channel(transport: str, zports: str, disk: Path, total: int, bucket: int, reps: int) -> float:
+    if transport == "zmq":
+        return raw_zmq(zports, total, bucket, reps)
+    if transport == "broadcast":
+        return raw_gloo(total, bucket, reps)
+    return raw_disk(disk, total, bucket, reps)
 
 
 def memcpy_gbps(total: int) -> float:
@@ -206,6 +223,7 @@ def main() -> None:
     ap.add_argument("--zmq-sink")
     ap.add_argument("--gloo-sink", nargs=4, type=int)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--transports", default="zmq,broadcast,disk_delta", help="comma-separated subset")
     a = ap.parse_args()
     if a.serve_engine:
         return serve_engine(int(a.serve_engine[0]), int(a.serve_engine[1]), a.serve_engine[2])
@@ -213,6 +231,10 @@ def main() -> None:
         return zmq_sink(a.zmq_sink)
     if a.gloo_sink:
         return gloo_sink(*a.gloo_sink)
+    transports = [t for t in a.transports.split(",") if t]
+    unknown = set(transports) - {"zmq", "broadcast", "disk_delta"}
+    if unknown:
+        ap.error(f"unknown transport(s) {sorted(unknown)}; valid: zmq, broadcast, disk_delta")
     sizes = [(256, 2)] if a.quick else [(256, 2), (512, 4)]
     bucket_mibs = [4] if a.quick else [4, 16]
     reps = 3
@@ -229,10 +251,9 @@ def main() -> None:
                 try:
                     mem = memcpy_gbps(total)
                     for mib in bucket_mibs:
-                        raw = {"zmq": raw_zmq(zports, total, mib << 20, reps),
-                               "broadcast": raw_gloo(total, mib << 20, reps),
-                               "disk_delta": raw_disk(root / f"raw-{hidden}-{mib}", total, mib << 20, reps)}
-                        for tr in ("zmq", "broadcast", "disk_delta"):
+                        raw = {tr: raw_channel(tr, zports, root / f"raw-{hidden}-{mib}", total, mib << 20, reps)
+                               for tr in transports}
+                        for tr in transports:
                             got = asyncio.run(miles_update(directory, model, tr, mib, reps, root))
                             ratio = got / raw[tr]
                             rows.append((total / 2**20, mib, tr, got, raw[tr], ratio, mem))

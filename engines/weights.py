@@ -75,8 +75,32 @@ class WeightStager:
         if set(views) != set(self._views):
             return False
         self._params, self._view_fn = params, view_fn
-        self._views, self._slots, self._shadow = views, None, {}
+        self._shadow = self._pack_contiguous(params)
+        self._views, self._slots = {}, None
+        for pname, p in params:
+            self._views.update(view_fn(pname, p.data))
         return True
+
+    @staticmethod
+    @torch.no_grad()
+    def _pack_contiguous(params: list[tuple[str, torch.nn.Parameter]]) -> dict[str, torch.Tensor]:
+        """Move the live parameters into one flat buffer and give them a twin buffer, both in
+        parameter order, so a bucket of consecutive tensors is one contiguous staging region
+        a receiver can fill in a single write. Mixed dtypes keep separate allocations."""
+        if len({p.dtype for _, p in params}) != 1:
+            return {n: torch.empty_like(p.data) for n, p in params}
+        total = sum(p.numel() for _, p in params)
+        live = torch.empty(total, dtype=params[0][1].dtype)
+        twin = torch.empty_like(live)
+        shadow, pos = {}, 0
+        for n, p in params:
+            k = p.numel()
+            dst = live[pos:pos + k].view(p.shape)
+            dst.copy_(p.data)
+            p.data = dst
+            shadow[n] = twin[pos:pos + k].view(p.shape)
+            pos += k
+        return shadow
 
     def live_views(self) -> dict[str, torch.Tensor]:
         """HF name -> live view (changes identity at every swapping commit)."""

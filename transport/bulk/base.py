@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from miles.core.errors import SyncError
+from miles.core.errors import MilesError, SyncError
 from miles.core.hooks import Registry
 from miles.core.schema.sync import SyncConfig
 from miles.transport.bulk.buckets import Bucket
@@ -42,10 +42,38 @@ RECEIVERS = Registry("sync.transport", {
 
 @dataclass
 class LocalWeights:
-    """What a receiving engine holds now: its live version and its tensors by HF name."""
+    """What a receiving engine holds now: its live version and its tensors by HF name.
+
+    `slot`, when the engine offers it, gives the staging destination of an HF tensor: a
+    receiver may write a bucket straight into it and return the slots themselves (the
+    engine then stages them without another copy).
+    """
 
     version: int
     get: Callable[[str], torch.Tensor]
+    slot: Callable[[str], torch.Tensor] | None = None
+
+
+def slot_region(lay: Layout, local: LocalWeights, device: torch.device) -> torch.Tensor | None:
+    """A uint8 view of staging memory laid out exactly as bucket `lay` (so the bucket can be
+    written there in one go), or None when the engine's slots are not arranged that way."""
+    if local.slot is None or not lay.names:
+        return None
+    try:
+        slots = [local.slot(n) for n in lay.names]
+    except MilesError:
+        return None  # e.g. a chunk of a larger tensor: not a slot of its own
+    first = slots[0]
+    if first.device != device:
+        return None
+    base = first.data_ptr()
+    for s, dt, shape, off in zip(slots, lay.dtypes, lay.shapes, lay.offsets, strict=True):
+        if (str(s.dtype).removeprefix("torch.") != dt or list(s.shape) != shape or not s.is_contiguous()
+                or s.data_ptr() != base + off or s.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
+            return None
+    region = torch.empty(0, dtype=torch.uint8, device=device)
+    region.set_(first.untyped_storage(), first.storage_offset() * first.element_size(), (lay.nbytes,))
+    return region
 
 
 @dataclass

@@ -22,6 +22,7 @@ from miles.transport.bulk.base import (
     Layout,
     LocalWeights,
     pack_into,
+    slot_region,
     unpack,
 )
 from miles.transport.bulk.buckets import Bucket
@@ -150,13 +151,21 @@ class BroadcastReceiver(BulkReceiver):
         if self._pg is None:
             raise SyncError("broadcast: recv before open")
         lay = Layout.from_wire(header["layout"])
-        if lay.nbytes > self._buf.numel():
-            self._buf = torch.empty(lay.nbytes, dtype=torch.uint8, device=self._buf.device)
-        view = self._buf[: lay.nbytes]
+        # Straight into the engine's staging slots when the bucket lies there contiguously
+        # (no copy after the collective); else into the bucket buffer, copied when staged.
+        region = slot_region(lay, local, self._buf.device)
+        direct = region is not None
+        if region is None:
+            if lay.nbytes > self._buf.numel():
+                self._buf = torch.empty(lay.nbytes, dtype=torch.uint8, device=self._buf.device)
+            region = self._buf[: lay.nbytes]
+        view = region
         try:
             await asyncio.to_thread(lambda: self._pg.broadcast(view, 0).wait())
         except RuntimeError as exc:
             raise SyncError(f"broadcast receive of {lay.nbytes} bytes failed: {exc}") from exc
+        if direct and local.slot is not None:
+            return [(n, local.slot(n)) for n in lay.names]
         return unpack(lay, self._buf)
 
     async def close(self) -> None:
