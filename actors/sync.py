@@ -70,7 +70,7 @@ class WeightSync:
         self.engines = list(engines)
         self.device = torch.device(device)
         self.sender: BulkSender = make_sender(cfg)
-        if hasattr(self.sender, "device"):
+        if cfg.transport == "broadcast":
             # The broadcast channel picks NCCL for a CUDA trainer, gloo for a CPU one.
             self.sender.device = self.device
         if hasattr(self.sender, "advertise"):
