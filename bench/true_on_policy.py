@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from miles.core.schema.engine import EngineConfig
 from miles.core.schema.trainer import TrainerConfig
 from miles.engines.torch_engine import TorchEngine
@@ -28,15 +30,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "recipes"
 from rl_loop import prompts, rollout, sync, to_batch  # noqa: E402
 
 
-async def _one(spec: ModelSpec, invariant: bool, device: str, n_prompts: int) -> dict[str, float]:
+async def _one(spec: ModelSpec, invariant: bool, device: str, n_prompts: int,
+               dtype: str = "float32") -> dict[str, float]:
     cfg = TrainerConfig()
     cfg.device = device  # type: ignore[assignment]
-    cfg.param_dtype = "float32"
+    # bfloat16: the trainer computes in bf16 from fp32 masters; the engine holds the same
+    # bf16-rounded weights (the sync casts), so equal kernels must give equal logprobs.
+    cfg.param_dtype = dtype  # type: ignore[assignment]
     cfg.micro_batch_tokens = 512
     cfg.optim.lr = 1e-4
     cfg.true_on_policy = invariant
     trainer = FSDPTrainer(cfg, spec, 0, 1, seed=1)
-    model = build_model(spec, seed=1).to(device)
+    model = build_model(spec, dtype=getattr(torch, dtype), seed=1).to(device)
     engine = TorchEngine(
         model, EngineConfig(max_batch_size=16, device=device), batch_invariant=invariant
     )
@@ -65,6 +70,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
     spec = ModelSpec.from_hf(
         tiny_config("qwen3", vocab_size=512, hidden_size=128, num_hidden_layers=2)
@@ -72,7 +78,7 @@ def main() -> None:
     runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
     for _ in range(args.repeats):
         for inv in (False, True):
-            runs[inv].append(asyncio.run(_one(spec, inv, args.device, args.prompts)))
+            runs[inv].append(asyncio.run(_one(spec, inv, args.device, args.prompts, args.dtype)))
     med = {inv: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for inv, rs in runs.items()}
     print(f"{'mode':<16}{'gen tok/s':>12}{'train step s':>14}{'max |dlogp|':>14}")
     for inv, name in ((False, "default"), (True, "true on-policy")):
@@ -82,6 +88,7 @@ def main() -> None:
         )
     out = {
         "device": args.device,
+        "dtype": args.dtype,
         "gen_throughput_ratio": med[True]["gen_tokens_per_s"] / med[False]["gen_tokens_per_s"],
         "train_time_ratio": med[True]["train_step_s"] / med[False]["train_step_s"],
         "max_abs_diff_default": med[False]["max_abs_diff"],
