@@ -88,11 +88,14 @@ def iter_hf_state(model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
         yield from views.items()
 
 
-def export_hf(path: str | Path, model: CausalLM) -> None:
-    """Write an HF checkpoint (config.json + safetensors) of the current weights from rank 0."""
+def export_hf(path: str | Path, model: CausalLM, state: Any = None) -> None:
+    """Write an HF checkpoint (config.json + safetensors) from rank 0; every rank must call.
+
+    `state` is the (HF name, full tensor) stream to write; default: the model's own weights.
+    """
     rank = dist.get_rank()
     plain = build_model(model.spec, dtype=torch.float32) if rank == 0 else None
-    named = ((k, v.to("cpu")) for k, v in iter_hf_state(model))
+    named = ((k, v.to("cpu")) for k, v in (state if state is not None else iter_hf_state(model)))
     if plain is not None:
         load_hf_tensors(plain, named)
         save_model(plain, path)

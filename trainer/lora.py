@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import parametrize
@@ -23,9 +22,8 @@ from torch.nn.utils import parametrize
 from miles.core.errors import ConfigError
 from miles.core.schema.trainer import LoraConfig
 from miles.models.decoder import CausalLM
-from miles.models.hf_io import hf_tensor_views, load_hf_tensors, save_model
+from miles.models.hf_io import hf_tensor_views
 from miles.models.lora import merge_weight
-from miles.models.registry import build_model
 from miles.trainer.checkpoint import _OneParam
 
 _ORIG = ".parametrizations.weight.original"
@@ -94,13 +92,6 @@ def iter_merged_hf_state(model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
 
 def export_merged(path: str | Path, model: CausalLM) -> None:
     """An HF checkpoint of the merged weights, written by rank 0 (every rank must call)."""
-    rank = dist.get_rank()
-    plain = build_model(model.spec, dtype=torch.float32) if rank == 0 else None
-    named = ((k, v.to("cpu")) for k, v in iter_merged_hf_state(model))
-    if plain is not None:
-        load_hf_tensors(plain, named)
-        save_model(plain, path)
-    else:
-        for _ in named:
-            pass
-    dist.barrier()
+    from miles.trainer.checkpoint import export_hf
+
+    export_hf(path, model, iter_merged_hf_state(model))

@@ -8,18 +8,19 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any
 
 from miles.core.errors import ConfigError
-from miles.rollout.envs.base import Environment
+from miles.rollout.envs.base import Environment, SeededPrompts
 from miles.rollout.layers import Prompt
 from miles.rollout.rewards import exact_answer
 from miles.rollout.types import Sample
 
 
 @dataclass
-class ArithmeticPrompts:
+class ArithmeticPrompts(SeededPrompts):
     """Deterministic, endless 'a+b=' prompts; `state()`/`load_state()` give the data position."""
+
+    env_name = "arithmetic"
 
     seed: int = 0
     max_operand: int = 9
@@ -42,18 +43,6 @@ class ArithmeticPrompts:
         return {"id": f"arith-{self.seed}-{i}", "index": i, "question": q, "answer": str(ans),
                 "messages": [{"role": "user", "content": q}]}
 
-    def next(self) -> Prompt:
-        p = self.item(self.position)
-        self.position += 1
-        return p
-
-    def state(self) -> dict[str, Any]:
-        return {"seed": self.seed, "position": self.position}
-
-    def load_state(self, state: dict[str, Any]) -> None:
-        if state.get("seed") != self.seed:
-            raise ConfigError(f"arithmetic env: checkpoint seed {state.get('seed')!r} != configured {self.seed}")
-        self.position = int(state["position"])
 
 
 def reward(prompt: Prompt, sample: Sample) -> float:

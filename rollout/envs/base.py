@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -24,3 +25,36 @@ class Environment:
     reward: RewardFn
     agent: str  # import path of the agent layer this env is meant to run with
     tools: list[dict[str, Any]] | None = None
+
+
+class SeededPrompts(abc.ABC):
+    """Mixin for deterministic, endless prompt sources: `item(i)` is a pure function of (seed, i).
+
+    The data position is the only state, so `state()`/`load_state()` resume exactly.
+    Subclasses are dataclasses with `seed` and `position` fields and an `item(i)` method.
+    """
+
+    seed: int
+    position: int
+    env_name = "env"
+
+    @abc.abstractmethod
+    def item(self, i: int) -> Prompt:
+        """The i-th prompt: a pure function of (seed, i)."""
+
+    def next(self) -> Prompt:
+        p = self.item(self.position)
+        self.position += 1
+        return p
+
+    def state(self) -> dict[str, Any]:
+        return {"seed": self.seed, "position": self.position}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        from miles.core.errors import ConfigError
+
+        if state.get("seed") != self.seed:
+            raise ConfigError(f"{self.env_name} env: checkpoint seed {state.get('seed')!r} "
+                              f"!= configured {self.seed}")
+        self.position = int(state["position"])
+

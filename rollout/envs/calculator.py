@@ -15,8 +15,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from miles.core.errors import ConfigError
-from miles.rollout.envs.base import Environment
+from miles.rollout.envs.base import Environment, SeededPrompts
 from miles.rollout.layers import AgentContext, Prompt
 from miles.rollout.rewards import last_number_reward
 
@@ -83,7 +82,8 @@ async def calculator_agent(ctx: AgentContext) -> dict[str, Any]:
 
 
 @dataclass
-class CalculatorPrompts:
+class CalculatorPrompts(SeededPrompts):
+    env_name = "calculator"
     seed: int = 0
     max_operand: int = 99
     position: int = 0
@@ -96,18 +96,6 @@ class CalculatorPrompts:
         return {"id": f"calc-{self.seed}-{i}", "index": i, "answer": str(a * b + c),
                 "messages": [{"role": "user", "content": q}]}
 
-    def next(self) -> Prompt:
-        p = self.item(self.position)
-        self.position += 1
-        return p
-
-    def state(self) -> dict[str, Any]:
-        return {"seed": self.seed, "position": self.position}
-
-    def load_state(self, state: dict[str, Any]) -> None:
-        if state.get("seed") != self.seed:
-            raise ConfigError(f"calculator env: checkpoint seed {state.get('seed')!r} != configured {self.seed}")
-        self.position = int(state["position"])
 
 
 def make_env(seed: int = 0, max_operand: int = 99) -> Environment:
