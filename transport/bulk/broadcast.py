@@ -21,7 +21,6 @@ from miles.transport.bulk.base import (
     BulkSender,
     Layout,
     LocalWeights,
-    pack_into,
     slot_region,
     unpack,
 )
@@ -57,6 +56,51 @@ def _shutdown(pg: Any) -> None:
         log.warning("broadcast_group_shutdown_failed", error=str(exc))
 
 
+# A run of tensors adjacent in the trainer's memory at least this large is broadcast from
+# there (no pack copy); smaller ones are packed into one buffer to save collectives.
+DIRECT_MIN_BYTES = 1 << 20
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _runs(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """[start, end) index runs of contiguous tensors lying back to back in one storage."""
+    runs: list[tuple[int, int]] = []
+    for i, t in enumerate(tensors):
+        if runs and t.is_contiguous() and _adjacent(tensors[i - 1], t):
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+def _adjacent(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.is_contiguous() and a.dtype == b.dtype and a.device == b.device
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and a.data_ptr() + a.numel() * a.element_size() == b.data_ptr())
+
+
+def _run_bytes(tensors: list[torch.Tensor], run: tuple[int, int]) -> int:
+    return sum(tensors[i].numel() * tensors[i].element_size() for i in range(*run))
+
+
+def _run_view(tensors: list[torch.Tensor], run: tuple[int, int]) -> torch.Tensor:
+    """The bytes of a run as one uint8 tensor over the trainer's memory (one tensor: itself)."""
+    first = tensors[run[0]]
+    if run[1] - run[0] == 1:
+        return _bytes(first)
+    out = torch.empty(0, dtype=torch.uint8, device=first.device)
+    out.set_(first.untyped_storage(), first.storage_offset() * first.element_size(), (_run_bytes(tensors, run),))
+    return out
+
+
+def _broadcast_all(pg: Any, bufs: list[torch.Tensor]) -> None:
+    for b in bufs:
+        pg.broadcast(b, 0).wait()
+
+
 class BroadcastSender(BulkSender):
     tag = "broadcast"
 
@@ -68,6 +112,7 @@ class BroadcastSender(BulkSender):
         self._pending: asyncio.Future[Any] | None = None
         self._buf: torch.Tensor | None = None
         self._lay: Layout | None = None
+        self._sends: list[torch.Tensor] = []
         self.device = torch.device("cpu")
 
     async def open(self, peers: list[str]) -> list[dict[str, Any]]:
@@ -101,18 +146,31 @@ class BroadcastSender(BulkSender):
                 raise SyncError(f"broadcast group setup failed: {exc}") from exc
 
     def prepare(self, version: int, seq: int, bucket: Bucket) -> dict[str, Any]:
-        if self._buf is None or self._buf.numel() < bucket.nbytes:
-            self._buf = torch.empty(max(self.bucket_bytes, bucket.nbytes), dtype=torch.uint8, device=self.device)
-        self._lay = pack_into(bucket, self._buf)
-        return {"layout": self._lay.to_wire()}
+        self._lay = Layout.of(bucket)
+        runs = _runs(bucket.tensors)
+        # Large runs go straight from the trainer's memory; only the small rest is packed.
+        direct = [r for r in runs if _run_bytes(bucket.tensors, r) >= DIRECT_MIN_BYTES]
+        packed = [i for r in runs if r not in direct for i in range(*r)]
+        need = sum(bucket.tensors[i].numel() * bucket.tensors[i].element_size() for i in packed)
+        if self._buf is None or self._buf.numel() < need:
+            self._buf = torch.empty(max(self.bucket_bytes, need), dtype=torch.uint8, device=self.device)
+        pos = 0
+        for i in packed:
+            b = _bytes(bucket.tensors[i])
+            self._buf[pos:pos + b.numel()].copy_(b)
+            pos += b.numel()
+        self._sends = [_run_view(bucket.tensors, r) for r in direct]
+        if packed:
+            self._sends.append(self._buf[:pos])
+        return {"layout": self._lay.to_wire(), "direct": [list(r) for r in direct], "packed": packed}
 
     async def transmit(self) -> None:
         await self.connected()
-        if self._pg is None or self._lay is None or self._buf is None:
+        if self._pg is None or self._lay is None:
             raise SyncError("broadcast: transmit before open/prepare")
-        view = self._buf[: self._lay.nbytes]
+        sends, self._sends = self._sends, []
         try:
-            await asyncio.to_thread(lambda: self._pg.broadcast(view, 0).wait())
+            await asyncio.to_thread(_broadcast_all, self._pg, sends)
         except RuntimeError as exc:
             raise SyncError(f"broadcast of {self._lay.nbytes} bytes failed: {exc}") from exc
 
@@ -151,20 +209,38 @@ class BroadcastReceiver(BulkReceiver):
         if self._pg is None:
             raise SyncError("broadcast: recv before open")
         lay = Layout.from_wire(header["layout"])
+        try:
+            direct = [(int(a), int(b)) for a, b in header["direct"]]
+            packed = [int(i) for i in header["packed"]]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SyncError(f"broadcast bucket header is malformed: {exc}") from exc
+        if sorted([i for a, b in direct for i in range(a, b)] + packed) != list(range(len(lay.names))):
+            raise SyncError(f"broadcast bucket header: direct runs {direct} and packed {packed} "
+                            f"do not cover its {len(lay.names)} tensors once each")
         # Straight into the engine's staging slots when the bucket lies there contiguously
         # (no copy after the collective); else into the bucket buffer, copied when staged.
         region = slot_region(lay, local, self._buf.device)
-        direct = region is not None
         if region is None:
             if lay.nbytes > self._buf.numel():
                 self._buf = torch.empty(lay.nbytes, dtype=torch.uint8, device=self._buf.device)
             region = self._buf[: lay.nbytes]
-        view = region
+        ends = [*lay.offsets[1:], lay.nbytes]
+        recvs = [region[lay.offsets[a]:ends[b - 1]] for a, b in direct]
+        small = sum(ends[i] - lay.offsets[i] for i in packed)
+        tmp = torch.empty(small, dtype=torch.uint8, device=region.device) if packed else None
+        if tmp is not None:
+            recvs.append(tmp)
         try:
-            await asyncio.to_thread(lambda: self._pg.broadcast(view, 0).wait())
+            await asyncio.to_thread(_broadcast_all, self._pg, recvs)
         except RuntimeError as exc:
             raise SyncError(f"broadcast receive of {lay.nbytes} bytes failed: {exc}") from exc
-        if direct and local.slot is not None:
+        if tmp is not None:
+            pos = 0
+            for i in packed:
+                n = ends[i] - lay.offsets[i]
+                region[lay.offsets[i]:ends[i]].copy_(tmp[pos:pos + n])
+                pos += n
+        if region.data_ptr() != self._buf.data_ptr() and local.slot is not None:
             return [(n, local.slot(n)) for n in lay.names]
         return unpack(lay, self._buf)
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from miles.core.errors import SyncError
+from miles.core.errors import MilesError, SyncError
 from miles.core.logging import get_logger
 from miles.core.schema.sync import SyncConfig
 from miles.transport.bulk.base import BulkReceiver, BulkSender, LocalWeights
@@ -44,6 +44,19 @@ def _base_slice(name: str, bucket_bytes: int, local: LocalWeights) -> tuple[str,
     return base_name, whole[idx * per:(idx + 1) * per]
 
 
+def _slot(entry: dict[str, Any], local: LocalWeights) -> torch.Tensor | None:
+    """The engine's staging slot for a whole-tensor entry of matching dtype and shape."""
+    if local.slot is None or CHUNK_SEP in entry["name"]:
+        return None
+    try:
+        s = local.slot(entry["name"])
+    except MilesError:
+        return None
+    ok = (str(s.dtype).removeprefix("torch.") == entry["dtype"] and list(s.shape) == list(entry["shape"])
+          and s.is_contiguous() and s.device.type == "cpu")
+    return s if ok else None
+
+
 class DiskDeltaSender(BulkSender):
     tag = "disk_delta"
     streaming = False
@@ -54,6 +67,7 @@ class DiskDeltaSender(BulkSender):
             raise SyncError("disk_delta needs sync.delta_dir (a directory every engine can read)")
         self.root = Path(cfg.delta_dir)
         self.compressor = pick_compressor(cfg.delta_compression)
+        self.sample_gate = cfg.delta_compression == "auto"
         self.base_version: int | None = None
         self._last: dict[str, torch.Tensor] = {}  # bytes of the last committed version, by entry name
         self._next: dict[str, torch.Tensor] = {}
@@ -97,7 +111,7 @@ class DiskDeltaSender(BulkSender):
                 new = as_bytes(t.to("cpu"))
                 old = self._last.get(name)
                 enc, payload = encode(new, old if old is not None and old.numel() == new.numel() else None,
-                                      self.compressor)
+                                      self.compressor, self.sample_gate)
                 f.write(payload)
                 entries.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."),
                                 "shape": list(t.shape), "encoding": enc, "offset": pos,
@@ -182,8 +196,11 @@ class DiskDeltaReceiver(BulkReceiver):
             old = _base_slice(e["name"], self.bucket_bytes, local)[1] if base is not None else None
             if e["offset"] + e["length"] > len(blob):
                 raise SyncError(f"{where}: entry runs past the end of {path.name}")
-            new = decode(e["encoding"], blob[e["offset"]:e["offset"] + e["length"]], old, e["nbytes"], where)
+            slot = _slot(e, local)  # patch straight into the engine's staging slot when it offers one
+            new = decode(e["encoding"], blob[e["offset"]:e["offset"] + e["length"]], old, e["nbytes"], where,
+                         None if slot is None else as_bytes(slot))
             if digest(new) != e["xxh64"]:
                 raise SyncError(f"{where}: checksum mismatch after patching (corrupt delta); refused")
-            out.append((e["name"], new.view(getattr(torch, e["dtype"])).reshape(e["shape"])))
+            out.append((e["name"], slot if slot is not None else
+                        new.view(getattr(torch, e["dtype"])).reshape(e["shape"])))
         return out
