@@ -26,8 +26,10 @@ else
   FS_ARGS=""
   DA_STEPS=3
 fi
+PARTS="${PARTS:-weight_sync fsdp disagg}"  # e.g. PARTS="disagg tests" to re-run only those
 step() {  # step NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
+  case " $PARTS " in *" $name "*) ;; *) return 0 ;; esac
   echo "== $name ($(date +%T))" | tee -a "$OUT/run_all.log"
   timeout "$secs" "$@" >> "$OUT/run_all.log" 2>&1
   local rc=$?
@@ -39,4 +41,5 @@ step weight_sync 80 $PY bench/multi_gpu/weight_sync_nccl.py --device "$DEVICE" $
 # shellcheck disable=SC2086
 step fsdp 120 $PY bench/multi_gpu/fsdp_2gpu.py --device "$DEVICE" $FS_ARGS --out "$WORK/fsdp.json"
 step disagg 80 $PY bench/multi_gpu/disagg_async.py --device "$DEVICE" --steps "$DA_STEPS" --out "$WORK/disagg.json"
+step tests 120 $PY -m pytest -q -p no:cacheprovider --import-mode=importlib tests/multigpu tests/sync/test_sync_optional.py
 exit 0
