@@ -52,6 +52,11 @@ def main(argv: list[str] | None = None) -> int:
             from miles.actors.engine import EngineActor
             from miles.engines.base import ENGINES
 
+            if cfg.engine.device.startswith("cuda:"):
+                import torch
+
+                # NCCL groups (broadcast weight sync) use the current device: make it the engine's.
+                torch.cuda.set_device(cfg.engine.device)
             engine = ENGINES.get(cfg.engine.type).from_config(cfg.engine, cfg.model)
             name = "eval-engine" if a.role == "eval_engine" else f"engine-{a.index}"
             await host.add(EngineActor(engine), name)
