@@ -114,3 +114,30 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     async def close(self) -> None: ...
+
+
+class RequestTotals:
+    """Counters every engine keeps for `stats()`: prompt, cached and generated tokens, requests.
+
+    `snapshot()` also gives the generation rate since the previous snapshot.
+    """
+
+    def __init__(self) -> None:
+        import time
+
+        self._clock = time.monotonic
+        self.prompt = self.cached = self.generated = self.requests = 0
+        self._mark = (self._clock(), 0)
+
+    def snapshot(self) -> dict[str, float]:
+        now = self._clock()
+        t0, g0 = self._mark
+        self._mark = (now, self.generated)
+        return {
+            "tokens_per_s": (self.generated - g0) / max(now - t0, 1e-9),
+            "prefix_hit_rate": self.cached / self.prompt if self.prompt else 0.0,
+            "prompt_tokens": self.prompt,
+            "prefix_cached_tokens": self.cached,
+            "generated_tokens": self.generated,
+            "requests": self.requests,
+        }

@@ -30,7 +30,6 @@ import asyncio
 import json
 import shutil
 import tempfile
-import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,7 @@ from miles.core.errors import EngineError
 from miles.core.logging import get_logger
 from miles.core.schema.engine import EngineConfig
 from miles.core.schema.model import ModelConfig
-from miles.engines.base import Engine, GenerateRequest, GenerateResult, PauseMode
+from miles.engines.base import Engine, GenerateRequest, GenerateResult, PauseMode, RequestTotals
 from miles.engines.sglang_server import SGLangServer, wait_healthy
 from miles.engines.sglang_wire import ModelFacts, generate_payload, parse_generate, parse_version
 from miles.engines.validate import validate_request
@@ -102,8 +101,7 @@ class SGLangEngine(Engine):
         self._committed_dir: Path | None = None
         self._closed = False
         self._last_error = ""
-        self._totals = {"prompt": 0, "cached": 0, "generated": 0, "requests": 0}
-        self._rate_mark = (time.monotonic(), 0)
+        self._totals = RequestTotals()
 
     @classmethod
     def from_config(
@@ -179,10 +177,10 @@ class SGLangEngine(Engine):
         finally:
             self._aborted.discard(req.request_id)
         res = parse_generate(body, req, self.facts)
-        self._totals["requests"] += 1
-        self._totals["prompt"] += res.prompt_tokens
-        self._totals["cached"] += res.cached_tokens
-        self._totals["generated"] += len(res.output_ids)
+        self._totals.requests += 1
+        self._totals.prompt += res.prompt_tokens
+        self._totals.cached += res.cached_tokens
+        self._totals.generated += len(res.output_ids)
         return res
 
     async def abort(self, request_id: str) -> bool:
@@ -319,18 +317,9 @@ class SGLangEngine(Engine):
         }
 
     def stats(self) -> dict[str, Any]:
-        now, gen = time.monotonic(), self._totals["generated"]
-        t0, g0 = self._rate_mark
-        self._rate_mark = (now, gen)
-        prompt = self._totals["prompt"]
         return {
-            "tokens_per_s": (gen - g0) / max(now - t0, 1e-9),
+            **self._totals.snapshot(),
             "running": len(self._inflight),
-            "prefix_hit_rate": self._totals["cached"] / prompt if prompt else 0.0,
-            "prompt_tokens": prompt,
-            "prefix_cached_tokens": self._totals["cached"],
-            "generated_tokens": gen,
-            "requests": self._totals["requests"],
             "version": self.version,
         }
 

@@ -22,7 +22,14 @@ from miles.core.errors import EngineError
 from miles.core.logging import get_logger
 from miles.core.schema.engine import EngineConfig
 from miles.core.schema.model import ModelConfig
-from miles.engines.base import Engine, FinishReason, GenerateRequest, GenerateResult, PauseMode
+from miles.engines.base import (
+    Engine,
+    FinishReason,
+    GenerateRequest,
+    GenerateResult,
+    PauseMode,
+    RequestTotals,
+)
 from miles.engines.kv_cache import RowPool, SessionKV, SessionStore, common_prefix
 from miles.engines.sampling import make_generator
 from miles.engines.sequence import Sequence
@@ -71,8 +78,7 @@ class TorchEngine(Engine):
         self._closed = False
         self._task: asyncio.Task[None] | None = None
         self._last_error = ""
-        self._totals = {"prompt": 0, "cached": 0, "generated": 0, "requests": 0}
-        self._rate_mark = (time.monotonic(), 0)
+        self._totals = RequestTotals()
 
     @classmethod
     def from_config(
@@ -193,22 +199,13 @@ class TorchEngine(Engine):
         }
 
     def stats(self) -> dict[str, Any]:
-        now, gen = time.monotonic(), self._totals["generated"]
-        t0, g0 = self._rate_mark
-        self._rate_mark = (now, gen)
-        prompt = self._totals["prompt"]
         return {
-            "tokens_per_s": (gen - g0) / max(now - t0, 1e-9),
+            **self._totals.snapshot(),
             "running": len(self._running),
             "queued": len(self._queue),
-            "prefix_hit_rate": self._totals["cached"] / prompt if prompt else 0.0,
-            "prompt_tokens": prompt,
-            "prefix_cached_tokens": self._totals["cached"],
             "cached_tokens": self.sessions.tokens,
             "cached_sessions": len(self.sessions),
             "evictions": self.sessions.evictions,
-            "generated_tokens": gen,
-            "requests": self._totals["requests"],
             "version": self.version,
         }
 
@@ -283,9 +280,9 @@ class TorchEngine(Engine):
             seq.row = len(self._running)
             self._running.append(seq)
             self._restore_session(seq)
-            self._totals["prompt"] += seq.n_prompt
-            self._totals["cached"] += seq.cached
-            self._totals["requests"] += 1
+            self._totals.prompt += seq.n_prompt
+            self._totals.cached += seq.cached
+            self._totals.requests += 1
             new.append(seq)
         return new
 
@@ -317,7 +314,7 @@ class TorchEngine(Engine):
             seq.output.append(tok)
             seq.logprobs.append(lp)
             seq.versions.append(self.version)
-            self._totals["generated"] += 1
+            self._totals.generated += 1
             s = seq.req.sampling
             reason: FinishReason | None = None
             if tok in s.stop_token_ids:

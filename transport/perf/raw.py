@@ -76,7 +76,26 @@ class _Pair:
         self.sock.close(0)
 
 
-class RawZmq:
+class _PairAck:
+    """Ack and close over the control pair, shared by the raw baselines that own one."""
+
+    pair: _Pair | None
+    responder: bool
+
+    async def ack(self) -> None:
+        assert self.pair is not None
+        if self.responder:
+            self.pair.sock.send(b"a")
+        else:
+            self.pair.recv()
+
+    async def close(self) -> None:
+        if self.pair is not None:
+            self.pair.close()
+            self.pair = None
+
+
+class RawZmq(_PairAck):
     """Both ends of the pyzmq baseline (`copy` False for zmq-bulk's zero-copy frames)."""
 
     def __init__(self, copy: bool) -> None:
@@ -110,18 +129,6 @@ class RawZmq:
         f = self.pair.recv()
         if len(f) != size:
             raise TransportError(f"raw pyzmq: expected {size} bytes, got {len(f)}")
-
-    async def ack(self) -> None:
-        assert self.pair is not None
-        if self.responder:
-            self.pair.sock.send(b"a")
-        else:
-            self.pair.recv()
-
-    async def close(self) -> None:
-        if self.pair is not None:
-            self.pair.close()
-            self.pair = None
 
 
 class RawDist:
@@ -250,7 +257,7 @@ class RawUcx:
             self.listener = None
 
 
-class RawDisk:
+class RawDisk(_PairAck):
     """One file per message in a shared directory: write, rename, peer reads and deletes it."""
 
     def __init__(self) -> None:
@@ -289,20 +296,8 @@ class RawDisk:
         if n != size:
             raise TransportError(f"raw disk: {path.name} holds {n} bytes, expected {size}")
 
-    async def ack(self) -> None:
-        assert self.pair is not None
-        if self.responder:
-            self.pair.sock.send(b"a")
-        else:
-            self.pair.recv()
 
-    async def close(self) -> None:
-        if self.pair is not None:
-            self.pair.close()
-            self.pair = None
-
-
-class RawCudaIpc:
+class RawCudaIpc(_PairAck):
     """One device buffer shared by CUDA IPC: rank 0 copies in, rank 1 copies out, per message."""
 
     def __init__(self) -> None:
@@ -337,18 +332,6 @@ class RawCudaIpc:
         self.pair.recv()
         self.local[:size].copy_(self.shared[:size])
         torch.cuda.synchronize(self.local.device)
-
-    async def ack(self) -> None:
-        assert self.pair is not None
-        if self.responder:
-            self.pair.sock.send(b"a")
-        else:
-            self.pair.recv()
-
-    async def close(self) -> None:
-        if self.pair is not None:
-            self.pair.close()
-            self.pair = None
 
 
 def make_raw(transport: str) -> Any:
