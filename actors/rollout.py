@@ -86,7 +86,6 @@ class RolloutActor(Actor):
         self.gen_response_tokens = 0
         self.resubmits = 0  # requests retracted by a weight update and continued under the new version
         self.mixed_version_samples = 0
-        self.routing_refeeds = 0  # finished requests a pause returned before their last token's routing
 
     async def on_start(self) -> None:
         self._pump_task = asyncio.create_task(self._pump(), name="rollout-pump")
@@ -173,14 +172,9 @@ class RolloutActor(Actor):
             # Retracted by a weight update: continue prompt + partial output under the new weights.
             # The routed experts of the continuation cover the whole sequence, so only its are kept.
             self.resubmits += 1
+        # [T, L, k] from the embedded engine; [T - 1, L, k] from engines that never feed the last
+        # sampled token (SGLang). The trainer accepts both: no loss position needs that row.
         routed = r["routed_experts"]
-        if routed is not None and len(routed) < len(prompt_ids) + len(ids):
-            # A pause caught the request in its flush step (finished, last token not yet fed), so
-            # the last token has no routing. Feed the whole sequence once more and keep only the
-            # routing; the token that step samples is discarded.
-            self.routing_refeeds += 1
-            more = await self._generate_once(key, prompt_ids + ids, {**params, "max_new_tokens": 1})
-            routed = more["routed_experts"][: len(prompt_ids) + len(ids)]
         if len(set(versions)) > 1:
             self.mixed_version_samples += 1
         self.gen_tokens += len(ids)
@@ -286,7 +280,6 @@ class RolloutActor(Actor):
             "rollout/generated_samples": float(self.gen_samples),
             "rollout/retracted_resubmits": float(self.resubmits),
             "rollout/mixed_version_samples": float(self.mixed_version_samples),
-            "rollout/routing_refeeds": float(self.routing_refeeds),
             "rollout/prefix_hit_rate": float(self.router.prefix_hit_rate),
             "rollout/batch_ready_time": time.time(),
         })

@@ -5,11 +5,8 @@ generation never waits for the trainer, so the engine is busy whenever an update
 arrives: requests are
 retracted mid-generation, resubmitted as prompt + partial output, and finish with
 tokens from two versions. Without resubmission they would come back aborted and
-their groups would be dropped as failed.
-
-Routing replay is off here: the torch engine's pause('retract') fails on a request that
-is queued but never fed (Sequence.routed_array concatenates nothing) when routed experts
-are requested; see the orchestration report.
+their groups would be dropped as failed. Routing replay is on, so retracted requests that
+were queued but never fed must come back with an empty routing array, not an error.
 """
 
 from __future__ import annotations
@@ -27,7 +24,6 @@ def test_retract_resubmits_under_new_version(tmp_path: Path, tmp_path_factory: p
     train(run, tmp_path_factory.mktemp("miles-cache"), {
         "buffer.mode": "fully_async", "sync.pause_mode": "retract", "rollout.max_new_tokens": "32",
         "buffer.max_waiting": "500", "buffer.max_staleness": "-1", "run.steps": "4",
-        "trainer.routing_replay": "false",
     })
     rows = metrics(run)
     last = rows[-1]
