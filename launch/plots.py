@@ -34,7 +34,13 @@ def write_plots(run_dir: str | Path) -> list[Path]:
         pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None and "step" in r]
         fig, ax = plt.subplots(figsize=(6, 3.5))
         if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3)
+            xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+            ax.plot(xs, ys, marker="o", ms=2, lw=0.8, alpha=0.45, label="per step")
+            w = max(1, min(10, len(ys) // 5))
+            if w > 1:  # a trailing mean shows the trend through per-batch noise
+                avg = [sum(ys[max(0, i - w + 1): i + 1]) / (i + 1 - max(0, i - w + 1)) for i in range(len(ys))]
+                ax.plot(xs, avg, lw=2.2, label=f"mean of last {w}")
+                ax.legend(loc="best", fontsize=8)
         ax.set_xlabel("step")
         ax.set_ylabel(label)
         ax.set_title(key)
