@@ -30,6 +30,7 @@ from typing import Any
 from miles.actors.evaluator import Evaluator
 from miles.actors.messages import DumpState, Generate, PullBatch, RunEval, SetVersion
 from miles.actors.runtime.actor import Actor, handler
+from miles.core.errors import EngineError
 from miles.core.hooks import resolve_hook
 from miles.core.logging import get_logger
 from miles.core.schema import MilesConfig
@@ -49,12 +50,27 @@ def load_env(cfg: MilesConfig) -> Any:
     return make(**cfg.rollout.env_args)
 
 
+class _FrontedClient(LocalSessionClient):
+    """In-process session client whose sessions are also reachable over the HTTP front."""
+
+    def __init__(self, store: Any, engine: Any, url: str) -> None:
+        super().__init__(store, engine)
+        self.url = url
+
+    def base_url(self, session_id: str) -> str | None:
+        return f"{self.url}/sessions/{session_id}/v1"
+
+
 class RolloutActor(Actor):
     def __init__(self, cfg: MilesConfig, engines: list[str], tokenizer: Tokenizer) -> None:
         self.cfg = cfg
         rc, bc = cfg.rollout, cfg.buffer
         self.env = load_env(cfg)
         self.engines = list(engines)
+        self.http: Any = None  # the session HTTP front, when rollout.http_front is on
+        self._failures_in_a_row = 0
+        self._last_failure = ""
+        self.http_url = ""
         self.tokenizer = tokenizer
         self._eval_hold = False  # shared eval mode: no new generation while the engines evaluate
         self.mode = bc.mode
@@ -87,7 +103,21 @@ class RolloutActor(Actor):
         self.resubmits = 0  # requests retracted by a weight update and continued under the new version
         self.mixed_version_samples = 0
 
+    async def _service_engine(self, key: str, ids: list[int], sampling: dict[str, Any]) -> dict[str, Any]:
+        """The HTTP front's engine call: the same routed, retract-aware path as in-process turns."""
+        out = await self._engine_call(key, ids, sampling)
+        return {"output_ids": out.ids, "logprobs": out.logprobs, "finish_reason": out.finish_reason,
+                "versions": out.version, "routed_experts": out.routed_experts, "cached_tokens": 0}
+
     async def on_start(self) -> None:
+        if self.cfg.rollout.http_front:
+            from miles.actors.session_http import SessionHTTP
+            from miles.actors.session_service import SessionService
+
+            service = SessionService(self.store, self._service_engine, sampling=self.sampling)
+            self.http = SessionHTTP(service, self.cfg.transport.interface, self.cfg.rollout.http_port)
+            self.http_url = await self.http.start()
+            log.info("session_http_front", url=self.http_url)
         self._pump_task = asyncio.create_task(self._pump(), name="rollout-pump")
         self._pump_task.add_done_callback(self._pump_died)
 
@@ -100,6 +130,8 @@ class RolloutActor(Actor):
         for t in [*self._tasks, *([self._pump_task] if self._pump_task else [])]:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.http is not None:
+            await self.http.stop()
         path = Path(self.cfg.run.dir) / "rollout_state.json"
         try:
             path.write_text(json.dumps(self.dump_state(DumpState())))
@@ -199,7 +231,8 @@ class RolloutActor(Actor):
         async def engine_fn(ids: list[int], sampling: dict[str, Any]) -> EngineOutput:
             return await self._engine_call(key, ids, sampling)
 
-        client = LocalSessionClient(self.store, engine_fn)
+        client = (LocalSessionClient(self.store, engine_fn) if self.http is None
+                  else _FrontedClient(self.store, engine_fn, self.http_url))
         own = dict(work.prompt.get("sampling") or {})  # per-prompt sampling overrides
         if "max_new_tokens" in work.prompt:
             own["max_new_tokens"] = int(work.prompt["max_new_tokens"])
@@ -214,10 +247,13 @@ class RolloutActor(Actor):
                     r = self.reward(work.prompt, s)
                     s.reward = float(await r) if inspect.isawaitable(r) else float(r)
             started = self.buffer.finish(work, samples)
+            self._failures_in_a_row = 0
         except Exception as exc:  # noqa: BLE001 - any failure is recorded in the buffer, never lost
             log.warning("trajectory_failed", group=work.group_id, sample=work.sample_index,
                         error=f"{type(exc).__name__}: {exc}")
-            started = self.buffer.fail(work, f"{type(exc).__name__}: {exc}")
+            self._failures_in_a_row += 1
+            self._last_failure = f"{type(exc).__name__}: {exc}"
+            started = self.buffer.fail(work, self._last_failure)
         # The buffer starts new work in the freed slot at once; generate it if the mode allows.
         self._held += started
         self._release()
@@ -256,6 +292,12 @@ class RolloutActor(Actor):
     async def _collect_batch(self, msg: PullBatch) -> dict[str, Any]:
         groups: list[Group] = []
         while len(groups) < msg.n_groups:
+            limit = self.cfg.rollout.max_failures_in_a_row
+            if limit and self._failures_in_a_row >= limit:
+                # Nothing will ever fill this batch (e.g. every prompt exceeds the engine's length):
+                # fail the trainer's request with the cause instead of waiting forever.
+                raise EngineError(f"generation failed {self._failures_in_a_row} times in a row with no "
+                                  f"success; last error: {self._last_failure}")
             if self.buffer.num_waiting:
                 groups += self.buffer.collect(msg.n_groups - len(groups), msg.trainer_version)
                 self._collecting = len(groups)

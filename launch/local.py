@@ -50,6 +50,21 @@ def _die_with_parent() -> None:
     libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
+def _last_error(log_path: Path) -> str:
+    """The last error event a role logged (JSON lines), to show the cause on the launcher's console."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()[-200:]
+    except OSError:
+        return ""
+    for ln in reversed(lines):
+        if '"level": "error"' in ln:
+            try:
+                return str(json.loads(ln).get("error", ""))[:500]
+            except json.JSONDecodeError:
+                return ln[:500]
+    return ""
+
+
 class LocalLauncher:
     def __init__(self, cfg: MilesConfig, max_restarts: int = 3, resume_from: str = "") -> None:
         self.cfg = cfg
@@ -111,7 +126,7 @@ class LocalLauncher:
                                          if t.role == "trainer"):
                         return 0
                     if code != 0:
-                        log.error("trainer_exited", rank=c.index, code=code,
+                        log.error("trainer_exited", rank=c.index, code=code, cause=_last_error(c.log_path),
                                   hint=f"see {c.log_path}; the last checkpoint is kept")
                         return code
                     continue

@@ -18,7 +18,11 @@ def validate_launch(cfg: MilesConfig) -> None:
     from miles.trainer.fsdp import check_trainer_config
 
     check_trainer_config(cfg.trainer, asynchronous, cfg.trainer.world_size)
-    resolve_hook(cfg.rollout.env, "rollout.env")
+    env = resolve_hook(cfg.rollout.env, "rollout.env")(**cfg.rollout.env_args)
+    agent = cfg.rollout.agent_fn or env.agent
+    if "openai_agent" in agent and not cfg.rollout.http_front:
+        raise ConfigError(f"rollout agent {agent!r} talks to the session server over HTTP: "
+                          "set rollout.http_front = true")
     for field in ("agent_fn", "generate_fn", "reward_fn"):
         path = getattr(cfg.rollout, field)
         if path:

@@ -67,6 +67,15 @@ class RolloutConfig:
     router_affinity: bool = opt(
         True, "route every turn of a session to the engine that served its first turn (KV-cache reuse)"
     )
+    http_front: bool = opt(
+        False, "serve the OpenAI-compatible session front from the rollout process, so black-box agents "
+        "(e.g. miles.rollout.envs.openai_agent) reach their session at ctx.base_url"
+    )
+    http_port: int = opt(0, "port of that front; 0 = any free port (bound on transport.interface)")
+    max_failures_in_a_row: int = opt(
+        256, "stop the run when this many trajectories fail in a row with no success (the error names "
+        "the last cause); 0 = never", "trajectories"
+    )
 
     def __post_init__(self) -> None:
         if self.n_samples_per_prompt < 1:

@@ -96,7 +96,10 @@ def check_ledger(run_dir: Path) -> dict[str, Any]:
     entries = final["buffer"]["ledger"]["entries"]
     ids = [e["prompt_id"] for e in entries]
     assert len(ids) == len(set(ids)), "a prompt appears twice in the ledger"
-    drawn = {f"arith-0-{i}" for i in range(final["data"]["position"])}
+    prefixes = {i.rsplit("-", 1)[0] for i in ids}
+    assert len(prefixes) == 1, prefixes  # one env, ids '<env>-<seed>-<index>'
+    prefix = prefixes.pop()
+    drawn = {f"{prefix}-{i}" for i in range(final["data"]["position"])}
     assert set(ids) == drawn, f"lost prompts: {sorted(drawn - set(ids))[:5]}"
     for e in entries:
         assert e["state"] in ("pending", "in_flight", "finished", "trained", "dropped")

@@ -1,0 +1,34 @@
+"""A black-box agent (the OpenAI client) in a real run, through the rollout process's HTTP front;
+and a run whose generation can never succeed stops with the cause instead of hanging."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from .e2e_helpers import check_ledger, metrics, start_run, wait
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+AGENT = ["--set", "rollout.env=miles.rollout.envs.openai_agent:make_env", "--set", "rollout.http_front=true",
+         "--set", "rollout.max_turns=2", "--set", "run.warmup_sft_steps=0"]
+
+
+def test_openai_client_agent_trains(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    p = start_run(run, tmp_path / "cache", *AGENT, "--set", "run.steps=2", "--set", "engine.max_seq_len=1024",
+                  "--set", "rollout.max_new_tokens=16", "--set", "buffer.batch_groups=2",
+                  "--set", "rollout.n_samples_per_prompt=2")
+    assert wait(p, 280) == 0, (tmp_path / "run.launcher.log").read_text()[-3000:]
+    assert [r["step"] for r in metrics(run)] == [1, 2]
+    assert check_ledger(run)["buffer"]["ledger"]["entries"]
+
+
+def test_hopeless_generation_stops_with_the_cause(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    # The tool env's prompts are far longer than 64 tokens: every request is refused.
+    p = start_run(run, tmp_path / "cache", *AGENT, "--set", "run.steps=2",
+                  "--set", "rollout.max_failures_in_a_row=32")
+    assert wait(p, 280) != 0
+    log = (tmp_path / "run.launcher.log").read_text()
+    assert "trainer_exited" in log and "leaves no room under max_seq_len" in log
