@@ -38,7 +38,7 @@ from miles.core.logging import configure_logging
 from miles.core.schema import MilesConfig
 from miles.launch.local import Child, LocalLauncher
 from miles.launch.metrics import read_metrics
-from miles.launch.warmup import ensure_initial_checkpoint
+from miles.launch.warmup import with_initial_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 CORES = sorted(os.sched_getaffinity(0))
@@ -75,17 +75,21 @@ def real_config(run_dir: Path, mode: str, admission: bool, steps: int) -> MilesC
     return dataclasses.replace(cfg, rollout=rollout)
 
 
-def run_real(root: Path, name: str, mode: str, admission: bool, steps: int) -> dict[str, Any]:
-    cfg = real_config(root / name, mode, admission, steps)
-    path = ensure_initial_checkpoint(cfg)
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=path))
+def launch_and_read(cfg: Any, launcher: Any, name: str) -> tuple[list[dict[str, Any]], float]:
+    """Warm-up checkpoint, a full launched run, its per-step metrics and wall time (logs on failure)."""
+    cfg = with_initial_checkpoint(cfg)
     t0 = time.perf_counter()
-    rc = asyncio.run(PinnedLauncher(cfg).run())
+    rc = asyncio.run(launcher(cfg).run())
     wall = time.perf_counter() - t0
     if rc != 0:
-        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((root / name / "logs").glob("*")))
+        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}"
+                         for p in sorted((Path(cfg.run.dir) / "logs").glob("*")))
         raise SystemExit(f"{name}: miles run exited {rc}\n{logs}")
-    rows = read_metrics(Path(cfg.run.dir) / "metrics.jsonl")
+    return read_metrics(Path(cfg.run.dir) / "metrics.jsonl"), wall
+
+
+def run_real(root: Path, name: str, mode: str, admission: bool, steps: int) -> dict[str, Any]:
+    rows, wall = launch_and_read(real_config(root / name, mode, admission, steps), PinnedLauncher, name)
     timed = rows[1:]  # step 1 fills the pipeline (and pays process start-up)
     tokens = sum(r["rollout/trained_response_tokens"] for r in timed)
     seconds = sum(r["perf/step_time_s"] for r in timed)

@@ -28,11 +28,10 @@ def _load(args: argparse.Namespace) -> MilesConfig:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    import dataclasses
 
     from miles.launch.local import LocalLauncher
     from miles.launch.plots import write_plots
-    from miles.launch.warmup import ensure_initial_checkpoint
+    from miles.launch.warmup import with_initial_checkpoint
 
     resume = ""
     if args.resume:
@@ -45,8 +44,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     validate_launch(cfg)
     if not resume:
-        path = ensure_initial_checkpoint(cfg)
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=path))
+        cfg = with_initial_checkpoint(cfg)
     rc = asyncio.run(LocalLauncher(cfg, resume_from=resume).run())
     plots = write_plots(cfg.run.dir)
     print(summarize(cfg.run.dir), flush=True)

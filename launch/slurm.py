@@ -58,11 +58,10 @@ def _render(plan: SlurmPlan, cfg: MilesConfig) -> str:
 
 def prepare(cfg: MilesConfig) -> MilesConfig:
     """Absolute run dir and a real initial checkpoint, so every step on every node loads the same one."""
-    from miles.launch.warmup import ensure_initial_checkpoint
+    from miles.launch.warmup import with_initial_checkpoint
 
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(Path(cfg.run.dir).resolve())))
-    path = str(Path(ensure_initial_checkpoint(cfg)).resolve())
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=path))
+    return with_initial_checkpoint(cfg)
 
 
 def write_run_files(cfg: MilesConfig, script: str) -> Path:

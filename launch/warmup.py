@@ -105,3 +105,11 @@ def _sft(cfg: MilesConfig, model: torch.nn.Module, tok: Any, batch: int = 32) ->
         opt.step()
         if step % 50 == 0 or step == steps - 1:
             print(f"warm-up {step + 1}/{steps} | loss {loss.item():.4f}", flush=True)
+
+
+def with_initial_checkpoint(cfg: MilesConfig) -> MilesConfig:
+    """`cfg` with `model.path` set to the (absolute) checkpoint every role loads."""
+    import dataclasses
+
+    path = str(Path(ensure_initial_checkpoint(cfg)).resolve())
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=path))

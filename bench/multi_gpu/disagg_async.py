@@ -13,22 +13,18 @@ Usage: python bench/multi_gpu/disagg_async.py --device cuda --steps 6 --out r.js
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from async_vs_sync import real_config  # noqa: E402
+from async_vs_sync import launch_and_read, real_config  # noqa: E402
 
 from miles.core.logging import configure_logging  # noqa: E402
 from miles.launch.local import LocalLauncher  # noqa: E402
-from miles.launch.metrics import read_metrics  # noqa: E402
-from miles.launch.warmup import ensure_initial_checkpoint  # noqa: E402
 
 RUNS = [("sync", "sync", False), ("fully_async+admission", "fully_async", True)]
 
@@ -40,15 +36,7 @@ def run(root: Path, name: str, mode: str, admission: bool, steps: int, device: s
     eng_dev, tr_dev = ("cuda:1", "cuda") if device == "cuda" else ("cpu", "cpu")
     cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, device=eng_dev),
                               trainer=dataclasses.replace(cfg.trainer, device=tr_dev))
-    path = ensure_initial_checkpoint(cfg)
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=path))
-    t0 = time.perf_counter()
-    rc = asyncio.run(LocalLauncher(cfg).run())
-    wall = time.perf_counter() - t0
-    if rc != 0:
-        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted((root / name / "logs").glob("*")))
-        raise SystemExit(f"{name}: miles run exited {rc}\n{logs}")
-    rows = read_metrics(Path(cfg.run.dir) / "metrics.jsonl")
+    rows, wall = launch_and_read(cfg, LocalLauncher, name)
     timed = rows[1:]  # step 1 fills the pipeline and pays start-up
     tokens = sum(r["rollout/trained_response_tokens"] for r in timed)
     seconds = sum(r["perf/step_time_s"] for r in timed)

@@ -24,7 +24,6 @@ import argparse
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+from workers import run_workers  # this folder is on sys.path: the scripts run directly
 
 from miles.core.schema.trainer import TrainerConfig
 from miles.models.config import ModelSpec
@@ -115,15 +115,8 @@ def _launch(a: argparse.Namespace, world: int) -> None:
     port = str(free_port())
     argv = [sys.executable, __file__, "--device", a.device, "--world", str(world), "--port", port,
             "--parts", a.parts, "--steps", str(a.steps), "--groups", str(a.groups), "--seq", str(a.seq)]
-    procs = [subprocess.Popen([*argv, "--rank", str(r)], env=env) for r in range(world)]
-    try:
-        rcs = [p.wait(timeout=a.timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    if any(rcs):
-        raise SystemExit(f"{world}-rank FSDP workers exited {rcs}")
+    run_workers([[*argv, "--rank", str(r)] for r in range(world)], env, a.timeout,
+                f"{world}-rank FSDP workers")
 
 
 def compare(parts: str, device: str) -> dict[str, Any]:

@@ -23,7 +23,6 @@ import asyncio
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from workers import run_workers  # this folder is on sys.path: the scripts run directly
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import synthetic_weights as sw  # noqa: E402
@@ -45,6 +45,20 @@ from miles.transport.bulk.buckets import Reassembler, iter_buckets  # noqa: E402
 def _sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
+
+
+def _bcast_json(obj: Any, dev: torch.device) -> Any:
+    """Rank 0 sends `obj` as JSON bytes over the group (no pickle); other ranks return it."""
+    if obj is not None:
+        raw = json.dumps(obj).encode()
+        n = torch.tensor([len(raw)], dtype=torch.int64, device=dev)
+    else:
+        n = torch.zeros(1, dtype=torch.int64, device=dev)
+    dist.broadcast(n, 0)
+    buf = (torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(dev) if obj is not None
+           else torch.empty(int(n.item()), dtype=torch.uint8, device=dev))
+    dist.broadcast(buf, 0)
+    return obj if obj is not None else json.loads(bytes(buf.cpu().numpy()).decode())
 
 
 def _barrier(dev: torch.device) -> None:
@@ -103,13 +117,16 @@ class Worker:
         if self.tx is not None:
             self.tx.bucket_bytes = bucket_bytes
             for seq, bucket in enumerate(iter_buckets(src, bucket_bytes)):
-                self.tx.prepare(version, seq, bucket)
+                # The header (which runs go direct, which are packed) travels ahead of the bucket,
+                # as the BulkRecv control message does in a real sync.
+                _bcast_json(self.tx.prepare(version, seq, bucket), self.dev)
                 await self.tx.transmit()
         else:
             assert self.rx is not None
             local = LocalWeights(version - 1, dest.__getitem__)
             reasm = Reassembler()
-            for h in headers:
+            for _ in headers:
+                h = _bcast_json(None, self.dev)
                 for name, t in await self.rx.recv(h, local):
                     done = reasm.add(name, t)
                     if done is not None:
@@ -213,15 +230,7 @@ def parent(a: argparse.Namespace) -> None:
     base = [sys.executable, __file__, "--device", a.device, "--klass", a.klass, "--repeats", str(a.repeats),
             "--port", str(free_port()), "--parts", str(out), "--sizes-gb", *map(str, a.sizes_gb),
             "--buckets-mib", *map(str, a.buckets_mib)]
-    procs = [subprocess.Popen([*base, "--role", str(r)], env=env) for r in range(2)]
-    try:
-        rcs = [p.wait(timeout=a.timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    if any(rcs):
-        raise SystemExit(f"weight-sync workers exited {rcs}")
+    run_workers([[*base, "--role", str(r)] for r in range(2)], env, a.timeout, "weight-sync workers")
     sizes = json.loads((out / "rank1.json").read_text())
     summary = summarize(sizes, a.buckets_mib)
     print(f"{'model GB':>8s} {'bucket MiB':>10s} {'buckets':>7s} {'update s':>9s} {'GB/s':>7s} "
