@@ -16,12 +16,20 @@ same `CausalLM` code. It is a `TorchFunctionMode` that swaps three ops:
   one unpacked sequence per forward, and the engine's KV rows start at slot 0.
 
 Everything else in the model is per-row already (elementwise ops, RMSNorm and softmax
-over the last axis). The mode is thread-local: enter it in the thread that runs the
-forward. Dense models only (the MoE expert dispatch is not covered).
+over the last axis). MoE experts ask `invariant_active()` and then take a dispatch whose
+path does not depend on the token count (`Experts._invariant`). The mode is thread-local:
+enter it in the thread that runs the forward.
+
+dtypes: both sides must run the same dtypes at every op. The tiles compute in the input
+dtype; attention scores come out in q's dtype and the softmax runs in fp32; RMSNorm
+statistics and the rotary tables are fp32 (`Rotary` keeps its frequencies fp32 when the
+model is cast). So a bf16 engine (`model.to(bfloat16)`) and a bf16 trainer (fp32 masters
+cast per forward by FSDP mixed precision) agree bit for bit, as in fp32.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -91,6 +99,14 @@ def invariant_attention(
     return out
 
 
+_state = threading.local()
+
+
+def invariant_active() -> bool:
+    """True inside `BatchInvariant()` in this thread."""
+    return getattr(_state, "depth", 0) > 0
+
+
 class BatchInvariant(TorchFunctionMode):
     """Context manager: batch-invariant linear / matmul / attention (see module docstring)."""
 
@@ -98,6 +114,14 @@ class BatchInvariant(TorchFunctionMode):
         super().__init__()
         self.rows = row_block
         self.kv_block = kv_block
+
+    def __enter__(self) -> BatchInvariant:
+        _state.depth = getattr(_state, "depth", 0) + 1
+        return super().__enter__()  # type: ignore[no-any-return]
+
+    def __exit__(self, *exc: object) -> None:
+        _state.depth -= 1
+        super().__exit__(*exc)
 
     def __torch_function__(
         self,

@@ -48,12 +48,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Rotary(nn.Module):
-    """Default RoPE: returns (cos, sin) of shape [B, T, head_dim] for given position ids."""
+    """Default RoPE: returns (cos, sin) of shape [B, T, head_dim] for given position ids.
+
+    The frequencies stay fp32 whatever dtype the model is cast to (`model.to(bf16)` would
+    otherwise round them): a bf16 engine built by `.to(bfloat16)` and a bf16 trainer whose
+    mixed precision casts only parameters must compute the same tables (true on-policy).
+    """
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
-        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-        self.register_buffer("inv_freq", inv, persistent=False)
+        self.head_dim, self.theta = head_dim, theta
+        self.register_buffer("inv_freq", self._frequencies(torch.device("cpu")), persistent=False)
+
+    def _frequencies(self, device: torch.device) -> torch.Tensor:
+        exps = torch.arange(0, self.head_dim, 2, dtype=torch.float, device=device) / self.head_dim
+        return 1.0 / (self.theta**exps)
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype != torch.float32:  # recomputed, not cast back: bits were lost
+            # computed on the CPU on both sides, then moved: device pow kernels may round differently
+            self.inv_freq = self._frequencies(torch.device("cpu")).to(self.inv_freq.device)
+        return self
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)

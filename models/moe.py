@@ -16,6 +16,7 @@ from torch import nn
 
 from miles.models.config import ModelSpec
 from miles.models.errors import ModelInputError
+from miles.models.invariant import invariant_active
 
 
 def expert_id_dtype(num_experts: int) -> np.dtype:
@@ -52,6 +53,8 @@ class Experts(nn.Module):
         n, k = ids.shape
         if n == 0:
             return torch.zeros_like(x)
+        if invariant_active():
+            return self._invariant(x, ids, weights)
         e, two_i, h = self.gate_up_proj.shape
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             return self._dense(x, ids, weights)  # the loop needs per-expert counts on the host
@@ -69,6 +72,31 @@ class Experts(nn.Module):
         dense_w = dense_w.scatter_add(1, ids, weights.to(x.dtype))
         act = F.silu(gu[..., :i]) * gu[..., i:] * dense_w.unsqueeze(-1)  # [N, E, I]
         return torch.bmm(act.transpose(0, 1), self.down_proj.transpose(1, 2)).sum(0)
+
+    def _invariant(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """True on-policy dispatch: one path whatever N (no dense/grouped switch), expert
+        matmuls through F.linear (tiled under `BatchInvariant`), and each token's k expert
+        outputs summed in its own slot order, elementwise, so no reduction spans tokens."""
+        n, k = ids.shape
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        xs = x[order // k]
+        outs = []
+        start = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            gu = F.linear(xs[start : start + c], self.gate_up_proj[e])
+            h = F.silu(gu[:, : self.inter]) * gu[:, self.inter :]
+            outs.append(F.linear(h, self.down_proj[e]))
+            start += c
+        y = torch.cat(outs)[torch.argsort(order)].view(n, k, -1)  # back to (token, slot) order
+        w = weights.to(x.dtype)
+        out = y[:, 0] * w[:, :1]
+        for j in range(1, k):
+            out = out + y[:, j] * w[:, j : j + 1]
+        return out
 
     def _grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Tokens sorted by expert, one matmul pair per active expert (prefill, training)."""

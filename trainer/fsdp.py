@@ -377,8 +377,15 @@ class FSDPTrainer:
     def _forward(
         self, model: nn.Module, mb: MicroBatch, *, temperature: float, replay: bool, with_entropy: bool
     ) -> ForwardOut:
-        fwd = invariant_forward if self.cfg.true_on_policy else packed_forward
-        return fwd(model, mb, temperature=temperature, replay=replay, with_entropy=with_entropy)
+        if self.cfg.true_on_policy:
+            probe = self.probe if model is self.policy else None
+            return invariant_forward(
+                model, mb, temperature=temperature, replay=replay, with_entropy=with_entropy,
+                probe=probe,
+            )
+        return packed_forward(
+            model, mb, temperature=temperature, replay=replay, with_entropy=with_entropy
+        )
 
     # ---------------------------------------------------------------- offload
     @property

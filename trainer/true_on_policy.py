@@ -14,7 +14,7 @@ from torch import nn
 
 from miles.models.invariant import BatchInvariant
 from miles.models.logprobs import token_logprobs
-from miles.trainer.forward import ForwardOut, packed_forward
+from miles.trainer.forward import ForwardOut, RouterProbe, packed_forward
 from miles.trainer.kl import entropy_from_logits
 from miles.trainer.packing import MicroBatch
 
@@ -26,13 +26,17 @@ def invariant_forward(
     temperature: float,
     replay: bool,
     with_entropy: bool,
+    probe: RouterProbe | None = None,
 ) -> ForwardOut:
-    """`packed_forward`'s result, computed per sequence in batch-invariant mode."""
+    """`packed_forward`'s result, computed per sequence in batch-invariant mode. A `probe`
+    watching the routers sees one entry per MoE layer over the whole micro-batch, as after a
+    packed forward (the per-sequence entries are joined)."""
     if mb.num_seqs == 0:  # a filler micro-batch only needs a graph
         return packed_forward(
             model, mb, temperature=temperature, replay=replay, with_entropy=with_entropy
         )
     cu = mb.cu_seqlens.tolist()
+    seen = len(probe.logits) if probe is not None else 0
     parts = []
     with BatchInvariant():
         for s, e in zip(cu[:-1], cu[1:], strict=True):
@@ -41,6 +45,11 @@ def invariant_forward(
                 routes = mb.routed_experts[s:e].unsqueeze(0)
             out = model(mb.input_ids[s:e].unsqueeze(0), routed_experts=routes)
             parts.append(out.logits[0])
+    if probe is not None and len(probe.logits) > seen:
+        per_seq = probe.logits[seen:]
+        layers = len(per_seq) // len(parts)
+        joined = [torch.cat(per_seq[j::layers]) for j in range(layers)]
+        probe.logits = probe.logits[:seen] + joined
     logits = torch.cat(parts).unsqueeze(0)
     sel = logits[0, mb.resp_pos]
     logp = token_logprobs(sel, mb.resp_targets, temperature)

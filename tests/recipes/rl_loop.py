@@ -28,6 +28,7 @@ async def rollout(
     step: int,
     max_new: int = 6,
     temperature: float = 1.0,
+    routes: bool = False,
 ) -> list[GenerateResult]:
     reqs = [
         GenerateRequest(
@@ -37,6 +38,7 @@ async def rollout(
                 max_new_tokens=max_new,
                 seed=request_seed(run_seed, step, i, j),
             ),
+            return_routed_experts=routes,
         )
         for i, p in enumerate(ps)
         for j in range(n)
@@ -64,6 +66,7 @@ def to_batch(
                 group_index=k // n,
                 rollout_logprobs=np.asarray(r.logprobs, np.float32),
                 versions=np.asarray(r.versions, np.int64),
+                routed_experts=r.routed_experts,
             )
         )
     return TrainBatch(out)
