@@ -94,6 +94,7 @@ async def test_engine_and_trainer_logprobs_are_bitwise_equal(
     assert await _max_diff(spec, False, dtype) > 0.0
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the H200 bf16 check)")
 @pytest.mark.parametrize("spec", [DENSE, MOE], ids=["dense", "moe"])
 async def test_bitwise_equal_on_cuda_bf16(spec: ModelSpec) -> None:
