@@ -45,7 +45,13 @@ from miles.trainer.dist import Collectives, ensure_process_group, pick_device
 from miles.trainer.distill import distill_advantages, load_teacher
 from miles.trainer.forward import ForwardOut, RouterProbe, packed_forward
 from miles.trainer.kl import kl_estimate
-from miles.trainer.lora import apply_lora, export_merged, iter_adapters, iter_merged_hf_state
+from miles.trainer.lora import (
+    apply_lora,
+    export_merged,
+    iter_adapter_payload,
+    iter_adapters,
+    iter_merged_hf_state,
+)
 from miles.trainer.metrics import StepMetrics
 from miles.trainer.offload import FlatOffload, trainer_state_tensors
 from miles.trainer.optim import lr_at, set_lr
@@ -365,6 +371,12 @@ class FSDPTrainer:
             # FSDP averages gradients over ranks; each rank's loss is its share of the global
             # loss, so scaling by world makes the reduced gradient that of the global loss.
             (loss * self.world).backward()
+        return self._clip_and_step()
+
+    def _clip_and_step(self) -> float:
+        """Clip the accumulated gradients, take one optimizer step; return the grad norm.
+        (The megatron backend overrides it to reduce over its own process groups first.)"""
+        cfg = self.cfg
         clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(list(self.trainable.parameters()), clip)
         if hasattr(norm, "full_tensor"):
@@ -426,6 +438,14 @@ class FSDPTrainer:
             raise TrainerError("export_lora_state(): trainer.lora.rank is 0 (no adapters)")
         self._ensure_loaded()
         return iter_adapters(self.policy)
+
+    def export_sync_state(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What a weight sync pushes: with LoRA only the adapter payload (engines merge it onto
+        their base, `engines/lora.py`), else every HF weight. A collective, like the others."""
+        if not self.lora:
+            return self.export_hf_state()
+        self._ensure_loaded()
+        return iter_adapter_payload(self.policy, self.cfg.lora)
 
     def export_hf_checkpoint(self, path: str | Path) -> None:
         self._ensure_loaded()

@@ -151,8 +151,30 @@ class DistillConfig:
 
 
 @dataclass
+class MegatronConfig:
+    tensor_parallel_size: int = opt(
+        1, "megatron backend: tensor-parallel ranks per model replica", "ranks"
+    )
+    pipeline_parallel_size: int = opt(
+        1, "megatron backend: pipeline stages (only 1 is implemented; more is refused)", "ranks"
+    )
+    expert_parallel_size: int = opt(
+        1, "megatron backend: ranks the MoE experts are split over (token all-to-all)", "ranks"
+    )
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = opt(
+        "auto",
+        "megatron layer spec: local (pure megatron-core modules), transformer_engine, or auto "
+        "(transformer_engine when it is installed, else local)",
+    )
+
+
+@dataclass
 class TrainerConfig:
-    backend: Literal["fsdp", "megatron"] = opt("fsdp", "training backend")
+    backend: Literal["fsdp", "megatron"] = opt(
+        "fsdp",
+        "training backend: fsdp (FSDP2, miles' own model) or megatron (megatron-core GPT/MoE, "
+        "optional extra `megatron`, CUDA and Python >= 3.12 only)",
+    )
     world_size: int = opt(1, "trainer data-parallel ranks (one process each)", "ranks")
     device: Literal["auto", "cpu", "cuda"] = opt(
         "auto", "where to train: auto = cuda when available (NCCL), else cpu (gloo)"
@@ -197,3 +219,6 @@ class TrainerConfig:
     memory: MemoryConfig = section(MemoryConfig, "optimizer-state streaming")
     lora: LoraConfig = section(LoraConfig, "low-rank adapters (LoRA RL)")
     distill: DistillConfig = section(DistillConfig, "on-policy distillation from a teacher")
+    megatron: MegatronConfig = section(
+        MegatronConfig, "megatron backend: tensor / pipeline / expert parallel sizes, layer spec"
+    )

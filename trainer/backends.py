@@ -1,0 +1,41 @@
+"""Trainer backends by `trainer.backend` tag, and the launch-time check of the chosen one.
+
+Entries are import paths, so megatron-core is imported only when 'megatron' is chosen.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from miles.core.hooks import Registry
+from miles.core.schema.trainer import TrainerConfig
+from miles.models.config import ModelSpec
+
+TRAINERS = Registry(
+    "trainer.backend",
+    {
+        "fsdp": "miles.trainer.fsdp:FSDPTrainer",
+        "megatron": "miles.trainer.megatron.trainer:MegatronTrainer",
+    },
+)
+
+
+def check_backend(cfg: TrainerConfig, spec: ModelSpec | None, asynchronous: bool, world: int) -> None:
+    """Launch-time checks of `cfg.backend`; ConfigError naming the field (megatron: also
+    that megatron-core can run here)."""
+    if cfg.backend == "megatron":
+        from miles.trainer.megatron.available import require_megatron
+        from miles.trainer.megatron.trainer import check_megatron_config
+
+        if spec is not None:
+            check_megatron_config(cfg, spec, asynchronous, world)
+        require_megatron()
+        return
+    from miles.trainer.fsdp import check_trainer_config
+
+    check_trainer_config(cfg, asynchronous, world)
+
+
+def make_trainer(cfg: TrainerConfig, spec: ModelSpec, rank: int, world: int, **kw: Any) -> Any:
+    """The backend's trainer class instantiated with FSDPTrainer's constructor arguments."""
+    return TRAINERS.get(cfg.backend)(cfg, spec, rank, world, **kw)

@@ -1,0 +1,180 @@
+"""`MegatronTrainer`: one rank of the megatron-core backend, behind FSDPTrainer's contract.
+
+The step itself (validation, mini-batches, packing, no-grad passes, advantages, the
+shared `rl_loss` with its corrections, metrics) is FSDPTrainer's, inherited unchanged:
+one implementation for both backends. This class swaps what is backend-specific:
+the model (a megatron GPTModel with tensor/expert parallelism), the forward (padded
+rows, R3 in megatron's router), gradient reduction and clipping over megatron's
+groups, and HF export (gathered from tensor- and expert-parallel slices).
+
+`world` counts every rank; the batch given to `train_step` must be this rank's
+data-parallel shard (`shard_batch(batch, trainer.dp_size)[trainer.dp_rank]`): ranks of
+one tensor-parallel group take the same shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch import nn
+
+from miles.core.errors import ConfigError, TrainerError
+from miles.core.schema.trainer import TrainerConfig
+from miles.models.config import ModelSpec
+from miles.models.hf_io import hf_state_dict
+from miles.trainer.deterministic import enable_deterministic
+from miles.trainer.dist import ensure_process_group, pick_device
+from miles.trainer.forward import ForwardOut
+from miles.trainer.fsdp import FSDPTrainer, check_trainer_config
+from miles.trainer.megatron.available import require_megatron
+from miles.trainer.megatron.build import build_gpt, check_parallel, init_parallel
+from miles.trainer.megatron.forward import mcore_forward
+from miles.trainer.megatron.grads import GroupCollectives, reduce_and_clip
+from miles.trainer.megatron.replay import MegatronRouting
+from miles.trainer.megatron.weights import iter_hf, load_hf
+from miles.trainer.optim import lr_at, set_lr
+from miles.trainer.optim_stream import build_optimizer
+from miles.trainer.packing import MicroBatch
+from miles.trainer.sharding import build_policy, compute_dtype
+
+
+def check_megatron_config(
+    cfg: TrainerConfig, spec: ModelSpec, asynchronous: bool, world: int
+) -> tuple[int, int, int]:
+    """FSDPTrainer's checks plus the megatron ones; (tp, ep, dp). Needs no megatron import."""
+    if cfg.backend != "megatron":
+        raise ConfigError(f"trainer.backend={cfg.backend!r}: MegatronTrainer only runs 'megatron'")
+    check_trainer_config(dataclasses.replace(cfg, backend="fsdp"), asynchronous, world)
+    unsupported = {
+        "trainer.lora.rank > 0": cfg.lora.rank > 0,
+        "trainer.advantage.estimator = 'ppo' (critic)": cfg.advantage.estimator == "ppo",
+        "trainer.distill.teacher_checkpoint": bool(cfg.distill.teacher_checkpoint),
+        "trainer.true_on_policy": cfg.true_on_policy,
+    }
+    for what, on in unsupported.items():
+        if on:
+            raise ConfigError(f"{what} is not supported by trainer.backend='megatron'; use 'fsdp'")
+    return check_parallel(cfg.megatron, spec, world)
+
+
+class MegatronTrainer(FSDPTrainer):
+    """One megatron-core rank. Same constructor and methods as `FSDPTrainer`."""
+
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        model_spec: ModelSpec,
+        rank: int,
+        world: int,
+        *,
+        init_checkpoint: str = "",
+        ref_checkpoint: str = "",
+        seed: int = 0,
+        asynchronous: bool = True,
+        weight_version: int = 0,
+    ) -> None:
+        _, _, dp = check_megatron_config(cfg, model_spec, asynchronous, world)
+        require_megatron()
+        from megatron.core import parallel_state as ps
+
+        self.cfg, self.spec, self.rank = cfg, model_spec, rank
+        if cfg.deterministic:
+            enable_deterministic(seed)
+        if cfg.device == "cpu":
+            raise ConfigError("trainer.backend='megatron' needs trainer.device = 'cuda' or 'auto'")
+        self.device = pick_device("cuda", rank)
+        ensure_process_group(rank, world, self.device)
+        init_parallel(cfg.megatron, seed)
+        self.global_world = world
+        # the loss scale and metric reductions are over data-parallel ranks (see grads.py)
+        self.world = self.dp_size = dp
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dtype = compute_dtype(cfg.param_dtype, self.device)
+        self.policy = self._build(init_checkpoint, seed)
+        self.lora = False
+        self.critic = None
+        self.teacher = None
+        self.replay = cfg.routing_replay and model_spec.is_moe
+        self.routing = MegatronRouting(self.policy) if model_spec.is_moe else None
+        self.probe = self.routing
+        self.trainable = nn.ModuleDict({"policy": self.policy})
+        self.ref: nn.Module | None = None
+        self.ref_routing: MegatronRouting | None = None
+        if cfg.loss.kl_coef:
+            self.ref = self._build(ref_checkpoint or init_checkpoint, seed)
+            self.ref.requires_grad_(False)
+            self.ref_routing = MegatronRouting(self.ref) if model_spec.is_moe else None
+        self.opt = build_optimizer(self.trainable.parameters(), cfg, self.device, rank)
+        self.coll = GroupCollectives(self.device, ps.get_data_parallel_group(), dp)
+        self.step = 0
+        self.opt_steps = 0
+        self.weight_version = weight_version
+        self._rollout_lp = False
+        self._offload = None
+
+    def _build(self, checkpoint: str, seed: int) -> nn.Module:
+        """GPTModel with the weights FSDP2 would start from (checkpoint, or seeded init)."""
+        model = build_gpt(self.spec, self.cfg.megatron)
+        load_hf(model, self.spec, hf_state_dict(build_policy(self.spec, checkpoint, seed)))
+        return model
+
+    # ---------------------------------------------------------------- backend hooks
+    def _forward(
+        self, model: nn.Module, mb: MicroBatch, *, temperature: float, replay: bool, with_entropy: bool
+    ) -> ForwardOut:
+        routing = self.routing if model is self.policy else self.ref_routing
+        return mcore_forward(
+            model, mb, temperature=temperature, replay=replay, with_entropy=with_entropy,
+            dtype=self.dtype, routing=routing,
+        )
+
+    def _clip_and_step(self) -> float:
+        norm = reduce_and_clip(list(self.trainable.parameters()), self.dp_size, self.cfg.optim.grad_clip)
+        set_lr(self.opt, lr_at(self.cfg.optim, self.opt_steps))
+        self.opt.step()
+        self.opt_steps += 1
+        return norm
+
+    def forward_micro_batch(self, mb: MicroBatch, *, replay: bool | None = None) -> ForwardOut:
+        """No-grad policy forward of one micro-batch (validation and benchmarks); afterwards
+        `self.routing.used` holds the expert ids each MoE layer used, [N, L, k]."""
+        self._ensure_loaded()
+        use = self.replay if replay is None else replay
+        with torch.no_grad():
+            return mcore_forward(
+                self.policy, mb.to(self.device), temperature=self.cfg.temperature, replay=use,
+                with_entropy=False, dtype=self.dtype, routing=self.routing, keep_routes=True,
+            )
+
+    # ---------------------------------------------------------------- weights and state
+    def export_hf_state(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full fp32 tensor) of every policy weight; a collective every rank must drain."""
+        self._ensure_loaded()
+        return iter_hf(self.policy, self.spec)
+
+    def export_lora_state(self) -> Iterator[tuple[str, torch.Tensor]]:
+        raise TrainerError("export_lora_state(): the megatron backend has no LoRA adapters")
+
+    def export_hf_checkpoint(self, path: str | Path) -> None:
+        """config.json + model.safetensors (fp32) from rank 0; every rank must call."""
+        self._ensure_loaded()
+        tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in self.export_hf_state()}
+        if dist.get_rank() == 0:
+            d = Path(path)
+            d.mkdir(parents=True, exist_ok=True)
+            hf_cfg = dict(self.spec.hf_config)
+            hf_cfg["torch_dtype"] = "float32"
+            (d / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True))
+            save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+        dist.barrier()
+
+    def close(self) -> None:
+        for r in (self.routing, self.ref_routing):
+            if r is not None:
+                r.close()
