@@ -19,7 +19,7 @@ from miles.actors.evaluator import Evaluator, run_external
 from miles.actors.messages import DumpState, Health, PullBatch, RunEval, SetVersion
 from miles.actors.runtime.actor import Actor
 from miles.actors.sync import WeightSync
-from miles.core.errors import MilesError, TrainerError
+from miles.core.errors import ConfigError, MilesError, TrainerError
 from miles.core.logging import get_logger
 from miles.core.schema import MilesConfig
 from miles.models.config import ModelSpec
@@ -43,10 +43,27 @@ def samples_from_wire(groups: list[dict[str, Any]]) -> TrainBatch:
     return TrainBatch(out)
 
 
+def check_lora_launch(cfg: MilesConfig) -> None:
+    """LoRA runs sync only adapters (+ their scale) and the engines merge them: the engine and
+    the channel must carry them as sent. Raises ConfigError naming the option."""
+    if cfg.trainer.lora.rank < 1:
+        return
+    if cfg.engine.type != "torch":
+        raise ConfigError(f"trainer.lora.rank > 0 needs engine.type = 'torch' (it merges synced adapters); "
+                          f"got {cfg.engine.type!r}")
+    if cfg.sync.transport == "disk_delta":
+        raise ConfigError("trainer.lora.rank > 0: sync.transport = 'disk_delta' diffs full weights; "
+                          "adapters are small, use zmq, broadcast or cuda_ipc")
+    if cfg.sync.dtype not in ("same", "float32"):
+        raise ConfigError(f"trainer.lora.rank > 0 needs sync.dtype = 'same' or 'float32' (the adapter scale "
+                          f"travels as a number), got {cfg.sync.dtype!r}")
+
+
 class TrainerActor(Actor):
     def __init__(self, cfg: MilesConfig, spec: ModelSpec, rank: int, world: int, engines: list[str],
                  init_checkpoint: str, done: asyncio.Event, sink: Any = None, resume_from: str = "") -> None:
         self.cfg, self.rank, self.world = cfg, rank, world
+        check_lora_launch(cfg)
         self.trainer = FSDPTrainer(cfg.trainer, spec, rank, world, init_checkpoint=init_checkpoint,
                                    seed=cfg.run.seed, asynchronous=cfg.buffer.mode != "sync")
         self.engines = engines
@@ -64,6 +81,7 @@ class TrainerActor(Actor):
         self._eval_done: list[dict[str, Any]] = []
         self.eval_skipped = 0
         self._evaluator: Evaluator | None = None
+        self.pushed_bytes = 0  # bytes of the last version handed to the sync (adapters only with LoRA)
 
     async def on_start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="trainer-loop")
@@ -92,6 +110,7 @@ class TrainerActor(Actor):
         async with self._sync_lock:
             rep = await sync.push(version, keep())
         self._last_pushed = (version, copy)
+        self.pushed_bytes = sum(t.numel() * t.element_size() for t in copy.values())
         return rep
 
     async def _watch_engines(self, sync: WeightSync) -> None:
@@ -192,7 +211,7 @@ class TrainerActor(Actor):
             log.info("resumed", step=self.trainer.step, version=self.trainer.weight_version,
                      checkpoint=self.resume_from)
             # Engines restart from the initial weights: bring them to the checkpoint's version.
-            state = self.trainer.export_hf_state()
+            state = self.trainer.export_sync_state()
             if sync is not None:
                 await self._push(sync, self.trainer.weight_version, state)
                 await rollout.tell(SetVersion(self.trainer.weight_version))
@@ -211,12 +230,13 @@ class TrainerActor(Actor):
             new_version = version + 1
             self.trainer.weight_version = new_version
             t_sync = time.perf_counter()
-            state = self.trainer.export_hf_state()
+            state = self.trainer.export_sync_state()
             if sync is not None:
                 rep = await self._push(sync, new_version, state)
                 await rollout.tell(SetVersion(new_version))
                 metrics.update({"sync/seconds": rep.seconds, "sync/gbps": rep.gbps,
-                                "sync/dead_engines": float(len(rep.dead))})
+                                "sync/dead_engines": float(len(rep.dead)), "sync/bytes": float(rep.bytes),
+                                "sync/payload_bytes": float(self.pushed_bytes)})
             else:
                 for _ in state:  # every rank drains the gather collective
                     pass

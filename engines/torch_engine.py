@@ -31,6 +31,7 @@ from miles.engines.base import (
     RequestTotals,
 )
 from miles.engines.kv_cache import RowPool, SessionKV, SessionStore, common_prefix
+from miles.engines.lora import AdapterMerge
 from miles.engines.sampling import make_generator
 from miles.engines.sequence import Sequence
 from miles.engines.stepper import StepOut, Stepper
@@ -39,6 +40,7 @@ from miles.engines.weights import WeightStager
 from miles.models.decoder import CausalLM
 from miles.models.factory import model_from_config
 from miles.models.hf_io import checksums, hf_tensor_views
+from miles.models.lora import is_adapter_name
 
 log = get_logger("miles.engine")
 
@@ -67,6 +69,7 @@ class TorchEngine(Engine):
         self.stepper = Stepper(model, self.pool, self.device, batch_invariant, self.cfg.cuda_graphs)
         self.sessions = SessionStore(self.cfg.kv_budget_tokens)
         self.stager = WeightStager(hf_tensor_views(model))
+        self.adapters = AdapterMerge(model)  # LoRA runs sync adapters only (engines/lora.py)
         self.version = version
         self._known_sessions: set[str] = set()
         self._queue: deque[Sequence] = deque()
@@ -171,19 +174,45 @@ class TorchEngine(Engine):
     async def stage(
         self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
     ) -> int:
-        return await asyncio.to_thread(self.stager.stage, version, named_tensors)
+        if self.stager.in_place(named_tensors):  # a receiver wrote into the slots: bookkeeping only
+            return self.stager.stage(version, named_tensors)
+        return await asyncio.to_thread(self._stage, version, named_tensors)
+
+    def _stage(
+        self, version: int, named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+    ) -> int:
+        """Worker thread: full weights go to the stager, an adapter payload (LoRA) aside."""
+        items = named.items() if isinstance(named, Mapping) else named
+        full: list[tuple[str, torch.Tensor]] = []
+        lora: list[tuple[str, torch.Tensor]] = []
+        for name, t in items:
+            (lora if is_adapter_name(name) else full).append((name, t))
+        if not full and not lora:  # e.g. a bucket holding only part of a chunked tensor
+            return 0
+        mixed = (self.stager.version == version or bool(full)) if lora else self.adapters.version == version
+        if mixed:
+            raise EngineError(f"stage(version={version}): a version carries full weights or adapters, not both")
+        return self.adapters.stage(version, lora) if lora else self.stager.stage(version, full)
 
     async def commit(self, version: int) -> None:
+        with_adapters = self.adapters.version == version
+        if with_adapters:  # merge onto the base and stage the whole model locally
+            merged = await asyncio.to_thread(self.adapters.merged_state, version)
+            await asyncio.to_thread(self.stager.stage, version, merged)
         self.stager.check_complete(version)
         self._boundary = True
         async with self._lock:
             await asyncio.to_thread(self.stager.apply)
             self.version = version
-        log.info("engine_weights_committed", version=version)
+            if with_adapters:
+                self.adapters.committed_version()
+        log.info("engine_weights_committed", version=version, adapters=with_adapters)
 
     async def abort_version(self, version: int) -> None:
         if self.stager.version == version:
             self.stager.drop()
+        if self.adapters.version == version:
+            self.adapters.drop()
 
     # ---- introspection ------------------------------------------------------------
     def health(self) -> dict[str, Any]:
@@ -210,7 +239,8 @@ class TorchEngine(Engine):
         }
 
     def checksums(self) -> dict[str, str]:
-        return checksums(self.model)
+        """Every live weight, plus (LoRA runs) the adapters merged into them, as received."""
+        return {**checksums(self.model), **self.adapters.checksums()}
 
     def state_dict_hf(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in hf_tensor_views(self.model).items()}

@@ -23,7 +23,7 @@ from miles.core.errors import ConfigError
 from miles.core.schema.trainer import LoraConfig
 from miles.models.decoder import CausalLM
 from miles.models.hf_io import hf_tensor_views
-from miles.models.lora import merge_weight
+from miles.models.lora import SCALE_NAME, merge_weight, scale_tensor
 from miles.trainer.checkpoint import _OneParam
 
 _ORIG = ".parametrizations.weight.original"
@@ -73,6 +73,12 @@ def iter_adapters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             layer = name.removesuffix(".parametrizations.weight.0")
             yield f"{layer}.lora_A", _full(mod.lora_A)
             yield f"{layer}.lora_B", _full(mod.lora_B)
+
+
+def iter_adapter_payload(model: nn.Module, cfg: LoraConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """The adapter-only sync payload (`miles.models.lora`): every adapter, then the scale."""
+    yield from iter_adapters(model)
+    yield SCALE_NAME, scale_tensor(cfg.alpha / cfg.rank)
 
 
 def iter_merged_hf_state(model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:

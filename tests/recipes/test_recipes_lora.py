@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from miles.core.errors import EngineError
 from miles.core.schema.engine import EngineConfig
 from miles.core.schema.trainer import TrainerConfig
 from miles.engines.lora import LoraMerger
 from miles.engines.torch_engine import TorchEngine
 from miles.models.config import ModelSpec
-from miles.models.hf_io import hf_tensor_views
+from miles.models.hf_io import hf_tensor_views, tensor_checksum
+from miles.models.lora import SCALE_NAME
 from miles.models.presets import tiny_config
 from miles.models.registry import build_model
 from miles.trainer.fsdp import FSDPTrainer
@@ -62,6 +65,49 @@ async def test_adapter_sync_and_logprob_agreement() -> None:
             if name.endswith(".parametrizations.weight.original"):
                 plain = name.replace(".parametrizations.weight.original", ".weight")
                 assert torch.equal(p.full_tensor(), frozen[plain])
+    finally:
+        await engine.close()
+        trainer.close()
+
+
+async def test_engine_applies_the_sync_payload_and_refuses_bad_ones() -> None:
+    """The launched path: `export_sync_state()` goes through the engine's own stage/commit."""
+    cfg = TrainerConfig()
+    cfg.device = "cpu"
+    cfg.optim.lr = 5e-2
+    cfg.lora.rank = 2
+    cfg.lora.alpha = 6.0  # scale 3.0
+    cfg.lora.targets = ["qkv_proj", "down_proj"]
+    trainer = FSDPTrainer(cfg, SPEC, 0, 1, seed=4)
+    engine = TorchEngine(build_model(SPEC, seed=4), EngineConfig(max_batch_size=8))
+    try:
+        ps = prompts(SPEC.vocab_size, 2, seed=0)
+        trainer.train_step(to_batch(ps, await rollout(engine, ps, 4, run_seed=0, step=0), 4))
+        payload = dict(trainer.export_sync_state())
+        assert SCALE_NAME in payload and float(payload[SCALE_NAME]) == 3.0
+        assert len(payload) == 2 * 2 * SPEC.num_layers + 1
+        await engine.stage(1, payload.items())
+        await engine.commit(1)
+        merged = dict(trainer.export_hf_state())
+        eng = engine.state_dict_hf()
+        assert all(torch.equal(merged[k], eng[k]) for k in merged)
+        sums = engine.checksums()
+        assert all(sums[k] == tensor_checksum(v) for k, v in payload.items())
+        # a version is full weights or adapters, never a mix; adapters need their scale
+        with pytest.raises(EngineError, match="not both"):
+            await engine.stage(2, [*payload.items(), *list(merged.items())[:1]])
+        adapters = {k: v for k, v in payload.items() if k != SCALE_NAME}
+        await engine.stage(2, adapters.items())
+        with pytest.raises(EngineError, match="lora.scale"):
+            await engine.commit(2)
+        await engine.abort_version(2)
+        broken = dict(payload)
+        broken.pop(next(k for k in payload if k.endswith(".lora_B")))
+        await engine.stage(3, broken.items())
+        with pytest.raises(EngineError, match="bad adapter pair"):
+            await engine.commit(3)
+        await engine.abort_version(3)
+        assert engine.version == 1 and engine.checksums() == sums  # nothing half-applied
     finally:
         await engine.close()
         trainer.close()
