@@ -17,7 +17,9 @@ _SUFFIXES = (".lora_A", ".lora_B")
 
 def merge_weight(w0: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     """W0 + scale * B @ A, for W0 [out, in], A [r, in], B [out, r]."""
-    return w0 + (b @ a) * scale
+    # torch.mm, not @: the batch-invariant mode tiles `@`, and the trainer (whose parametrized
+    # weight is merged inside the forward) must merge exactly as the engine does outside it
+    return w0 + torch.mm(b, a) * scale
 
 
 def is_adapter_name(name: str) -> bool:

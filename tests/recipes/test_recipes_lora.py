@@ -111,3 +111,33 @@ async def test_engine_applies_the_sync_payload_and_refuses_bad_ones() -> None:
     finally:
         await engine.close()
         trainer.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+async def test_lora_true_on_policy_is_bitwise_exact(dtype: torch.dtype) -> None:
+    """Adapter-only syncs + batch-invariant engine and trainer: logprobs equal bit for bit."""
+    cfg = TrainerConfig()
+    cfg.device = "cpu"
+    cfg.param_dtype = "bfloat16" if dtype == torch.bfloat16 else "float32"  # type: ignore[assignment]
+    cfg.micro_batch_tokens = 64
+    cfg.optim.lr = 5e-2
+    cfg.true_on_policy = True
+    cfg.correction.old_logprobs = "recompute"
+    cfg.lora.rank = 4
+    cfg.lora.alpha = 8.0
+    trainer = FSDPTrainer(cfg, SPEC, 0, 1, seed=5)
+    engine = TorchEngine(
+        build_model(SPEC, dtype=dtype, seed=5), EngineConfig(max_batch_size=5), batch_invariant=True
+    )
+    try:
+        for step in range(3):  # steps 2 and 3 sample from base + synced, trained adapters
+            ps = prompts(SPEC.vocab_size, 4, seed=step)
+            res = await rollout(engine, ps, 2, run_seed=1, step=step, max_new=8)
+            m = trainer.train_step(to_batch(ps, res, 2))
+            assert m["train/train_rollout_logprob_abs_diff_max"] == 0.0
+            await engine.stage(step + 1, list(trainer.export_sync_state()))
+            await engine.commit(step + 1)
+        assert engine.adapters.active
+    finally:
+        await engine.close()
+        trainer.close()
