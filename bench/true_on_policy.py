@@ -80,6 +80,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=1, help="discarded runs per model and dtype")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="comma list")
     ap.add_argument("--archs", default="qwen3", help="comma list of tiny presets")
     args = ap.parse_args()
@@ -92,6 +93,9 @@ def main() -> None:
         spec = _spec(arch)
         for dtype in args.dtypes.split(","):
             runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+            for _ in range(args.warmup):  # first-use kernel setup (cuBLAS, bf16 paths) is not cost
+                for inv in (False, True):
+                    asyncio.run(_one(spec, inv, args.device, args.prompts, dtype))
             for _ in range(args.repeats):
                 for inv in (False, True):
                     runs[inv].append(
