@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +29,7 @@ from miles.core.logging import get_logger
 from miles.core.schema.sync import SyncConfig
 from miles.models.hf_io import tensor_checksum
 from miles.transport.bulk.base import BulkSender, make_sender
-from miles.transport.bulk.buckets import iter_buckets
+from miles.transport.bulk.buckets import Bucket, iter_buckets
 
 log = get_logger("miles.sync")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -61,6 +62,20 @@ def _advertise(host: Host, cfg: SyncConfig) -> str:
     return "127.0.0.1"
 
 
+async def _both(asks: asyncio.Future[Any], tx: asyncio.Future[Any]) -> None:
+    """One bucket: the receivers' asks and this side's transmit; the first failure wins.
+
+    The transmit is shared with the next bucket's chain, so it is awaited, never cancelled
+    here (the coordinator cancels everything on failure).
+    """
+    done, _ = await asyncio.wait([asks, tx], return_when=asyncio.FIRST_EXCEPTION)
+    for f in done:
+        if f.exception() is not None:
+            raise f.exception()  # type: ignore[misc]
+    await asks
+    await asyncio.shield(tx)
+
+
 class WeightSync:
     """Pushes weight versions to a set of engine actors over the configured bulk channel."""
 
@@ -70,8 +85,8 @@ class WeightSync:
         self.engines = list(engines)
         self.device = torch.device(device)
         self.sender: BulkSender = make_sender(cfg)
-        if cfg.transport == "broadcast":
-            # The broadcast channel picks NCCL for a CUDA trainer, gloo for a CPU one.
+        if cfg.transport in ("broadcast", "ucx"):
+            # Broadcast picks NCCL for a CUDA trainer, gloo for a CPU one; ucx keeps GPU weights on the GPU.
             self.sender.device = self.device
         if hasattr(self.sender, "advertise"):
             self.sender.advertise = _advertise(host, cfg)
@@ -85,7 +100,8 @@ class WeightSync:
             try:
                 return await self.host.ref(name).ask(make(name), timeout=self.cfg.step_timeout_s)
             except ActorDeadError:
-                dead.append(name)
+                if name not in dead:  # several buckets in flight can each see the same death
+                    dead.append(name)
                 return None
             except MilesError as exc:
                 raise SyncError(f"{step} failed on engine {name!r}: {type(exc).__name__}: {exc}") from exc
@@ -118,6 +134,56 @@ class WeightSync:
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
 
+    async def _send_buckets(self, version: int, buckets: Iterable[Bucket], live: list[str],
+                            rep: SyncReport) -> list[dict[str, Any]]:
+        """Move every bucket, keeping up to `sync.pipeline_depth` of them in flight.
+
+        Bucket i+1 is packed and its header sent while bucket i is still on the wire or being
+        staged, so neither the per-bucket reply round trip nor the pack copy sits between two
+        transfers. Transmits are chained (a channel moves buckets in order); receivers take
+        headers in order (their handler runs one at a time). Returns the headers of a
+        non-streaming channel, whose receivers read after `finish`.
+        """
+        snd = self.sender
+        inflight: deque[asyncio.Future[Any]] = deque()
+        chain: asyncio.Future[Any] | None = None
+        deferred: list[dict[str, Any]] = []
+
+        async def after(prev: asyncio.Future[Any] | None) -> None:
+            if prev is not None:
+                await prev
+            await snd.transmit()
+
+        try:
+            for seq, bucket in enumerate(buckets):
+                while len(inflight) >= self.cfg.pipeline_depth:
+                    await inflight.popleft()  # frees the sender buffer bucket `seq` will use
+                now = [n for n in live if n not in rep.dead]
+                step = f"stage v{version} bucket {seq} ({snd.tag})"
+                header = snd.prepare(version, seq, bucket)
+                if snd.inline:
+                    inflight.append(asyncio.ensure_future(self._all(
+                        step, now, lambda _n, b=bucket: Stage(version, b.names, b.tensors), rep.dead)))
+                elif snd.streaming:
+                    chain = asyncio.ensure_future(after(chain))
+                    asks = asyncio.ensure_future(self._all(step, now, lambda _n, h=header: BulkRecv(version, h),
+                                                           rep.dead))
+                    inflight.append(asyncio.ensure_future(_both(asks, chain)))
+                else:
+                    await snd.transmit()
+                    deferred.append(header)
+                rep.bytes += bucket.nbytes
+                rep.buckets += 1
+            while inflight:
+                await inflight.popleft()
+        except BaseException:
+            pending = [*inflight, *([chain] if chain is not None else [])]
+            for f in pending:
+                f.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            raise
+        return deferred
+
     async def push(self, version: int, named: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
         rep = SyncReport(version, self.sender.tag)
         live = [n for n in self.engines]
@@ -134,7 +200,8 @@ class WeightSync:
             live = [n for n in live if n not in rep.dead]
             await self._open(live, rep.dead)
 
-            host_only = self.cfg.transport in ("zmq", "disk_delta", "ucx")
+            host_only = self.cfg.transport in ("zmq", "disk_delta") or (
+                self.cfg.transport == "ucx" and self.device.type == "cpu")
 
             def converted() -> Iterable[tuple[str, torch.Tensor]]:
                 for n, t in named:
@@ -145,23 +212,10 @@ class WeightSync:
                         sums[n] = tensor_checksum(t)
                     yield n, t
 
-            deferred: list[dict[str, Any]] = []
-            for seq, bucket in enumerate(iter_buckets(converted(), self.cfg.bucket_mib << 20)):
-                live = [n for n in live if n not in rep.dead]
-                step = f"stage v{version} bucket {seq} ({snd.tag})"
-                header = snd.prepare(version, seq, bucket)
-                if snd.inline:
-                    await self._all(step, live, lambda _n, b=bucket: Stage(version, b.names, b.tensors), rep.dead)
-                elif snd.streaming:
-                    await self._together(self._all(step, live, lambda _n, h=header: BulkRecv(version, h), rep.dead),
-                                         snd.transmit)
-                else:
-                    await snd.transmit()
-                    deferred.append(header)
-                rep.bytes += bucket.nbytes
-                rep.buckets += 1
+            deferred = await self._send_buckets(
+                version, iter_buckets(converted(), self.cfg.bucket_mib << 20), live, rep)
             await snd.finish(version)
-            for seq, header in enumerate(deferred):
+            for seq, header in enumerate(deferred):  # non-streaming: receivers read after finish
                 live = [n for n in live if n not in rep.dead]
                 await self._all(f"stage v{version} bucket {seq} ({snd.tag})", live,
                                 lambda _n, h=header: BulkRecv(version, h), rep.dead)

@@ -126,6 +126,13 @@ class WeightStager:
             raise EngineError(f"unknown tensor {name!r}")
         return dst
 
+    def in_place(self, named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> bool:
+        """Whether every tensor already is its staging slot (staging them copies nothing)."""
+        if not isinstance(named, list | tuple) or self._slots is None:
+            return False
+        slots = self._slots
+        return all(n in slots and t.data_ptr() == slots[n].data_ptr() for n, t in named)
+
     @torch.no_grad()
     def stage(
         self, version: int, named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]

@@ -15,6 +15,10 @@ class SyncConfig:
         "zmq", "bulk channel the weight buckets travel on"
     )
     bucket_mib: int = opt(512, "fixed bucket size; a tensor larger than a bucket is split", "MiB")
+    pipeline_depth: int = opt(
+        2, "buckets in flight at once: bucket i+1 is packed and sent while bucket i is still being "
+        "received and staged; each sender holds this many staging buffers", "buckets"
+    )
     step_timeout_s: float = opt(120.0, "deadline of each sync step (stage, commit) per engine", "s")
     pause_mode: Literal["abort", "retract", "in_place", "none"] = opt(
         "in_place", "how generation pauses around a commit; 'none' relies on the atomic swap alone"
@@ -35,6 +39,8 @@ class SyncConfig:
     def __post_init__(self) -> None:
         if self.bucket_mib <= 0:
             raise ConfigError(f"sync.bucket_mib={self.bucket_mib} must be > 0")
+        if self.pipeline_depth < 1:
+            raise ConfigError(f"sync.pipeline_depth={self.pipeline_depth} must be >= 1")
         if self.step_timeout_s <= 0:
             raise ConfigError(f"sync.step_timeout_s={self.step_timeout_s} must be > 0")
         if self.verify_every < 0:

@@ -10,21 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+from collections import deque
 from typing import Any
 
 import torch
 
 from miles.core.errors import SyncError
 from miles.core.logging import get_logger
-from miles.transport.bulk.base import (
-    BulkReceiver,
-    BulkSender,
-    Layout,
-    LocalWeights,
-    slot_region,
-    unpack,
-)
+from miles.transport.bulk.base import BulkReceiver, BulkSender, LocalWeights
 from miles.transport.bulk.buckets import Bucket
+from miles.transport.bulk.wire_plan import Landing, PackBuffers, SendPlan, plan_sends
 
 log = get_logger("miles.bulk.broadcast")
 
@@ -56,49 +51,34 @@ def _shutdown(pg: Any) -> None:
         log.warning("broadcast_group_shutdown_failed", error=str(exc))
 
 
-# A run of tensors adjacent in the trainer's memory at least this large is broadcast from
-# there (no pack copy); smaller ones are packed into one buffer to save collectives.
-DIRECT_MIN_BYTES = 1 << 20
+async def _broadcast_all(pg: Any, bufs: list[torch.Tensor]) -> None:
+    """Broadcast `bufs` from rank 0, all issued at once, awaited without blocking the loop.
 
+    Issuing is asynchronous for gloo and NCCL alike (the group's own worker runs them back to
+    back), and completion comes back through the work's future: no thread hop per bucket.
+    """
+    if not bufs:
+        return
+    loop = asyncio.get_running_loop()
+    works = [pg.broadcast(b, 0) for b in bufs]
+    done = loop.create_future()
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
+    def settle(err: BaseException | None) -> None:
+        if not done.done():
+            done.set_result(None) if err is None else done.set_exception(err)
 
+    def finished(fut: Any) -> None:
+        try:
+            fut.value()
+            err: BaseException | None = None
+        except Exception as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            err = RuntimeError(str(exc))
+        loop.call_soon_threadsafe(settle, err)
 
-def _runs(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
-    """[start, end) index runs of contiguous tensors lying back to back in one storage."""
-    runs: list[tuple[int, int]] = []
-    for i, t in enumerate(tensors):
-        if runs and t.is_contiguous() and _adjacent(tensors[i - 1], t):
-            runs[-1] = (runs[-1][0], i + 1)
-        else:
-            runs.append((i, i + 1))
-    return runs
-
-
-def _adjacent(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.is_contiguous() and a.dtype == b.dtype and a.device == b.device
-            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-            and a.data_ptr() + a.numel() * a.element_size() == b.data_ptr())
-
-
-def _run_bytes(tensors: list[torch.Tensor], run: tuple[int, int]) -> int:
-    return sum(tensors[i].numel() * tensors[i].element_size() for i in range(*run))
-
-
-def _run_view(tensors: list[torch.Tensor], run: tuple[int, int]) -> torch.Tensor:
-    """The bytes of a run as one uint8 tensor over the trainer's memory (one tensor: itself)."""
-    first = tensors[run[0]]
-    if run[1] - run[0] == 1:
-        return _bytes(first)
-    out = torch.empty(0, dtype=torch.uint8, device=first.device)
-    out.set_(first.untyped_storage(), first.storage_offset() * first.element_size(), (_run_bytes(tensors, run),))
-    return out
-
-
-def _broadcast_all(pg: Any, bufs: list[torch.Tensor]) -> None:
-    for b in bufs:
-        pg.broadcast(b, 0).wait()
+    works[-1].get_future().then(finished)  # the group completes its works in issue order
+    await done
+    for w in works:
+        w.wait()  # already complete: surfaces an earlier work's failure
 
 
 class BroadcastSender(BulkSender):
@@ -110,10 +90,9 @@ class BroadcastSender(BulkSender):
         self._store: Any = None
         self._pg: Any = None
         self._pending: asyncio.Future[Any] | None = None
-        self._buf: torch.Tensor | None = None
-        self._lay: Layout | None = None
-        self._sends: list[torch.Tensor] = []
         self.device = torch.device("cpu")
+        self._packs = PackBuffers(cfg.pipeline_depth, self.bucket_bytes, self.device)
+        self._ready: deque[SendPlan] = deque()  # prepared buckets, in transmit order
 
     async def open(self, peers: list[str]) -> list[dict[str, Any]]:
         await self.close()
@@ -146,33 +125,21 @@ class BroadcastSender(BulkSender):
                 raise SyncError(f"broadcast group setup failed: {exc}") from exc
 
     def prepare(self, version: int, seq: int, bucket: Bucket) -> dict[str, Any]:
-        self._lay = Layout.of(bucket)
-        runs = _runs(bucket.tensors)
-        # Large runs go straight from the trainer's memory; only the small rest is packed.
-        direct = [r for r in runs if _run_bytes(bucket.tensors, r) >= DIRECT_MIN_BYTES]
-        packed = [i for r in runs if r not in direct for i in range(*r)]
-        need = sum(bucket.tensors[i].numel() * bucket.tensors[i].element_size() for i in packed)
-        if self._buf is None or self._buf.numel() < need:
-            self._buf = torch.empty(max(self.bucket_bytes, need), dtype=torch.uint8, device=self.device)
-        pos = 0
-        for i in packed:
-            b = _bytes(bucket.tensors[i])
-            self._buf[pos:pos + b.numel()].copy_(b)
-            pos += b.numel()
-        self._sends = [_run_view(bucket.tensors, r) for r in direct]
-        if packed:
-            self._sends.append(self._buf[:pos])
-        return {"layout": self._lay.to_wire(), "direct": [list(r) for r in direct], "packed": packed}
+        if self._packs.device != self.device:
+            self._packs = PackBuffers(self.cfg.pipeline_depth, self.bucket_bytes, self.device)
+        plan = plan_sends(bucket, self._packs)
+        self._ready.append(plan)
+        return plan.header
 
     async def transmit(self) -> None:
         await self.connected()
-        if self._pg is None or self._lay is None:
+        if self._pg is None or not self._ready:
             raise SyncError("broadcast: transmit before open/prepare")
-        sends, self._sends = self._sends, []
+        plan = self._ready.popleft()
         try:
-            await asyncio.to_thread(_broadcast_all, self._pg, sends)
+            await _broadcast_all(self._pg, plan.sends)
         except RuntimeError as exc:
-            raise SyncError(f"broadcast of {self._lay.nbytes} bytes failed: {exc}") from exc
+            raise SyncError(f"broadcast of {plan.nbytes} bytes failed: {exc}") from exc
 
     async def close(self) -> None:
         pending, self._pending = self._pending, None
@@ -182,6 +149,7 @@ class BroadcastSender(BulkSender):
             await asyncio.to_thread(_shutdown, self._pg)
         self._pg = None
         self._store = None
+        self._ready.clear()
 
 
 class BroadcastReceiver(BulkReceiver):
@@ -208,41 +176,13 @@ class BroadcastReceiver(BulkReceiver):
     async def recv(self, header: dict[str, Any], local: LocalWeights) -> list[tuple[str, torch.Tensor]]:
         if self._pg is None:
             raise SyncError("broadcast: recv before open")
-        lay = Layout.from_wire(header["layout"])
+        land = Landing("broadcast", header, local, self._buf)
+        self._buf = land.buf
         try:
-            direct = [(int(a), int(b)) for a, b in header["direct"]]
-            packed = [int(i) for i in header["packed"]]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise SyncError(f"broadcast bucket header is malformed: {exc}") from exc
-        if sorted([i for a, b in direct for i in range(a, b)] + packed) != list(range(len(lay.names))):
-            raise SyncError(f"broadcast bucket header: direct runs {direct} and packed {packed} "
-                            f"do not cover its {len(lay.names)} tensors once each")
-        # Straight into the engine's staging slots when the bucket lies there contiguously
-        # (no copy after the collective); else into the bucket buffer, copied when staged.
-        region = slot_region(lay, local, self._buf.device)
-        if region is None:
-            if lay.nbytes > self._buf.numel():
-                self._buf = torch.empty(lay.nbytes, dtype=torch.uint8, device=self._buf.device)
-            region = self._buf[: lay.nbytes]
-        ends = [*lay.offsets[1:], lay.nbytes]
-        recvs = [region[lay.offsets[a]:ends[b - 1]] for a, b in direct]
-        small = sum(ends[i] - lay.offsets[i] for i in packed)
-        tmp = torch.empty(small, dtype=torch.uint8, device=region.device) if packed else None
-        if tmp is not None:
-            recvs.append(tmp)
-        try:
-            await asyncio.to_thread(_broadcast_all, self._pg, recvs)
+            await _broadcast_all(self._pg, land.recvs)
         except RuntimeError as exc:
-            raise SyncError(f"broadcast receive of {lay.nbytes} bytes failed: {exc}") from exc
-        if tmp is not None:
-            pos = 0
-            for i in packed:
-                n = ends[i] - lay.offsets[i]
-                region[lay.offsets[i]:ends[i]].copy_(tmp[pos:pos + n])
-                pos += n
-        if region.data_ptr() != self._buf.data_ptr() and local.slot is not None:
-            return [(n, local.slot(n)) for n in lay.names]
-        return unpack(lay, self._buf)
+            raise SyncError(f"broadcast receive of {land.lay.nbytes} bytes failed: {exc}") from exc
+        return land.tensors()
 
     async def close(self) -> None:
         if self._pg is not None:

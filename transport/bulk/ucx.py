@@ -2,7 +2,10 @@
 
 Rank 0 listens; each engine connects once per run and announces its index, so
 endpoints and the staging buffers (registered once, not per update) are reused for
-every bucket. Receivers write straight into their pre-allocated staging buffer.
+every bucket. Large runs of tensors go from the trainer's memory, the rest packed
+(wire_plan); receivers write straight into the engine's staging slots when they are laid
+out like the bucket, else into their pre-allocated bucket buffer. Weights on a GPU stay
+there end to end (UCX moves CUDA memory itself: cuda_ipc on one host, RDMA across).
 UCXX is imported lazily: without it this channel raises a clear error.
 """
 
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from types import ModuleType
 from typing import Any
 
@@ -18,15 +22,9 @@ import torch
 
 from miles.core.errors import SyncError
 from miles.core.schema.sync import SyncConfig
-from miles.transport.bulk.base import (
-    BulkReceiver,
-    BulkSender,
-    Layout,
-    LocalWeights,
-    pack_into,
-    unpack,
-)
+from miles.transport.bulk.base import BulkReceiver, BulkSender, LocalWeights
 from miles.transport.bulk.buckets import Bucket
+from miles.transport.bulk.wire_plan import Landing, PackBuffers, SendPlan, plan_sends
 
 
 def import_ucxx() -> ModuleType:
@@ -49,10 +47,11 @@ class UcxSender(BulkSender):
         super().__init__(cfg)
         self.ucxx = import_ucxx()
         self.advertise = "127.0.0.1"
+        self.device = torch.device("cpu")  # where the weights (and pack buffers) live; cuda keeps them there
         self._listener: Any = None
         self._eps: dict[int, Any] = {}
-        self._buf = torch.empty(self.bucket_bytes, dtype=torch.uint8)
-        self._lay: Layout | None = None
+        self._packs = PackBuffers(cfg.pipeline_depth, self.bucket_bytes, self.device)
+        self._ready: deque[SendPlan] = deque()
 
     async def _accept(self, ep: Any) -> None:
         who = np.empty(1, dtype=np.int64)
@@ -63,7 +62,8 @@ class UcxSender(BulkSender):
         await self.close()
         self._listener = self.ucxx.create_listener(self._accept)
         self.peers = list(peers)
-        return [{"addr": self.advertise, "port": self._listener.port, "index": i} for i in range(len(peers))]
+        return [{"addr": self.advertise, "port": self._listener.port, "index": i, "mem": self.device.type}
+                for i in range(len(peers))]
 
     async def _connected(self) -> None:
         deadline = time.monotonic() + self.cfg.step_timeout_s
@@ -74,22 +74,32 @@ class UcxSender(BulkSender):
             await asyncio.sleep(0.005)
 
     def prepare(self, version: int, seq: int, bucket: Bucket) -> dict[str, Any]:
-        if bucket.nbytes > self._buf.numel():
-            self._buf = torch.empty(bucket.nbytes, dtype=torch.uint8)
-        self._lay = pack_into(bucket, self._buf)
-        return {"layout": self._lay.to_wire()}
+        if self._packs.device != self.device:
+            self._packs = PackBuffers(self.cfg.pipeline_depth, self.bucket_bytes, self.device)
+        plan = plan_sends(bucket, self._packs)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # UCX reads the bytes outside torch's streams
+        self._ready.append(plan)
+        return plan.header
 
     async def transmit(self) -> None:
         await self._connected()
-        if self._lay is None:
+        if not self._ready:
             raise SyncError("ucx: transmit before prepare")
-        view = _np(self._buf[: self._lay.nbytes])
-        await asyncio.gather(*(ep.send(view) for ep in self._eps.values()))
+        plan = self._ready.popleft()
+        views = [_np(b) for b in plan.sends]
+
+        async def to(ep: Any) -> None:
+            for v in views:  # in header order: the receiver posts its receives in the same order
+                await ep.send(v)
+
+        await asyncio.gather(*(to(ep) for ep in self._eps.values()))
 
     async def close(self) -> None:
         for ep in self._eps.values():
             await ep.close()
         self._eps = {}
+        self._ready.clear()
         if self._listener is not None:
             self._listener.close()
             self._listener = None
@@ -101,7 +111,9 @@ class UcxReceiver(BulkReceiver):
     def __init__(self, info: dict[str, Any], bucket_bytes: int) -> None:
         super().__init__(info, bucket_bytes)
         self.ucxx = import_ucxx()
-        self._buf = torch.empty(bucket_bytes, dtype=torch.uint8)
+        # GPU weights travel GPU to GPU (UCX picks cuda_ipc / RDMA); host ones through host memory.
+        dev = torch.device("cuda", torch.cuda.current_device()) if info.get("mem") == "cuda" else torch.device("cpu")
+        self._buf = torch.empty(bucket_bytes, dtype=torch.uint8, device=dev)
         self._ep: Any = None
 
     async def open(self) -> None:
@@ -115,11 +127,11 @@ class UcxReceiver(BulkReceiver):
     async def recv(self, header: dict[str, Any], local: LocalWeights) -> list[tuple[str, torch.Tensor]]:
         if self._ep is None:
             raise SyncError("ucx: recv before open")
-        lay = Layout.from_wire(header["layout"])
-        if lay.nbytes > self._buf.numel():
-            self._buf = torch.empty(lay.nbytes, dtype=torch.uint8)
-        await self._ep.recv(_np(self._buf[: lay.nbytes]))
-        return unpack(lay, self._buf)
+        land = Landing("ucx", header, local, self._buf)
+        self._buf = land.buf
+        for r in land.recvs:
+            await self._ep.recv(_np(r))
+        return land.tensors()
 
     async def close(self) -> None:
         if self._ep is not None:
