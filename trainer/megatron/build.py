@@ -137,6 +137,7 @@ def transformer_config(spec: ModelSpec, mc: MegatronConfig, te: bool) -> Any:
             moe_token_dispatcher_type="alltoall",
             moe_grouped_gemm=False,
             moe_router_fusion=False,
+            moe_router_dtype="fp32",
             moe_permute_fusion=False,
         )
     return TransformerConfig(**kw)
@@ -150,7 +151,7 @@ def build_gpt(spec: ModelSpec, mc: MegatronConfig) -> torch.nn.Module:
     te = use_te(mc)
     config = transformer_config(spec, mc, te)
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm")
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=block,
         vocab_size=spec.vocab_size,
@@ -163,3 +164,29 @@ def build_gpt(spec: ModelSpec, mc: MegatronConfig) -> torch.nn.Module:
         rotary_percent=1.0,
         rotary_base=int(spec.rope_theta),
     )
+    # megatron's own layers allocate on the GPU, but the torch norms of the local spec
+    # (WrappedTorchNorm) are plain modules created on the CPU: megatron's training loop
+    # moves the model with .cuda(), so do the same
+    model = model.cuda(torch.cuda.current_device())
+    _routers_outside_autocast(model)
+    return model
+
+
+def _routers_outside_autocast(model: torch.nn.Module) -> None:
+    """Run each MoE router's gating matmul in fp32 with autocast off.
+
+    megatron's router matmul is a custom autograd function without custom_bwd: under
+    autocast its forward would return bf16 logits while its backward multiplies the bf16
+    gradient with fp32 weights (a dtype error). Router logits in fp32 is also what
+    megatron recommends (moe_router_dtype='fp32')."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    for m in model.modules():
+        if isinstance(m, TopKRouter):
+            gating = m.gating
+
+            def fp32_gating(inp: torch.Tensor, _gating: Any = gating) -> torch.Tensor:
+                with torch.autocast("cuda", enabled=False):
+                    return _gating(inp)
+
+            m.gating = fp32_gating  # type: ignore[method-assign]
