@@ -9,7 +9,7 @@ if [ ! -x "$VENV/bin/python" ] || [ ! -f "$VENV/.miles-installed" ]; then
   python3 -m venv "$VENV"
   # The CPU build of torch 2.13.0 is on this machine's disk; pin it so no CUDA build is pulled.
   "$VENV/bin/pip" install -q torch==2.13.0
-  "$VENV/bin/pip" install -q -e '.[dev,tb]'
+  "$VENV/bin/pip" install -q -e '.[dev,tb,ucx]'  # ucx: UCXX over TCP on CPU too
   touch "$VENV/.miles-installed"
 fi
 cmd="${1:-}"
