@@ -10,6 +10,7 @@ definitions (`token_logprobs`, `entropy_from_logits`).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -76,7 +77,8 @@ def mcore_forward(
     pos = torch.arange(lay.cols, device=ids.device).expand(lay.rows, lay.cols)
     if routing is not None:
         routing.begin(padded_routes(mb, lay) if replay else None, keep_routes)
-    with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+    amp = nullcontext() if dtype == torch.float32 else torch.autocast("cuda", dtype=dtype)
+    with amp:
         logits = model(ids, pos, attention_mask=None)  # [B, S, V]
     if routing is not None:
         routing.end(lay.sb_index, lay.rows * lay.cols)
