@@ -13,9 +13,11 @@ launch. Shapes are made static by padding:
 
 Decode rows are always pool rows 0..n-1 (the engine keeps rows compact), so a graph
 writes the same KV tensors every replay; inputs live in static device tensors that are
-refilled (one host-to-device copy) before each replay. Weight commits copy into the
-parameters in place, so graphs never go stale. Graphs share one memory pool and never
-run concurrently (the engine steps under its lock).
+refilled (one host-to-device copy) before each replay. A weight commit swaps the
+parameters between two persistent storages (engines/weights.py), so graphs are kept per
+weight storage: after the first two commits both sets have theirs and a commit costs no
+copy and no capture. Graphs share one memory pool and never run concurrently (the engine
+steps under its lock).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ class DecodeGraphs:
         self.scratch = pool.max_seq_len
         # capture=False runs the same padded, bucketed forward eagerly (CPU tests of the layout)
         self.capture = capture
-        self._graphs: dict[tuple[int, int, bool], _Graph] = {}
+        self._graphs: dict[tuple[int, int, bool, tuple[int, int]], _Graph] = {}
         self._mempool: tuple[int, int] | None = None
         self.failed = False  # a capture failed: the engine falls back to eager decode for good
 
@@ -78,13 +80,23 @@ class DecodeGraphs:
         if not self.capture:
             logits, routed = self._forward(host.to(self.pool.k[0].device), r, want_routed)
             return logits[:n], None if routed is None else routed[:n]
-        key = (b, r, want_routed)
+        key = (b, r, want_routed, self._weights())
         g = self._graphs.get(key)
         if g is None:
             g = self._graphs[key] = self._capture(b, r, want_routed)
         g.inputs.copy_(host)
         g.graph.replay()
         return g.logits[:n], None if g.routed is None else g.routed[:n].clone()
+
+    def _weights(self) -> tuple[int, int]:
+        """Which weight storage the parameters live in now (a graph holds its pointers).
+
+        The storage's address and size: once the stager has packed the parameters into its
+        two flat buffers, these are the only two values, and a storage of the pre-packing
+        layout (one parameter's size) can never be taken for one of them.
+        """
+        st = next(self.model.parameters()).untyped_storage()
+        return st.data_ptr(), st.nbytes()
 
     def _forward(
         self, inputs: torch.Tensor, read: int, want_routed: bool

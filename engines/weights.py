@@ -5,11 +5,11 @@ updated; `apply` installs every staged tensor in one go and is called by the eng
 between two forward passes. The staging area is allocated once and reused for every
 version, so receiving a tensor is exactly one copy into it. How `apply` installs:
 
-- bound to the model (`bind_model`, CPU weights): the staging area is a second set of
-  parameter tensors; `apply` swaps each parameter's storage with its staged twin
-  (no byte moves), and the next version stages into the previous live set.
-- otherwise (views only, or GPU weights whose pointers CUDA graphs captured): one
-  copy per tensor from the staging arena into the live views.
+- bound to the model (`bind_model`): the staging area is a second set of parameter
+  tensors; `apply` swaps each parameter's storage with its staged twin (no byte moves),
+  and the next version stages into the previous live set. On a GPU the decode graphs
+  are kept per storage (engines/cuda_graph.py), so both sets keep valid graphs.
+- otherwise (views only): one copy per tensor from the staging arena into the live views.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class WeightStager:
         views: dict[str, torch.Tensor] = {}
         for pname, p in params:
             pv = view_fn(pname, p.data)
-            if p.device.type != "cpu" or sum(v.numel() for _, v in pv) != p.numel():
+            if sum(v.numel() for _, v in pv) != p.numel():
                 return False
             views.update(pv)
         if set(views) != set(self._views):
@@ -90,7 +90,7 @@ class WeightStager:
         if len({p.dtype for _, p in params}) != 1:
             return {n: torch.empty_like(p.data) for n, p in params}
         total = sum(p.numel() for _, p in params)
-        live = torch.empty(total, dtype=params[0][1].dtype)
+        live = torch.empty(total, dtype=params[0][1].dtype, device=params[0][1].device)
         twin = torch.empty_like(live)
         shadow, pos = {}, 0
         for n, p in params:
