@@ -174,7 +174,9 @@ class TorchEngine(Engine):
     async def stage(
         self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
     ) -> int:
-        if self.stager.in_place(named_tensors):  # a receiver wrote into the slots: bookkeeping only
+        # a receiver wrote into the slots: bookkeeping only (an empty bucket, e.g. part of a
+        # chunked tensor, must not mark the version as a full-weights one: LoRA versions are not)
+        if named_tensors and self.stager.in_place(named_tensors):
             return self.stager.stage(version, named_tensors)
         return await asyncio.to_thread(self._stage, version, named_tensors)
 
