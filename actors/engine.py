@@ -126,6 +126,8 @@ class EngineActor(Actor):
             await self.engine.commit(msg.version)
         finally:
             self._live = None  # a swapping commit moves the live tensors
+            if self._receiver is not None:
+                self._receiver.release()
 
     @handler(AbortVersion)
     async def abort_version(self, msg: AbortVersion) -> None:
@@ -134,6 +136,8 @@ class EngineActor(Actor):
             await self._settle()
         except Exception as exc:  # noqa: BLE001 - the version is being dropped anyway
             log.info("abort_version_staging_failed", version=msg.version, error=str(exc))
+        if self._receiver is not None:
+            self._receiver.release()
         await self.engine.abort_version(msg.version)
 
     @handler(EndSession, concurrency=16)

@@ -31,7 +31,7 @@ from miles.actors.runtime.host import DIRECTORY_NAME, Host
 from miles.core.errors import SyncError, TransportError
 from miles.core.schema.sync import SyncConfig
 from miles.core.schema.transport import TransportConfig
-from miles.transport.bulk.base import LocalWeights, make_receiver, make_sender
+from miles.transport.bulk.base import Layout, LocalWeights, dtype_of, make_receiver, make_sender
 from miles.transport.bulk.buckets import Bucket
 from miles.transport.bulk.disk_delta import version_dir
 from miles.transport.codec import MAX_HEADER_BYTES
@@ -144,10 +144,31 @@ class PerfSink(Actor):
     async def on_recv(self, msg: PerfRecv) -> None:
         if self.receiver is None:
             raise TransportError("perftest sink: Recv before Open")
-        views = await self.receiver.recv(msg.header, self.local)
+        views = await self.receiver.recv(msg.header, self._slots(msg.header))
         if self.copy_out:
-            self._stage([t for _, t in views])
+            if views and views[0][1].data_ptr() == self.dest.data_ptr():
+                sync(self.dest.device)  # the receiver wrote into the destination itself
+            else:
+                self._stage([t for _, t in views])
         self._arrived()
+
+    def _slots(self, header: dict[str, Any]) -> LocalWeights:
+        """Destination slots laid out as the message's bucket, as an engine's staging area is:
+        receivers that can write there directly do (the stage copy is then already done)."""
+        if not self.copy_out or "layout" not in header:
+            return self.local
+        lay = Layout.from_wire(header["layout"])
+        if lay.nbytes > self.dest.numel():
+            return self.local
+        views = {n: self.dest[off:off + math.prod(shape) * dtype_of(dt).itemsize].view(dtype_of(dt)).view(shape)
+                 for n, dt, shape, off in zip(lay.names, lay.dtypes, lay.shapes, lay.offsets, strict=True)}
+
+        def slot(name: str) -> torch.Tensor:
+            if name not in views:
+                raise TransportError(f"perftest sink: no slot for {name!r}")
+            return views[name]
+
+        return LocalWeights(0, _no_weights, slot)
 
     @handler(PerfClose)
     async def on_close(self, msg: PerfClose) -> None:

@@ -119,17 +119,6 @@ def dtype_of(name: str) -> torch.dtype:
     return dt
 
 
-def pack_into(bucket: Bucket, buf: torch.Tensor) -> Layout:
-    """Copy a bucket's tensors back to back into the uint8 buffer `buf` (one copy each)."""
-    lay = Layout.of(bucket)
-    if lay.nbytes > buf.numel():
-        raise SyncError(f"bucket of {lay.nbytes} bytes does not fit the {buf.numel()}-byte staging buffer")
-    for t, off in zip(bucket.tensors, lay.offsets, strict=True):
-        n = t.numel() * t.element_size()
-        buf[off:off + n].copy_(t.contiguous().reshape(-1).view(torch.uint8))
-    return lay
-
-
 def unpack(lay: Layout, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """Views of each tensor inside `buf` (valid until the buffer is reused)."""
     if lay.nbytes > buf.numel():
@@ -196,6 +185,9 @@ class BulkReceiver(abc.ABC):
     @abc.abstractmethod
     async def recv(self, header: dict[str, Any], local: LocalWeights) -> list[tuple[str, torch.Tensor]]:
         """Receive one bucket; returned tensors may be views valid until the next `recv`."""
+
+    def release(self) -> None:  # noqa: B027 - optional hook
+        """The version being received ended (committed or aborted): drop what it held."""
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release the channel."""

@@ -1,9 +1,16 @@
-"""`cuda_ipc` channel: trainer and engine share one GPU; the engine reads the trainer's buffer.
+"""`cuda_ipc` channel: trainer and engine share one GPU; the engine copies from the trainer's memory.
 
-The trainer packs each bucket into one pre-allocated device buffer whose CUDA IPC
-handle is exported once per run (mapping is expensive; per-update it would dominate).
-The handle's fields (ints and bytes) travel in the msgpack open message, never
-pickled; the engine maps the buffer once and copies each bucket out of it.
+Single copy: the header of a bucket carries the CUDA IPC handle of each trainer storage
+its tensors live in (ints and bytes in msgpack, never pickled) and each tensor's byte
+offset there. The engine maps each storage once per version (the mapping is the
+expensive part; torch caches it per allocation) and copies every tensor straight into
+its staging slot, so an update moves each byte once. Tensors that are not on this GPU
+(e.g. a CPU export) are first copied to it and shared the same way.
+
+Lifetime: the engine synchronizes its copies before it answers a bucket, and the trainer
+keeps every shared tensor alive until the version is committed or aborted, so no
+storage is freed while the engine may read it. The engine drops its mappings when the
+version ends (commit or abort), which lets the trainer's allocator reuse that memory.
 """
 
 from __future__ import annotations
@@ -14,15 +21,8 @@ import torch
 
 from miles.core.errors import SyncError
 from miles.core.schema.sync import SyncConfig
-from miles.transport.bulk.base import (
-    BulkReceiver,
-    BulkSender,
-    Layout,
-    LocalWeights,
-    pack_into,
-    unpack,
-)
-from miles.transport.bulk.buckets import Bucket
+from miles.transport.bulk.base import BulkReceiver, BulkSender, Layout, LocalWeights, dtype_of
+from miles.transport.bulk.buckets import CHUNK_SEP, Bucket
 
 _HANDLE_KEYS = ("device", "handle", "size", "offset", "ref_handle", "ref_offset", "event", "event_sync")
 
@@ -40,26 +40,57 @@ class CudaIpcSender(BulkSender):
         _need_cuda()
         super().__init__(cfg)
         self.device = torch.device("cuda", torch.cuda.current_device())
-        self._buf = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.device)
-        self._info: dict[str, Any] | None = None
+        self._shared: dict[tuple[int, int], int] = {}  # (storage address, size) -> index in this version
+        self._handles: list[dict[str, Any]] = []
+        self._keep: list[torch.Tensor] = []  # one tensor per shared storage the engines may still read
+        self._version: int | None = None
 
     async def open(self, peers: list[str]) -> list[dict[str, Any]]:
-        if self._info is None:
-            fields = self._buf.untyped_storage()._share_cuda_()
-            self._info = dict(zip(_HANDLE_KEYS, fields, strict=True))
         self.peers = list(peers)
-        return [dict(self._info, bucket_bytes=self.bucket_bytes) for _ in peers]
+        return [{"device": self.device.index} for _ in peers]
+
+    def _begin(self, version: int) -> None:
+        if self._version != version:
+            self._release()
+            self._version = version
+
+    def _release(self) -> None:
+        self._shared, self._handles, self._keep, self._version = {}, [], [], None
 
     def prepare(self, version: int, seq: int, bucket: Bucket) -> dict[str, Any]:
-        lay = pack_into(bucket, self._buf)
-        torch.cuda.current_stream(self.device).synchronize()  # bytes are in place before the header leaves
-        return {"layout": lay.to_wire()}
+        self._begin(version)
+        new: list[dict[str, Any]] = []  # handles this bucket introduces (the engine keeps earlier ones)
+        refs = []
+        for t in bucket.tensors:
+            if t.device != self.device:
+                t = t.to(self.device)
+            st = t.untyped_storage()
+            key = (st.data_ptr(), st.nbytes())
+            idx = self._shared.get(key)
+            if idx is None:
+                self._keep.append(t)  # holds the storage until the version ends
+                idx = self._shared[key] = len(self._handles)
+                h = dict(zip(_HANDLE_KEYS, st._share_cuda_(), strict=True))
+                self._handles.append(h)
+                new.append(h)
+            refs.append([idx, t.storage_offset() * t.element_size()])
+        # The engine reads on its own stream in another process: the bytes must be final now.
+        torch.cuda.current_stream(self.device).synchronize()
+        return {"version": version, "layout": Layout.of(bucket).to_wire(), "storages": new,
+                "first": len(self._handles) - len(new), "refs": refs}
 
     async def transmit(self) -> None:
-        """Nothing moves: the engine reads the shared buffer once it has the header."""
+        """Nothing moves here: the engine copies from the shared storages once it has the header."""
+
+    async def committed(self, version: int) -> None:
+        self._release()
+
+    async def abort(self, version: int) -> None:
+        self._release()
 
     async def close(self) -> None:
         self.peers = []
+        self._release()
 
 
 class CudaIpcReceiver(BulkReceiver):
@@ -68,21 +99,70 @@ class CudaIpcReceiver(BulkReceiver):
     def __init__(self, info: dict[str, Any], bucket_bytes: int) -> None:
         _need_cuda()
         super().__init__(info, bucket_bytes)
-        self._shared: torch.Tensor | None = None
+        self._maps: list[torch.UntypedStorage] = []
+        self._version: int | None = None
 
-    async def open(self) -> None:
+    def _map(self, header: dict[str, Any]) -> None:
         try:
-            fields = tuple(self.info[k] for k in _HANDLE_KEYS)
-        except KeyError as exc:
-            raise SyncError(f"cuda_ipc open info lacks {exc}") from exc
-        storage = torch.UntypedStorage._new_shared_cuda(*fields)
-        self._shared = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+            version = int(header["version"])
+            first = int(header["first"])
+            fresh = [tuple(h[k] for k in _HANDLE_KEYS) for h in header["storages"]]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SyncError(f"cuda_ipc bucket header is malformed: {exc}") from exc
+        if version != self._version:  # a new version shares its storages afresh
+            self._maps, self._version = [], version
+        if first != len(self._maps):
+            raise SyncError(f"cuda_ipc: bucket introduces storage #{first}, engine holds {len(self._maps)} "
+                            "(a bucket of this version was missed)")
+        for fields in fresh:
+            try:
+                self._maps.append(torch.UntypedStorage._new_shared_cuda(*fields))
+            except RuntimeError as exc:
+                raise SyncError(f"cuda_ipc: mapping the trainer's storage failed: {exc}") from exc
 
     async def recv(self, header: dict[str, Any], local: LocalWeights) -> list[tuple[str, torch.Tensor]]:
-        if self._shared is None:
-            raise SyncError("cuda_ipc: recv before open")
-        # Views of the trainer's buffer: the engine's stage copies them before the next bucket.
-        return unpack(Layout.from_wire(header["layout"]), self._shared)
+        lay = Layout.from_wire(header.get("layout", {}))
+        self._map(header)
+        refs = header.get("refs")
+        if not isinstance(refs, list) or len(refs) != len(lay.names):
+            raise SyncError(f"cuda_ipc bucket header: {len(lay.names)} tensors but refs {refs!r:.80}")
+        out: list[tuple[str, torch.Tensor]] = []
+        for name, dt_s, shape, ref in zip(lay.names, lay.dtypes, lay.shapes, refs, strict=True):
+            idx, off = int(ref[0]), int(ref[1])
+            if not 0 <= idx < len(self._maps):
+                raise SyncError(f"cuda_ipc: tensor {name!r} refers to unknown storage #{idx}")
+            storage, dt = self._maps[idx], dtype_of(dt_s)
+            numel = 1
+            for s in shape:
+                numel *= int(s)
+            if off + numel * dt.itemsize > storage.nbytes():
+                raise SyncError(f"cuda_ipc: tensor {name!r} ({numel * dt.itemsize} bytes at {off}) lies "
+                                f"outside its shared storage of {storage.nbytes()} bytes")
+            src = torch.empty(0, dtype=dt, device=storage.device)
+            src.set_(storage, off // dt.itemsize, list(shape))
+            dst = _slot(name, local, src)
+            dst.copy_(src, non_blocking=True)
+            out.append((name, dst))
+        # The trainer may reuse its memory once this bucket is answered: the copies must be done.
+        torch.cuda.current_stream(self._maps[0].device if self._maps else None).synchronize()
+        return out
+
+    def release(self) -> None:
+        """The version ended: unmap the trainer's storages so it can free them."""
+        self._maps, self._version = [], None
 
     async def close(self) -> None:
-        self._shared = None
+        self.release()
+
+
+def _slot(name: str, local: LocalWeights, src: torch.Tensor) -> torch.Tensor:
+    """The engine's staging slot for `name` when it has one on the same device, else a fresh tensor
+    (a chunk of a larger tensor, reassembled by the engine)."""
+    if local.slot is not None and CHUNK_SEP not in name:
+        try:
+            dst = local.slot(name)
+        except Exception:  # noqa: BLE001 - no slot of its own: fall back to a fresh tensor
+            dst = None
+        if dst is not None and dst.device == src.device and dst.shape == src.shape and dst.dtype == src.dtype:
+            return dst
+    return torch.empty_like(src)
