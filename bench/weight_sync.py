@@ -57,14 +57,29 @@ def spec(hidden: int, layers: int) -> ModelSpec:
 
 
 # ------------------------------------------------------------------ child processes
-def serve_engine(hidden: int, layers: int, ready: str) -> None:
+def make_model(hidden: int, layers: int, seed: int, device: str = "cpu") -> torch.nn.Module:
+    """The benchmark model: fp32 on the CPU; bf16 built straight on a GPU (no host-side init)."""
+    if device == "cpu":
+        return build_model(spec(hidden, layers), seed=seed)
+    with torch.device(device):
+        model = build_model(spec(hidden, layers), dtype=torch.bfloat16, device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02, generator=g)
+    return model
+
+
+def serve_engine(hidden: int, layers: int, ready: str, device: str = "cpu") -> None:
     from miles.actors.engine import EngineActor
     from miles.actors.runtime.process import run
     from miles.core.schema.engine import EngineConfig
     from miles.engines.torch_engine import TorchEngine
 
     async def setup(host: Host) -> None:
-        eng = TorchEngine(build_model(spec(hidden, layers), seed=1), EngineConfig(max_batch_size=2, max_seq_len=64))
+        eng = TorchEngine(make_model(hidden, layers, 1, device),
+                          EngineConfig(max_batch_size=2, max_seq_len=64, device=device,
+                                       dtype="float32" if device == "cpu" else "bfloat16"))
         await host.add(EngineActor(eng), "engine")
 
     sys.exit(run(setup, cfg=TransportConfig(), run_directory=True, ready_file=ready))
@@ -103,12 +118,19 @@ def gloo_sink(port: int, total: int, bucket: int, reps: int) -> None:
     pg.shutdown()
 
 
-def ucx_sink(ready: str, total: int, bucket: int, reps: int) -> None:
+def _flat(total: int, device: str, fill: int) -> Any:
+    """A flat byte buffer UCXX can read/write: numpy on the host, a torch CUDA tensor on a GPU."""
+    if device == "cpu":
+        return np.full(total, fill, dtype=np.uint8)
+    return torch.full((total,), fill, dtype=torch.uint8, device=device)
+
+
+def ucx_sink(ready: str, total: int, bucket: int, reps: int, device: str = "cpu") -> None:
     import ucxx
 
     async def serve() -> None:
         done = asyncio.Event()
-        dest = np.zeros(total, dtype=np.uint8)  # the model's bytes land in distinct memory, as in an engine
+        dest = _flat(total, device, 0)  # the model's bytes land in distinct memory, as in an engine
 
         async def handler(ep: Any) -> None:
             for _ in range(reps):
@@ -187,17 +209,17 @@ def raw_gloo(total: int, bucket: int, reps: int) -> float:
     return total / best / 1e9
 
 
-def raw_ucx(root: Path, total: int, bucket: int, reps: int) -> float:
+def raw_ucx(root: Path, total: int, bucket: int, reps: int, device: str = "cpu") -> float:
     """A bare UCXX endpoint sending the model's bytes bucket by bucket (what ucx_perftest's
     tag-send bandwidth test does), acked once per pass by the receiver."""
     import ucxx
 
     ready = str(root / f"ucx-ready-{time.monotonic_ns()}")
-    child, port = spawn(["--ucx-sink", ready, str(total), str(bucket), str(reps)], ready)
+    child, port = spawn(["--ucx-sink", ready, str(total), str(bucket), str(reps), device], ready)
 
     async def send() -> float:
         ep = await ucxx.create_endpoint("127.0.0.1", int(port))
-        src, ack = np.ones(total, dtype=np.uint8), np.empty(1, dtype=np.uint8)
+        src, ack = _flat(total, device, 1), np.empty(1, dtype=np.uint8)
         best = float("inf")
         for _ in range(reps):
             t0 = time.perf_counter()
@@ -261,14 +283,14 @@ def perturb(model: torch.nn.Module, step: int, fraction: float) -> None:
 
 
 async def miles_update(directory: str, model: torch.nn.Module, transport: str, bucket_mib: int,
-                       reps: int, root: Path) -> float:
+                       reps: int, root: Path, device: str = "cpu") -> float:
     from miles.actors.sync import WeightSync
 
     host = Host(TransportConfig(), directory)
     await host.start()
     cfg = SyncConfig(transport=transport, bucket_mib=bucket_mib, pause_mode="none", step_timeout_s=60,
                      delta_dir=str(root / f"delta-{bucket_mib}"), delta_compression="auto")
-    sync = WeightSync(host, cfg, ["engine"])
+    sync = WeightSync(host, cfg, ["engine"], device)
     total = sum(t.numel() * t.element_size() for t in hf_tensor_views(model).values())  # type: ignore[arg-type]
     best = float("inf")
     try:
@@ -276,6 +298,8 @@ async def miles_update(directory: str, model: torch.nn.Module, transport: str, b
         await sync.push(version, hf_tensor_views(model).items())  # warm-up: opens channels, disk base
         for r in range(reps):
             perturb(model, r, 0.5 if transport == "disk_delta" else 1.0)
+            if device != "cpu":
+                torch.cuda.synchronize(device)
             t0 = time.perf_counter()
             await sync.push(version + 1 + r, hf_tensor_views(model).items())
             best = min(best, time.perf_counter() - t0)
@@ -287,22 +311,22 @@ async def miles_update(directory: str, model: torch.nn.Module, transport: str, b
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--serve-engine", nargs=3)
+    ap.add_argument("--serve-engine", nargs="+", help="hidden layers ready [device]")
     ap.add_argument("--zmq-sink")
     ap.add_argument("--gloo-sink", nargs=4, type=int)
-    ap.add_argument("--ucx-sink", nargs=4)
+    ap.add_argument("--ucx-sink", nargs=5)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--transports", default="zmq,ucx,broadcast,disk_delta",
                     help="comma-separated subset (ucx is skipped, with a note, when UCXX is not installed)")
     a = ap.parse_args()
     if a.serve_engine:
-        return serve_engine(int(a.serve_engine[0]), int(a.serve_engine[1]), a.serve_engine[2])
+        return serve_engine(int(a.serve_engine[0]), int(a.serve_engine[1]), a.serve_engine[2], *a.serve_engine[3:])
     if a.zmq_sink:
         return zmq_sink(a.zmq_sink)
     if a.gloo_sink:
         return gloo_sink(*a.gloo_sink)
     if a.ucx_sink:
-        return ucx_sink(a.ucx_sink[0], *map(int, a.ucx_sink[1:]))
+        return ucx_sink(a.ucx_sink[0], *map(int, a.ucx_sink[1:4]), a.ucx_sink[4])
     transports = [t for t in a.transports.split(",") if t]
     unknown = set(transports) - {"zmq", "ucx", "broadcast", "disk_delta"}
     if unknown:
@@ -320,7 +344,7 @@ def main() -> None:
         zsink, zports = spawn(["--zmq-sink", str(root / "zready")], str(root / "zready"))
         try:
             for hidden, layers in sizes:
-                model = build_model(spec(hidden, layers), seed=2)
+                model = make_model(hidden, layers, 2)
                 total = sum(t.numel() * t.element_size() for t in hf_tensor_views(model).values())
                 ready = str(root / f"eready-{hidden}")
                 eng, directory = spawn(["--serve-engine", str(hidden), str(layers), ready], ready)

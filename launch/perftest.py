@@ -49,7 +49,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--warmup", type=int, default=100, help="warm-up messages per size (not measured)")
     p.add_argument("--window", type=int, default=16, help="messages in flight per ack (stream, bucket)")
     p.add_argument("--max-bytes", default="1GiB", help="cap on bytes moved per size (fewer iters for big sizes)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--device", choices=("cpu", "pinned", "cuda"), default="cpu",
+                   help="where both ends' buffers live: host, page-locked host (needs CUDA), GPU")
     p.add_argument("--json", default="", metavar="FILE")
     p.add_argument("--csv", default="", metavar="FILE")
     p.add_argument("--plot", default="", metavar="PNG", help="bandwidth and latency vs size (needs matplotlib)")
@@ -85,6 +86,8 @@ def check_args(a: argparse.Namespace) -> None:
         raise ConfigError("--pattern bucket needs a bulk transport (zmq-bulk, ucx, broadcast, cuda-ipc, disk); "
                           "zmq-ctl carries control messages")
     if a.transport == "cuda-ipc":
+        if a.device == "pinned":
+            raise ConfigError("--transport cuda-ipc moves GPU memory; --device pinned is for host transports")
         a.device = "cuda"
     if a.device == "cuda" and a.transport not in CUDA_OK:
         raise ConfigError(f"--device cuda: {a.transport} moves host memory; use one of {', '.join(CUDA_OK)}")
@@ -97,11 +100,11 @@ def check_available(transport: str, device: str) -> None:
             import ucxx  # noqa: F401
         except ImportError as exc:
             raise ConfigError(f"--transport ucx needs the 'ucx' extra (pip install 'miles[ucx]'): {exc}") from exc
-    if device == "cuda":
+    if device in ("cuda", "pinned"):
         import torch
 
         if not torch.cuda.is_available():
-            raise ConfigError(f"--transport {transport} --device cuda needs CUDA, and this machine has none "
+            raise ConfigError(f"--transport {transport} --device {device} needs CUDA, and this machine has none "
                               "(install a CUDA build of torch on a GPU node)")
 
 

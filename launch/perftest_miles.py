@@ -99,7 +99,8 @@ class PerfSink(Actor):
         self.reached = asyncio.Event()
         self.receiver: Any = None
         self.copy_out = False
-        self.dest = torch.empty(max_size, dtype=torch.uint8, device=device)
+        self.dest = (torch.empty(max_size, dtype=torch.uint8, pin_memory=True) if device == "pinned"
+                     else torch.empty(max_size, dtype=torch.uint8, device=device))
         self.local = LocalWeights(0, _no_weights)
 
     def _arrived(self) -> None:

@@ -48,8 +48,8 @@ class Report:
 
 
 def _device(ctx: Ctx, rank: int, transport: str) -> str:
-    if ctx.device == "cpu":
-        return "cpu"
+    if ctx.device in ("cpu", "pinned"):
+        return ctx.device
     n = torch.cuda.device_count()
     # cuda-ipc: both ends on one GPU (trainer and engine share it); otherwise one GPU per rank.
     idx = 0 if transport == "cuda-ipc" else rank % max(1, n)
@@ -58,7 +58,11 @@ def _device(ctx: Ctx, rank: int, transport: str) -> str:
 
 
 def limit_kind(transport: str, device: str) -> str:
-    return "d2d" if device.startswith("cuda") else "memcpy"
+    """GPU memory: device-to-device copy; pinned host memory: the pinned host-to-device copy
+    (where such bytes are headed); pageable host memory: memcpy."""
+    if device.startswith("cuda"):
+        return "d2d"
+    return "h2d" if device == "pinned" else "memcpy"
 
 
 async def _await_peer(ctl: Control, timeout_s: float) -> dict[str, Any]:
@@ -78,7 +82,8 @@ async def run_driver(ctl: Control, a: argparse.Namespace, ctx: Ctx, sizes: list[
     plans = make_plans(a.pattern, sizes, a.iters, a.warmup, window, max_bytes)
     window = plans[0].block
     kind = limit_kind(a.transport, ctx.device)
-    limits = [cuda_limits(s, ctx.dev) if ctx.dev.type == "cuda" else host_limits(s) for s in sizes]
+    gpu = ctx.dev if ctx.dev.type == "cuda" else torch.device("cuda") if ctx.pinned else None
+    limits = [cuda_limits(s, gpu) if gpu is not None else host_limits(s) for s in sizes]
     try:
         raw = await _raw_sweep(ctl, a.transport, ctx, plans)
         miles = await _miles_sweep(ctl, a.transport, a.pattern, ctx, plans)

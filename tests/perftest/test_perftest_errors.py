@@ -27,6 +27,7 @@ pytestmark = pytest.mark.timeout(60)
     (["--iters", "0"], "--iters 0 must be >= 1"),
     (["--window", "-1"], "--window -1 must be >= 1"),
     (["--device", "cuda", "--transport", "zmq-bulk"], "moves host memory"),
+    (["--device", "pinned", "--transport", "cuda-ipc"], "--device pinned is for host transports"),
     (["--peer", "nohost"], "expected HOST:PORT"),
     (["--peer", "h:1", "--listen", "2"], "exclude each other"),
     (["--transport", "disk", "--listen", "127.0.0.1:1"], "needs --dir"),
@@ -51,6 +52,8 @@ def test_missing_extras_name_what_to_install(capsys: pytest.CaptureFixture[str])
         assert "needs CUDA" in capsys.readouterr().err
         assert main(["perftest", "--transport", "broadcast", "--device", "cuda"]) == 2
         assert "needs CUDA" in capsys.readouterr().err
+        assert main(["perftest", "--transport", "zmq-bulk", "--device", "pinned"]) == 2
+        assert "--device pinned needs CUDA" in capsys.readouterr().err
 
 
 def _free_port() -> int:

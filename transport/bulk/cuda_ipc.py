@@ -1,10 +1,12 @@
 """`cuda_ipc` channel: trainer and engine share one GPU; the engine copies from the trainer's memory.
 
 Single copy: the header of a bucket carries the CUDA IPC handle of each trainer storage
-its tensors live in (ints and bytes in msgpack, never pickled) and each tensor's byte
-offset there. The engine maps each storage once per version (the mapping is the
-expensive part; torch caches it per allocation) and copies every tensor straight into
-its staging slot, so an update moves each byte once. Tensors that are not on this GPU
+its tensors live in (ints and bytes in msgpack, never pickled) and, per run of tensors
+lying back to back there, the run's byte offset. The engine maps each storage once per
+version (the mapping is the expensive part; torch caches it per allocation) and copies
+straight into its staging slots: one copy per run when its slots are laid out like the
+bucket (a trainer holding its weights in one flat buffer sends a bucket as one copy),
+else one per tensor. An update moves each byte once. Tensors that are not on this GPU
 (e.g. a CPU export) are first copied to it and shared the same way.
 
 Lifetime: the engine synchronizes its copies before it answers a bucket, and the trainer
@@ -21,8 +23,16 @@ import torch
 
 from miles.core.errors import SyncError
 from miles.core.schema.sync import SyncConfig
-from miles.transport.bulk.base import BulkReceiver, BulkSender, Layout, LocalWeights, dtype_of
+from miles.transport.bulk.base import (
+    BulkReceiver,
+    BulkSender,
+    Layout,
+    LocalWeights,
+    dtype_of,
+    slot_region,
+)
 from miles.transport.bulk.buckets import CHUNK_SEP, Bucket
+from miles.transport.bulk.wire_plan import runs_of
 
 _HANDLE_KEYS = ("device", "handle", "size", "offset", "ref_handle", "ref_offset", "event", "event_sync")
 
@@ -60,10 +70,10 @@ class CudaIpcSender(BulkSender):
     def prepare(self, version: int, seq: int, bucket: Bucket) -> dict[str, Any]:
         self._begin(version)
         new: list[dict[str, Any]] = []  # handles this bucket introduces (the engine keeps earlier ones)
-        refs = []
-        for t in bucket.tensors:
-            if t.device != self.device:
-                t = t.to(self.device)
+        tensors = [t if t.device == self.device else t.to(self.device) for t in bucket.tensors]
+        runs = []
+        for a, b in runs_of(tensors):  # tensors back to back in one storage travel as one copy
+            t = tensors[a]
             st = t.untyped_storage()
             key = (st.data_ptr(), st.nbytes())
             idx = self._shared.get(key)
@@ -73,11 +83,11 @@ class CudaIpcSender(BulkSender):
                 h = dict(zip(_HANDLE_KEYS, st._share_cuda_(), strict=True))
                 self._handles.append(h)
                 new.append(h)
-            refs.append([idx, t.storage_offset() * t.element_size()])
+            runs.append([idx, t.storage_offset() * t.element_size(), a, b])
         # The engine reads on its own stream in another process: the bytes must be final now.
         torch.cuda.current_stream(self.device).synchronize()
         return {"version": version, "layout": Layout.of(bucket).to_wire(), "storages": new,
-                "first": len(self._handles) - len(new), "refs": refs}
+                "first": len(self._handles) - len(new), "runs": runs}
 
     async def transmit(self) -> None:
         """Nothing moves here: the engine copies from the shared storages once it has the header."""
@@ -123,29 +133,36 @@ class CudaIpcReceiver(BulkReceiver):
     async def recv(self, header: dict[str, Any], local: LocalWeights) -> list[tuple[str, torch.Tensor]]:
         lay = Layout.from_wire(header.get("layout", {}))
         self._map(header)
-        refs = header.get("refs")
-        if not isinstance(refs, list) or len(refs) != len(lay.names):
-            raise SyncError(f"cuda_ipc bucket header: {len(lay.names)} tensors but refs {refs!r:.80}")
+        runs = _runs(header, len(lay.names), len(self._maps))
+        ends = [*lay.offsets[1:], lay.nbytes]
+        dev = self._maps[0].device if self._maps else torch.device("cuda")
+        region = slot_region(lay, local, dev)  # the engine's slots, laid out like this bucket
         out: list[tuple[str, torch.Tensor]] = []
-        for name, dt_s, shape, ref in zip(lay.names, lay.dtypes, lay.shapes, refs, strict=True):
-            idx, off = int(ref[0]), int(ref[1])
-            if not 0 <= idx < len(self._maps):
-                raise SyncError(f"cuda_ipc: tensor {name!r} refers to unknown storage #{idx}")
-            storage, dt = self._maps[idx], dtype_of(dt_s)
-            numel = 1
-            for s in shape:
-                numel *= int(s)
-            if off + numel * dt.itemsize > storage.nbytes():
-                raise SyncError(f"cuda_ipc: tensor {name!r} ({numel * dt.itemsize} bytes at {off}) lies "
-                                f"outside its shared storage of {storage.nbytes()} bytes")
-            src = torch.empty(0, dtype=dt, device=storage.device)
-            src.set_(storage, off // dt.itemsize, list(shape))
-            dst = _slot(name, local, src)
-            dst.copy_(src, non_blocking=True)
-            out.append((name, dst))
+        for idx, off, a, b in runs:
+            n = ends[b - 1] - lay.offsets[a]
+            src = self._bytes(idx, off, n, lay.names[a])
+            if region is not None:  # one copy per run, straight into the staging slots
+                region[lay.offsets[a]:ends[b - 1]].copy_(src, non_blocking=True)
+                continue
+            for i in range(a, b):  # per tensor: into its slot, or a fresh tensor (chunks)
+                lo, hi = lay.offsets[i] - lay.offsets[a], ends[i] - lay.offsets[a]
+                t = src[lo:hi].view(dtype_of(lay.dtypes[i])).view(lay.shapes[i])
+                dst = _slot(lay.names[i], local, t)
+                dst.copy_(t, non_blocking=True)
+                out.append((lay.names[i], dst))
+        if region is not None and local.slot is not None:
+            out = [(n, local.slot(n)) for n in lay.names]
         # The trainer may reuse its memory once this bucket is answered: the copies must be done.
-        torch.cuda.current_stream(self._maps[0].device if self._maps else None).synchronize()
+        torch.cuda.current_stream(dev).synchronize()
         return out
+
+    def _bytes(self, idx: int, off: int, n: int, name: str) -> torch.Tensor:
+        storage = self._maps[idx]
+        if off + n > storage.nbytes():
+            raise SyncError(f"cuda_ipc: {n} bytes at {off} (from {name!r}) lie outside the shared storage "
+                            f"of {storage.nbytes()} bytes")
+        src = torch.empty(0, dtype=torch.uint8, device=storage.device)
+        return src.set_(storage, off, (n,))
 
     def release(self) -> None:
         """The version ended: unmap the trainer's storages so it can free them."""
@@ -153,6 +170,20 @@ class CudaIpcReceiver(BulkReceiver):
 
     async def close(self) -> None:
         self.release()
+
+
+def _runs(header: dict[str, Any], ntensors: int, nmaps: int) -> list[tuple[int, int, int, int]]:
+    try:
+        runs = [(int(r[0]), int(r[1]), int(r[2]), int(r[3])) for r in header["runs"]]
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise SyncError(f"cuda_ipc bucket header is malformed: {exc}") from exc
+    if [i for _, _, a, b in runs for i in range(a, b)] != list(range(ntensors)):
+        raise SyncError(f"cuda_ipc bucket header: runs {[(a, b) for _, _, a, b in runs]} do not cover "
+                        f"its {ntensors} tensors in order")
+    bad = [i for i, _, _, _ in runs if not 0 <= i < nmaps]
+    if bad:
+        raise SyncError(f"cuda_ipc bucket header refers to unknown storage(s) {bad}")
+    return runs
 
 
 def _slot(name: str, local: LocalWeights, src: torch.Tensor) -> torch.Tensor:

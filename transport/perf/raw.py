@@ -40,11 +40,17 @@ class Ctx:
 
     @property
     def dev(self) -> torch.device:
-        return torch.device(self.device)
+        return torch.device("cpu" if self.device == "pinned" else self.device)
+
+    @property
+    def pinned(self) -> bool:
+        """Host buffers in page-locked memory (what a GPU copies from at full speed)."""
+        return self.device == "pinned"
 
 
 def payload(ctx: Ctx) -> torch.Tensor:
-    return torch.full((ctx.max_size,), 7, dtype=torch.uint8, device=ctx.dev)
+    t = torch.full((ctx.max_size,), 7, dtype=torch.uint8, device=ctx.dev)
+    return t.pin_memory() if ctx.pinned else t
 
 
 def sync(dev: torch.device) -> None:
