@@ -23,8 +23,8 @@ from miles.core.errors import ConfigError, MilesError, TrainerError
 from miles.core.logging import get_logger
 from miles.core.schema import MilesConfig
 from miles.models.config import ModelSpec
+from miles.trainer.backends import data_parallel, make_trainer
 from miles.trainer.batch import TrainBatch, TrainSample, shard_batch
-from miles.trainer.fsdp import FSDPTrainer
 
 log = get_logger("miles.trainer")
 
@@ -64,8 +64,10 @@ class TrainerActor(Actor):
                  init_checkpoint: str, done: asyncio.Event, sink: Any = None, resume_from: str = "") -> None:
         self.cfg, self.rank, self.world = cfg, rank, world
         check_lora_launch(cfg)
-        self.trainer = FSDPTrainer(cfg.trainer, spec, rank, world, init_checkpoint=init_checkpoint,
-                                   seed=cfg.run.seed, asynchronous=cfg.buffer.mode != "sync")
+        self.trainer = make_trainer(cfg.trainer, spec, rank, world, init_checkpoint=init_checkpoint,
+                                    seed=cfg.run.seed, asynchronous=cfg.buffer.mode != "sync")
+        # ranks of one tensor-parallel group (megatron) train on the same batch shard
+        self.dp_size, self.dp_rank = data_parallel(self.trainer, rank, world)
         self.engines = engines
         self.resume_from = resume_from
         self.done = done
@@ -225,7 +227,7 @@ class TrainerActor(Actor):
                                       timeout=cfg.sync.step_timeout_s * 10)
             t_wait = time.perf_counter() - t0
             batch = samples_from_wire(reply["groups"])
-            shard = shard_batch(batch, self.world)[self.rank] if self.world > 1 else batch
+            shard = shard_batch(batch, self.dp_size)[self.dp_rank] if self.dp_size > 1 else batch
             metrics = await asyncio.to_thread(self.trainer.train_step, shard)
             new_version = version + 1
             self.trainer.weight_version = new_version

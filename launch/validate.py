@@ -15,9 +15,15 @@ from miles.core.schema import MilesConfig
 
 def validate_launch(cfg: MilesConfig) -> None:
     asynchronous = cfg.buffer.mode != "sync"
-    from miles.trainer.fsdp import check_trainer_config
+    from miles.models.config import ModelSpec
+    from miles.trainer.backends import check_backend
 
-    check_trainer_config(cfg.trainer, asynchronous, cfg.trainer.world_size)
+    # the model's architecture is known here only from a given model.path (the tiny preset is
+    # written later); the trainer re-checks the parallel sizes against it when it starts
+    spec = None
+    if cfg.model.path and (Path(cfg.model.path) / "config.json").is_file():
+        spec = ModelSpec.from_dir(cfg.model.path)
+    check_backend(cfg.trainer, spec, asynchronous, cfg.trainer.world_size)
     env = resolve_hook(cfg.rollout.env, "rollout.env")(**cfg.rollout.env_args)
     agent = cfg.rollout.agent_fn or env.agent
     if "openai_agent" in agent and not cfg.rollout.http_front:

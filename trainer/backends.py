@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from miles.core.errors import ConfigError
 from miles.core.hooks import Registry
 from miles.core.schema.trainer import TrainerConfig
 from miles.models.config import ModelSpec
@@ -27,9 +28,10 @@ def check_backend(cfg: TrainerConfig, spec: ModelSpec | None, asynchronous: bool
         from miles.trainer.megatron.available import require_megatron
         from miles.trainer.megatron.trainer import check_megatron_config
 
-        if spec is not None:
-            check_megatron_config(cfg, spec, asynchronous, world)
-        require_megatron()
+        require_megatron()  # first: no config can make megatron run where it cannot
+        if cfg.device == "cpu":
+            raise ConfigError("trainer.backend='megatron' needs trainer.device = 'cuda' or 'auto'")
+        check_megatron_config(cfg, spec, asynchronous, world)
         return
     from miles.trainer.fsdp import check_trainer_config
 
@@ -39,3 +41,9 @@ def check_backend(cfg: TrainerConfig, spec: ModelSpec | None, asynchronous: bool
 def make_trainer(cfg: TrainerConfig, spec: ModelSpec, rank: int, world: int, **kw: Any) -> Any:
     """The backend's trainer class instantiated with FSDPTrainer's constructor arguments."""
     return TRAINERS.get(cfg.backend)(cfg, spec, rank, world, **kw)
+
+
+def data_parallel(trainer: Any, rank: int, world: int) -> tuple[int, int]:
+    """(dp_size, dp_rank) a trainer takes its batch shard by: a backend with model
+    parallelism (megatron TP) reports its own; otherwise every rank is a data-parallel rank."""
+    return int(getattr(trainer, "dp_size", world)), int(getattr(trainer, "dp_rank", rank))

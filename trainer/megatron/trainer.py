@@ -45,9 +45,10 @@ from miles.trainer.sharding import build_policy, compute_dtype
 
 
 def check_megatron_config(
-    cfg: TrainerConfig, spec: ModelSpec, asynchronous: bool, world: int
-) -> tuple[int, int, int]:
-    """FSDPTrainer's checks plus the megatron ones; (tp, ep, dp). Needs no megatron import."""
+    cfg: TrainerConfig, spec: ModelSpec | None, asynchronous: bool, world: int
+) -> tuple[int, int, int] | None:
+    """FSDPTrainer's checks plus the megatron ones; (tp, ep, dp), or None without a `spec`
+    (the parallel sizes are checked against the model once it is known). Needs no megatron."""
     if cfg.backend != "megatron":
         raise ConfigError(f"trainer.backend={cfg.backend!r}: MegatronTrainer only runs 'megatron'")
     check_trainer_config(dataclasses.replace(cfg, backend="fsdp"), asynchronous, world)
@@ -60,7 +61,7 @@ def check_megatron_config(
     for what, on in unsupported.items():
         if on:
             raise ConfigError(f"{what} is not supported by trainer.backend='megatron'; use 'fsdp'")
-    return check_parallel(cfg.megatron, spec, world)
+    return None if spec is None else check_parallel(cfg.megatron, spec, world)
 
 
 class MegatronTrainer(FSDPTrainer):
@@ -79,7 +80,8 @@ class MegatronTrainer(FSDPTrainer):
         asynchronous: bool = True,
         weight_version: int = 0,
     ) -> None:
-        _, _, dp = check_megatron_config(cfg, model_spec, asynchronous, world)
+        _, _, dp = check_parallel(cfg.megatron, model_spec, world)
+        check_megatron_config(cfg, model_spec, asynchronous, world)
         require_megatron()
         from megatron.core import parallel_state as ps
 
