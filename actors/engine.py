@@ -163,14 +163,14 @@ class EngineActor(Actor):
             await rx.close()
 
     def _local(self) -> LocalWeights:
-        if self._live is None:
-            model = getattr(self.engine, "model", None)
-            # Live views (updated in place by commit); engines without a torch model give copies.
-            self._live = hf_tensor_views(model) if model is not None else self.engine.state_dict_hf()
-        live = self._live
-
         def get(name: str) -> torch.Tensor:
-            t = live.get(name)
+            # Built on first use only (delta channels read the live weights; the others never
+            # do): listing every HF view costs per tensor, every version.
+            if self._live is None:
+                model = getattr(self.engine, "model", None)
+                # Live views (updated in place by commit); engines without a torch model give copies.
+                self._live = hf_tensor_views(model) if model is not None else self.engine.state_dict_hf()
+            t = self._live.get(name)
             if t is None:
                 raise SyncError(f"engine {self.name!r} holds no tensor {name!r}")
             return t

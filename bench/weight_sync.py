@@ -214,6 +214,7 @@ def raw_ucx(root: Path, total: int, bucket: int, reps: int, device: str = "cpu")
     tag-send bandwidth test does), acked once per pass by the receiver."""
     import ucxx
 
+    root.mkdir(parents=True, exist_ok=True)
     ready = str(root / f"ucx-ready-{time.monotonic_ns()}")
     child, port = spawn(["--ucx-sink", ready, str(total), str(bucket), str(reps), device], ready)
 
@@ -259,7 +260,6 @@ def raw_channel(transport: str, zports: str, disk: Path, total: int, bucket: int
     if transport == "broadcast":
         return raw_gloo(total, bucket, reps)
     if transport == "ucx":
-        disk.mkdir(parents=True, exist_ok=True)
         return raw_ucx(disk, total, bucket, reps)
     return raw_disk(disk, total, bucket, reps)
 

@@ -12,6 +12,7 @@ channels) or before them (`streaming = False`: the receivers read after
 from __future__ import annotations
 
 import abc
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -54,26 +55,52 @@ class LocalWeights:
     slot: Callable[[str], torch.Tensor] | None = None
 
 
+# Verified bucket layouts -> staging storage offset. An engine's slots live in two persistent
+# buffers (live and staged swap), so each bucket layout verifies once per buffer, not per
+# version: the per-tensor checks are the costly part of a bucket on a fast link.
+_VERIFIED: OrderedDict[tuple[Any, ...], int] = OrderedDict()
+_VERIFIED_MAX = 4096
+
+
 def slot_region(lay: Layout, local: LocalWeights, device: torch.device) -> torch.Tensor | None:
     """A uint8 view of staging memory laid out exactly as bucket `lay` (so the bucket can be
     written there in one go), or None when the engine's slots are not arranged that way."""
     if local.slot is None or not lay.names:
         return None
     try:
-        slots = [local.slot(n) for n in lay.names]
+        first, last = local.slot(lay.names[0]), local.slot(lay.names[-1])
     except MilesError:
         return None  # e.g. a chunk of a larger tensor: not a slot of its own
-    first = slots[0]
     if first.device != device:
         return None
+    st = first.untyped_storage()
+    key = (tuple(lay.names), tuple(lay.dtypes), lay.nbytes, st.data_ptr(), st.nbytes(), first.data_ptr(),
+           last.data_ptr())
+    offset = _VERIFIED.get(key)
+    if offset is None:
+        if not _laid_out(lay, local, first):
+            return None
+        offset = first.storage_offset() * first.element_size()
+        _VERIFIED[key] = offset
+        if len(_VERIFIED) > _VERIFIED_MAX:
+            _VERIFIED.popitem(last=False)
+    region = torch.empty(0, dtype=torch.uint8, device=device)
+    region.set_(st, offset, (lay.nbytes,))
+    return region
+
+
+def _laid_out(lay: Layout, local: LocalWeights, first: torch.Tensor) -> bool:
+    assert local.slot is not None
+    try:
+        slots = [local.slot(n) for n in lay.names]
+    except MilesError:
+        return False
     base = first.data_ptr()
     for s, dt, shape, off in zip(slots, lay.dtypes, lay.shapes, lay.offsets, strict=True):
         if (str(s.dtype).removeprefix("torch.") != dt or list(s.shape) != shape or not s.is_contiguous()
                 or s.data_ptr() != base + off or s.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
-            return None
-    region = torch.empty(0, dtype=torch.uint8, device=device)
-    region.set_(first.untyped_storage(), first.storage_offset() * first.element_size(), (lay.nbytes,))
-    return region
+            return False
+    return True
 
 
 @dataclass
