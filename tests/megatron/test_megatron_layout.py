@@ -13,7 +13,7 @@ from miles.models.hf_io import hf_state_dict
 from miles.models.presets import tiny_config
 from miles.models.registry import build_model
 from miles.trainer.backends import TRAINERS, check_backend
-from miles.trainer.megatron.available import unavailable_reason
+from miles.trainer.megatron.available import transformer_engine_installed, unavailable_reason
 from miles.trainer.megatron.layout import (
     fuse,
     fuse_qkv,
@@ -116,9 +116,19 @@ def _mcfg(**kw: int) -> TrainerConfig:
 def test_config_checks_name_the_field() -> None:
     moe = _spec("qwen3_moe")
     assert check_megatron_config(_mcfg(), moe, True, 1) == (1, 1, 1)
+    cfg = _mcfg(expert_parallel_size=2)
+    cfg.world_size = 2
+    assert check_megatron_config(cfg, moe, True, 2) == (1, 2, 2)
+    cfg = _mcfg(tensor_parallel_size=2)
+    cfg.world_size = 4
+    assert check_megatron_config(cfg, _spec("qwen2_bias"), True, 4) == (2, 1, 2)
     cfg = _mcfg(tensor_parallel_size=2, expert_parallel_size=2)
     cfg.world_size = 4
-    assert check_megatron_config(cfg, moe, True, 4) == (2, 2, 2)
+    if transformer_engine_installed():
+        assert check_megatron_config(cfg, moe, True, 4) == (2, 2, 2)
+    else:  # MoE + TP trains only with sequence parallelism, which needs TE's norms
+        with pytest.raises(ConfigError, match="needs Transformer Engine"):
+            check_megatron_config(cfg, moe, True, 4)
     with pytest.raises(ConfigError, match="pipeline_parallel_size=2"):
         check_megatron_config(_mcfg(pipeline_parallel_size=2), moe, True, 1)
     with pytest.raises(ConfigError, match="expert_parallel_size=2 needs a MoE"):

@@ -57,6 +57,15 @@ def check_parallel(mc: MegatronConfig, spec: ModelSpec, world: int) -> tuple[int
         )
     if spec.is_moe and spec.o_bias:
         raise ConfigError("megatron MoE experts have no bias: attention_bias must be false")
+    if spec.is_moe and tp > 1 and not use_te(mc):
+        # megatron trains MoE with TP only under sequence parallelism, which the local
+        # spec's torch norms refuse
+        raise ConfigError(
+            f"trainer.megatron.tensor_parallel_size={tp} with a MoE model needs Transformer "
+            "Engine (sequence parallelism); use expert_parallel_size instead"
+        )
+    if spec.rope_theta != int(spec.rope_theta):
+        raise ConfigError(f"megatron takes an integer rotary base; rope_theta={spec.rope_theta}")
     return tp, ep, dp
 
 
@@ -149,15 +158,6 @@ def build_gpt(spec: ModelSpec, mc: MegatronConfig) -> torch.nn.Module:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     te = use_te(mc)
-    if spec.is_moe and mc.tensor_parallel_size > 1 and not te:
-        # megatron trains MoE with TP only under sequence parallelism, which the local
-        # spec's torch norms refuse
-        raise ConfigError(
-            f"trainer.megatron.tensor_parallel_size={mc.tensor_parallel_size} with a MoE model "
-            "needs Transformer Engine (sequence parallelism); use expert_parallel_size instead"
-        )
-    if spec.rope_theta != int(spec.rope_theta):
-        raise ConfigError(f"megatron takes an integer rotary base; rope_theta={spec.rope_theta}")
     config = transformer_config(spec, mc, te)
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm")
     model = GPTModel(
