@@ -180,7 +180,8 @@ class WeightSync:
             pending = [*inflight, *([chain] if chain is not None else [])]
             for f in pending:
                 f.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
+            # Bounded: a channel call that ignores cancellation must not hang the abort.
+            await asyncio.wait(pending, timeout=self.cfg.step_timeout_s)
             raise
         return deferred
 

@@ -12,6 +12,7 @@ UCXX is imported lazily: without it this channel raises a clear error.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import time
 from collections import deque
 from types import ModuleType
@@ -21,10 +22,13 @@ import numpy as np
 import torch
 
 from miles.core.errors import SyncError
+from miles.core.logging import get_logger
 from miles.core.schema.sync import SyncConfig
 from miles.transport.bulk.base import BulkReceiver, BulkSender, LocalWeights
 from miles.transport.bulk.buckets import Bucket
 from miles.transport.bulk.wire_plan import Landing, PackBuffers, SendPlan, plan_sends
+
+log = get_logger("miles.bulk.ucx")
 
 
 def import_ucxx() -> ModuleType:
@@ -33,7 +37,24 @@ def import_ucxx() -> ModuleType:
     except ImportError as exc:
         raise SyncError("sync.transport='ucx' needs UCXX: pip install 'miles[ucx]' (ucxx-cu12, which "
                         f"pulls CUDA libraries: rmm, cuda-core); import failed: {exc}") from exc
+    global _TEARDOWN
+    if not _TEARDOWN:
+        atexit.register(_teardown, ucxx)
+        _TEARDOWN = True
     return ucxx  # type: ignore[no-any-return]
+
+
+_TEARDOWN = False
+
+
+def _teardown(ucxx: ModuleType) -> None:
+    """Shut UCX down before the interpreter does: its worker threads, left running into
+    interpreter teardown, abort the process ("terminate called without an active exception")."""
+    try:
+        ucxx.reset()
+    except Exception as exc:  # noqa: BLE001 - endpoints left open: stop the threads we can
+        log.warning("ucx_teardown_incomplete", error=str(exc)[:200])
+        ucxx.stop_notifier_thread()
 
 
 def _np(t: torch.Tensor) -> Any:
@@ -62,8 +83,8 @@ class UcxSender(BulkSender):
         await self.close()
         self._listener = self.ucxx.create_listener(self._accept)
         self.peers = list(peers)
-        return [{"addr": self.advertise, "port": self._listener.port, "index": i, "mem": self.device.type}
-                for i in range(len(peers))]
+        return [{"addr": self.advertise, "port": self._listener.port, "index": i, "mem": self.device.type,
+                 "timeout_s": self.cfg.step_timeout_s} for i in range(len(peers))]
 
     async def _connected(self) -> None:
         deadline = time.monotonic() + self.cfg.step_timeout_s
@@ -89,11 +110,15 @@ class UcxSender(BulkSender):
         plan = self._ready.popleft()
         views = [_np(b) for b in plan.sends]
 
-        async def to(ep: Any) -> None:
+        async def to(index: int, ep: Any) -> None:
             for v in views:  # in header order: the receiver posts its receives in the same order
-                await ep.send(v)
+                try:
+                    await asyncio.wait_for(ep.send(v), self.cfg.step_timeout_s)
+                except TimeoutError:
+                    raise SyncError(f"ucx: sending {plan.nbytes} bytes to engine #{index} ({self.peers[index]!r}) "
+                                    f"did not complete within {self.cfg.step_timeout_s}s") from None
 
-        await asyncio.gather(*(to(ep) for ep in self._eps.values()))
+        await asyncio.gather(*(to(i, ep) for i, ep in self._eps.items()))
 
     async def close(self) -> None:
         for ep in self._eps.values():
@@ -129,8 +154,13 @@ class UcxReceiver(BulkReceiver):
             raise SyncError("ucx: recv before open")
         land = Landing("ucx", header, local, self._buf)
         self._buf = land.buf
+        timeout = float(self.info.get("timeout_s", 120.0))
         for r in land.recvs:
-            await self._ep.recv(_np(r))
+            try:
+                await asyncio.wait_for(self._ep.recv(_np(r)), timeout)
+            except TimeoutError:
+                raise SyncError(f"ucx: receiving {r.numel()} bytes from the trainer did not complete within "
+                                f"{timeout}s") from None
         return land.tensors()
 
     async def close(self) -> None:
