@@ -24,6 +24,9 @@ def validate_launch(cfg: MilesConfig) -> None:
     if cfg.model.path and (Path(cfg.model.path) / "config.json").is_file():
         spec = ModelSpec.from_dir(cfg.model.path)
     check_backend(cfg.trainer, spec, asynchronous, cfg.trainer.world_size)
+    from miles.actors.trainer import check_lora_launch
+
+    check_lora_launch(cfg)  # the trainer re-checks when it starts (Slurm roles skip this process)
     env = resolve_hook(cfg.rollout.env, "rollout.env")(**cfg.rollout.env_args)
     agent = cfg.rollout.agent_fn or env.agent
     if "openai_agent" in agent and not cfg.rollout.http_front:

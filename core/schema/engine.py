@@ -27,7 +27,7 @@ class EngineConfig:
     batch_invariant: bool = opt(
         False,
         "torch engine: batch-invariant kernels (logprobs equal the trainer's bit for bit; needed by "
-        "trainer.true_on_policy; slower, dense models only)",
+        "trainer.true_on_policy; dense and MoE; slower)",
     )
     cuda_graphs: bool = opt(True, "torch engine on CUDA: replay decode steps as CUDA graphs per batch-size bucket")
     # ---- type = "sglang": a stock SGLang server driven over HTTP (engines/sglang.py) ----

@@ -20,6 +20,8 @@ pytestmark = pytest.mark.timeout(120)
         (["--set", "buffer.mode=async"], "buffer.mode"),
         (["--set", "trainer.true_on_policy=true"], "engine.batch_invariant"),
         (["--set", "trainer.optim.lrr=1"], "unknown config key 'trainer.optim.lrr'"),
+        (["--set", "trainer.lora.rank=4", "--set", "sync.transport=disk_delta", "--set", "sync.delta_dir=/tmp/x"],
+         "trainer.lora.rank > 0: sync.transport = 'disk_delta'"),
     ],
 )
 def test_bad_config_one_line_error(args: list[str], needle: str) -> None:
