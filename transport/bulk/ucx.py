@@ -26,7 +26,13 @@ from miles.core.logging import get_logger
 from miles.core.schema.sync import SyncConfig
 from miles.transport.bulk.base import BulkReceiver, BulkSender, LocalWeights
 from miles.transport.bulk.buckets import Bucket
-from miles.transport.bulk.wire_plan import Landing, PackBuffers, SendPlan, plan_sends
+from miles.transport.bulk.wire_plan import (
+    DIRECT_MIN_BYTES_GPU,
+    Landing,
+    PackBuffers,
+    SendPlan,
+    plan_sends,
+)
 
 log = get_logger("miles.bulk.ucx")
 
@@ -97,7 +103,8 @@ class UcxSender(BulkSender):
     def prepare(self, version: int, seq: int, bucket: Bucket) -> dict[str, Any]:
         if self._packs.device != self.device:
             self._packs = PackBuffers(self.cfg.pipeline_depth, self.bucket_bytes, self.device)
-        plan = plan_sends(bucket, self._packs)
+        # A UCX message costs a rendezvous round trip: only very large runs go on their own.
+        plan = plan_sends(bucket, self._packs, DIRECT_MIN_BYTES_GPU)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # UCX reads the bytes outside torch's streams
         self._ready.append(plan)

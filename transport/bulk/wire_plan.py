@@ -91,14 +91,15 @@ class SendPlan:
     nbytes: int
 
 
-def plan_sends(bucket: Bucket, bufs: PackBuffers) -> SendPlan:
+def plan_sends(bucket: Bucket, bufs: PackBuffers, direct_min: int | None = None) -> SendPlan:
     """Split a bucket into segments of consecutive tensors: a large run lying back to back in
     the trainer's memory is one segment sent from there; the tensors between such runs are
     packed, back to back, into one segment each. A receiver holding a buffer laid out like
     the bucket receives every segment straight into its place: nothing to scatter."""
     lay = Layout.of(bucket)
     ts = bucket.tensors
-    floor = DIRECT_MIN_BYTES_GPU if bufs.device.type == "cuda" else DIRECT_MIN_BYTES
+    floor = direct_min if direct_min is not None else (
+        DIRECT_MIN_BYTES_GPU if bufs.device.type == "cuda" else DIRECT_MIN_BYTES)
     segments: list[list[int]] = []  # [start, end, direct]
     for a, b in runs_of(ts):
         direct = int(sum(_nbytes(ts[i]) for i in range(a, b)) >= floor)
