@@ -180,8 +180,8 @@ class WeightSync:
             pending = [*inflight, *([chain] if chain is not None else [])]
             for f in pending:
                 f.cancel()
-            # Bounded: a channel call that ignores cancellation must not hang the abort.
-            await asyncio.wait(pending, timeout=self.cfg.step_timeout_s)
+            if pending:  # bounded: a channel call that ignores cancellation must not hang the abort
+                await asyncio.wait(pending, timeout=self.cfg.step_timeout_s)
             raise
         return deferred
 
@@ -226,7 +226,9 @@ class WeightSync:
             await snd.committed(version)
             for n in rep.committed:
                 self.versions[n] = version
-        except (SyncError, asyncio.CancelledError):
+        except BaseException:
+            # Any failure (a channel, a peer, or the trainer's own export raising midway) drops
+            # v everywhere: an engine left with v half-staged would refuse every later version.
             self._open_for = None  # a failed channel is rebuilt on the next push
             await snd.abort(version)
             await self._abort(version, [n for n in live if n not in rep.dead])

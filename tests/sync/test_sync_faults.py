@@ -125,3 +125,36 @@ async def test_corrupt_delta_is_refused(procs, tmp_path) -> None:
     finally:
         await sync.close()
         await host.stop()
+
+
+@pytest.mark.parametrize("transport,fail_at", [("zmq", 0), ("zmq", 9), ("broadcast", 9), ("disk_delta", 9)])
+async def test_export_failing_midway_aborts_the_version(procs, tmp_path, transport, fail_at) -> None:
+    """The trainer's own export raising mid-push (before any bucket, or at tensor 9 with 5 buckets sent) drops
+    the version on every engine: the error reaches the caller as raised, and the next push works."""
+    directory = start_engines(procs, n=2, extra=BIG)
+    host = await client(directory)
+    model = trainer_model(hidden=512, layers=1)
+    cfg = SyncConfig(transport=transport, bucket_mib=1, step_timeout_s=15, verify_every=1, pause_mode="none",
+                     delta_dir=str(tmp_path / "d"))
+    sync = WeightSync(host, cfg, ["e0", "e1"])
+
+    def broken() -> Iterator[tuple[str, torch.Tensor]]:
+        for i, item in enumerate(named(model)):
+            if i == fail_at:
+                raise RuntimeError("all-gather failed on rank 3")
+            yield item
+
+    try:
+        await sync.push(1, named(model))
+        perturb(model, seed=2, fraction=1.0)
+        with pytest.raises(RuntimeError, match="all-gather failed"):
+            await sync.push(2, broken())
+        for e in ("e0", "e1"):
+            assert (await host.ref(e).ask(Health(), timeout=10))["version"] == 1
+        rep = await sync.push(3, named(model))  # nothing half-staged blocks the next version
+        assert rep.committed == ["e0", "e1"] and rep.verified
+        for e in ("e0", "e1"):
+            assert await host.ref(e).ask(Checksums(), timeout=10) == checksums(model)
+    finally:
+        await sync.close()
+        await host.stop()
