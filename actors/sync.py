@@ -66,14 +66,19 @@ async def _both(asks: asyncio.Future[Any], tx: asyncio.Future[Any]) -> None:
     """One bucket: the receivers' asks and this side's transmit; the first failure wins.
 
     The transmit is shared with the next bucket's chain, so it is awaited, never cancelled
-    here (the coordinator cancels everything on failure).
+    here (the coordinator cancels the chain on failure); the asks are this bucket's alone and
+    are cancelled with it, so no reply is awaited for a version being dropped.
     """
-    done, _ = await asyncio.wait([asks, tx], return_when=asyncio.FIRST_EXCEPTION)
-    for f in done:
-        if f.exception() is not None:
-            raise f.exception()  # type: ignore[misc]
-    await asks
-    await asyncio.shield(tx)
+    try:
+        done, _ = await asyncio.wait([asks, tx], return_when=asyncio.FIRST_EXCEPTION)
+        for f in done:
+            if not f.cancelled() and f.exception() is not None:
+                raise f.exception()  # type: ignore[misc]
+        await asks
+        await asyncio.shield(tx)
+    except BaseException:
+        asks.cancel()
+        raise
 
 
 class WeightSync:

@@ -19,6 +19,9 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 
 from miles.core.errors import EngineError
+from miles.core.logging import get_logger
+
+log = get_logger("miles.engine.weights")
 
 # (parameter name, its full tensor) -> [(HF name, view into that tensor)]
 ViewFn = Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]]
@@ -137,10 +140,14 @@ class WeightStager:
     def stage(
         self, version: int, named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
     ) -> int:
-        if self.version is not None and version != self.version:
-            raise EngineError(
-                f"stage(version={version}): version {self.version} is still staged; commit or abort it first"
-            )
+        if self.version is not None and version < self.version:
+            raise EngineError(f"stage(version={version}): a bucket of an older version than the staged "
+                              f"{self.version} (a late bucket of an abandoned sync); refused")
+        if self.version is not None and version > self.version:
+            # Versions only grow and a coordinator never interleaves two: a newer version means the
+            # staged one was abandoned (e.g. buckets that arrived after its abort). Drop it.
+            log.warning("stale_staged_version_dropped", staged=self.version, new=version, tensors=len(self._staged))
+            self.drop()
         slots = self._ensure_slots()
         self.version = version
         items = named.items() if isinstance(named, Mapping) else named

@@ -66,9 +66,11 @@ async def test_incomplete_or_bad_stage_is_refused(engine: TorchEngine) -> None:
     await engine.stage(1, {name: w[name] + 1})
     with pytest.raises(EngineError, match="tensors not staged"):
         await engine.commit(1)
-    with pytest.raises(EngineError, match="version 1 is still staged"):
-        await engine.stage(2, {name: w[name]})
-    await engine.abort_version(1)
+    with pytest.raises(EngineError, match="older version than the staged 1"):
+        await engine.stage(0, {name: w[name]})  # a late bucket of an abandoned sync
+    await engine.stage(2, {name: w[name]})  # a newer version: v1, never completed, is dropped
+    with pytest.raises(EngineError, match="nothing staged for it"):
+        await engine.commit(1)
     await engine.stage(2, w)
     await engine.commit(2)
     assert engine.version == 2
