@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-from collections import deque
 from typing import Any
 
 import torch
 
 from miles.core.errors import SyncError
 from miles.core.logging import get_logger
-from miles.transport.bulk.base import BulkReceiver, BulkSender, LocalWeights
-from miles.transport.bulk.buckets import Bucket
-from miles.transport.bulk.wire_plan import Landing, PackBuffers, SendPlan, plan_sends
+from miles.transport.bulk.base import BulkReceiver, LocalWeights
+from miles.transport.bulk.wire_plan import Landing, SegmentSender
 
 log = get_logger("miles.bulk.broadcast")
 
@@ -81,7 +79,7 @@ async def _broadcast_all(pg: Any, bufs: list[torch.Tensor]) -> None:
         w.wait()  # already complete: surfaces an earlier work's failure
 
 
-class BroadcastSender(BulkSender):
+class BroadcastSender(SegmentSender):
     tag = "broadcast"
 
     def __init__(self, cfg: Any) -> None:
@@ -90,9 +88,6 @@ class BroadcastSender(BulkSender):
         self._store: Any = None
         self._pg: Any = None
         self._pending: asyncio.Future[Any] | None = None
-        self.device = torch.device("cpu")
-        self._packs = PackBuffers(cfg.pipeline_depth, self.bucket_bytes, self.device)
-        self._ready: deque[SendPlan] = deque()  # prepared buckets, in transmit order
 
     async def open(self, peers: list[str]) -> list[dict[str, Any]]:
         await self.close()
@@ -124,18 +119,11 @@ class BroadcastSender(BulkSender):
             except RuntimeError as exc:
                 raise SyncError(f"broadcast group setup failed: {exc}") from exc
 
-    def prepare(self, version: int, seq: int, bucket: Bucket) -> dict[str, Any]:
-        if self._packs.device != self.device:
-            self._packs = PackBuffers(self.cfg.pipeline_depth, self.bucket_bytes, self.device)
-        plan = plan_sends(bucket, self._packs)
-        self._ready.append(plan)
-        return plan.header
-
     async def transmit(self) -> None:
         await self.connected()
-        if self._pg is None or not self._ready:
-            raise SyncError("broadcast: transmit before open/prepare")
-        plan = self._ready.popleft()
+        if self._pg is None:
+            raise SyncError("broadcast: transmit before open")
+        plan = self.next_plan()
         try:
             await _broadcast_all(self._pg, plan.sends)
         except RuntimeError as exc:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from miles.core.errors import SyncError
+from miles.core.errors import MilesError, SyncError
 from miles.core.schema.sync import SyncConfig
 from miles.transport.bulk.base import (
     BulkReceiver,
@@ -192,7 +192,7 @@ def _slot(name: str, local: LocalWeights, src: torch.Tensor) -> torch.Tensor:
     if local.slot is not None and CHUNK_SEP not in name:
         try:
             dst = local.slot(name)
-        except Exception:  # noqa: BLE001 - no slot of its own: fall back to a fresh tensor
+        except MilesError:  # no slot of its own: a fresh tensor
             dst = None
         if dst is not None and dst.device == src.device and dst.shape == src.shape and dst.dtype == src.dtype:
             return dst

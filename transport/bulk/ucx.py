@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import time
-from collections import deque
 from types import ModuleType
 from typing import Any
 
@@ -24,15 +23,9 @@ import torch
 from miles.core.errors import SyncError
 from miles.core.logging import get_logger
 from miles.core.schema.sync import SyncConfig
-from miles.transport.bulk.base import BulkReceiver, BulkSender, LocalWeights
+from miles.transport.bulk.base import BulkReceiver, LocalWeights
 from miles.transport.bulk.buckets import Bucket
-from miles.transport.bulk.wire_plan import (
-    DIRECT_MIN_BYTES_GPU,
-    Landing,
-    PackBuffers,
-    SendPlan,
-    plan_sends,
-)
+from miles.transport.bulk.wire_plan import DIRECT_MIN_BYTES_GPU, Landing, SegmentSender
 
 log = get_logger("miles.bulk.ucx")
 
@@ -63,22 +56,22 @@ def _teardown(ucxx: ModuleType) -> None:
         ucxx.stop_notifier_thread()
 
 
-def _np(t: torch.Tensor) -> Any:
-    return t.numpy() if t.device.type == "cpu" else t  # CUDA tensors expose __cuda_array_interface__
+def ucx_buffer(t: torch.Tensor) -> Any:
+    """What UCXX sends from / receives into: a numpy view of host memory; CUDA tensors go as they
+    are (they expose `__cuda_array_interface__`)."""
+    return t.numpy() if t.device.type == "cpu" else t
 
 
-class UcxSender(BulkSender):
+class UcxSender(SegmentSender):
     tag = "ucx"
+    direct_min = DIRECT_MIN_BYTES_GPU  # a UCX message costs a rendezvous round trip: pack all but huge runs
 
     def __init__(self, cfg: SyncConfig) -> None:
         super().__init__(cfg)
         self.ucxx = import_ucxx()
         self.advertise = "127.0.0.1"
-        self.device = torch.device("cpu")  # where the weights (and pack buffers) live; cuda keeps them there
         self._listener: Any = None
         self._eps: dict[int, Any] = {}
-        self._packs = PackBuffers(cfg.pipeline_depth, self.bucket_bytes, self.device)
-        self._ready: deque[SendPlan] = deque()
 
     async def _accept(self, ep: Any) -> None:
         who = np.empty(1, dtype=np.int64)
@@ -101,21 +94,15 @@ class UcxSender(BulkSender):
             await asyncio.sleep(0.005)
 
     def prepare(self, version: int, seq: int, bucket: Bucket) -> dict[str, Any]:
-        if self._packs.device != self.device:
-            self._packs = PackBuffers(self.cfg.pipeline_depth, self.bucket_bytes, self.device)
-        # A UCX message costs a rendezvous round trip: only very large runs go on their own.
-        plan = plan_sends(bucket, self._packs, DIRECT_MIN_BYTES_GPU)
+        header = super().prepare(version, seq, bucket)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # UCX reads the bytes outside torch's streams
-        self._ready.append(plan)
-        return plan.header
+        return header
 
     async def transmit(self) -> None:
         await self._connected()
-        if not self._ready:
-            raise SyncError("ucx: transmit before prepare")
-        plan = self._ready.popleft()
-        views = [_np(b) for b in plan.sends]
+        plan = self.next_plan()
+        views = [ucx_buffer(b) for b in plan.sends]
 
         async def to(index: int, ep: Any) -> None:
             for v in views:  # in header order: the receiver posts its receives in the same order
@@ -164,7 +151,7 @@ class UcxReceiver(BulkReceiver):
         timeout = float(self.info.get("timeout_s", 120.0))
         for r in land.recvs:
             try:
-                await asyncio.wait_for(self._ep.recv(_np(r)), timeout)
+                await asyncio.wait_for(self._ep.recv(ucx_buffer(r)), timeout)
             except TimeoutError:
                 raise SyncError(f"ucx: receiving {r.numel()} bytes from the trainer did not complete within "
                                 f"{timeout}s") from None

@@ -14,13 +14,14 @@ sequence of receives.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from miles.core.errors import SyncError
-from miles.transport.bulk.base import Layout, LocalWeights, slot_region, unpack
+from miles.transport.bulk.base import BulkSender, Layout, LocalWeights, slot_region, unpack
 from miles.transport.bulk.buckets import Bucket
 
 # A run at least this large is sent from the trainer's memory; below it, one more message
@@ -123,6 +124,33 @@ def plan_sends(bucket: Bucket, bufs: PackBuffers, direct_min: int | None = None)
         sends.append(buf[pos:pos + n])
         pos += n
     return SendPlan({"layout": lay.to_wire(), "segments": segments}, sends, lay.nbytes)
+
+
+class SegmentSender(BulkSender):
+    """A sender whose buckets travel as segments: planned at `prepare`, sent in that order.
+
+    `device` is where the weights live (set by the coordinator); pack buffers follow it.
+    """
+
+    direct_min: ClassVar[int | None] = None  # smallest run sent unpacked; None: by device
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__(cfg)
+        self.device = torch.device("cpu")
+        self._packs = PackBuffers(cfg.pipeline_depth, self.bucket_bytes, self.device)
+        self._ready: deque[SendPlan] = deque()  # prepared buckets, in transmit order
+
+    def prepare(self, version: int, seq: int, bucket: Bucket) -> dict[str, Any]:
+        self._packs.device = self.device  # a buffer on another device is reallocated on use
+        plan = plan_sends(bucket, self._packs, self.direct_min)
+        self._ready.append(plan)
+        return plan.header
+
+    def next_plan(self) -> SendPlan:
+        """The oldest prepared bucket (transmits run in prepare order)."""
+        if not self._ready:
+            raise SyncError(f"{self.tag}: transmit before prepare")
+        return self._ready.popleft()
 
 
 class Landing:

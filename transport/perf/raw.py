@@ -204,14 +204,12 @@ class RawUcx:
     """Bare UCXX: rank 0 listens, rank 1 connects; tagless ordered send/recv per endpoint."""
 
     def __init__(self) -> None:
-        from miles.transport.bulk.ucx import import_ucxx
+        from miles.transport.bulk.ucx import import_ucxx, ucx_buffer
 
         self.ucxx = import_ucxx()
+        self._arr = ucx_buffer
         self.ep: Any = None
         self.listener: Any = None
-
-    def _arr(self, t: torch.Tensor) -> Any:
-        return t.numpy() if t.device.type == "cpu" else t
 
     async def open(self, ctx: Ctx, info: dict[str, Any] | None = None) -> dict[str, Any]:
         self.ctx = ctx
