@@ -12,13 +12,9 @@ export PYTHONPATH="/tmp/pkg:/tmp/deps:${PYTHONPATH:-}"
 export NCCL_NVLS_ENABLE=0
 # At most 8 files come back from $OUT: the GPU line goes to stderr (the call's output tail).
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >&2
-step() {  # step NAME SECONDS CMD...
-  local name=$1 secs=$2; shift 2
-  echo "== $name" >&2
-  timeout "$secs" "$@" > "$OUT/$name.txt" 2>&1
-  echo "rc=$?" >> "$OUT/$name.txt"
-  tail -2 "$OUT/$name.txt" >&2
-}
+STEP_DIR="$OUT"
+# shellcheck source=bench/suite_step.sh
+source bench/suite_step.sh
 step engine_h200 120 python bench/engine.py --device cuda --repeats 3
 step trainer_h200 120 python bench/trainer.py --device cuda
 step true_on_policy_h200 60 python bench/true_on_policy.py --device cuda

@@ -14,13 +14,9 @@ export UCX_WARN_UNUSED_ENV_VARS=n UCX_TLS=cuda_copy,cuda_ipc,sm,tcp,self
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$R/gpu.txt" 2>&1
 git rev-parse HEAD > "$R/commit.txt" 2>/dev/null || true
 date -u +%FT%TZ > "$R/date.txt"
-step() {  # step NAME SECONDS CMD...
-  local name=$1 secs=$2; shift 2
-  echo "== $name" >&2
-  timeout "$secs" "$@" > "$R/$name.txt" 2>&1
-  echo "rc=$?" >> "$R/$name.txt"
-  tail -3 "$R/$name.txt" >&2
-}
+STEP_DIR="$R"
+# shellcheck source=bench/suite_step.sh
+source bench/suite_step.sh
 SIZES=8B,512B,4KiB,64KiB,1MiB,4MiB,32MiB,128MiB,512MiB
 step gpu_tests 150 python -m pytest -q -p no:cacheprovider --import-mode=importlib -rs \
   tests/sync/test_sync_optional.py tests/engines/test_engines_swap_graphs.py

@@ -46,21 +46,15 @@ from miles.trainer.megatron.available import unavailable_reason
 from miles.trainer.megatron.trainer import MegatronTrainer
 from miles.trainer.packing import pack
 from miles.trainer.synthetic import engine_batch
+from trainer import CUDA_MODELS  # bench/ is on sys.path when this file runs as a script
 
 TINY = {
     "dense": tiny_config("qwen3", vocab_size=512, num_hidden_layers=3),
     "moe": tiny_config("qwen3_moe", vocab_size=512, num_hidden_layers=3, num_experts=8,
                        num_experts_per_tok=2, mlp_only_layers=[1]),
 }
-BIG = {
-    "dense_0.5b": tiny_config("qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                              num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                              head_dim=64),
-    "moe_small": tiny_config("qwen3_moe", vocab_size=32000, hidden_size=1024, intermediate_size=2048,
-                             num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=4,
-                             head_dim=64, num_experts=32, num_experts_per_tok=4,
-                             moe_intermediate_size=512),
-}
+# The step-time configs are bench/trainer.py's, so the two benches time the same models.
+BIG = {name: tiny_config(**kw) for name, kw in CUDA_MODELS.items()}
 
 
 def trainer_cfg(backend: str, dtype: str, micro_tokens: int = 1 << 16) -> TrainerConfig:

@@ -88,7 +88,9 @@ def main() -> None:
             ready = str(root / f"eready-{layers}")
             eng, directory = ws.spawn(["--serve-engine", str(HIDDEN), str(layers), ready, "cuda"], ready)
             try:
-                model = ws.make_model(HIDDEN, layers, 2, "cuda")
+                model = ws.make_model(HIDDEN, layers, 2, "cuda")  # separate allocations per tensor
+                flat = ws.make_model(HIDDEN, layers, 2, "cuda")
+                flatten(flat)  # the same weights in one contiguous buffer
                 total = sum(t.numel() * t.element_size() for t in hf_tensor_views(model).values())  # type: ignore[arg-type]
                 lim = limits(total)
                 for mib in [int(x) for x in a.buckets_mib.split(",")]:
@@ -98,14 +100,12 @@ def main() -> None:
                     if has_ucx:
                         got["ucx"] = asyncio.run(ws.miles_update(directory, model, "ucx", mib, a.reps, root, "cuda"))
                         got["ucx_raw"] = ws.raw_ucx(root / f"ucx-{layers}-{mib}", total, mib << 20, a.reps, "cuda")
-                    flatten(model)
-                    got["cuda_ipc"] = asyncio.run(ws.miles_update(directory, model, "cuda_ipc", mib, a.reps, root,
+                    got["cuda_ipc"] = asyncio.run(ws.miles_update(directory, flat, "cuda_ipc", mib, a.reps, root,
                                                                   "cuda"))
-                    model = ws.make_model(HIDDEN, layers, 2, "cuda")  # separate allocations again
                     rows.append({"model_gb": total / 1e9, "bucket_mib": mib, **{k: round(v, 2) for k, v in got.items()},
                                  **{f"{k}_limit": round(v, 1) for k, v in lim.items()}})
                     print(json.dumps(rows[-1]), flush=True)
-                del model
+                del model, flat
                 torch.cuda.empty_cache()
             finally:
                 eng.terminate()
