@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import torch
 
+from miles.actors.messages import Checksums
 from miles.actors.runtime.host import Host
 from miles.core.schema.transport import TransportConfig
 from miles.models.config import ModelSpec
@@ -48,6 +49,11 @@ def start_engines(procs, n: int = 2, seed: int = 0, extra: list[str] | None = No
     for i in range(1, n):
         procs.spawn([ENGINE_HOST, "--directory", directory, "--name", f"e{i}", "--seed", str(seed + i), *extra])
     return directory
+
+
+async def held(host: Host, engines: list[str]) -> list[dict[str, str]]:
+    """Each engine's per-tensor checksums (what it serves now), in `engines` order."""
+    return [await host.ref(e).ask(Checksums(), timeout=10) for e in engines]
 
 
 async def client(directory: str) -> Host:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from miles.actors.messages import Checksums, Generate, Health
+from miles.actors.messages import Generate, Health
 from miles.actors.sync import WeightSync
 from miles.actors.sync_messages import BulkOpen, BulkRecv
 from miles.core.errors import SyncError
@@ -18,7 +18,7 @@ from miles.models.hf_io import checksums
 from miles.transport.bulk.buckets import iter_buckets
 from miles.transport.bulk.disk_delta import DiskDeltaSender, version_dir
 
-from .sync_helpers import ENGINE_HOST, client, named, perturb, start_engines, trainer_model
+from .sync_helpers import ENGINE_HOST, client, held, named, perturb, start_engines, trainer_model
 
 pytestmark = pytest.mark.timeout(90)
 BIG = ["--hidden", "512", "--layers", "1"]
@@ -88,8 +88,7 @@ async def test_killed_engine_is_reported_and_catches_up(procs, tmp_path, transpo
         perturb(model, seed=3)
         rep = await sync.push(3, named(model))  # disk_delta: a delta against v2, which e1 now holds
         assert rep.committed == ["e0", "e1"] and rep.dead == [] and rep.verified
-        for e in ("e0", "e1"):
-            assert await host.ref(e).ask(Checksums(), timeout=10) == checksums(model)
+        assert await held(host, ["e0", "e1"]) == [checksums(model)] * 2
     finally:
         await sync.close()
         await host.stop()
@@ -153,8 +152,7 @@ async def test_export_failing_midway_aborts_the_version(procs, tmp_path, transpo
             assert (await host.ref(e).ask(Health(), timeout=10))["version"] == 1
         rep = await sync.push(3, named(model))  # nothing half-staged blocks the next version
         assert rep.committed == ["e0", "e1"] and rep.verified
-        for e in ("e0", "e1"):
-            assert await host.ref(e).ask(Checksums(), timeout=10) == checksums(model)
+        assert await held(host, ["e0", "e1"]) == [checksums(model)] * 2
     finally:
         await sync.close()
         await host.stop()

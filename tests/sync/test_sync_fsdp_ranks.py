@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from miles.actors.messages import Checksums, Health
+from miles.actors.messages import Health
 from miles.trainer.dist import free_port
 
-from .sync_helpers import client, start_engines
+from .sync_helpers import client, held, start_engines
 
 RANK = Path(__file__).with_name("procs") / "sync_fsdp_rank.py"
 pytestmark = pytest.mark.timeout(240)
@@ -40,8 +40,8 @@ async def test_two_fsdp_ranks_sync_every_transport(procs, tmp_path: Path) -> Non
     sums = json.loads((tmp_path / "trainer_checksums.json").read_text())
     host = await client(directory)
     try:
+        assert await held(host, ["e0", "e1"]) == [sums] * 2
         for e in ("e0", "e1"):
-            assert await host.ref(e).ask(Checksums(), timeout=10) == sums
             assert (await host.ref(e).ask(Health(), timeout=10))["version"] == len(want)
     finally:
         await host.stop()

@@ -7,13 +7,12 @@ import importlib.util
 import pytest
 import torch
 
-from miles.actors.messages import Checksums
 from miles.actors.sync import WeightSync
 from miles.core.errors import SyncError
 from miles.core.schema.sync import SyncConfig
 from miles.models.hf_io import checksums
 
-from .sync_helpers import client, named, perturb, start_engines, trainer_model
+from .sync_helpers import client, held, named, perturb, start_engines, trainer_model
 
 pytestmark = pytest.mark.timeout(90)
 HAS_UCXX = importlib.util.find_spec("ucxx") is not None
@@ -50,8 +49,7 @@ async def _sync_two_versions(procs, transport: str, device: str) -> None:
             perturb(model, seed=version)
             rep = await sync.push(version, named(model))
             assert rep.committed == ["e0", "e1"] and rep.verified
-            for e in ("e0", "e1"):
-                assert await host.ref(e).ask(Checksums(), timeout=10) == checksums(model)
+            assert await held(host, ["e0", "e1"]) == [checksums(model)] * 2
     finally:
         await sync.close()
         await host.stop()
