@@ -19,11 +19,11 @@ from miles.actors.evaluator import Evaluator, run_external
 from miles.actors.messages import DumpState, Health, PullBatch, RunEval, SetVersion
 from miles.actors.runtime.actor import Actor
 from miles.actors.sync import WeightSync
-from miles.core.errors import ConfigError, MilesError, TrainerError
+from miles.core.errors import MilesError, TrainerError
 from miles.core.logging import get_logger
 from miles.core.schema import MilesConfig
 from miles.models.config import ModelSpec
-from miles.trainer.backends import data_parallel, make_trainer
+from miles.trainer.backends import check_lora_launch, data_parallel, make_trainer
 from miles.trainer.batch import TrainBatch, TrainSample, shard_batch
 
 log = get_logger("miles.trainer")
@@ -41,22 +41,6 @@ def samples_from_wire(groups: list[dict[str, Any]]) -> TrainBatch:
     if not out:
         raise TrainerError("the rollout side returned an empty batch")
     return TrainBatch(out)
-
-
-def check_lora_launch(cfg: MilesConfig) -> None:
-    """LoRA runs sync only adapters (+ their scale) and the engines merge them: the engine and
-    the channel must carry them as sent. Raises ConfigError naming the option."""
-    if cfg.trainer.lora.rank < 1:
-        return
-    if cfg.engine.type != "torch":
-        raise ConfigError(f"trainer.lora.rank > 0 needs engine.type = 'torch' (it merges synced adapters); "
-                          f"got {cfg.engine.type!r}")
-    if cfg.sync.transport == "disk_delta":
-        raise ConfigError("trainer.lora.rank > 0: sync.transport = 'disk_delta' diffs full weights; "
-                          "adapters are small, use zmq, broadcast or cuda_ipc")
-    if cfg.sync.dtype not in ("same", "float32"):
-        raise ConfigError(f"trainer.lora.rank > 0 needs sync.dtype = 'same' or 'float32' (the adapter scale "
-                          f"travels as a number), got {cfg.sync.dtype!r}")
 
 
 class TrainerActor(Actor):

@@ -16,7 +16,7 @@ from miles.core.schema import MilesConfig
 def validate_launch(cfg: MilesConfig) -> None:
     asynchronous = cfg.buffer.mode != "sync"
     from miles.models.config import ModelSpec
-    from miles.trainer.backends import check_backend
+    from miles.trainer.backends import check_backend, check_lora_launch
 
     # the model's architecture is known here only from a given model.path (the tiny preset is
     # written later); the trainer re-checks the parallel sizes against it when it starts
@@ -24,8 +24,6 @@ def validate_launch(cfg: MilesConfig) -> None:
     if cfg.model.path and (Path(cfg.model.path) / "config.json").is_file():
         spec = ModelSpec.from_dir(cfg.model.path)
     check_backend(cfg.trainer, spec, asynchronous, cfg.trainer.world_size)
-    from miles.actors.trainer import check_lora_launch
-
     check_lora_launch(cfg)  # the trainer re-checks when it starts (Slurm roles skip this process)
     env = resolve_hook(cfg.rollout.env, "rollout.env")(**cfg.rollout.env_args)
     agent = cfg.rollout.agent_fn or env.agent

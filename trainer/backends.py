@@ -1,4 +1,5 @@
-"""Trainer backends by `trainer.backend` tag, and the launch-time check of the chosen one.
+"""Trainer backends by `trainer.backend` tag, and the launch-time checks of the trainer's settings
+(the chosen backend; LoRA's needs of the engine and the sync channel).
 
 Entries are import paths, so megatron-core is imported only when 'megatron' is chosen.
 """
@@ -9,6 +10,7 @@ from typing import Any
 
 from miles.core.errors import ConfigError
 from miles.core.hooks import Registry
+from miles.core.schema import MilesConfig
 from miles.core.schema.trainer import TrainerConfig
 from miles.models.config import ModelSpec
 
@@ -47,3 +49,19 @@ def data_parallel(trainer: Any, rank: int, world: int) -> tuple[int, int]:
     """(dp_size, dp_rank) a trainer takes its batch shard by: a backend with model
     parallelism (megatron TP) reports its own; otherwise every rank is a data-parallel rank."""
     return int(getattr(trainer, "dp_size", world)), int(getattr(trainer, "dp_rank", rank))
+
+
+def check_lora_launch(cfg: MilesConfig) -> None:
+    """LoRA runs sync only adapters (+ their scale) and the engines merge them: the engine and
+    the channel must carry them as sent. Raises ConfigError naming the option."""
+    if cfg.trainer.lora.rank < 1:
+        return
+    if cfg.engine.type != "torch":
+        raise ConfigError(f"trainer.lora.rank > 0 needs engine.type = 'torch' (it merges synced adapters); "
+                          f"got {cfg.engine.type!r}")
+    if cfg.sync.transport == "disk_delta":
+        raise ConfigError("trainer.lora.rank > 0: sync.transport = 'disk_delta' diffs full weights; "
+                          "adapters are small, use zmq, broadcast or cuda_ipc")
+    if cfg.sync.dtype not in ("same", "float32"):
+        raise ConfigError(f"trainer.lora.rank > 0 needs sync.dtype = 'same' or 'float32' (the adapter scale "
+                          f"travels as a number), got {cfg.sync.dtype!r}")

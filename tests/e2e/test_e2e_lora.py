@@ -81,9 +81,9 @@ def _full_bytes(spec: ModelSpec) -> int:
 def test_lora_launch_refuses_what_cannot_carry_adapters(
     section: str, field: str, value: str, match: str
 ) -> None:
-    from miles.actors.trainer import check_lora_launch
     from miles.core.errors import ConfigError
     from miles.core.schema import MilesConfig
+    from miles.trainer.backends import check_lora_launch
 
     cfg = MilesConfig()
     check_lora_launch(cfg)  # LoRA off: anything goes
