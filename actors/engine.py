@@ -27,7 +27,7 @@ from miles.actors.messages import (
     Stats,
 )
 from miles.actors.runtime.actor import Actor, handler
-from miles.actors.sync_messages import BulkClose, BulkOpen, BulkRecv
+from miles.actors.sync_messages import BulkClose, BulkOpen, BulkPlan, BulkRecv, FlatRange
 from miles.core.errors import EngineError, SyncError
 from miles.core.logging import get_logger
 from miles.engines.base import Engine, GenerateRequest, GenerateResult, SamplingParams
@@ -35,6 +35,7 @@ from miles.engines.weights import WeightStager
 from miles.models.hf_io import hf_param_views, hf_tensor_views
 from miles.transport.bulk.base import BulkReceiver, LocalWeights, make_receiver
 from miles.transport.bulk.buckets import Reassembler
+from miles.transport.bulk.flat import FlatLanding, FlatPlan
 
 log = get_logger("miles.engine_actor")
 
@@ -64,6 +65,7 @@ class EngineActor(Actor):
         self._receiver: BulkReceiver | None = None
         self._live: dict[str, torch.Tensor] | None = None
         self._pending: asyncio.Future[int] | None = None  # the bucket being staged in the background
+        self._landing: FlatLanding | None = None  # the flat plan byte ranges land by
         stager, model = getattr(engine, "stager", None), getattr(engine, "model", None)
         self._stager = stager if isinstance(stager, WeightStager) else None
         if self._stager is not None and isinstance(model, torch.nn.Module) and hasattr(model, "spec"):
@@ -196,6 +198,34 @@ class EngineActor(Actor):
             if done is not None:
                 whole.append(done)
         return await self._stage_behind(msg.version, whole)
+
+    @handler(BulkPlan)
+    async def bulk_plan(self, msg: BulkPlan) -> bool:
+        """Take a flat plan: checked against the staging slots now, so a mismatch is refused
+        before any range moves. False: this engine has no slots (the coordinator sends tensors)."""
+        if self._stager is None or not hasattr(self.engine, "mark_staged"):
+            return False
+        landing = FlatLanding(FlatPlan.from_wire(msg.plan))
+        await self._settle()
+        landing.region(self._local())
+        self._landing = landing
+        return True
+
+    @handler(FlatRange)
+    async def flat_range(self, msg: FlatRange) -> int:
+        landing = self._landing
+        if landing is None or landing.plan.digest != msg.digest:
+            raise SyncError(f"engine {self.name!r}: flat range of v{msg.version} for plan {msg.digest} arrived, "
+                            f"this engine holds plan {landing.plan.digest if landing else None}")
+        await self._settle()
+        local = self._local()
+        if msg.data is not None:  # inline (zmq)
+            names = landing.land(msg.lo, msg.hi, msg.data.reshape(-1).view(torch.uint8), local)
+        elif self._receiver is None:
+            raise SyncError(f"engine {self.name!r}: flat range of v{msg.version} arrived before BulkOpen")
+        else:
+            names = await self._receiver.recv_flat(msg.header, landing, local)
+        return self.engine.mark_staged(msg.version, names)  # type: ignore[attr-defined, no-any-return]
 
     @handler(BulkClose)
     async def bulk_close(self, msg: BulkClose) -> None:

@@ -15,7 +15,7 @@ import asyncio
 import dataclasses
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,13 +23,14 @@ import torch
 
 from miles.actors.messages import AbortVersion, Checksums, Commit, Pause, Resume, Stage
 from miles.actors.runtime.host import Host
-from miles.actors.sync_messages import BulkClose, BulkOpen, BulkRecv
+from miles.actors.sync_messages import BulkClose, BulkOpen, BulkPlan, BulkRecv, FlatRange
 from miles.core.errors import ActorDeadError, MilesError, SyncError
 from miles.core.logging import get_logger
 from miles.core.schema.sync import SyncConfig
 from miles.models.hf_io import tensor_checksum
 from miles.transport.bulk.base import BulkSender, make_sender
 from miles.transport.bulk.buckets import Bucket, iter_buckets
+from miles.transport.bulk.flat import FlatWeights
 
 log = get_logger("miles.sync")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -96,6 +97,9 @@ class WeightSync:
         if hasattr(self.sender, "advertise"):
             self.sender.advertise = _advertise(host, cfg)
         self._open_for: list[str] | None = None  # engines whose receivers are connected to the sender
+        self._plan_for: tuple[Any, ...] | None = None  # (flat plan digest, engines) that hold that plan
+        self._plan_ok = False
+        self._ranges: tuple[Any, list[tuple[int, int]]] = (None, [])  # flat byte ranges per (plan, bucket size)
         self.versions: dict[str, int] = {}  # last version each engine committed through this coordinator
 
     async def _all(self, step: str, names: list[str], make: Callable[[str], Any], dead: list[str]) -> list[Any]:
@@ -112,6 +116,10 @@ class WeightSync:
                 raise SyncError(f"{step} failed on engine {name!r}: {type(exc).__name__}: {exc}") from exc
 
         return await asyncio.gather(*(one(n) for n in names))
+
+    def _forget(self) -> None:
+        """The engine set or a channel changed: reconnect, and resend the flat plan, next push."""
+        self._open_for, self._plan_for = None, None
 
     async def _open(self, live: list[str], dead: list[str]) -> None:
         """(Re)connect the channel when the engine set changed; once per run otherwise."""
@@ -139,20 +147,55 @@ class WeightSync:
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
 
-    async def _send_buckets(self, version: int, buckets: Iterable[Bucket], live: list[str],
-                            rep: SyncReport) -> list[dict[str, Any]]:
+    def _bucket_msgs(self, version: int, buckets: Iterable[Bucket]) -> Iterator[tuple[int, Callable[[int], Any]]]:
+        """(bytes, message maker) per bucket of tensors; the maker prepares bucket `seq` on the channel."""
+        snd = self.sender
+        for bucket in buckets:
+            def make(seq: int, b: Bucket = bucket) -> Any:
+                header = snd.prepare(version, seq, b)
+                return Stage(version, b.names, b.tensors) if snd.inline else BulkRecv(version, header)
+            yield bucket.nbytes, make
+
+    def _flat_msgs(self, version: int, weights: FlatWeights) -> Iterator[tuple[int, Callable[[int], Any]]]:
+        """(bytes, message maker) per byte range of a flat export: no per-tensor work."""
+        snd, plan = self.sender, weights.plan
+        host = snd.inline and weights.buffer.device.type != "cpu"  # zmq carries host memory
+        key = (plan.digest, snd.bucket_bytes)
+        if self._ranges[0] != key:
+            self._ranges = (key, plan.ranges(snd.bucket_bytes))
+        for lo, hi in self._ranges[1]:
+            def make(seq: int, lo: int = lo, hi: int = hi) -> Any:
+                header = snd.prepare_flat(version, seq, lo, hi, weights)
+                data = weights.buffer[lo:hi] if snd.inline else None
+                return FlatRange(version, plan.digest, lo, hi, header,
+                                 data.to("cpu") if host and data is not None else data)
+            yield hi - lo, make
+
+    async def _send_plan(self, weights: FlatWeights, live: list[str], dead: list[str]) -> bool:
+        """Give the engines the flat plan (once per plan and engine set); whether all take it."""
+        key = (weights.plan.digest, tuple(live))
+        if self._plan_for != key:
+            wire = weights.plan.to_wire()
+            took = await self._all("flat plan", live, lambda _n: BulkPlan(wire), dead)
+            self._plan_for, self._plan_ok = key, all(t is not False for t in took)
+            if not self._plan_ok:
+                log.info("flat_plan_declined", engines=[n for n, t in zip(live, took, strict=True) if t is False])
+        return self._plan_ok
+
+    async def _send_buckets(self, version: int, msgs: Iterable[tuple[int, Callable[[int], Any]]], live: list[str],
+                            rep: SyncReport) -> list[Any]:
         """Move every bucket, keeping up to `sync.pipeline_depth` of them in flight.
 
         Bucket i+1 is packed and its header sent while bucket i is still on the wire or being
         staged, so neither the per-bucket reply round trip nor the pack copy sits between two
         transfers. Transmits are chained (a channel moves buckets in order); receivers take
-        headers in order (their handler runs one at a time). Returns the headers of a
+        headers in order (their handler runs one at a time). Returns the messages of a
         non-streaming channel, whose receivers read after `finish`.
         """
         snd = self.sender
         inflight: deque[asyncio.Future[Any]] = deque()
         chain: asyncio.Future[Any] | None = None
-        deferred: list[dict[str, Any]] = []
+        deferred: list[Any] = []
 
         async def after(prev: asyncio.Future[Any] | None) -> None:
             if prev is not None:
@@ -160,24 +203,22 @@ class WeightSync:
             await snd.transmit()
 
         try:
-            for seq, bucket in enumerate(buckets):
+            for seq, (nbytes, make) in enumerate(msgs):
                 while len(inflight) >= self.cfg.pipeline_depth:
                     await inflight.popleft()  # frees the sender buffer bucket `seq` will use
                 now = [n for n in live if n not in rep.dead]
                 step = f"stage v{version} bucket {seq} ({snd.tag})"
-                header = snd.prepare(version, seq, bucket)
+                msg = make(seq)
                 if snd.inline:
-                    inflight.append(asyncio.ensure_future(self._all(
-                        step, now, lambda _n, b=bucket: Stage(version, b.names, b.tensors), rep.dead)))
+                    inflight.append(asyncio.ensure_future(self._all(step, now, lambda _n, m=msg: m, rep.dead)))
                 elif snd.streaming:
                     chain = asyncio.ensure_future(after(chain))
-                    asks = asyncio.ensure_future(self._all(step, now, lambda _n, h=header: BulkRecv(version, h),
-                                                           rep.dead))
+                    asks = asyncio.ensure_future(self._all(step, now, lambda _n, m=msg: m, rep.dead))
                     inflight.append(asyncio.ensure_future(_both(asks, chain)))
                 else:
                     await snd.transmit()
-                    deferred.append(header)
-                rep.bytes += bucket.nbytes
+                    deferred.append(msg)
+                rep.bytes += nbytes
                 rep.buckets += 1
             while inflight:
                 await inflight.popleft()
@@ -208,6 +249,8 @@ class WeightSync:
 
             host_only = self.cfg.transport in ("zmq", "disk_delta") or (
                 self.cfg.transport == "ucx" and self.device.type == "cpu")
+            flat = named if isinstance(named, FlatWeights) and snd.flat and (
+                dtype is None or all(d == self.cfg.dtype for d in named.plan.dtypes)) else None
 
             def converted() -> Iterable[tuple[str, torch.Tensor]]:
                 for n, t in named:
@@ -218,13 +261,17 @@ class WeightSync:
                         sums[n] = tensor_checksum(t)
                     yield n, t
 
-            deferred = await self._send_buckets(
-                version, iter_buckets(converted(), self.cfg.bucket_mib << 20), live, rep)
+            if flat is not None and await self._send_plan(flat, live, rep.dead):
+                if verify:
+                    sums.update((n, tensor_checksum(t)) for n, t in flat)
+                msgs = self._flat_msgs(version, flat)
+            else:
+                msgs = self._bucket_msgs(version, iter_buckets(converted(), self.cfg.bucket_mib << 20))
+            deferred = await self._send_buckets(version, msgs, live, rep)
             await snd.finish(version)
-            for seq, header in enumerate(deferred):  # non-streaming: receivers read after finish
+            for seq, msg in enumerate(deferred):  # non-streaming: receivers read after finish
                 live = [n for n in live if n not in rep.dead]
-                await self._all(f"stage v{version} bucket {seq} ({snd.tag})", live,
-                                lambda _n, h=header: BulkRecv(version, h), rep.dead)
+                await self._all(f"stage v{version} bucket {seq} ({snd.tag})", live, lambda _n, m=msg: m, rep.dead)
             live = [n for n in live if n not in rep.dead]
             await self._all(f"commit v{version}", live, lambda _n: Commit(version), rep.dead)
             rep.committed = [n for n in live if n not in rep.dead]
@@ -234,7 +281,7 @@ class WeightSync:
         except BaseException:
             # Any failure (a channel, a peer, or the trainer's own export raising midway) drops
             # v everywhere: an engine left with v half-staged would refuse every later version.
-            self._open_for = None  # a failed channel is rebuilt on the next push
+            self._forget()  # a failed channel is rebuilt on the next push
             await snd.abort(version)
             await self._abort(version, [n for n in live if n not in rep.dead])
             raise
@@ -249,7 +296,7 @@ class WeightSync:
         if verify:
             rep.verified = await self.verify(rep.committed, sums)
         if rep.dead:
-            self._open_for = None
+            self._forget()
             log.warning("sync_engines_dead", version=version, dead=rep.dead)
         return rep
 
@@ -267,7 +314,7 @@ class WeightSync:
         if engine not in self.engines:
             self.engines.append(engine)
         self.versions[engine] = version
-        self._open_for = None
+        self._forget()
         return rep
 
     async def close(self) -> None:

@@ -2,13 +2,16 @@
 
 `Stage` (actors/messages.py) carries zmq buckets inline; these drive every other
 channel: open a receiver with the sender's connect info, receive one bucket whose
-bytes travel on the channel, close the receiver.
+bytes travel on the channel, close the receiver. A flat export (transport/bulk/flat.py)
+sends its plan once and then byte ranges.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from miles.transport.schema import message
 
@@ -36,3 +39,26 @@ class BulkRecv:
 @dataclass
 class BulkClose:
     pass
+
+
+@message("engine.BulkPlan")
+@dataclass
+class BulkPlan:
+    """The flat plan (transport/bulk/flat.py) of the byte ranges that follow; answered with
+    whether this engine lands them (False: the coordinator sends tensors instead)."""
+
+    plan: dict[str, Any]
+
+
+@message("engine.FlatRange")
+@dataclass
+class FlatRange:
+    """Bytes [lo, hi) of the flat plan `digest` for `version`: inline in `data` (zmq), else on the
+    open channel, described by `header`."""
+
+    version: int
+    digest: str
+    lo: int
+    hi: int
+    header: dict[str, Any] = field(default_factory=dict)
+    data: torch.Tensor | None = None

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -283,7 +284,9 @@ def perturb(model: torch.nn.Module, step: int, fraction: float) -> None:
 
 
 async def miles_update(directory: str, model: torch.nn.Module, transport: str, bucket_mib: int,
-                       reps: int, root: Path, device: str = "cpu") -> float:
+                       reps: int, root: Path, device: str = "cpu", export: Callable[[], Any] | None = None) -> float:
+    """Best-of-`reps` update GB/s; `export()` gives what the trainer pushes (default: its HF
+    tensors one by one, re-listed every version as a trainer's export does)."""
     from miles.actors.sync import WeightSync
 
     host = Host(TransportConfig(), directory)
@@ -292,16 +295,17 @@ async def miles_update(directory: str, model: torch.nn.Module, transport: str, b
                      delta_dir=str(root / f"delta-{bucket_mib}"), delta_compression="auto")
     sync = WeightSync(host, cfg, ["engine"], device)
     total = sum(t.numel() * t.element_size() for t in hf_tensor_views(model).values())  # type: ignore[arg-type]
+    export = export or (lambda: hf_tensor_views(model).items())  # type: ignore[arg-type]
     best = float("inf")
     try:
         version = int(time.time() * 1000) % 10**9  # fresh versions per run; the engine only wants increasing ones
-        await sync.push(version, hf_tensor_views(model).items())  # warm-up: opens channels, disk base
+        await sync.push(version, export())  # warm-up: opens channels, disk base
         for r in range(reps):
             perturb(model, r, 0.5 if transport == "disk_delta" else 1.0)
             if device != "cpu":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            await sync.push(version + 1 + r, hf_tensor_views(model).items())
+            await sync.push(version + 1 + r, export())
             best = min(best, time.perf_counter() - t0)
     finally:
         await sync.close()

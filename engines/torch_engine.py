@@ -196,6 +196,12 @@ class TorchEngine(Engine):
             raise EngineError(f"stage(version={version}): a version carries full weights or adapters, not both")
         return self.adapters.stage(version, lora) if lora else self.stager.stage(version, full)
 
+    def mark_staged(self, version: int, names: list[str]) -> int:
+        """Full-weight tensors a receiver wrote into their slots (a flat export's range)."""
+        if self.adapters.version == version:
+            raise EngineError(f"stage(version={version}): a version carries full weights or adapters, not both")
+        return self.stager.mark_staged(version, names)
+
     async def commit(self, version: int) -> None:
         with_adapters = self.adapters.version == version
         if with_adapters:  # merge onto the base and stage the whole model locally

@@ -20,6 +20,7 @@ import torch
 
 from miles.core.errors import EngineError
 from miles.core.logging import get_logger
+from miles.models.param_buffer import pack_parameters
 
 log = get_logger("miles.engine.weights")
 
@@ -92,15 +93,10 @@ class WeightStager:
         a receiver can fill in a single write. Mixed dtypes keep separate allocations."""
         if len({p.dtype for _, p in params}) != 1:
             return {n: torch.empty_like(p.data) for n, p in params}
-        total = sum(p.numel() for _, p in params)
-        live = torch.empty(total, dtype=params[0][1].dtype, device=params[0][1].device)
-        twin = torch.empty_like(live)
+        twin = torch.empty_like(pack_parameters([p for _, p in params]))
         shadow, pos = {}, 0
         for n, p in params:
             k = p.numel()
-            dst = live[pos:pos + k].view(p.shape)
-            dst.copy_(p.data)
-            p.data = dst
             shadow[n] = twin[pos:pos + k].view(p.shape)
             pos += k
         return shadow
@@ -136,10 +132,7 @@ class WeightStager:
         slots = self._slots
         return all(n in slots and t.data_ptr() == slots[n].data_ptr() for n, t in named)
 
-    @torch.no_grad()
-    def stage(
-        self, version: int, named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
-    ) -> int:
+    def _begin(self, version: int) -> None:
         if self.version is not None and version < self.version:
             raise EngineError(f"stage(version={version}): a bucket of an older version than the staged "
                               f"{self.version} (a late bucket of an abandoned sync); refused")
@@ -148,8 +141,21 @@ class WeightStager:
             # staged one was abandoned (e.g. buckets that arrived after its abort). Drop it.
             log.warning("stale_staged_version_dropped", staged=self.version, new=version, tensors=len(self._staged))
             self.drop()
-        slots = self._ensure_slots()
         self.version = version
+
+    def mark_staged(self, version: int, names: list[str]) -> int:
+        """A receiver wrote `names` straight into their slots, checked once against a flat plan
+        (transport/bulk/flat.py): bookkeeping only, no per-tensor work."""
+        self._begin(version)
+        self._staged.update(names)
+        return len(self._staged)
+
+    @torch.no_grad()
+    def stage(
+        self, version: int, named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+    ) -> int:
+        self._begin(version)
+        slots = self._ensure_slots()
         items = named.items() if isinstance(named, Mapping) else named
         for name, t in items:
             dst = slots.get(name)

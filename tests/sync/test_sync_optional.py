@@ -63,3 +63,34 @@ async def test_ucx_sync_is_bit_equal(procs) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
 async def test_cuda_ipc_sync_is_bit_equal(procs) -> None:
     await _sync_two_versions(procs, "cuda_ipc", "cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+async def test_cuda_ipc_flat_sync_is_bit_equal(procs) -> None:
+    """A flat export over cuda_ipc: the buffer is mapped once and kept across versions; a new
+    buffer (re-packed) and a re-opened channel are shared afresh; tensor pushes still mix in."""
+    from miles.models.hf_io import hf_tensor_views
+    from miles.models.param_buffer import pack_parameters
+    from miles.transport.bulk.flat import FlatWeights
+
+    directory = start_engines(procs, extra=["--device", "cuda"])
+    host = await client(directory)
+    model = trainer_model().to("cuda")
+    pack_parameters(list(model.parameters()))
+    engines = ["e0", "e1"]
+    sync = WeightSync(host, SyncConfig(transport="cuda_ipc", bucket_mib=1, verify_every=1, step_timeout_s=20),
+                      engines)
+    try:
+        for version in (1, 2, 3, 4, 5):
+            if version == 3:
+                pack_parameters(list(model.parameters()))  # a new buffer: a new share id
+            if version == 4:
+                sync._forget()  # the channel is re-opened: receivers map the buffer afresh
+            perturb(model, seed=version)
+            state = hf_tensor_views(model).items()
+            rep = await sync.push(version, state if version == 5 else FlatWeights.of(state))
+            assert rep.committed == engines and rep.verified, (version, rep)
+            assert await held(host, engines) == [checksums(model)] * 2, version
+    finally:
+        await sync.close()
+        await host.stop()

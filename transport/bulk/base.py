@@ -166,6 +166,7 @@ class BulkSender(abc.ABC):
     tag: ClassVar[str]
     streaming: ClassVar[bool] = True
     inline: ClassVar[bool] = False  # True: the tensors ride in the control message (zmq)
+    flat: ClassVar[bool] = False  # True: moves a flat export as byte ranges (`prepare_flat`)
 
     def __init__(self, cfg: SyncConfig) -> None:
         self.cfg = cfg
@@ -179,6 +180,11 @@ class BulkSender(abc.ABC):
     @abc.abstractmethod
     def prepare(self, version: int, seq: int, bucket: Bucket) -> dict[str, Any]:
         """Stage bucket `seq` of `version` for sending; returns the header every receiver gets."""
+
+    def prepare_flat(self, version: int, seq: int, lo: int, hi: int, weights: Any) -> dict[str, Any]:
+        """Stage bytes [lo, hi) of a flat export (transport/bulk/flat.py) for sending; returns
+        the header every receiver's `recv_flat` gets. Only channels with `flat = True`."""
+        raise SyncError(f"the {self.tag} channel has no flat path")
 
     @abc.abstractmethod
     async def transmit(self) -> None:
@@ -212,6 +218,10 @@ class BulkReceiver(abc.ABC):
     @abc.abstractmethod
     async def recv(self, header: dict[str, Any], local: LocalWeights) -> list[tuple[str, torch.Tensor]]:
         """Receive one bucket; returned tensors may be views valid until the next `recv`."""
+
+    async def recv_flat(self, header: dict[str, Any], landing: Any, local: LocalWeights) -> list[str]:
+        """Land one flat byte range through `landing` (a FlatLanding); returns the names it completes."""
+        raise SyncError(f"the {self.tag} channel has no flat path")
 
     def release(self) -> None:  # noqa: B027 - optional hook
         """The version being received ended (committed or aborted): drop what it held."""

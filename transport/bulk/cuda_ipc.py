@@ -13,6 +13,12 @@ Lifetime: the engine synchronizes its copies before it answers a bucket, and the
 keeps every shared tensor alive until the version is committed or aborted, so no
 storage is freed while the engine may read it. The engine drops its mappings when the
 version ends (commit or abort), which lets the trainer's allocator reuse that memory.
+
+Flat exports (transport/bulk/flat.py): the trainer's flat buffer persists across versions,
+so it is shared once per channel and mapped once by each engine, which keeps the mapping
+until the buffer changes or the channel closes. A bucket is then a header of four ints
+and one copy; the trainer synchronizes once per version and the engine once, at the
+version's last range.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ def _need_cuda() -> None:
 
 class CudaIpcSender(BulkSender):
     tag = "cuda_ipc"
+    flat = True
 
     def __init__(self, cfg: SyncConfig) -> None:
         _need_cuda()
@@ -54,10 +61,36 @@ class CudaIpcSender(BulkSender):
         self._handles: list[dict[str, Any]] = []
         self._keep: list[torch.Tensor] = []  # one tensor per shared storage the engines may still read
         self._version: int | None = None
+        # Flat exports: the buffer shared with the engines (kept alive while they map it), its
+        # share id and handle, whether this channel's receivers got the handle, the last synced version.
+        self._flat: tuple[tuple[int, int], torch.Tensor, int, dict[str, Any]] | None = None
+        self._flat_sent = False
+        self._flat_version: int | None = None
 
     async def open(self, peers: list[str]) -> list[dict[str, Any]]:
         self.peers = list(peers)
+        self._flat_sent = False  # fresh receivers map the flat buffer afresh
         return [{"device": self.device.index} for _ in peers]
+
+    def prepare_flat(self, version: int, seq: int, lo: int, hi: int, weights: Any) -> dict[str, Any]:
+        buf: torch.Tensor = weights.buffer
+        if buf.device != self.device:
+            raise SyncError(f"cuda_ipc: the flat export lies on {buf.device}, this trainer shares {self.device}")
+        if self._flat_version != version:
+            # The engine reads on its own stream in another process: the bytes must be final now.
+            torch.cuda.current_stream(self.device).synchronize()
+            self._flat_version = version
+        st = buf.untyped_storage()
+        key = (st.data_ptr(), st.nbytes())
+        if self._flat is None or self._flat[0] != key:
+            sid = self._flat[2] + 1 if self._flat is not None else 1
+            self._flat = (key, buf, sid, dict(zip(_HANDLE_KEYS, st._share_cuda_(), strict=True)))
+            self._flat_sent = False
+        _, _, sid, handle = self._flat
+        header = {"sid": sid, "base": buf.storage_offset(), "lo": lo, "hi": hi,
+                  "storage": None if self._flat_sent else handle}
+        self._flat_sent = True
+        return header
 
     def _begin(self, version: int) -> None:
         if self._version != version:
@@ -101,6 +134,7 @@ class CudaIpcSender(BulkSender):
     async def close(self) -> None:
         self.peers = []
         self._release()
+        self._flat, self._flat_sent, self._flat_version = None, False, None
 
 
 class CudaIpcReceiver(BulkReceiver):
@@ -111,6 +145,7 @@ class CudaIpcReceiver(BulkReceiver):
         super().__init__(info, bucket_bytes)
         self._maps: list[torch.UntypedStorage] = []
         self._version: int | None = None
+        self._flat: tuple[int, torch.UntypedStorage] | None = None  # (share id, mapping) of a flat export
 
     def _map(self, header: dict[str, Any]) -> None:
         try:
@@ -156,6 +191,33 @@ class CudaIpcReceiver(BulkReceiver):
         torch.cuda.current_stream(dev).synchronize()
         return out
 
+    async def recv_flat(self, header: dict[str, Any], landing: Any, local: LocalWeights) -> list[str]:
+        try:
+            sid, base, lo, hi = (int(header[k]) for k in ("sid", "base", "lo", "hi"))
+            fresh = header["storage"]
+            fields = None if fresh is None else tuple(fresh[k] for k in _HANDLE_KEYS)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SyncError(f"cuda_ipc flat header is malformed: {type(exc).__name__}: {exc}") from exc
+        if fields is not None:
+            try:
+                self._flat = (sid, torch.UntypedStorage._new_shared_cuda(*fields))
+            except RuntimeError as exc:
+                raise SyncError(f"cuda_ipc: mapping the trainer's flat buffer failed: {exc}") from exc
+        if self._flat is None or self._flat[0] != sid:
+            raise SyncError(f"cuda_ipc flat range refers to shared buffer #{sid}, this engine maps "
+                            f"#{self._flat[0] if self._flat else None} (its handle was missed)")
+        storage = self._flat[1]
+        if base + hi > storage.nbytes():
+            raise SyncError(f"cuda_ipc: flat range [{lo}, {hi}) at {base} lies outside the shared buffer "
+                            f"of {storage.nbytes()} bytes")
+        src = torch.empty(0, dtype=torch.uint8, device=storage.device)
+        src.set_(storage, base + lo, (hi - lo,))
+        names: list[str] = landing.land(lo, hi, src, local)
+        if hi == landing.plan.nbytes:
+            # The trainer may change its buffer once the version is answered: the copies must be done.
+            torch.cuda.current_stream(storage.device).synchronize()
+        return names
+
     def _bytes(self, idx: int, off: int, n: int, name: str) -> torch.Tensor:
         storage = self._maps[idx]
         if off + n > storage.nbytes():
@@ -170,6 +232,7 @@ class CudaIpcReceiver(BulkReceiver):
 
     async def close(self) -> None:
         self.release()
+        self._flat = None
 
 
 def _runs(header: dict[str, Any], ntensors: int, nmaps: int) -> list[tuple[int, int, int, int]]:

@@ -15,12 +15,16 @@ from miles.transport.bulk.buckets import Bucket
 class ZmqSender(BulkSender):
     tag = "zmq"
     inline = True
+    flat = True  # a flat export's byte range rides as one frame (FlatRange.data)
 
     async def open(self, peers: list[str]) -> list[dict[str, Any]]:
         self.peers = list(peers)
         return [{} for _ in peers]
 
     def prepare(self, version: int, seq: int, bucket: Bucket) -> dict[str, Any]:
+        return {}
+
+    def prepare_flat(self, version: int, seq: int, lo: int, hi: int, weights: Any) -> dict[str, Any]:
         return {}
 
     async def transmit(self) -> None:
