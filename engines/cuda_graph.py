@@ -22,6 +22,7 @@ steps under its lock).
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 import torch
@@ -127,7 +128,16 @@ class DecodeGraphs:
         if self._mempool is None:
             self._mempool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
-            logits, routed = self._forward(inputs, read, want_routed)
+        # No garbage collection while capturing: a collection run by this thread could free an
+        # unreachable CUDA graph (another engine's, a dropped bucket's), and destroying a graph
+        # is not permitted on a capturing thread; it invalidates the capture.
+        gc_was_on = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
+                logits, routed = self._forward(inputs, read, want_routed)
+        finally:
+            if gc_was_on:
+                gc.enable()
         log.info("decode_graph_captured", batch=b, read=read, routed=want_routed, graphs=len(self._graphs) + 1)
         return _Graph(graph, inputs, logits, routed)

@@ -7,8 +7,10 @@ version, so receiving a tensor is exactly one copy into it. How `apply` installs
 
 - bound to the model (`bind_model`): the staging area is a second set of parameter
   tensors; `apply` swaps each parameter's storage with its staged twin (no byte moves),
-  and the next version stages into the previous live set. On a GPU the decode graphs
-  are kept per storage (engines/cuda_graph.py), so both sets keep valid graphs.
+  and the next version stages into the previous live set. Packed parameters (one flat
+  buffer and its twin) swap the two buffers' data pointers: one call, whatever the
+  model's size. On a GPU the decode graphs are kept per storage address
+  (engines/cuda_graph.py), so both sets keep valid graphs.
 - otherwise (views only): one copy per tensor from the staging arena into the live views.
 """
 
@@ -52,6 +54,9 @@ class WeightStager:
         self._slots: dict[str, torch.Tensor] | None = None  # HF name -> staging destination
         self._params: list[tuple[str, torch.nn.Parameter]] | None = None  # set: commit swaps storages
         self._shadow: dict[str, torch.Tensor] = {}  # parameter name -> its staged twin
+        # Packed parameters: the live and the staging flat buffers' storages (commit swaps
+        # their data pointers: every parameter and slot view follows, at no per-tensor cost).
+        self._pair: tuple[torch.UntypedStorage, torch.UntypedStorage] | None = None
         self._view_fn: ViewFn | None = None
 
     @property
@@ -79,7 +84,7 @@ class WeightStager:
         if set(views) != set(self._views):
             return False
         self._params, self._view_fn = params, view_fn
-        self._shadow = self._pack_contiguous(params)
+        self._shadow, self._pair = self._pack_contiguous(params)
         self._views, self._slots = {}, None
         for pname, p in params:
             self._views.update(view_fn(pname, p.data))
@@ -87,19 +92,22 @@ class WeightStager:
 
     @staticmethod
     @torch.no_grad()
-    def _pack_contiguous(params: list[tuple[str, torch.nn.Parameter]]) -> dict[str, torch.Tensor]:
+    def _pack_contiguous(params: list[tuple[str, torch.nn.Parameter]]) -> tuple[
+            dict[str, torch.Tensor], tuple[torch.UntypedStorage, torch.UntypedStorage] | None]:
         """Move the live parameters into one flat buffer and give them a twin buffer, both in
         parameter order, so a bucket of consecutive tensors is one contiguous staging region
         a receiver can fill in a single write. Mixed dtypes keep separate allocations."""
         if len({p.dtype for _, p in params}) != 1:
-            return {n: torch.empty_like(p.data) for n, p in params}
-        twin = torch.empty_like(pack_parameters([p for _, p in params]))
+            return {n: torch.empty_like(p.data) for n, p in params}, None
+        live = pack_parameters([p for _, p in params])
+        twin = torch.empty_like(live)
         shadow, pos = {}, 0
         for n, p in params:
             k = p.numel()
             shadow[n] = twin[pos:pos + k].view(p.shape)
             pos += k
-        return shadow
+        pair = (live.untyped_storage(), twin.untyped_storage())
+        return shadow, pair if hasattr(pair[0], "_swap_data_ptr_") else None
 
     def live_views(self) -> dict[str, torch.Tensor]:
         """HF name -> live view (changes identity at every swapping commit)."""
@@ -184,7 +192,10 @@ class WeightStager:
     @torch.no_grad()
     def apply(self) -> None:
         slots = self._ensure_slots()
-        if self._params is not None:
+        if self._pair is not None:
+            # One pointer swap: parameters now read the staged bytes, slots write the old live ones.
+            self._pair[0]._swap_data_ptr_(self._pair[1])
+        elif self._params is not None:
             for pname, p in self._params:
                 p.data, self._shadow[pname] = self._shadow[pname], p.data
             self._views, self._slots = slots, self._views  # the old live set stages the next version
