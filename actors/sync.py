@@ -183,16 +183,18 @@ class WeightSync:
         return self._plan_ok
 
     async def _send_buckets(self, version: int, msgs: Iterable[tuple[int, Callable[[int], Any]]], live: list[str],
-                            rep: SyncReport) -> list[Any]:
+                            rep: SyncReport, depth: int = 0) -> list[Any]:
         """Move every bucket, keeping up to `sync.pipeline_depth` of them in flight.
 
         Bucket i+1 is packed and its header sent while bucket i is still on the wire or being
         staged, so neither the per-bucket reply round trip nor the pack copy sits between two
         transfers. Transmits are chained (a channel moves buckets in order); receivers take
         headers in order (their handler runs one at a time). Returns the messages of a
-        non-streaming channel, whose receivers read after `finish`.
+        non-streaming channel, whose receivers read after `finish`. `depth` overrides the
+        pipeline depth (0: `sync.pipeline_depth`).
         """
         snd = self.sender
+        depth = depth or self.cfg.pipeline_depth
         inflight: deque[asyncio.Future[Any]] = deque()
         chain: asyncio.Future[Any] | None = None
         deferred: list[Any] = []
@@ -204,7 +206,7 @@ class WeightSync:
 
         try:
             for seq, (nbytes, make) in enumerate(msgs):
-                while len(inflight) >= self.cfg.pipeline_depth:
+                while len(inflight) >= depth:
                     await inflight.popleft()  # frees the sender buffer bucket `seq` will use
                 now = [n for n in live if n not in rep.dead]
                 step = f"stage v{version} bucket {seq} ({snd.tag})"
@@ -264,10 +266,10 @@ class WeightSync:
             if flat is not None and await self._send_plan(flat, live, rep.dead):
                 if verify:
                     sums.update((n, tensor_checksum(t)) for n, t in flat)
-                msgs = self._flat_msgs(version, flat)
+                msgs, depth = self._flat_msgs(version, flat), snd.flat_window
             else:
-                msgs = self._bucket_msgs(version, iter_buckets(converted(), self.cfg.bucket_mib << 20))
-            deferred = await self._send_buckets(version, msgs, live, rep)
+                msgs, depth = self._bucket_msgs(version, iter_buckets(converted(), self.cfg.bucket_mib << 20)), 0
+            deferred = await self._send_buckets(version, msgs, live, rep, depth)
             await snd.finish(version)
             for seq, msg in enumerate(deferred):  # non-streaming: receivers read after finish
                 live = [n for n in live if n not in rep.dead]

@@ -20,6 +20,9 @@ source bench/suite_step.sh
 SIZES=8B,512B,4KiB,64KiB,1MiB,4MiB,32MiB,128MiB,512MiB
 step gpu_tests 150 python -m pytest -q -p no:cacheprovider --import-mode=importlib -rs \
   tests/sync/test_sync_optional.py tests/engines/test_engines_swap_graphs.py
+# The host-memory ucx test again with UCX's own transport choice (the export above pins UCX_TLS).
+step ucx_host_default_tls 60 env -u UCX_TLS python -m pytest -q -p no:cacheprovider --import-mode=importlib \
+  tests/sync/test_sync_optional.py -k ucx_sync
 step weight_sync_gpu 300 python bench/weight_sync_gpu.py
 if [ -n "${SKIP_PERFTEST:-}" ]; then  # SKIP_PERFTEST=1: tests and weight sync only
   tar czf "$OUT/sync_h200.tgz" -C "$R" .; cp "$R/weight_sync_gpu.txt" "$OUT/" 2>/dev/null; exit 0

@@ -210,7 +210,10 @@ class TorchEngine(Engine):
         self.stager.check_complete(version)
         self._boundary = True
         async with self._lock:
-            await asyncio.to_thread(self.stager.apply)
+            if self.stager.instant_apply:
+                self.stager.apply()
+            else:
+                await asyncio.to_thread(self.stager.apply)
             self.version = version
             if with_adapters:
                 self.adapters.committed_version()

@@ -60,6 +60,11 @@ class WeightStager:
         self._view_fn: ViewFn | None = None
 
     @property
+    def instant_apply(self) -> bool:
+        """True when `apply` is one pointer swap (cheap enough to run on the event loop)."""
+        return self._pair is not None
+
+    @property
     def swaps(self) -> bool:
         """True when commit swaps parameter storages instead of copying bytes."""
         return self._params is not None

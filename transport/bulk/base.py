@@ -167,6 +167,9 @@ class BulkSender(abc.ABC):
     streaming: ClassVar[bool] = True
     inline: ClassVar[bool] = False  # True: the tensors ride in the control message (zmq)
     flat: ClassVar[bool] = False  # True: moves a flat export as byte ranges (`prepare_flat`)
+    # Flat ranges in flight at once; 0 = `sync.pipeline_depth`. A channel whose headers hold no
+    # buffer of the sender's (cuda_ipc: the engine reads the trainer's memory) sends them all at once.
+    flat_window: ClassVar[int] = 0
 
     def __init__(self, cfg: SyncConfig) -> None:
         self.cfg = cfg

@@ -52,6 +52,7 @@ def _need_cuda() -> None:
 class CudaIpcSender(BulkSender):
     tag = "cuda_ipc"
     flat = True
+    flat_window = 1 << 20  # a range's header is four ints: nothing to free between ranges
 
     def __init__(self, cfg: SyncConfig) -> None:
         _need_cuda()
