@@ -63,9 +63,9 @@ def main() -> None:
         if got:
             break
     hd = got[0]
+    local = torch.ones(n, dtype=torch.uint8, device="cuda")  # initializes CUDA here before mapping
     st = torch.UntypedStorage._new_shared_cuda(*(hd[k] for k in KEYS))
     remote = torch.empty(0, dtype=torch.uint8, device="cuda").set_(st, 0, (n,))
-    local = torch.ones(n, dtype=torch.uint8, device="cuda")
     dst = torch.empty(n, dtype=torch.uint8, device="cuda")
     bk = a.bucket_mib << 20
     cuts = [(i, min(i + bk, n)) for i in range(0, n, bk)]
