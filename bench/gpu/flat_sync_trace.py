@@ -10,8 +10,10 @@ The trainer side timestamps the push. Per phase, the median over `--reps` update
   gpu_copy    first copy start -> last copy end, on the GPU (CUDA events)
   copy_tail   last arrival -> copies synchronized
   to_commit   copies synchronized -> commit reaches the engine (reply + commit ask)
-  commit      commit handler
+  commit      commit handler, of which: engine_commit (the engine's commit call), apply
+              (the stager's swap), check (the completeness check)
   to_return   commit done -> push returns
+  (trainer side) prepare0: the first range's prepare (synchronizes the trainer's stream)
 
 Usage: python bench/gpu/flat_sync_trace.py [--gb 8] [--bucket-mib 512] [--reps 7]
 Prints a table, then one JSON line.
@@ -56,6 +58,30 @@ def serve(layers: int, ready: str, trace: str) -> None:
 
     class Tracing(EngineActor):
         marks: dict[str, Any] = {}
+        cur: dict[str, float] = {}
+
+        def __init__(self, engine: Any) -> None:
+            super().__init__(engine)
+            for obj, attr in ((engine, "commit"), (engine.stager, "apply"), (engine.stager, "check_complete")):
+                setattr(obj, attr, self._timed(getattr(obj, attr), attr))
+
+        def _timed(self, fn: Any, key: str) -> Any:
+            if asyncio.iscoroutinefunction(fn):
+                async def aw(*args: Any) -> Any:
+                    t = time.monotonic()
+                    try:
+                        return await fn(*args)
+                    finally:
+                        self.cur[key] = time.monotonic() - t
+                return aw
+
+            def w(*args: Any) -> Any:
+                t = time.monotonic()
+                try:
+                    return fn(*args)
+                finally:
+                    self.cur[key] = time.monotonic() - t
+            return w
 
         @handler(FlatRange)
         async def flat_range(self, msg: FlatRange) -> int:
@@ -79,7 +105,7 @@ def serve(layers: int, ready: str, trace: str) -> None:
                 torch.cuda.synchronize()
                 first, last = m["events"][0][0], m["events"][-1][1]
                 rec = {"version": msg.version, "arrive": m["arrive"], "done": m["done"],
-                       "commit_in": m["commit_in"], "commit_out": m["commit_out"],
+                       "commit_in": m["commit_in"], "commit_out": m["commit_out"], **dict(self.cur),
                        "gpu_copy_s": first.elapsed_time(last) / 1e3}
                 with open(trace, "a") as f:
                     f.write(json.dumps(rec) + "\n")
@@ -101,13 +127,25 @@ async def drive(directory: str, fw: FlatWeights, mib: int, reps: int) -> list[di
     sync = WeightSync(host, SyncConfig(transport="cuda_ipc", bucket_mib=mib, pause_mode="none", step_timeout_s=60),
                       ["engine"], "cuda")
     out = []
+    prep = sync.sender.prepare_flat
+    first: dict[int, float] = {}
+
+    def timed_prepare(version: int, seq: int, *args: Any) -> Any:
+        t = time.monotonic()
+        try:
+            return prep(version, seq, *args)
+        finally:
+            if seq == 0:
+                first[version] = time.monotonic() - t
+    sync.sender.prepare_flat = timed_prepare  # type: ignore[method-assign]
     try:
         base = int(time.time() * 1000) % 10**9
         for r in range(reps + 1):
             torch.cuda.synchronize()
             t0 = time.monotonic()
             rep = await sync.push(base + r, fw)
-            out.append({"version": base + r, "start": t0, "end": time.monotonic(), "buckets": rep.buckets})
+            out.append({"version": base + r, "start": t0, "end": time.monotonic(), "buckets": rep.buckets,
+                        "prepare0": first.get(base + r, float("nan"))})
     finally:
         await sync.close()
         await host.stop()
@@ -147,7 +185,9 @@ def main() -> None:
         row = {"total": pu["end"] - pu["start"], "to_first": e["arrive"][0] - pu["start"],
                "arrivals": e["arrive"][-1] - e["arrive"][0], "gpu_copy": e["gpu_copy_s"],
                "copy_tail": e["done"] - e["arrive"][-1], "to_commit": e["commit_in"] - e["done"],
-               "commit": e["commit_out"] - e["commit_in"], "to_return": pu["end"] - e["commit_out"]}
+               "commit": e["commit_out"] - e["commit_in"], "engine_commit": e.get("commit", float("nan")),
+               "apply": e.get("apply", float("nan")), "check": e.get("check_complete", float("nan")),
+               "to_return": pu["end"] - e["commit_out"], "prepare0": pu["prepare0"]}
         for k, v in row.items():
             phases.setdefault(k, []).append(v * 1e3)
     med = {k: round(sorted(v)[len(v) // 2], 3) for k, v in phases.items()}
