@@ -125,6 +125,8 @@ class EngineActor(Actor):
     async def commit(self, msg: Commit) -> None:
         try:
             await self._settle()
+            if self._receiver is not None:
+                await self._receiver.settle()
             await self.engine.commit(msg.version)
         finally:
             self._live = None  # a swapping commit moves the live tensors

@@ -213,10 +213,12 @@ class WeightSync:
                 msg = make(seq)
                 if snd.inline:
                     inflight.append(asyncio.ensure_future(self._all(step, now, lambda _n, m=msg: m, rep.dead)))
+                    await asyncio.sleep(0)
                 elif snd.streaming:
                     chain = asyncio.ensure_future(after(chain))
                     asks = asyncio.ensure_future(self._all(step, now, lambda _n, m=msg: m, rep.dead))
                     inflight.append(asyncio.ensure_future(_both(asks, chain)))
+                    await asyncio.sleep(0)  # let the asks go out now, not after the whole window is built
                 else:
                     await snd.transmit()
                     deferred.append(msg)

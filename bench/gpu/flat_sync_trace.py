@@ -14,6 +14,7 @@ The trainer side timestamps the push. Per phase, the median over `--reps` update
               (the stager's swap), check (the completeness check)
   to_return   commit done -> push returns
   (trainer side) prepare0: the first range's prepare (synchronizes the trainer's stream)
+  health_rtt  one actor round trip (a Health ask), for scale
 
 Usage: python bench/gpu/flat_sync_trace.py [--gb 8] [--bucket-mib 512] [--reps 7]
 Prints a table, then one JSON line.
@@ -138,6 +139,13 @@ async def drive(directory: str, fw: FlatWeights, mib: int, reps: int) -> list[di
             if seq == 0:
                 first[version] = time.monotonic() - t
     sync.sender.prepare_flat = timed_prepare  # type: ignore[method-assign]
+    from miles.actors.messages import Health
+
+    rtt = []
+    for _ in range(50):  # the actor wire's round trip, for scale
+        t = time.monotonic()
+        await host.ref("engine").ask(Health(), timeout=10)
+        rtt.append(time.monotonic() - t)
     try:
         base = int(time.time() * 1000) % 10**9
         for r in range(reps + 1):
@@ -145,7 +153,7 @@ async def drive(directory: str, fw: FlatWeights, mib: int, reps: int) -> list[di
             t0 = time.monotonic()
             rep = await sync.push(base + r, fw)
             out.append({"version": base + r, "start": t0, "end": time.monotonic(), "buckets": rep.buckets,
-                        "prepare0": first.get(base + r, float("nan"))})
+                        "prepare0": first.get(base + r, float("nan")), "health_rtt": sorted(rtt)[25]})
     finally:
         await sync.close()
         await host.stop()
@@ -187,7 +195,7 @@ def main() -> None:
                "copy_tail": e["done"] - e["arrive"][-1], "to_commit": e["commit_in"] - e["done"],
                "commit": e["commit_out"] - e["commit_in"], "engine_commit": e.get("commit", float("nan")),
                "apply": e.get("apply", float("nan")), "check": e.get("check_complete", float("nan")),
-               "to_return": pu["end"] - e["commit_out"], "prepare0": pu["prepare0"]}
+               "to_return": pu["end"] - e["commit_out"], "prepare0": pu["prepare0"], "health_rtt": pu["health_rtt"]}
         for k, v in row.items():
             phases.setdefault(k, []).append(v * 1e3)
     med = {k: round(sorted(v)[len(v) // 2], 3) for k, v in phases.items()}

@@ -226,6 +226,10 @@ class BulkReceiver(abc.ABC):
         """Land one flat byte range through `landing` (a FlatLanding); returns the names it completes."""
         raise SyncError(f"the {self.tag} channel has no flat path")
 
+    async def settle(self) -> None:  # noqa: B027 - optional hook
+        """The version is about to commit: finish any asynchronous receive work (the sender may
+        reuse its memory once the commit is answered)."""
+
     def release(self) -> None:  # noqa: B027 - optional hook
         """The version being received ended (committed or aborted): drop what it held."""
 

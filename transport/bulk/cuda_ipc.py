@@ -9,16 +9,18 @@ bucket (a trainer holding its weights in one flat buffer sends a bucket as one c
 else one per tensor. An update moves each byte once. Tensors that are not on this GPU
 (e.g. a CPU export) are first copied to it and shared the same way.
 
-Lifetime: the engine synchronizes its copies before it answers a bucket, and the trainer
-keeps every shared tensor alive until the version is committed or aborted, so no
-storage is freed while the engine may read it. The engine drops its mappings when the
-version ends (commit or abort), which lets the trainer's allocator reuse that memory.
+Lifetime: the engine's copies run asynchronously on its stream, and it synchronizes them
+before it commits (`settle`), so the commit reply, after which the trainer may change or
+free its memory, comes only once every byte was read; the trainer keeps every shared
+tensor alive until the version is committed or aborted. The engine drops its mappings
+when the version ends (commit or abort), which lets the trainer's allocator reuse that
+memory. (An aborted version's copies may still read memory the trainer reuses: they land
+in staging the engine drops.)
 
 Flat exports (transport/bulk/flat.py): the trainer's flat buffer persists across versions,
 so it is shared once per channel and mapped once by each engine, which keeps the mapping
 until the buffer changes or the channel closes. A bucket is then a header of four ints
-and one copy; the trainer synchronizes once per version and the engine once, at the
-version's last range.
+and one copy; the trainer synchronizes once per version and the engine once, at commit.
 """
 
 from __future__ import annotations
@@ -147,6 +149,7 @@ class CudaIpcReceiver(BulkReceiver):
         self._maps: list[torch.UntypedStorage] = []
         self._version: int | None = None
         self._flat: tuple[int, torch.UntypedStorage] | None = None  # (share id, mapping) of a flat export
+        self._pending: torch.device | None = None  # where copies may still run (synchronized by `settle`)
 
     def _map(self, header: dict[str, Any]) -> None:
         try:
@@ -188,8 +191,7 @@ class CudaIpcReceiver(BulkReceiver):
                 out.append((lay.names[i], dst))
         if region is not None and local.slot is not None:
             out = [(n, local.slot(n)) for n in lay.names]
-        # The trainer may reuse its memory once this bucket is answered: the copies must be done.
-        torch.cuda.current_stream(dev).synchronize()
+        self._pending = dev
         return out
 
     async def recv_flat(self, header: dict[str, Any], landing: Any, local: LocalWeights) -> list[str]:
@@ -214,10 +216,14 @@ class CudaIpcReceiver(BulkReceiver):
         src = torch.empty(0, dtype=torch.uint8, device=storage.device)
         src.set_(storage, base + lo, (hi - lo,))
         names: list[str] = landing.land(lo, hi, src, local)
-        if hi == landing.plan.nbytes:
-            # The trainer may change its buffer once the version is answered: the copies must be done.
-            torch.cuda.current_stream(storage.device).synchronize()
+        self._pending = storage.device
         return names
+
+    async def settle(self) -> None:
+        """Before commit: the copies must be done (the trainer may reuse its memory after it)."""
+        if self._pending is not None:
+            torch.cuda.current_stream(self._pending).synchronize()
+            self._pending = None
 
     def _bytes(self, idx: int, off: int, n: int, name: str) -> torch.Tensor:
         storage = self._maps[idx]
