@@ -125,13 +125,13 @@ class EngineActor(Actor):
     async def commit(self, msg: Commit) -> None:
         try:
             await self._settle()
-            if self._receiver is not None:
-                await self._receiver.settle()
+            # The swap is host-side and the receiver's copies run on the stream generation uses,
+            # so the engine commits while the last copies finish; they are waited for before
+            # the reply (after which the trainer may reuse what they read) and before unmapping.
             await self.engine.commit(msg.version)
         finally:
             self._live = None  # a swapping commit moves the live tensors
-            if self._receiver is not None:
-                self._receiver.release()
+            await self._release_receiver()
 
     @handler(AbortVersion)
     async def abort_version(self, msg: AbortVersion) -> None:
@@ -140,9 +140,13 @@ class EngineActor(Actor):
             await self._settle()
         except Exception as exc:  # noqa: BLE001 - the version is being dropped anyway
             log.info("abort_version_staging_failed", version=msg.version, error=str(exc))
-        if self._receiver is not None:
-            self._receiver.release()
+        await self._release_receiver()
         await self.engine.abort_version(msg.version)
+
+    async def _release_receiver(self) -> None:
+        if self._receiver is not None:
+            await self._receiver.settle()
+            self._receiver.release()
 
     @handler(EndSession, concurrency=16)
     async def end_session(self, msg: EndSession) -> None:

@@ -10,8 +10,8 @@ else one per tensor. An update moves each byte once. Tensors that are not on thi
 (e.g. a CPU export) are first copied to it and shared the same way.
 
 Lifetime: the engine's copies run asynchronously on its stream, and it synchronizes them
-before it commits (`settle`), so the commit reply, after which the trainer may change or
-free its memory, comes only once every byte was read; the trainer keeps every shared
+(`settle`) before it answers the commit, after which the trainer may change or free its
+memory, and before it unmaps anything; the trainer keeps every shared
 tensor alive until the version is committed or aborted. The engine drops its mappings
 when the version ends (commit or abort), which lets the trainer's allocator reuse that
 memory. (An aborted version's copies may still read memory the trainer reuses: they land
@@ -20,7 +20,8 @@ in staging the engine drops.)
 Flat exports (transport/bulk/flat.py): the trainer's flat buffer persists across versions,
 so it is shared once per channel and mapped once by each engine, which keeps the mapping
 until the buffer changes or the channel closes. A bucket is then a header of four ints
-and one copy; the trainer synchronizes once per version and the engine once, at commit.
+and one copy; the trainer synchronizes once per version and the engine once, at commit
+(its host-side swap overlaps the last copies: generation runs on the same stream).
 """
 
 from __future__ import annotations
@@ -220,7 +221,7 @@ class CudaIpcReceiver(BulkReceiver):
         return names
 
     async def settle(self) -> None:
-        """Before commit: the copies must be done (the trainer may reuse its memory after it)."""
+        """Wait for this version's copies (the trainer may reuse its memory once answered)."""
         if self._pending is not None:
             torch.cuda.current_stream(self._pending).synchronize()
             self._pending = None
