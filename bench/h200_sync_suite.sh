@@ -24,8 +24,10 @@ step gpu_tests 150 python -m pytest -q -p no:cacheprovider --import-mode=importl
 step ucx_host_default_tls 60 env -u UCX_TLS python -m pytest -q -p no:cacheprovider --import-mode=importlib \
   tests/sync/test_sync_optional.py -k ucx_sync
 step weight_sync_gpu 300 python bench/weight_sync_gpu.py
+step flat_sync_trace 120 python bench/gpu/flat_sync_trace.py --gb 8 --bucket-mib 512
+step ipc_copy_probe 60 python bench/gpu/ipc_copy_probe.py --gb 8 --bucket-mib 512
 if [ -n "${SKIP_PERFTEST:-}" ]; then  # SKIP_PERFTEST=1: tests and weight sync only
-  tar czf "$OUT/sync_h200.tgz" -C "$R" .; cp "$R/weight_sync_gpu.txt" "$OUT/" 2>/dev/null; exit 0
+  tar czf "$OUT/sync_h200.tgz" -C "$R" .; cp "$R"/{weight_sync_gpu,flat_sync_trace,gpu_tests}.txt "$OUT/" 2>/dev/null; exit 0
 fi
 pt() {  # pt NAME ARGS...
   local name=$1; shift
