@@ -6,7 +6,8 @@ OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT" /tmp/deps /tmp/pkg
 pip install -q --no-index --no-deps --target /tmp/deps .wheels-min/*.whl .whl-ucx/*.whl > /dev/null 2>&1
 ln -sfn "$PWD" /tmp/pkg/miles
 export PYTHONPATH="/tmp/pkg:/tmp/deps" PYTHONUNBUFFERED=1 UCX_WARN_UNUSED_ENV_VARS=n
-for cfg in "default" "UCXPY_ENABLE_DELAYED_SUBMISSION=0" "UCXPY_PROGRESS_MODE=blocking" "UCX_TLS=tcp,self"; do
+ip -br addr > "$OUT/ip_addr.txt" 2>&1 || cat /proc/net/dev > "$OUT/ip_addr.txt"
+for cfg in ${CONFIGS:-"default" "UCXPY_ENABLE_DELAYED_SUBMISSION=0" "UCXPY_PROGRESS_MODE=blocking" "UCX_TLS=tcp,self"}; do
   for i in 1 2 3; do
     if [ "$cfg" = default ]; then e=(env); else e=(env "$cfg"); fi
     s=$(date +%s)
