@@ -35,7 +35,7 @@ from miles.engines.weights import WeightStager
 from miles.models.hf_io import hf_param_views, hf_tensor_views
 from miles.transport.bulk.base import BulkReceiver, LocalWeights, make_receiver
 from miles.transport.bulk.buckets import Reassembler
-from miles.transport.bulk.flat import FlatLanding, FlatPlan
+from miles.transport.bulk.flat import FlatDeclined, FlatLanding, FlatPlan
 
 log = get_logger("miles.engine_actor")
 
@@ -213,7 +213,11 @@ class EngineActor(Actor):
             return False
         landing = FlatLanding(FlatPlan.from_wire(msg.plan))
         await self._settle()
-        landing.region(self._local())
+        try:
+            landing.region(self._local())
+        except FlatDeclined as exc:
+            log.info("flat_plan_declined", reason=str(exc))
+            return False
         self._landing = landing
         return True
 

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from miles.actors.evaluator import Evaluator, run_external
 from miles.actors.messages import DumpState, Health, PullBatch, RunEval, SetVersion
 from miles.actors.runtime.actor import Actor
@@ -25,6 +27,7 @@ from miles.core.schema import MilesConfig
 from miles.models.config import ModelSpec
 from miles.trainer.backends import check_lora_launch, data_parallel, make_trainer
 from miles.trainer.batch import TrainBatch, TrainSample, shard_batch
+from miles.transport.bulk.flat import FlatWeights
 
 log = get_logger("miles.trainer")
 
@@ -84,6 +87,15 @@ class TrainerActor(Actor):
             if t is not None and not t.done():
                 t.cancel()
 
+    def _export(self) -> Any:
+        """What this rank's trainer hands the sync: flat (one persistent buffer, byte ranges)
+        when `sync.flat_export` says so and the trainer can, else tensor by tensor."""
+        sc = self.cfg.sync
+        if sc.flat and not self.cfg.trainer.lora.rank:
+            dtype = None if sc.dtype == "same" else getattr(torch, sc.dtype)
+            return self.trainer.export_sync_state(flat=True, dtype=dtype)
+        return self.trainer.export_sync_state()
+
     async def _push(self, sync: WeightSync, version: int, state: Any) -> Any:
         """Push a version to every engine, keeping a host copy for catch-ups."""
         copy: dict[str, Any] = {}
@@ -93,8 +105,13 @@ class TrainerActor(Actor):
                 copy[name] = t.detach().to("cpu", copy=True)
                 yield name, t
 
+        if isinstance(state, FlatWeights):  # a flat export: one host copy, and it goes out as byte ranges
+            copy.update(FlatWeights(state.buffer.to("cpu", copy=True), state.plan))
+            pushed: Any = state
+        else:
+            pushed = keep()
         async with self._sync_lock:
-            rep = await sync.push(version, keep())
+            rep = await sync.push(version, pushed)
         self._last_pushed = (version, copy)
         self.pushed_bytes = sum(t.numel() * t.element_size() for t in copy.values())
         return rep
@@ -197,7 +214,7 @@ class TrainerActor(Actor):
             log.info("resumed", step=self.trainer.step, version=self.trainer.weight_version,
                      checkpoint=self.resume_from)
             # Engines restart from the initial weights: bring them to the checkpoint's version.
-            state = self.trainer.export_sync_state()
+            state = self._export()
             if sync is not None:
                 await self._push(sync, self.trainer.weight_version, state)
                 await rollout.tell(SetVersion(self.trainer.weight_version))
@@ -216,7 +233,7 @@ class TrainerActor(Actor):
             new_version = version + 1
             self.trainer.weight_version = new_version
             t_sync = time.perf_counter()
-            state = self.trainer.export_sync_state()
+            state = self._export()
             if sync is not None:
                 rep = await self._push(sync, new_version, state)
                 await rollout.tell(SetVersion(new_version))

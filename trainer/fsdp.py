@@ -14,7 +14,7 @@ micro-batches with gradient accumulation, clip, AdamW step at the scheduled LR.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +43,7 @@ from miles.trainer.corrections import (
 from miles.trainer.deterministic import enable_deterministic
 from miles.trainer.dist import Collectives, ensure_process_group, pick_device
 from miles.trainer.distill import distill_advantages, load_teacher
+from miles.trainer.flat_export import FlatExportBuffer
 from miles.trainer.forward import ForwardOut, RouterProbe, packed_forward
 from miles.trainer.kl import kl_estimate
 from miles.trainer.lora import (
@@ -61,6 +62,7 @@ from miles.trainer.rl_loss import LossInputs, rl_loss
 from miles.trainer.sharding import build_policy, compute_dtype, make_mesh, shard
 from miles.trainer.true_on_policy import invariant_forward
 from miles.trainer.value import ValueModel
+from miles.transport.bulk.flat import FlatWeights
 
 log = get_logger("trainer.fsdp")
 _SUM_KEYS = ("train/loss", "train/pg_loss", "train/kl_loss", "train/value_loss")
@@ -137,6 +139,7 @@ class FSDPTrainer:
         self.weight_version = weight_version
         self._rollout_lp = False
         self._offload: FlatOffload | None = None
+        self._flat_export = FlatExportBuffer()  # allocated at the first flat export (rank 0)
 
     # ---------------------------------------------------------------- step
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
@@ -439,11 +442,23 @@ class FSDPTrainer:
         self._ensure_loaded()
         return iter_adapters(self.policy)
 
-    def export_sync_state(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def export_sync_state(self, flat: bool = False, dtype: torch.dtype | None = None
+                          ) -> Iterable[tuple[str, torch.Tensor]] | FlatWeights:
         """What a weight sync pushes: with LoRA only the adapter payload (engines merge it onto
-        their base, `engines/lora.py`), else every HF weight. A collective, like the others."""
+        their base, `engines/lora.py`), else every HF weight. A collective, like the others.
+
+        `flat`: the full weights gathered into rank 0's persistent flat buffer (in `dtype`),
+        sent as byte ranges (transport/bulk/flat.py); the other ranks drain the gather here
+        and return nothing to push.
+        """
         if not self.lora:
-            return self.export_hf_state()
+            if not flat:
+                return self.export_hf_state()
+            if self.rank != 0:
+                for _ in self.export_hf_state():
+                    pass
+                return []
+            return self._flat_export.fill(self.export_hf_state(), dtype)
         self._ensure_loaded()
         return iter_adapter_payload(self.policy, self.cfg.lora)
 

@@ -27,6 +27,11 @@ class SyncConfig:
     dtype: Literal["float32", "bfloat16", "float16", "same"] = opt(
         "same", "dtype the weights travel in; 'same' = the trainer's export dtype"
     )
+    flat_export: Literal["auto", "on", "off"] = opt(
+        "auto", "gather the trainer's weights into one persistent buffer and move byte ranges (the plan "
+        "goes once; no per-tensor work per version; one extra copy of the weights on rank 0); auto = on "
+        "for cuda_ipc and zmq"
+    )
     advertise_addr: str = opt(
         "", "address engines reach trainer rank 0 at (broadcast store, ucx listener); '' = the actor host's"
     )
@@ -35,6 +40,11 @@ class SyncConfig:
         "auto", "compression of disk_delta XOR deltas; auto = lz4 if installed, else zlib"
     )
     delta_keep: int = opt(2, "disk_delta versions kept on disk (older ones are deleted)", "versions")
+
+    @property
+    def flat(self) -> bool:
+        """Whether the trainer exports its weights flat (transport/bulk/flat.py)."""
+        return self.flat_export == "on" or (self.flat_export == "auto" and self.transport in ("cuda_ipc", "zmq"))
 
     def __post_init__(self) -> None:
         if self.bucket_mib <= 0:

@@ -108,7 +108,7 @@ def test_landing_fills_slots_region_or_piecewise(order: str) -> None:
 
 def test_landing_refuses_a_mismatched_engine() -> None:
     fw = _flat([4, 4])
-    with pytest.raises(SyncError, match="'t1' is float32\\[4\\], this engine holds float32\\[5\\]"):
+    with pytest.raises(SyncError, match="'t1' has shape \\[4\\], this engine holds \\[5\\]"):
         FlatLanding(fw.plan).region(_local({"t0": torch.zeros(4), "t1": torch.zeros(5)}))
     with pytest.raises(SyncError, match="does not match this engine"):
         FlatLanding(fw.plan).region(_local({"t1": torch.zeros(4)}))
@@ -207,3 +207,23 @@ def test_a_packed_trainer_lands_in_one_copy_on_a_swapping_engine() -> None:
         stager.check_complete(version)
         stager.apply()
         assert all(torch.equal(hf_tensor_views(engine)[n], t) for n, t in fw)
+
+
+async def test_a_plan_in_another_dtype_is_declined_and_tensors_go_instead(procs) -> None:
+    """bf16 flat weights to fp32 engines: they decline the plan (bytes cannot land as another
+    dtype) and the coordinator sends tensors, which the engines convert."""
+    directory = start_engines(procs, extra=["--hidden", "512", "--layers", "1"])
+    host = await client(directory)
+    model = trainer_model(hidden=512, layers=1).to(torch.bfloat16)
+    pack_parameters(list(model.parameters()))
+    fw = FlatWeights.of(hf_tensor_views(model).items())
+    engines = ["e0", "e1"]
+    sync = WeightSync(host, SyncConfig(transport="zmq", bucket_mib=1, step_timeout_s=20), engines)
+    try:
+        rep = await sync.push(1, fw)
+        assert rep.committed == engines
+        want = {n: tensor_checksum(t.float()) for n, t in fw}
+        assert await held(host, engines) == [want, want]
+    finally:
+        await sync.close()
+        await host.stop()

@@ -32,7 +32,7 @@ async def test_two_fsdp_ranks_sync_every_transport(procs, tmp_path: Path) -> Non
             pytest.fail(f"trainer rank did not finish: {procs.log_of(p)}")
         assert p.returncode == 0, procs.log_of(p)
     reports = json.loads((tmp_path / "reports.json").read_text())
-    want = ["zmq", *(["ucx"] if importlib.util.find_spec("ucxx") else []), "broadcast", "disk_delta"]
+    want = ["zmq", *(["ucx"] if importlib.util.find_spec("ucxx") else []), "broadcast", "disk_delta", "zmq-flat"]
     assert [r["transport"] for r in reports] == want
     for r in reports:
         assert r["committed"] == ["e0", "e1"] and r["dead"] == [] and r["verified"] is True, r

@@ -30,6 +30,7 @@ from miles.models.config import ModelSpec
 from miles.models.hf_io import hf_state_dict
 from miles.trainer.deterministic import enable_deterministic
 from miles.trainer.dist import ensure_process_group, pick_device
+from miles.trainer.flat_export import FlatExportBuffer
 from miles.trainer.forward import ForwardOut
 from miles.trainer.fsdp import FSDPTrainer, check_trainer_config
 from miles.trainer.megatron.available import require_megatron
@@ -119,6 +120,7 @@ class MegatronTrainer(FSDPTrainer):
         self.weight_version = weight_version
         self._rollout_lp = False
         self._offload = None
+        self._flat_export = FlatExportBuffer()
 
     def _build(self, checkpoint: str, seed: int) -> nn.Module:
         """GPTModel with the weights FSDP2 would start from (checkpoint, or seeded init)."""

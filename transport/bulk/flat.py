@@ -28,6 +28,11 @@ from miles.core.errors import MilesError, SyncError
 from miles.transport.bulk.base import LocalWeights, dtype_of
 
 
+class FlatDeclined(SyncError):
+    """The plan fits the engine's tensors but cannot land as bytes (another dtype, a strided
+    slot): the engine declines it and the coordinator sends tensors, which convert."""
+
+
 @dataclass(frozen=True)
 class FlatPlan:
     """Where each HF tensor lies in a flat buffer (byte offsets from the buffer's start)."""
@@ -175,10 +180,13 @@ class FlatLanding:
         except MilesError as exc:
             raise SyncError(f"flat plan does not match this engine: {exc}") from exc
         for s, name, dt, shape in zip(slots, p.names, p.dtypes, p.shapes, strict=True):
-            if str(s.dtype).removeprefix("torch.") != dt or tuple(s.shape) != shape or not s.is_contiguous():
-                raise SyncError(f"flat plan: tensor {name!r} is {dt}{list(shape)}, this engine holds "
-                                f"{str(s.dtype).removeprefix('torch.')}{list(s.shape)} (contiguous: "
-                                f"{s.is_contiguous()})")
+            if tuple(s.shape) != shape:
+                raise SyncError(f"flat plan: tensor {name!r} has shape {list(shape)}, this engine holds "
+                                f"{list(s.shape)}")
+            held = str(s.dtype).removeprefix("torch.")
+            if held != dt or not s.is_contiguous():
+                raise FlatDeclined(f"tensor {name!r} travels as {dt}, this engine holds {held}" if held != dt
+                                   else f"this engine's slot of {name!r} is not contiguous")
         return slots
 
     def region(self, local: LocalWeights) -> torch.Tensor | None:

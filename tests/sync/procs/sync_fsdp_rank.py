@@ -29,7 +29,8 @@ from miles.trainer.synthetic import engine_batch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sync_helpers import spec  # noqa: E402 - the engines' architecture, shared with the test
 
-TRANSPORTS = ["zmq", *(["ucx"] if importlib.util.find_spec("ucxx") else []), "broadcast", "disk_delta"]
+# zmq twice: tensor by tensor, then the flat export (rank 0's persistent buffer, byte ranges).
+TRANSPORTS = ["zmq", *(["ucx"] if importlib.util.find_spec("ucxx") else []), "broadcast", "disk_delta", "zmq-flat"]
 
 
 async def push_all(trainer: FSDPTrainer, directory: str, out: Path) -> None:
@@ -38,11 +39,13 @@ async def push_all(trainer: FSDPTrainer, directory: str, out: Path) -> None:
     reports = []
     try:
         for version, transport in enumerate(TRANSPORTS, start=1):
-            cfg = SyncConfig(transport=transport, bucket_mib=1, verify_every=1, step_timeout_s=30,
-                             pause_mode="none", delta_dir=str(out / "deltas"))
+            flat = transport.endswith("-flat")
+            cfg = SyncConfig(transport=transport.removesuffix("-flat"), bucket_mib=1, verify_every=1,  # type: ignore[arg-type]
+                             step_timeout_s=30, pause_mode="none", delta_dir=str(out / "deltas"))
             sync = WeightSync(host, cfg, ["e0", "e1"])
             try:
-                rep = await sync.push(version, trainer.export_hf_state())
+                rep = await sync.push(version, trainer.export_sync_state(flat=True) if flat
+                                      else trainer.export_hf_state())
             finally:
                 await sync.close()
             reports.append({"transport": transport, "version": version, "committed": rep.committed,
@@ -67,8 +70,8 @@ def main() -> None:
     if rank == 0:
         asyncio.run(push_all(trainer, directory, out))
     else:
-        for _ in TRANSPORTS:  # the export is a collective: drain it once per push of rank 0
-            for _ in trainer.export_hf_state():
+        for transport in TRANSPORTS:  # the export is a collective: drain it once per push of rank 0
+            for _ in (trainer.export_sync_state(flat=True) if transport.endswith("-flat") else trainer.export_hf_state()):
                 pass
     sums = {k: tensor_checksum(v) for k, v in trainer.export_hf_state()}
     if rank == 0:

@@ -1,0 +1,59 @@
+"""The trainer's flat export buffer: its HF weights gathered into one persistent buffer.
+
+A weight sync of a flat export (transport/bulk/flat.py) moves byte ranges instead of
+tensors: the plan goes to the engines once, and no per-tensor work is left on either
+side per version. The buffer is allocated at the first export, in HF order and the sync
+dtype, and refilled in place by every later one (one copy per tensor, as the gather
+produces it); a different tensor list (names, shapes) builds it afresh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from miles.transport.bulk.flat import FlatWeights
+
+
+class FlatExportBuffer:
+    def __init__(self) -> None:
+        self.weights: FlatWeights | None = None
+        self._views: list[tuple[str, torch.Tensor]] = []
+
+    @torch.no_grad()
+    def fill(self, named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> FlatWeights:
+        """Copy the (name, full tensor) stream into the buffer (consumed one tensor at a time)."""
+        it = iter(named)
+        views, n = self._views, 0
+        for name, t in it:
+            if n < len(views) and views[n][0] == name and views[n][1].shape == t.shape:
+                views[n][1].copy_(t)
+                n += 1
+                continue
+            # The tensor list changed: a new buffer, from what this export filled so far on.
+            return self._build([*((k, v.clone()) for k, v in views[:n]), (name, t), *it], dtype)
+        if self.weights is None or n != len(views):
+            return self._build([(k, v.clone()) for k, v in views[:n]], dtype)
+        return self.weights
+
+    def _build(self, items: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None) -> FlatWeights:
+        if not items:
+            raise ValueError("flat export: the trainer exported no tensors")
+        dt = dtype or items[0][1].dtype
+        mixed = {t.dtype for _, t in items} - {dt} if dtype is None else set()
+        if mixed:
+            raise ValueError(f"flat export: tensors of several dtypes ({dt} and {sorted(map(str, mixed))}); "
+                             "set sync.dtype to move them in one")
+        dev = items[0][1].device
+        buf = torch.empty(sum(t.numel() for _, t in items), dtype=dt, device=dev)
+        views, pos = [], 0
+        for name, t in items:
+            k = t.numel()
+            v = buf[pos:pos + k].view(t.shape)
+            v.copy_(t)
+            views.append((name, v))
+            pos += k
+        self._views = views
+        self.weights = FlatWeights.of(views)
+        return self.weights
