@@ -180,6 +180,8 @@ class WeightSync:
             self._plan_for, self._plan_ok = key, all(t is not False for t in took)
             if not self._plan_ok:
                 log.info("flat_plan_declined", engines=[n for n, t in zip(live, took, strict=True) if t is False])
+            else:
+                log.info("flat_plan_sent", engines=live, tensors=len(weights.plan.names), bytes=weights.plan.nbytes)
         return self._plan_ok
 
     async def _send_buckets(self, version: int, msgs: Iterable[tuple[int, Callable[[int], Any]]], live: list[str],
