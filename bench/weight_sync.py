@@ -10,13 +10,15 @@ channel moving the same bytes in the same bucket sizes, measured in this run:
   ucx        a bare UCXX endpoint sending the same bytes bucket by bucket (tag sends, as
              ucx_perftest's bandwidth test), into one flat buffer of a second process
   disk_delta write + read back of the full weights as files (what a naive disk sync moves)
+  zmq-flat   the zmq transport fed a flat export (the trainer's weights packed in one buffer,
+             transport/bulk/flat.py: plan once, then one frame per bucket); raw = zmq's
 plus a host memcpy of the weights as the machine's limit. disk_delta sends a sparse
 update (half the tensors change, as with a small-lr step); its GB/s counts the full
 model bytes it brings up to date. Each row pairs raw and miles measurements taken back to
 back (best of 3 each) and reports the median of 3 such rounds. Prints a table, then one
 JSON line.
 
-Usage: python bench/weight_sync.py [--quick]
+Usage: python bench/weight_sync.py [--quick] [--transports zmq,ucx,broadcast,disk_delta,zmq-flat]
 """
 
 from __future__ import annotations
@@ -44,8 +46,10 @@ from miles.core.schema.sync import SyncConfig
 from miles.core.schema.transport import TransportConfig
 from miles.models.config import ModelSpec
 from miles.models.hf_io import hf_tensor_views
+from miles.models.param_buffer import pack_parameters
 from miles.models.presets import tiny_config
 from miles.models.registry import build_model
+from miles.transport.bulk.flat import FlatWeights
 
 torch.set_num_threads(1)
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -320,7 +324,7 @@ def main() -> None:
     ap.add_argument("--gloo-sink", nargs=4, type=int)
     ap.add_argument("--ucx-sink", nargs=5)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--transports", default="zmq,ucx,broadcast,disk_delta",
+    ap.add_argument("--transports", default="zmq,ucx,broadcast,disk_delta,zmq-flat",
                     help="comma-separated subset (ucx is skipped, with a note, when UCXX is not installed)")
     a = ap.parse_args()
     if a.serve_engine:
@@ -332,9 +336,9 @@ def main() -> None:
     if a.ucx_sink:
         return ucx_sink(a.ucx_sink[0], *map(int, a.ucx_sink[1:4]), a.ucx_sink[4])
     transports = [t for t in a.transports.split(",") if t]
-    unknown = set(transports) - {"zmq", "ucx", "broadcast", "disk_delta"}
+    unknown = set(transports) - {"zmq", "ucx", "broadcast", "disk_delta", "zmq-flat"}
     if unknown:
-        ap.error(f"unknown transport(s) {sorted(unknown)}; valid: zmq, ucx, broadcast, disk_delta")
+        ap.error(f"unknown transport(s) {sorted(unknown)}; valid: zmq, ucx, broadcast, disk_delta, zmq-flat")
     notes = []
     if "ucx" in transports and importlib.util.find_spec("ucxx") is None:
         transports.remove("ucx")
@@ -349,6 +353,9 @@ def main() -> None:
         try:
             for hidden, layers in sizes:
                 model = make_model(hidden, layers, 2)
+                packed = make_model(hidden, layers, 2)
+                pack_parameters(list(packed.parameters()))  # the same weights in one buffer (perturbed in place)
+                flat = FlatWeights.of(hf_tensor_views(packed).items())  # type: ignore[arg-type]
                 total = sum(t.numel() * t.element_size() for t in hf_tensor_views(model).values())
                 ready = str(root / f"eready-{hidden}")
                 eng, directory = spawn(["--serve-engine", str(hidden), str(layers), ready], ready)
@@ -360,9 +367,13 @@ def main() -> None:
                             # machine load; the ratio is the median round's.
                             pairs = []
                             for k in range(rounds):
-                                raw_g = raw_channel(tr, zports, root / f"raw-{hidden}-{mib}-{k}", total, mib << 20,
-                                                    reps)
-                                got = asyncio.run(miles_update(directory, model, tr, mib, reps, root))
+                                raw_g = raw_channel(tr.removesuffix("-flat"), zports, root / f"raw-{hidden}-{mib}-{k}",
+                                                    total, mib << 20, reps)
+                                if tr == "zmq-flat":
+                                    got = asyncio.run(miles_update(directory, packed, "zmq", mib, reps, root,
+                                                                   export=lambda fw=flat: fw))
+                                else:
+                                    got = asyncio.run(miles_update(directory, model, tr, mib, reps, root))
                                 pairs.append((got / raw_g, got, raw_g))
                             ratio, got, raw_g = sorted(pairs)[len(pairs) // 2]
                             rows.append((total / 2**20, mib, tr, got, raw_g, ratio, mem))
@@ -380,7 +391,7 @@ def main() -> None:
               f"{size * 2**20 / got / 1e6:9.1f}")
     for n in notes:
         print(n)
-    out: dict[str, Any] = {f"{k}_ratio": round(v, 3) for k, v in ratios.items()}
+    out: dict[str, Any] = {f"{k.replace('-', '_')}_ratio": round(v, 3) for k, v in ratios.items()}
     out.setdefault("ucx_ratio", None)
     out["goal"] = 0.8
     print(json.dumps(out))
