@@ -35,11 +35,26 @@ from workers import run_workers  # this folder is on sys.path: the scripts run d
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import synthetic_weights as sw  # noqa: E402
 
+from miles.core.errors import SyncError  # noqa: E402
 from miles.core.schema.sync import SyncConfig  # noqa: E402
 from miles.trainer.dist import free_port  # noqa: E402
 from miles.transport.bulk.base import Layout, LocalWeights  # noqa: E402
 from miles.transport.bulk.broadcast import BroadcastReceiver, BroadcastSender  # noqa: E402
 from miles.transport.bulk.buckets import Reassembler, iter_buckets  # noqa: E402
+
+
+def _packed(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """The same tensors as views of one buffer, in order."""
+    if not named:
+        return []
+    buf = torch.empty(sum(t.numel() for _, t in named), dtype=named[0][1].dtype, device=named[0][1].device)
+    out, pos = [], 0
+    for name, t in named:
+        v = buf[pos:pos + t.numel()].view(t.shape)
+        v.copy_(t)
+        out.append((name, v))
+        pos += t.numel()
+    return out
 
 
 def _sync(dev: torch.device) -> None:
@@ -123,13 +138,17 @@ class Worker:
                 await self.tx.transmit()
         else:
             assert self.rx is not None
-            local = LocalWeights(version - 1, dest.__getitem__)
+            def slot(name: str) -> torch.Tensor:
+                if name not in dest:  # a chunk of a larger tensor: not a slot of its own (as in the engine)
+                    raise SyncError(f"no slot {name!r}")
+                return dest[name]
+            local = LocalWeights(version - 1, dest.__getitem__, slot if self.a.packed else None)
             reasm = Reassembler()
             for _ in headers:
                 h = _bcast_json(None, self.dev)
                 for name, t in await self.rx.recv(h, local):
                     done = reasm.add(name, t)
-                    if done is not None:
+                    if done is not None and done[1].data_ptr() != dest[done[0]].data_ptr():
                         dest[done[0]].copy_(done[1])  # the commit copy, before the buffer is reused
             if reasm.incomplete():
                 raise RuntimeError(f"chunks missing for {reasm.incomplete()[:3]}")
@@ -150,6 +169,8 @@ class Worker:
         nbytes = sw.nbytes(spec)
         src = list(sw.make_source(spec, self.dev)) if self.rank == 0 else []
         dest = sw.make_destination(spec, self.dev) if self.rank == 1 else {}
+        if a.packed:
+            src, dest = _packed(src), dict(_packed(list(dest.items())))
         res: dict[str, Any] = {"target_gb": gb, "bytes": nbytes, "tensors": len(spec), "buckets": {}}
         version = 1
         for mib in a.buckets_mib:
@@ -229,7 +250,7 @@ def parent(a: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     base = [sys.executable, __file__, "--device", a.device, "--klass", a.klass, "--repeats", str(a.repeats),
             "--port", str(free_port()), "--parts", str(out), "--sizes-gb", *map(str, a.sizes_gb),
-            "--buckets-mib", *map(str, a.buckets_mib)]
+            "--buckets-mib", *map(str, a.buckets_mib), *(["--packed"] if a.packed else [])]
     run_workers([[*base, "--role", str(r)] for r in range(2)], env, a.timeout, "weight-sync workers")
     sizes = json.loads((out / "rank1.json").read_text())
     summary = summarize(sizes, a.buckets_mib)
@@ -239,7 +260,7 @@ def parent(a: argparse.Namespace) -> None:
         print(f"{r['bytes'] / 1e9:8.3f} {r['bucket_mib']:10d} {r['n_buckets']:7d} {r['update_s']:9.4f} "
               f"{r['gb_s']:7.1f} {r['raw_flat_gb_s']:8.1f} {r['ratio_vs_raw_flat']:6.2f} {r['raw_pieces_gb_s']:15.1f}")
     result = {"bench": "weight_sync_nccl", "device": a.device,
-              "backend": "nccl" if a.device == "cuda" else "gloo", "channel": "miles broadcast (bucketed)",
+              "backend": "nccl" if a.device == "cuda" else "gloo", "channel": "miles broadcast (bucketed)", "packed": a.packed,
               "sender_gpu": 0 if a.device == "cuda" else None, "receiver_gpu": 1 if a.device == "cuda" else None,
               "repeats": a.repeats, "timing": "best of repeats after one verified warm-up update; the slower rank's "
               "time from a barrier to its last device op (receiver includes the commit copy)",
@@ -255,6 +276,10 @@ def main() -> None:
     ap.add_argument("--buckets-mib", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--klass", default="", help="shape class of synthetic weights; default: by size (tiny on cpu)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--packed", action="store_true",
+                    help="as a flat-export trainer and a torch engine hold weights: the source in one buffer "
+                         "(runs go unpacked) and the destination as staging slots in one buffer laid out the "
+                         "same (buckets land in place; commit is a swap, so no commit copy)")
     ap.add_argument("--timeout", type=float, default=200.0)
     ap.add_argument("--out", default="weight_sync_nccl.json")
     ap.add_argument("--role", type=int, default=-1, help=argparse.SUPPRESS)
