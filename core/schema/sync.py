@@ -30,7 +30,7 @@ class SyncConfig:
     flat_export: Literal["auto", "on", "off"] = opt(
         "auto", "gather the trainer's weights into one persistent buffer and move byte ranges (the plan "
         "goes once; no per-tensor work per version; one extra copy of the weights on rank 0); auto = on "
-        "for cuda_ipc and zmq"
+        "for every transport but disk_delta"
     )
     advertise_addr: str = opt(
         "", "address engines reach trainer rank 0 at (broadcast store, ucx listener); '' = the actor host's"
@@ -44,7 +44,7 @@ class SyncConfig:
     @property
     def flat(self) -> bool:
         """Whether the trainer exports its weights flat (transport/bulk/flat.py)."""
-        return self.flat_export == "on" or (self.flat_export == "auto" and self.transport in ("cuda_ipc", "zmq"))
+        return self.flat_export == "on" or (self.flat_export == "auto" and self.transport != "disk_delta")
 
     def __post_init__(self) -> None:
         if self.bucket_mib <= 0:

@@ -1,12 +1,14 @@
 """Flat exports (transport/bulk/flat.py): plans, byte-range buckets, landing, and a real sync.
 
 The multi-process tests push a trainer whose weights lie in one buffer to 2 engine
-processes over zmq: once in the engines' own order (each range is one copy into the
-staging slots) and once in reversed order (ranges land piecewise), with bit-equal
-checksums after each version.
+processes over zmq, broadcast (gloo) and ucx (TCP, when installed): once in the engines'
+own order (each range lands straight in the staging slots) and once in reversed order
+(ranges land piecewise), with bit-equal checksums after each version.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
@@ -144,13 +146,20 @@ def _flat_trainer(order: str) -> tuple[torch.nn.Module, FlatWeights]:
     return model, FlatWeights.of(out)
 
 
+FLAT_TRANSPORTS = ["zmq", "broadcast", *(["ucx"] if importlib.util.find_spec("ucxx") else [])]
+
+
+@pytest.mark.parametrize("transport", FLAT_TRANSPORTS)
 @pytest.mark.parametrize("order", ["same", "reversed"])
-async def test_flat_sync_over_zmq_reaches_bit_equality(procs, order: str) -> None:
+async def test_flat_sync_reaches_bit_equality(procs, order: str, transport: str) -> None:
+    """Ranges in the engines' order land straight in their slots (one copy or one receive);
+    reversed, they land piecewise. Then a tensor-by-tensor push on the same channel."""
     directory = start_engines(procs, extra=["--hidden", "512", "--layers", "1"])
     host = await client(directory)
     model, fw = _flat_trainer(order)
     engines = ["e0", "e1"]
-    sync = WeightSync(host, SyncConfig(transport="zmq", bucket_mib=1, verify_every=1, step_timeout_s=20), engines)
+    sync = WeightSync(host, SyncConfig(transport=transport, bucket_mib=1, verify_every=1,  # type: ignore[arg-type]
+                                       step_timeout_s=20), engines)
     try:
         for version in (1, 2):
             with torch.no_grad():  # change the flat buffer's bytes in place, as an optimizer step does

@@ -17,7 +17,7 @@ import torch
 from miles.core.errors import SyncError
 from miles.core.logging import get_logger
 from miles.transport.bulk.base import BulkReceiver, LocalWeights
-from miles.transport.bulk.wire_plan import Landing, SegmentSender
+from miles.transport.bulk.wire_plan import Landing, SegmentSender, flat_landed, flat_target
 
 log = get_logger("miles.bulk.broadcast")
 
@@ -171,6 +171,16 @@ class BroadcastReceiver(BulkReceiver):
         except RuntimeError as exc:
             raise SyncError(f"broadcast receive of {land.lay.nbytes} bytes failed: {exc}") from exc
         return land.tensors()
+
+    async def recv_flat(self, header: dict[str, Any], landing: Any, local: LocalWeights) -> list[str]:
+        if self._pg is None:
+            raise SyncError("broadcast: recv before open")
+        lo, hi, dst, in_place, self._buf = flat_target("broadcast", header, landing, local, self._buf)
+        try:
+            await _broadcast_all(self._pg, [dst])
+        except RuntimeError as exc:
+            raise SyncError(f"broadcast receive of {hi - lo} bytes failed: {exc}") from exc
+        return flat_landed(landing, lo, hi, dst, in_place, local)
 
     async def close(self) -> None:
         if self._pg is not None:

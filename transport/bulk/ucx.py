@@ -25,7 +25,13 @@ from miles.core.logging import get_logger
 from miles.core.schema.sync import SyncConfig
 from miles.transport.bulk.base import BulkReceiver, LocalWeights
 from miles.transport.bulk.buckets import Bucket
-from miles.transport.bulk.wire_plan import DIRECT_MIN_BYTES_GPU, Landing, SegmentSender
+from miles.transport.bulk.wire_plan import (
+    DIRECT_MIN_BYTES_GPU,
+    Landing,
+    SegmentSender,
+    flat_landed,
+    flat_target,
+)
 
 log = get_logger("miles.bulk.ucx")
 
@@ -99,6 +105,12 @@ class UcxSender(SegmentSender):
             torch.cuda.current_stream(self.device).synchronize()  # UCX reads the bytes outside torch's streams
         return header
 
+    def prepare_flat(self, version: int, seq: int, lo: int, hi: int, weights: Any) -> dict[str, Any]:
+        header = super().prepare_flat(version, seq, lo, hi, weights)
+        if weights.buffer.device.type == "cuda":
+            torch.cuda.current_stream(weights.buffer.device).synchronize()
+        return header
+
     async def transmit(self) -> None:
         await self._connected()
         plan = self.next_plan()
@@ -156,6 +168,18 @@ class UcxReceiver(BulkReceiver):
                 raise SyncError(f"ucx: receiving {r.numel()} bytes from the trainer did not complete within "
                                 f"{timeout}s") from None
         return land.tensors()
+
+    async def recv_flat(self, header: dict[str, Any], landing: Any, local: LocalWeights) -> list[str]:
+        if self._ep is None:
+            raise SyncError("ucx: recv before open")
+        lo, hi, dst, in_place, self._buf = flat_target("ucx", header, landing, local, self._buf)
+        timeout = float(self.info.get("timeout_s", 120.0))
+        try:
+            await asyncio.wait_for(self._ep.recv(ucx_buffer(dst)), timeout)
+        except TimeoutError:
+            raise SyncError(f"ucx: receiving {hi - lo} bytes from the trainer did not complete within "
+                            f"{timeout}s") from None
+        return flat_landed(landing, lo, hi, dst, in_place, local)
 
     async def close(self) -> None:
         if self._ep is not None:

@@ -146,11 +146,43 @@ class SegmentSender(BulkSender):
         self._ready.append(plan)
         return plan.header
 
+    flat = True  # a flat export's range is one segment, sent from the trainer's buffer
+
+    def prepare_flat(self, version: int, seq: int, lo: int, hi: int, weights: Any) -> dict[str, Any]:
+        header = {"lo": lo, "hi": hi}
+        self._ready.append(SendPlan(header, [weights.buffer[lo:hi]], hi - lo))
+        return header
+
     def next_plan(self) -> SendPlan:
         """The oldest prepared bucket (transmits run in prepare order)."""
         if not self._ready:
             raise SyncError(f"{self.tag}: transmit before prepare")
         return self._ready.popleft()
+
+
+def flat_target(tag: str, header: dict[str, Any], landing: Any, local: LocalWeights,
+                buf: torch.Tensor) -> tuple[int, int, torch.Tensor, bool, torch.Tensor]:
+    """Where one flat range (transport/bulk/flat.py) is received: (lo, hi, destination, whether
+    that is the engine's staging slots themselves, the receiver's bucket buffer). Not in
+    place: after the receive, `landing.land(lo, hi, destination, local)` copies it there."""
+    try:
+        lo, hi = int(header["lo"]), int(header["hi"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SyncError(f"{tag} flat range header is malformed: {exc}") from exc
+    if not 0 <= lo < hi <= landing.plan.nbytes:
+        raise SyncError(f"{tag} flat range [{lo}, {hi}) lies outside the plan's {landing.plan.nbytes} bytes")
+    region = landing.region(local)
+    if region is not None and region.device == buf.device:
+        return lo, hi, region[lo:hi], True, buf
+    if hi - lo > buf.numel():
+        buf = torch.empty(hi - lo, dtype=torch.uint8, device=buf.device)
+    return lo, hi, buf[:hi - lo], False, buf
+
+
+def flat_landed(landing: Any, lo: int, hi: int, dst: torch.Tensor, in_place: bool, local: LocalWeights) -> list[str]:
+    """After a flat range's receive: the names it completes (copied into the slots if needed)."""
+    names: list[str] = landing.plan.done_in(lo, hi) if in_place else landing.land(lo, hi, dst, local)
+    return names
 
 
 class Landing:
