@@ -10,15 +10,16 @@ channel moving the same bytes in the same bucket sizes, measured in this run:
   ucx        a bare UCXX endpoint sending the same bytes bucket by bucket (tag sends, as
              ucx_perftest's bandwidth test), into one flat buffer of a second process
   disk_delta write + read back of the full weights as files (what a naive disk sync moves)
-  zmq-flat   the zmq transport fed a flat export (the trainer's weights packed in one buffer,
-             transport/bulk/flat.py: plan once, then one frame per bucket); raw = zmq's
+  <t>-flat   transport <t> (zmq, ucx, broadcast) fed a flat export: the trainer's weights packed
+             in one buffer (transport/bulk/flat.py: plan once, then byte ranges; what a launched
+             run sends by default); raw = <t>'s
 plus a host memcpy of the weights as the machine's limit. disk_delta sends a sparse
 update (half the tensors change, as with a small-lr step); its GB/s counts the full
 model bytes it brings up to date. Each row pairs raw and miles measurements taken back to
 back (best of 3 each) and reports the median of 3 such rounds. Prints a table, then one
 JSON line.
 
-Usage: python bench/weight_sync.py [--quick] [--transports zmq,ucx,broadcast,disk_delta,zmq-flat]
+Usage: python bench/weight_sync.py [--quick] [--transports zmq,ucx,broadcast,disk_delta,zmq-flat,...]
 """
 
 from __future__ import annotations
@@ -324,7 +325,7 @@ def main() -> None:
     ap.add_argument("--gloo-sink", nargs=4, type=int)
     ap.add_argument("--ucx-sink", nargs=5)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--transports", default="zmq,ucx,broadcast,disk_delta,zmq-flat",
+    ap.add_argument("--transports", default="zmq,ucx,broadcast,disk_delta,zmq-flat,ucx-flat,broadcast-flat",
                     help="comma-separated subset (ucx is skipped, with a note, when UCXX is not installed)")
     a = ap.parse_args()
     if a.serve_engine:
@@ -336,12 +337,13 @@ def main() -> None:
     if a.ucx_sink:
         return ucx_sink(a.ucx_sink[0], *map(int, a.ucx_sink[1:4]), a.ucx_sink[4])
     transports = [t for t in a.transports.split(",") if t]
-    unknown = set(transports) - {"zmq", "ucx", "broadcast", "disk_delta", "zmq-flat"}
+    valid = ["zmq", "ucx", "broadcast", "disk_delta", "zmq-flat", "ucx-flat", "broadcast-flat"]
+    unknown = set(transports) - set(valid)
     if unknown:
-        ap.error(f"unknown transport(s) {sorted(unknown)}; valid: zmq, ucx, broadcast, disk_delta, zmq-flat")
+        ap.error(f"unknown transport(s) {sorted(unknown)}; valid: {', '.join(valid)}")
     notes = []
-    if "ucx" in transports and importlib.util.find_spec("ucxx") is None:
-        transports.remove("ucx")
+    if {"ucx", "ucx-flat"} & set(transports) and importlib.util.find_spec("ucxx") is None:
+        transports = [t for t in transports if t.removesuffix("-flat") != "ucx"]
         notes.append("ucx skipped: UCXX is not installed (pip install 'miles[ucx]')")
     sizes = [(256, 2)] if a.quick else [(256, 2), (512, 4)]
     bucket_mibs = [4] if a.quick else [4, 16]
@@ -369,9 +371,9 @@ def main() -> None:
                             for k in range(rounds):
                                 raw_g = raw_channel(tr.removesuffix("-flat"), zports, root / f"raw-{hidden}-{mib}-{k}",
                                                     total, mib << 20, reps)
-                                if tr == "zmq-flat":
-                                    got = asyncio.run(miles_update(directory, packed, "zmq", mib, reps, root,
-                                                                   export=lambda fw=flat: fw))
+                                if tr.endswith("-flat"):
+                                    got = asyncio.run(miles_update(directory, packed, tr.removesuffix("-flat"), mib,
+                                                                   reps, root, export=lambda fw=flat: fw))
                                 else:
                                     got = asyncio.run(miles_update(directory, model, tr, mib, reps, root))
                                 pairs.append((got / raw_g, got, raw_g))
