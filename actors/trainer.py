@@ -89,12 +89,9 @@ class TrainerActor(Actor):
 
     def _export(self) -> Any:
         """What this rank's trainer hands the sync: flat (one persistent buffer, byte ranges)
-        when `sync.flat_export` says so and the trainer can, else tensor by tensor."""
-        sc = self.cfg.sync
-        if sc.flat and not self.cfg.trainer.lora.rank:
-            dtype = None if sc.dtype == "same" else getattr(torch, sc.dtype)
-            return self.trainer.export_sync_state(flat=True, dtype=dtype)
-        return self.trainer.export_sync_state()
+        when `sync.flat_export` says so, else tensor by tensor."""
+        sc = self.cfg.sync  # (a LoRA trainer exports its adapters tensor by tensor either way)
+        return self.trainer.export_sync_state(flat=sc.flat, dtype=None if sc.dtype == "same" else getattr(torch, sc.dtype))
 
     async def _push(self, sync: WeightSync, version: int, state: Any) -> Any:
         """Push a version to every engine, keeping a host copy for catch-ups."""

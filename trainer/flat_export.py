@@ -31,10 +31,11 @@ class FlatExportBuffer:
                 views[n][1].copy_(t)
                 n += 1
                 continue
-            # The tensor list changed: a new buffer, from what this export filled so far on.
-            return self._build([*((k, v.clone()) for k, v in views[:n]), (name, t), *it], dtype)
+            # The tensor list changed: a new buffer, from what this export filled so far on
+            # (the old buffer lives until the new one is filled).
+            return self._build([*views[:n], (name, t), *it], dtype)
         if self.weights is None or n != len(views):
-            return self._build([(k, v.clone()) for k, v in views[:n]], dtype)
+            return self._build(views[:n], dtype)
         return self.weights
 
     def _build(self, items: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None) -> FlatWeights:
@@ -45,15 +46,6 @@ class FlatExportBuffer:
         if mixed:
             raise ValueError(f"flat export: tensors of several dtypes ({dt} and {sorted(map(str, mixed))}); "
                              "set sync.dtype to move them in one")
-        dev = items[0][1].device
-        buf = torch.empty(sum(t.numel() for _, t in items), dtype=dt, device=dev)
-        views, pos = [], 0
-        for name, t in items:
-            k = t.numel()
-            v = buf[pos:pos + k].view(t.shape)
-            v.copy_(t)
-            views.append((name, v))
-            pos += k
-        self._views = views
-        self.weights = FlatWeights.of(views)
+        self.weights = FlatWeights.copy_of(items, dt)
+        self._views = list(self.weights)
         return self.weights

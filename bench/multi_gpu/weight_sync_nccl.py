@@ -41,20 +41,12 @@ from miles.trainer.dist import free_port  # noqa: E402
 from miles.transport.bulk.base import Layout, LocalWeights  # noqa: E402
 from miles.transport.bulk.broadcast import BroadcastReceiver, BroadcastSender  # noqa: E402
 from miles.transport.bulk.buckets import Reassembler, iter_buckets  # noqa: E402
+from miles.transport.bulk.flat import FlatWeights  # noqa: E402
 
 
 def _packed(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
     """The same tensors as views of one buffer, in order."""
-    if not named:
-        return []
-    buf = torch.empty(sum(t.numel() for _, t in named), dtype=named[0][1].dtype, device=named[0][1].device)
-    out, pos = [], 0
-    for name, t in named:
-        v = buf[pos:pos + t.numel()].view(t.shape)
-        v.copy_(t)
-        out.append((name, v))
-        pos += t.numel()
-    return out
+    return list(FlatWeights.copy_of(named)) if named else []
 
 
 def _sync(dev: torch.device) -> None:

@@ -134,16 +134,7 @@ def _flat_trainer(order: str) -> tuple[torch.nn.Module, FlatWeights]:
     if order == "same":
         pack_parameters(list(model.parameters()))
         return model, FlatWeights.of(hf_tensor_views(model).items())
-    views = list(hf_tensor_views(model).items())[::-1]
-    buf = torch.empty(sum(t.numel() for _, t in views))
-    pos, out = 0, []
-    with torch.no_grad():
-        for n, t in views:
-            k = t.numel()
-            buf[pos:pos + k].view(t.shape).copy_(t)
-            out.append((n, buf[pos:pos + k].view(t.shape)))
-            pos += k
-    return model, FlatWeights.of(out)
+    return model, FlatWeights.copy_of(list(hf_tensor_views(model).items())[::-1])
 
 
 FLAT_TRANSPORTS = ["zmq", "broadcast", *(["ucx"] if importlib.util.find_spec("ucxx") else [])]

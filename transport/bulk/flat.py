@@ -151,6 +151,24 @@ class FlatWeights:
         buf.set_(st, first.storage_offset() * first.element_size(), (pos,))
         return cls(buf, FlatPlan(tuple(names), tuple(dtypes), tuple(shapes), tuple(offsets), pos))
 
+    @classmethod
+    @torch.no_grad()
+    def copy_of(cls, named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> FlatWeights:
+        """A new buffer holding copies of the tensors back to back, in order, in `dtype`
+        (default: the first tensor's), on the first tensor's device."""
+        items = list(named)
+        if not items:
+            raise SyncError("FlatWeights.copy_of: no tensors")
+        first = items[0][1]
+        buf = torch.empty(sum(t.numel() for _, t in items), dtype=dtype or first.dtype, device=first.device)
+        views, pos = [], 0
+        for name, t in items:
+            v = buf[pos:pos + t.numel()].view(t.shape)
+            v.copy_(t)
+            views.append((name, v))
+            pos += t.numel()
+        return cls.of(views)
+
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         p = self.plan
         for name, dt, shape, off, end in zip(p.names, p.dtypes, p.shapes, p.offsets, p.ends, strict=True):
