@@ -140,6 +140,7 @@ class FSDPTrainer:
         self._rollout_lp = False
         self._offload: FlatOffload | None = None
         self._flat_export = FlatExportBuffer()  # allocated at the first flat export (rank 0)
+        self._old_is_current = False  # set per step by `_single_update`
 
     # ---------------------------------------------------------------- step
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
@@ -172,6 +173,7 @@ class FSDPTrainer:
         for p, want in zip(plans, counts.tolist(), strict=True):
             p.extend(filler_micro_batch(list(per_token)) for _ in range(int(want) - len(p)))
         metrics = StepMetrics()
+        self._old_is_current = self._single_update(len(plans))
         self._no_grad_passes([mb for p in plans for mb in p], metrics)
         self._advantages(samples, plans, metrics)
         grad_norms = []
@@ -210,14 +212,33 @@ class FSDPTrainer:
         routes = self.spec.is_moe and all(s.routed_experts is not None for s in samples)
         return [pack(samples, [idx[b] for b in bin_], per_token, replay=routes) for bin_ in bins]
 
+    def _single_update(self, num_updates: int) -> bool:
+        """Whether the old-policy logprobs are the current ones, so the no-grad pass can go.
+
+        With one optimizer step per batch, every micro-batch's forward runs at the step's start
+        weights: its logprobs, detached, are exactly what the recompute pass would give (ratio 1).
+        The pass stays where the algorithm reads old logprobs before or across updates: several
+        mini-batches, a KL term folded into the reward, distillation advantages.
+        """
+        cfg = self.cfg
+        return (
+            cfg.correction.old_logprobs == "recompute"
+            and cfg.correction.old_logprobs_pass == "auto"
+            and num_updates == 1
+            and not (self.ref is not None and cfg.loss.kl_in_reward)
+            and self.teacher is None
+        )
+
     @torch.no_grad()
     def _no_grad_passes(self, mbs: list[MicroBatch], metrics: StepMetrics) -> None:
         cfg = self.cfg
-        recompute = cfg.correction.old_logprobs == "recompute"
+        recompute = cfg.correction.old_logprobs == "recompute" and not self._old_is_current
+        # (fused: the routing overlap is measured in the training forward instead)
+        probe_here = self.probe is not None and not self._old_is_current
         for cpu_mb in mbs:
             mb = cpu_mb.to(self.device)
             real = mb.num_seqs > 0
-            if recompute or (self.probe is not None and real):
+            if recompute or (probe_here and real):
                 if self.probe is not None:
                     self.probe.reset()
                     self.probe.active = real
@@ -342,9 +363,23 @@ class FSDPTrainer:
         self.opt.zero_grad(set_to_none=True)
         for cpu_mb in plan:
             mb = cpu_mb.to(self.device)
+            probe = self.probe if self._old_is_current and mb.num_seqs else None
+            if probe is not None:
+                probe.reset()
+                probe.active = True
             fo = self._forward(
                 self.policy, mb, temperature=cfg.temperature, replay=self.replay, with_entropy=True
             )
+            if probe is not None:
+                probe.active = False
+                if mb.routed_experts is not None:
+                    tot, cnt = probe.overlap(
+                        mb.routed_experts, self.spec.num_experts_per_tok, mb.route_valid
+                    )
+                    metrics.add_mean("train/routing_overlap", tot, cnt)
+                probe.reset()
+            if self._old_is_current and mb.num_seqs:
+                mb.fields["old_logp"] = fo.logp.detach()  # the recompute pass's value, exactly
             if not mb.num_seqs:
                 loss = fo.logits.sum() * 0.0
                 if self.critic is not None:

@@ -91,6 +91,12 @@ class CorrectionConfig:
         "old-policy logprobs: recompute with a no-grad pass at the step's start weights, or reuse "
         "the rollout engine's (then the PPO ratio absorbs the mismatch and weights are 1)",
     )
+    old_logprobs_pass: Literal["auto", "always"] = opt(
+        "auto",
+        "recompute's no-grad pass: 'auto' skips it when a step makes one optimizer update and "
+        "nothing reads old logprobs before it (the training forward's detached logprobs are "
+        "the same values); 'always' runs it every step",
+    )
 
 
 @dataclass
