@@ -113,6 +113,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 SUBCOMMAND_MODULES: list[str] = [
     "miles.launch.slurm",
     "miles.launch.perftest",
+    "miles.launch.data_check",
 ]
 
 
