@@ -28,6 +28,10 @@ class PeerTimeout(TransportError):
     """A peer did not answer before the request's deadline."""
 
 
+class MailboxFull(TransportError):
+    """The target handler's bounded mailbox is full and its policy is to refuse, not to wait."""
+
+
 class PeerGone(TransportError):
     """A peer closed its connection or disappeared."""
 
@@ -79,6 +83,7 @@ KNOWN_ERRORS: dict[str, type[MilesError]] = {
         ProtocolError,
         TransportError,
         PeerTimeout,
+        MailboxFull,
         PeerGone,
         ActorDeadError,
         EngineError,

@@ -10,7 +10,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from miles.core.errors import ConfigError, TransportError
+from miles.core.errors import ConfigError, PeerTimeout, TransportError
 
 _ipc_dir: str | None = None
 
@@ -19,10 +19,15 @@ def async_context() -> zmq.asyncio.Context:
     return zmq.asyncio.Context.instance()
 
 
-def apply_options(sock: zmq.Socket, hwm: int = 10000, linger_ms: int = 0) -> None:
+def apply_options(sock: zmq.Socket, hwm: int = 10000, linger_ms: int = 0, max_msg_bytes: int = -1,
+                  rcvhwm: int = 0) -> None:
     sock.setsockopt(zmq.SNDHWM, hwm)
-    sock.setsockopt(zmq.RCVHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, rcvhwm or hwm)
     sock.setsockopt(zmq.LINGER, linger_ms)
+    if max_msg_bytes > 0:
+        # ZeroMQ drops the connection of a peer announcing a larger frame before allocating it,
+        # so a huge frame is never received in full only to be refused by the codec afterwards.
+        sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
     if sock.type in (zmq.DEALER, zmq.ROUTER, zmq.SUB, zmq.PUB):
         # Keepalive so half-open TCP connections to a dead node are noticed by the OS.
         sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
@@ -136,8 +141,10 @@ class LoopSocket:
         while not self._closed and s.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             self.on_frames(s.recv_multipart(zmq.NOBLOCK, copy=False))
 
-    async def send(self, frames: list[Any]) -> None:
+    async def send(self, frames: list[Any], deadline: float | None = None, what: str = "") -> None:
+        """Send at once, or wait out backpressure until `deadline` (time.monotonic) and raise PeerTimeout."""
         import asyncio
+        import time
 
         delay = 0.0001
         while True:
@@ -146,7 +153,15 @@ class LoopSocket:
                 break
             except zmq.Again:
                 # Backpressure (HWM reached): back off briefly, up to 5 ms between tries.
-                await asyncio.sleep(delay)
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise PeerTimeout(
+                            f"send {what or 'message'} refused by backpressure: the peer's queue "
+                            "stayed full until the deadline") from None
+                    await asyncio.sleep(min(delay, left))
+                else:
+                    await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.005)
         if self.sync.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             self.loop.call_soon(self.drain)
@@ -159,15 +174,28 @@ class LoopSocket:
 
 
 class QueuedLoopSocket(LoopSocket):
-    """A `LoopSocket` whose arrivals queue up for one consumer task (`recv_batch`)."""
+    """A `LoopSocket` whose arrivals queue up for one consumer task (`recv_batch` then `done`).
 
-    def __init__(self, sock: Any) -> None:
+    At most `capacity` messages are read off the socket and not yet handled (queued plus
+    the batch in hand). At the bound, reading stops: ZeroMQ's receive high-water mark
+    then fills, then TCP's window, and the senders' sends block (until their deadlines).
+    """
+
+    def __init__(self, sock: Any, capacity: int = 1024) -> None:
         import asyncio
         from collections import deque
 
         super().__init__(sock, self._arrived)
+        self.capacity = max(1, capacity)
         self._queue: deque[list[Any]] = deque()
+        self._held = 0  # the batch handed out by recv_batch and not yet reported done
         self._event = asyncio.Event()
+
+    def drain(self) -> None:
+        s = self.sync
+        while (not self._closed and len(self._queue) + self._held < self.capacity
+               and s.getsockopt(zmq.EVENTS) & zmq.POLLIN):
+            self._arrived(s.recv_multipart(zmq.NOBLOCK, copy=False))
 
     def _arrived(self, frames: list[Any]) -> None:
         self._queue.append(frames)
@@ -179,4 +207,11 @@ class QueuedLoopSocket(LoopSocket):
             await self._event.wait()
         out = list(self._queue)
         self._queue.clear()
+        self._held = len(out)
         return out
+
+    def done(self) -> None:
+        """The last batch is handled: read on (the edge-triggered FD will not wake us for old input)."""
+        self._held = 0
+        if not self._closed and self.loop is not None:
+            self.drain()

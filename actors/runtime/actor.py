@@ -1,9 +1,15 @@
 """The `Actor` base class and the `@handler` decorator.
 
 An actor declares one handler per message type. Each handler has a concurrency
-limit (how many of its messages run at once) and a bounded queue; a full queue
-stops the host from reading its socket, which pushes back on senders through
-ZeroMQ's high-water mark.
+limit (how many of its messages run at once), a queue bounded by the transport's
+`mailbox_size`, and a policy for when that queue is full:
+
+- `"block"` (default): the host stops reading its socket until there is room. The
+  host reads ahead at most `mailbox_size` messages and ZeroMQ queues at most
+  `mailbox_size` more per peer (its receive high-water mark); beyond that the
+  senders' sends wait, and fail with `PeerTimeout` at their deadlines.
+- `"refuse"`: the message is refused at once; an ask gets `MailboxFull`, a tell is
+  counted in `Host.refused` and logged. The host keeps reading for other handlers.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from miles.transport.schema import spec_for_class
 
@@ -20,21 +26,30 @@ if TYPE_CHECKING:
     from miles.actors.runtime.ref import ActorRef
 
 _ATTR = "__miles_handler__"
+WhenFull = Literal["block", "refuse"]
 
 
 @dataclass(frozen=True)
 class HandlerSpec:
     msg_type: type
     concurrency: int
+    when_full: WhenFull = "block"
 
 
-def handler(msg_type: type, concurrency: int = 1) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Mark a method as the handler of `msg_type` (at most `concurrency` run at once)."""
+def handler(msg_type: type, concurrency: int = 1,
+            when_full: WhenFull = "block") -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Mark a method as the handler of `msg_type` (at most `concurrency` run at once).
+
+    `when_full` says what a full mailbox does to a new message: "block" the sender
+    (backpressure) or "refuse" it with `MailboxFull`.
+    """
     if concurrency < 1:
         raise ValueError("handler concurrency must be >= 1")
+    if when_full not in ("block", "refuse"):
+        raise ValueError(f"handler when_full {when_full!r}: valid are 'block', 'refuse'")
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-        setattr(fn, _ATTR, HandlerSpec(msg_type, concurrency))
+        setattr(fn, _ATTR, HandlerSpec(msg_type, concurrency, when_full))
         return fn
 
     return wrap
@@ -79,3 +94,4 @@ class Mailbox:
     workers: list[asyncio.Task[None]]
     busy: int = 0
     sync: bool = False  # plain function (not a coroutine function): may run inline
+    refuse: bool = False  # when_full == "refuse"

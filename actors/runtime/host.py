@@ -31,6 +31,7 @@ from miles.actors.runtime.ref import ActorRef
 from miles.core.errors import (
     KNOWN_ERRORS,
     ActorDeadError,
+    MailboxFull,
     MilesError,
     PeerTimeout,
     ProtocolError,
@@ -76,6 +77,7 @@ class Host:
         self._death_callbacks: list[Callable[[DeathNotice], Any]] = []
         self._subscriber: Subscriber | None = None
         self.protocol_errors = 0
+        self.refused = 0  # tells refused by a full "refuse" mailbox
         self.loop_lag_ms = 0.0
         self.max_loop_lag_ms = 0.0
         self._stopping = False
@@ -83,12 +85,15 @@ class Host:
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         self._router = zmq.Context.instance().socket(zmq.ROUTER)
-        apply_options(self._router, self.cfg.hwm, self.cfg.linger_ms)
+        # The receive side is bounded by the mailbox size: ZeroMQ queues at most that many
+        # messages per peer, and the host reads ahead at most that many (see actor.py).
+        apply_options(self._router, self.cfg.hwm, self.cfg.linger_ms, self.cfg.max_frame_bytes,
+                      rcvhwm=self.cfg.mailbox_size)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)
         if self.cfg.curve_server_key:
             make_curve_server(self._router, self.cfg.curve_server_key)
         self.address = bind(self._router, self.cfg.scheme, self.cfg.interface, "router", self.cfg.ipc_dir)
-        self._rfast = QueuedLoopSocket(self._router)
+        self._rfast = QueuedLoopSocket(self._router, self.cfg.mailbox_size)
         self._rfast.start(asyncio.get_running_loop())
         self._pub = socket(zmq.PUB, hwm=self.cfg.hwm, linger_ms=self.cfg.linger_ms)
         self.pub_address = bind(self._pub, self.cfg.scheme, self.cfg.interface, "pub", self.cfg.ipc_dir)
@@ -117,7 +122,8 @@ class Host:
         for type_name, (method, spec) in actor.handler_specs().items():
             q: asyncio.Queue[Any] = asyncio.Queue(maxsize=self.cfg.mailbox_size)
             fn = getattr(actor, method)
-            box = Mailbox(fn, q, [], sync=not asyncio.iscoroutinefunction(fn))
+            box = Mailbox(fn, q, [], sync=not asyncio.iscoroutinefunction(fn),
+                          refuse=spec.when_full == "refuse")
             box.workers = [
                 asyncio.create_task(self._worker(name, box), name=f"{name}.{method}")
                 for _ in range(spec.concurrency)
@@ -241,23 +247,34 @@ class Host:
         # A timer handle instead of asyncio.wait_for: no extra task per request.
         timer = loop.call_later(timeout, _expire, fut, name, address, timeout, type(msg).__name__)
         try:
-            await self._dealer(address).send(frames)
+            # The deadline covers the send: a peer whose queue stays full fails the ask in time.
+            await self._dealer(address).send(frames, time.monotonic() + timeout,
+                                             f"{type(msg).__name__} to {name!r} at {address}")
             return await fut
+        except PeerTimeout:
+            if fut.done() and not fut.cancelled():
+                fut.exception()  # the timer fired too: mark its exception as seen
+            raise
         finally:
             timer.cancel()
             self._pending.pop(msg_id, None)
 
-    async def tell(self, name: str, msg: Any) -> None:
+    async def tell(self, name: str, msg: Any, timeout: float | None = None) -> None:
+        """Send without a reply; waits out backpressure up to `timeout` (default_deadline_s)."""
+        t = timeout if timeout is not None else self.cfg.default_deadline_s
+        deadline = time.monotonic() + t
         await self._check_alive(name)
-        loc = await self._lookup(name, 0.0, self.cfg.default_deadline_s)
+        loc = await self._lookup(name, 0.0, t)
         frames = codec.encode(codec.TELL, None, name, msg, None, self.host_id)
-        await self._dealer(loc.address).send(frames)
+        await self._dealer(loc.address).send(frames, deadline, f"{type(msg).__name__} to {name!r}")
 
-    async def tell_many(self, name: str, msgs: list[Any]) -> None:
+    async def tell_many(self, name: str, msgs: list[Any], timeout: float | None = None) -> None:
+        t = timeout if timeout is not None else self.cfg.default_deadline_s
+        deadline = time.monotonic() + t
         await self._check_alive(name)
-        loc = await self._lookup(name, 0.0, self.cfg.default_deadline_s)
+        loc = await self._lookup(name, 0.0, t)
         frames = codec.encode_batch(name, msgs, self.host_id)
-        await self._dealer(loc.address).send(frames)
+        await self._dealer(loc.address).send(frames, deadline, f"{len(msgs)} records to {name!r}")
 
     async def publish(self, topic: str, msg: Any) -> None:
         """Broadcast `msg` to every subscriber of `topic` on this host's PUB socket."""
@@ -274,7 +291,7 @@ class Host:
         d = self._dealers.get(address)
         if d is None:
             sock = zmq.Context.instance().socket(zmq.DEALER)
-            apply_options(sock, self.cfg.hwm, self.cfg.linger_ms)
+            apply_options(sock, self.cfg.hwm, self.cfg.linger_ms, self.cfg.max_frame_bytes)
             if self.cfg.curve_client_key:
                 make_curve_client(sock, self.cfg.curve_client_key, self.cfg.curve_public_key)
             sock.connect(address)
@@ -303,6 +320,7 @@ class Host:
         while True:
             for frames in await self._rfast.recv_batch():
                 await self._on_request(frames)
+            self._rfast.done()
 
     async def _on_request(self, frames: list[Any]) -> None:
         router = self._rfast
@@ -349,7 +367,19 @@ class Host:
         try:
             box.queue.put_nowait(item)
         except asyncio.QueueFull:
+            if box.refuse:
+                await self._refuse(ident, env, cls)
+                return
             await box.queue.put(item)  # backpressure: stop reading until there is room
+
+    async def _refuse(self, ident: Any, env: codec.Envelope, cls: type) -> None:
+        what = f"mailbox of {env.target!r} for {cls.__name__} is full ({self.cfg.mailbox_size} queued)"
+        if env.kind == codec.ASK:
+            await self._rfast.send([ident, *codec.encode_error(env.msg_id, env.target, MailboxFull(what))])
+            return
+        self.refused += 1
+        if self.refused <= 10 or self.refused % 1000 == 0:
+            log.warning("tell_refused", actor=env.target, msg=cls.__name__, reason=what, count=self.refused)
 
     async def _worker(self, name: str, box: Mailbox) -> None:
         while True:
@@ -398,7 +428,11 @@ class Host:
                 continue
             frames = codec.encode(codec.TELL, None, DIRECTORY_NAME,
                                   Heartbeat(self.host_id, names, self.loop_lag_ms), None, self.host_id)
-            await self._dealer(self.directory_addr or "").send(frames)
+            try:
+                await self._dealer(self.directory_addr or "").send(
+                    frames, time.monotonic() + self.cfg.heartbeat_interval_s, "heartbeat")
+            except PeerTimeout as exc:
+                log.warning("heartbeat_not_sent", error=str(exc))
 
     async def _lag_monitor(self, interval: float = 0.1) -> None:
         while True:

@@ -29,6 +29,7 @@ class Subscriber:
     def __init__(self, host: Host) -> None:
         self.host = host
         self.sock = socket(zmq.SUB, hwm=host.cfg.hwm, linger_ms=0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, host.cfg.max_frame_bytes)
         self.callbacks: dict[str, list[Callable[[Any], Any]]] = {}
         self.connected: set[str] = set()
         self.tasks: list[asyncio.Task[Any]] = [asyncio.create_task(self._loop(), name="host-sub")]

@@ -24,13 +24,17 @@ class ActorRef:
         """
         return await self.host.ask(self.name, msg, timeout)
 
-    async def tell(self, msg: Any) -> None:
-        """Send `msg` without waiting for a reply."""
-        await self.host.tell(self.name, msg)
+    async def tell(self, msg: Any, *, timeout: float | None = None) -> None:
+        """Send `msg` without waiting for a reply.
 
-    async def tell_many(self, msgs: list[Any]) -> None:
+        Waits out backpressure up to `timeout` (the transport's default deadline when
+        None), then raises PeerTimeout: the message was not sent.
+        """
+        await self.host.tell(self.name, msg, timeout)
+
+    async def tell_many(self, msgs: list[Any], *, timeout: float | None = None) -> None:
         """Send many records in one wire message (batched; far cheaper per message)."""
-        await self.host.tell_many(self.name, msgs)
+        await self.host.tell_many(self.name, msgs, timeout)
 
     def __repr__(self) -> str:
         return f"ActorRef({self.name!r})"
