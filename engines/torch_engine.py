@@ -39,6 +39,8 @@ from miles.engines.validate import validate_request
 from miles.engines.weights import WeightStager
 from miles.models.decoder import CausalLM
 from miles.models.factory import model_from_config
+from miles.models.fp8_layout import fp8_block
+from miles.models.fp8_linear import to_fp8_weights
 from miles.models.hf_io import checksums, hf_tensor_views
 from miles.models.lora import is_adapter_name
 
@@ -61,6 +63,9 @@ class TorchEngine(Engine):
     ) -> None:
         self.cfg = cfg or EngineConfig()
         self.model = model.eval()
+        self.fp8_block = fp8_block(model.spec)
+        if self.fp8_block is not None:  # FP8 contract: linear layers hold E4M3 codes + block scales
+            to_fp8_weights(model, self.fp8_block)
         self.spec = model.spec
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -68,7 +73,7 @@ class TorchEngine(Engine):
         self.pool = RowPool(self.spec, self.cfg.max_batch_size, self.max_seq_len, self.dtype, self.device)
         self.stepper = Stepper(model, self.pool, self.device, batch_invariant, self.cfg.cuda_graphs)
         self.sessions = SessionStore(self.cfg.kv_budget_tokens)
-        self.stager = WeightStager(hf_tensor_views(model))
+        self.stager = WeightStager(hf_tensor_views(model), self.fp8_block)
         self.adapters = AdapterMerge(model)  # LoRA runs sync adapters only (engines/lora.py)
         self.version = version
         self._known_sessions: set[str] = set()
@@ -191,6 +196,8 @@ class TorchEngine(Engine):
             (lora if is_adapter_name(name) else full).append((name, t))
         if not full and not lora:  # e.g. a bucket holding only part of a chunked tensor
             return 0
+        if lora and self.fp8_block is not None:
+            raise EngineError(f"stage(version={version}): LoRA adapters cannot be merged into FP8 weights")
         mixed = (self.stager.version == version or bool(full)) if lora else self.adapters.version == version
         if mixed:
             raise EngineError(f"stage(version={version}): a version carries full weights or adapters, not both")

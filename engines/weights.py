@@ -16,12 +16,14 @@ version, so receiving a tensor is exactly one copy into it. How `apply` installs
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 
 from miles.core.errors import EngineError
 from miles.core.logging import get_logger
+from miles.models.fp8 import FP8
+from miles.models.fp8_layout import quantize_hf_state
 from miles.models.param_buffer import pack_parameters
 
 log = get_logger("miles.engine.weights")
@@ -47,8 +49,11 @@ def _arena_views(live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 class WeightStager:
-    def __init__(self, views: dict[str, torch.Tensor]) -> None:
+    def __init__(self, views: dict[str, torch.Tensor], fp8_block: tuple[int, int] | None = None) -> None:
         self._views = views  # HF name -> live parameter view
+        # FP8 engine (models/fp8_linear.py): a float `X.weight` staged into an FP8 slot is quantized
+        # here with the shared quantizer, its codes and `X.weight_scale_inv` staged together
+        self.fp8_block = fp8_block
         self.version: int | None = None
         self._staged: set[str] = set()
         self._slots: dict[str, torch.Tensor] | None = None  # HF name -> staging destination
@@ -170,6 +175,8 @@ class WeightStager:
         self._begin(version)
         slots = self._ensure_slots()
         items = named.items() if isinstance(named, Mapping) else named
+        if self.fp8_block is not None:
+            items = self._fp8_items(items, slots)
         for name, t in items:
             dst = slots.get(name)
             if dst is None:
@@ -183,6 +190,18 @@ class WeightStager:
                 dst.copy_(t.detach())
             self._staged.add(name)
         return len(self._staged)
+
+    def _fp8_items(self, items: Iterable[tuple[str, torch.Tensor]], slots: dict[str, torch.Tensor]
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+        assert self.fp8_block is not None
+        for name, t in items:
+            dst = slots.get(name)
+            if dst is None or dst.dtype != FP8 or t.dtype == FP8:
+                yield name, t
+                continue
+            if tuple(t.shape) != tuple(dst.shape):
+                raise EngineError(f"stage: tensor {name!r} has shape {tuple(t.shape)}, engine expects {tuple(dst.shape)}")
+            yield from quantize_hf_state([(name, t)], self.fp8_block)
 
     def check_complete(self, version: int) -> None:
         if self.version != version:

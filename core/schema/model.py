@@ -19,9 +19,18 @@ class ModelConfig:
     overrides: dict[str, int | float | bool | str] = opt({}, "extra HF config keys for the tiny preset")
     dtype: Literal["float32", "bfloat16", "float16"] = opt("float32", "parameter dtype")
     seed: int = opt(0, "seed of the random init of a tiny preset")
+    fp8: Literal["off", "blockwise"] = opt(
+        "off",
+        "low-precision contract (docs/fp8.md): blockwise = engine and trainer compute every attention/MLP "
+        "linear layer with the same FP8 E4M3 weights, one fp32 scale per fp8_block x fp8_block block "
+        "(real FP8 GEMMs on Hopper); a checkpoint must then carry a matching FP8 quantization_config",
+    )
+    fp8_block: int = opt(128, "rows and columns of one FP8 weight block (one scale each)", "elements")
 
     def __post_init__(self) -> None:
         if not self.path and self.arch not in ("llama", "qwen2", "qwen3", "qwen3_moe"):
             raise ConfigError(f"model.arch={self.arch!r}: expected llama, qwen2, qwen3 or qwen3_moe")
+        if self.fp8_block < 1:
+            raise ConfigError(f"model.fp8_block={self.fp8_block} must be >= 1")
         if self.vocab_size < 0:
             raise ConfigError(f"model.vocab_size={self.vocab_size} must be >= 0")

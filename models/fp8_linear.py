@@ -1,0 +1,140 @@
+"""Linear layers under the FP8 contract: the trainer's fake-quantized forward and the
+engine's FP8 weights, both computing with the same `Ŵ` (models/fp8.py).
+
+- Trainer (float master weights, an `Fp8Plan` attached): the forward uses
+  `Ŵ = dequant(quant(W))` in the weight's dtype; the backward passes the gradient straight
+  through to W (the straight-through estimator: rounding has no useful derivative).
+- Engine (`to_fp8_weights`): the weight parameter holds the float8_e4m3fn codes and a
+  `weight_scale_inv` parameter the fp32 block scales, both synced and swapped like any
+  weight. On the CPU, and in batch-invariant mode, the forward dequantizes them into the
+  compute dtype: the trainer's Ŵ bit for bit. On CUDA it runs real FP8 GEMMs
+  (`torch.nn.functional.scaled_mm`, activations quantized per token and 128-column block,
+  weights per 128x128 block) when the shapes allow it; activations are then rounded to
+  FP8 too, so CUDA logprobs differ from the trainer's by that activation rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from miles.core.logging import get_logger
+from miles.models.fp8 import E4M3_MAX, FP8, SCALE_SUFFIX
+from miles.models.fp8_layout import Fp8Plan, dequantize_rows, quantize_rows
+from miles.models.invariant import invariant_active
+
+log = get_logger("miles.models.fp8")
+_PLAN = "fp8_plan"
+_GEMM_BLOCK = 128  # the block cuBLAS's blockwise FP8 kernels take (1x128 activations, 128x128 weights)
+_gemm_broken: list[str] = []  # set once the device's scaled_mm refuses blockwise scaling
+
+
+class _FakeQuantSTE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, plan: Fp8Plan) -> torch.Tensor:  # type: ignore[override]
+        codes, scale = quantize_rows(w, plan)
+        return dequantize_rows(codes, scale, plan, w.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad, None
+
+
+def fake_quantized(w: torch.Tensor, plan: Fp8Plan) -> torch.Tensor:
+    """Ŵ of a float weight, gradient straight through to `w`."""
+    return _FakeQuantSTE.apply(w, plan)  # type: ignore[no-any-return]
+
+
+def project(x: torch.Tensor, mod: nn.Linear) -> torch.Tensor:
+    """`F.linear(x, mod.weight, mod.bias)` under the module's FP8 plan, if it has one."""
+    plan: Fp8Plan | None = getattr(mod, _PLAN, None)
+    w = mod.weight
+    if plan is None:
+        return F.linear(x, w, mod.bias)
+    if w.dtype == FP8:
+        scale = getattr(mod, "weight" + SCALE_SUFFIX)
+        if x.is_cuda and not invariant_active() and _gemm_ok(x, w, plan):
+            try:
+                return _scaled_gemm(x, w, scale, mod.bias)
+            except (RuntimeError, NotImplementedError) as exc:  # e.g. no blockwise kernels on this GPU
+                _gemm_broken.append(f"{type(exc).__name__}: {exc}")
+                log.warning("fp8_gemm_unavailable", error=_gemm_broken[-1], fallback="dequantized weights")
+        return F.linear(x, dequantize_rows(w, scale, plan, x.dtype), mod.bias)
+    return F.linear(x, fake_quantized(w, plan), mod.bias)
+
+
+def _gemm_ok(x: torch.Tensor, w: torch.Tensor, plan: Fp8Plan) -> bool:
+    n, k = w.shape
+    return (not _gemm_broken and plan.block == (_GEMM_BLOCK, _GEMM_BLOCK) and plan.block_aligned
+            and k % _GEMM_BLOCK == 0 and n % 16 == 0 and x.dtype in (torch.bfloat16, torch.float16))
+
+
+def quantize_activations(x2: torch.Tensor, block: int = _GEMM_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (fp8 codes [M, K], fp32 scales [M, K/block]): one scale per token and block."""
+    m, k = x2.shape
+    xb = x2.float().view(m, k // block, block)
+    amax = xb.abs().amax(dim=-1)
+    s = amax / torch.full_like(amax, E4M3_MAX)
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    q = (xb / s.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
+    return q.view(m, k), s
+
+
+def _scaled_gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    lead, k = x.shape[:-1], x.shape[-1]
+    xq, xs = quantize_activations(x.reshape(-1, k))
+    # cuBLAS layouts: activation scales outer-dim-major [M, K/128]; weight scales [L4, N/128],
+    # K-block-major, with the K-blocks padded to a multiple of 4
+    xs = xs.t().contiguous().t()
+    ws = scale.float()
+    pad = (-ws.shape[1]) % 4
+    if pad:
+        ws = F.pad(ws, (0, pad))
+    out = F.scaled_mm(xq, codes.t(), xs, F.ScalingType.BlockWise1x128, ws.t(), F.ScalingType.BlockWise128x128,
+                      output_dtype=x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.view(*lead, codes.shape[0])
+
+
+def _linear_plans(model: nn.Module, block: tuple[int, int]) -> list[tuple[nn.Linear, Fp8Plan]]:
+    """The quantized projections of attention and dense MLP modules, with their HF row split."""
+    from miles.models.layers import MLP, Attention
+
+    out: list[tuple[nn.Linear, Fp8Plan]] = []
+    for mod in model.modules():
+        if isinstance(mod, Attention):
+            nq, nk = mod.nh * mod.hd, mod.nkv * mod.hd
+            out += [(mod.qkv_proj, Fp8Plan(block, (nq, nk, nk))),
+                    (mod.o_proj, Fp8Plan(block, (mod.o_proj.weight.shape[0],)))]
+        elif isinstance(mod, MLP):
+            out += [(mod.gate_up_proj, Fp8Plan(block, (mod.inter, mod.inter))),
+                    (mod.down_proj, Fp8Plan(block, (mod.down_proj.weight.shape[0],)))]
+    return out
+
+
+def attach_fp8(model: nn.Module, block: tuple[int, int]) -> int:
+    """Put the model's quantized projections under the contract (a trainer-side fake-quantized
+    forward while their weights are float); returns how many."""
+    plans = _linear_plans(model, block)
+    for lin, plan in plans:
+        setattr(lin, _PLAN, plan)
+    return len(plans)
+
+
+@torch.no_grad()
+def to_fp8_weights(model: nn.Module, block: tuple[int, int]) -> int:
+    """Engine side: replace each quantized projection's float weight by its FP8 codes and add
+    its `weight_scale_inv` parameter (computed from the weights as they are now, in their
+    dtype). Returns the number of projections converted; already converted ones are skipped."""
+    n = 0
+    for lin, plan in _linear_plans(model, block):
+        setattr(lin, _PLAN, plan)
+        if lin.weight.dtype == FP8:
+            continue
+        codes, scale = quantize_rows(lin.weight.data, plan)
+        lin.weight = nn.Parameter(codes, requires_grad=False)
+        lin.register_parameter("weight" + SCALE_SUFFIX, nn.Parameter(scale, requires_grad=False))
+        n += 1
+    return n
