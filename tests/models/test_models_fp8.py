@@ -1,0 +1,194 @@
+"""The shared FP8 quantizer: the paper's worked example, E4M3 rounding, block scales,
+bit-exact Ŵ between engine and trainer (and across processes), straight-through grads."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+import xxhash
+
+from miles.core.errors import ConfigError
+from miles.core.schema.model import ModelConfig
+from miles.engines.torch_engine import TorchEngine
+from miles.models.config import ModelSpec
+from miles.models.factory import model_from_config
+from miles.models.fp8 import (
+    E4M3,
+    FP8,
+    IntGrid,
+    block_scales,
+    dequantize_blockwise,
+    fake_quantize,
+    quantize_blockwise,
+    round_e4m3,
+)
+from miles.models.fp8_layout import fp8_block, parse_quantization_config, with_fp8
+from miles.models.fp8_linear import fake_quantized, quantize_activations
+from miles.models.hf_io import hf_tensor_views
+from miles.models.presets import tiny_config
+from miles.models.registry import build_model
+
+
+def test_the_papers_worked_example() -> None:
+    # s = 0.25; code = round(W / s) = [[0, -1], [2, 4]] clamped to [-4, 3]; Ŵ = s * code
+    w = torch.tensor([[0.1, -0.2], [0.45, 1.1]])
+    codes, s = quantize_blockwise(w, (2, 2), torch.tensor([[0.25]]), IntGrid(-4, 3))
+    assert torch.equal(codes, torch.tensor([[0.0, -1.0], [2.0, 3.0]]))
+    assert torch.equal(dequantize_blockwise(codes, s, (2, 2)), torch.tensor([[0.0, -0.25], [0.5, 0.75]]))
+
+
+def _e4m3_values() -> torch.Tensor:
+    v = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    return v[torch.isfinite(v)].unique()
+
+
+def test_e4m3_rounding_equals_torch_cast_ties_to_even_and_saturates() -> None:
+    vals = _e4m3_values()
+    mids = (vals[1:] + vals[:-1]) / 2  # exact ties: half to even
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([vals, mids, torch.randn(50_000, generator=g) * 100, torch.randn(50_000, generator=g) * 1e-2,
+                   torch.randn(20_000, generator=g) * 1e-3])
+    x = x[x.abs() <= 448]
+    assert torch.equal(round_e4m3(x), x.to(FP8).float())
+    # beyond the range: saturated to ±448 (torch's plain cast gives NaN from 480 on)
+    big = torch.tensor([448.5, 470.0, 1e6, -1e30, float("inf")])
+    assert torch.equal(round_e4m3(big), torch.tensor([448.0, 448.0, 448.0, -448.0, 448.0]))
+    assert torch.isnan(round_e4m3(torch.tensor([float("nan")]))).all()
+
+
+def test_block_scales_partial_blocks_and_zero_blocks() -> None:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(300, 200, generator=g)
+    w[256:, 128:] = 0.0  # one all-zero (partial) block
+    codes, s = quantize_blockwise(w)
+    assert codes.dtype == FP8 and codes.shape == w.shape and s.dtype == torch.float32 and s.shape == (3, 2)
+    assert s[2, 1] == 1.0 and torch.all(codes[256:, 128:].float() == 0)
+    amax = w[:128, :128].abs().max()
+    assert s[0, 0] == amax / torch.tensor(448.0)  # amax / 448 in fp32
+    assert codes.float().abs().max() == 448.0  # each block's amax maps to the top code
+    w_hat = dequantize_blockwise(codes, s)
+    err = (w_hat - w).abs()
+    assert torch.all(err <= w.abs() * 2.0**-4 + 2.0**-10 * s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:300, :200])
+    assert torch.equal(fake_quantize(w), w_hat)
+    # the given block size is used
+    c2, s2 = quantize_blockwise(w, (64, 32))
+    assert s2.shape == (5, 7) and torch.equal(block_scales(w, (64, 32)), s2)
+    assert c2.dtype == FP8
+
+
+_CHILD = """
+import sys, torch, xxhash
+from miles.models.fp8 import quantize_blockwise
+g = torch.Generator().manual_seed(3)
+w = (torch.randn(257, 300, generator=g) * torch.logspace(-6, 2, 300)).to(getattr(torch, sys.argv[1]))
+c, s = quantize_blockwise(w, (128, 128))
+print(xxhash.xxh64(c.view(torch.uint8).numpy().tobytes() + s.numpy().tobytes()).hexdigest())
+"""
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_codes_are_bit_identical_in_another_process(dtype: str) -> None:
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(257, 300, generator=g) * torch.logspace(-6, 2, 300)).to(getattr(torch, dtype))
+    c, s = quantize_blockwise(w, (128, 128))
+    mine = xxhash.xxh64(c.view(torch.uint8).numpy().tobytes() + s.numpy().tobytes()).hexdigest()
+    out = subprocess.run([sys.executable, "-c", _CHILD, dtype], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == mine
+
+
+def _spec(arch: str, block: tuple[int, int] = (32, 32)) -> ModelSpec:
+    return with_fp8(ModelSpec.from_hf(tiny_config(arch, vocab_size=96, num_hidden_layers=2)), block)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3", "llama", "qwen2"])
+def test_engine_and_trainer_compute_with_identical_weights(arch: str) -> None:
+    """0 differing bytes between the engine's Ŵ and the trainer's over every quantized weight."""
+    spec = _spec(arch)
+    trainer = build_model(spec, seed=4)
+    engine = TorchEngine(build_model(spec, seed=4))
+    n = 0
+    for mod_t, mod_e in zip(trainer.modules(), engine.model.modules(), strict=True):
+        plan = getattr(mod_t, "fp8_plan", None)
+        if plan is None:
+            continue
+        from miles.models.fp8_layout import dequantize_rows
+
+        w_trainer = fake_quantized(mod_t.weight, plan)
+        w_engine = dequantize_rows(mod_e.weight, mod_e.weight_scale_inv, plan, torch.float32)
+        assert mod_e.weight.dtype == FP8
+        assert torch.equal(w_trainer.view(torch.int32), w_engine.view(torch.int32))
+        n += 1
+    assert n == 4 * spec.num_layers - 2 * spec.num_moe_layers
+    ids = torch.randint(0, spec.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(trainer(ids).logits, engine.model(ids).logits)
+    # the engine's HF view: DeepSeek-V3 names, codes and scales
+    views = hf_tensor_views(engine.model)
+    assert views["model.layers.0.self_attn.k_proj.weight"].dtype == FP8
+    assert views["model.layers.0.self_attn.k_proj.weight_scale_inv"].shape == (
+        -(-spec.num_kv_heads * spec.head_dim // 32), -(-spec.hidden_size // 32))
+    assert views["model.embed_tokens.weight"].dtype == torch.float32
+
+
+def test_straight_through_gradient() -> None:
+    spec = _spec("qwen3")
+    m = build_model(spec, seed=2)
+    lin = m.model.layers[0].mlp.down_proj
+    plan = lin.fp8_plan
+    x = torch.randn(5, lin.in_features, generator=torch.Generator().manual_seed(0))
+    w = lin.weight.detach().clone().requires_grad_(True)
+    y = F.linear(x, fake_quantized(w, plan))
+    assert torch.equal(y, F.linear(x, fake_quantize(w.detach(), plan.block)))
+    y.square().sum().backward()
+    w2 = lin.weight.detach().clone().requires_grad_(True)
+    F.linear(x, w2).square().sum().backward()  # d/dW depends on W only through y
+    g_ref = (2 * y.detach()).t() @ x
+    assert w.grad is not None and torch.allclose(w.grad, g_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_activation_quantization_per_token_block() -> None:
+    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(0)) * 3
+    q, s = quantize_activations(x)
+    assert q.dtype == FP8 and s.shape == (7, 2)
+    back = (q.float().view(7, 2, 128) * s.unsqueeze(-1)).view(7, 256)
+    assert torch.allclose(back, x, rtol=2.0**-4, atol=1e-6)
+
+
+def test_config_switch_and_quantization_config_checks() -> None:
+    cfg = ModelConfig(arch="qwen3", vocab_size=64, fp8="blockwise", fp8_block=32)
+    m = model_from_config(cfg)
+    assert fp8_block(m.spec) == (32, 32)
+    assert m.spec.hf_config["quantization_config"]["weight_block_size"] == [32, 32]
+    assert fp8_block(model_from_config(ModelConfig(arch="qwen3", vocab_size=64)).spec) is None
+    with pytest.raises(ConfigError, match="fp8_block"):
+        ModelConfig(fp8="blockwise", fp8_block=0)
+    for bad, msg in [({"quant_method": "awq"}, "quant_method"),
+                     ({"quant_method": "fp8"}, "weight_block_size"),
+                     ({"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e5m2"}, "fmt"),
+                     ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
+                      "activation_scheme")]:
+        with pytest.raises(ConfigError, match=msg):
+            parse_quantization_config(bad)
+    assert parse_quantization_config({"quant_method": "fp8", "weight_block_size": [128, 64]}) == (128, 64)
+
+
+def test_int_grid_is_the_same_contract() -> None:
+    # the E4M3 grid and the toy integer grid go through the same quantize/dequantize
+    w = torch.tensor([[0.5, -0.25], [1.0, 2.0]])
+    c, s = quantize_blockwise(w, (2, 2), torch.tensor([[2.0**-4]]), E4M3)
+    assert torch.equal(dequantize_blockwise(c, s, (2, 2)), w)  # every value is on the grid: exact
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (quantizer CPU vs GPU bit-exactness)")
+def test_codes_are_bit_identical_on_cuda() -> None:
+    g = torch.Generator().manual_seed(5)
+    for dtype in (torch.float32, torch.bfloat16):
+        w = (torch.randn(1000, 777, generator=g) * torch.logspace(-8, 3, 777)).to(dtype)
+        c, s = quantize_blockwise(w)
+        cg, sg = quantize_blockwise(w.cuda())
+        assert torch.equal(c.view(torch.uint8), cg.cpu().view(torch.uint8)) and torch.equal(s, sg.cpu())
+        assert torch.equal(dequantize_blockwise(c, s, dtype=dtype), dequantize_blockwise(cg, sg, dtype=dtype).cpu())
