@@ -3,6 +3,12 @@
 It runs in the head process. A host that misses heartbeats for
 `heartbeat_timeout_s` is declared dead: its names are removed and a
 `DeathNotice` is published so waiting asks fail with `ActorDeadError`.
+
+A host declared dead that is in fact alive (its loop stalled) hears the notice
+and registers its actors again under a new incarnation (`Host._rejoin`). Until
+it does, its heartbeats under the dead id repeat the notice, in case the
+broadcast was lost. A stall of the directory's own loop is not blamed on the
+hosts: the silence it measures excludes its own lateness.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ class Directory(Actor):
         self.interval = heartbeat_interval_s
         self.entries: dict[str, Location] = {}
         self.last_seen: dict[str, float] = {}
+        self.dead: dict[str, DeathNotice] = {}  # host id -> the notice that declared it dead
         self._changed = asyncio.Event()
         self._monitor: asyncio.Task[None] | None = None
 
@@ -46,6 +53,8 @@ class Directory(Actor):
 
     @handler(Register, concurrency=4)
     async def register(self, msg: Register) -> Location:
+        if msg.host_id in self.dead:
+            raise MilesError(f"host {msg.host_id} was declared dead; it must rejoin under a new incarnation")
         old = self.entries.get(msg.name)
         if old is not None and old.host_id != msg.host_id and old.host_id in self.last_seen:
             silent = time.monotonic() - self.last_seen[old.host_id]
@@ -97,12 +106,27 @@ class Directory(Actor):
         self.beat(msg)
 
     def beat(self, msg: Heartbeat) -> None:
+        notice = self.dead.get(msg.host_id)
+        if notice is not None:
+            # A host declared dead is beating: tell it again so it rejoins (the PUB may have dropped it).
+            asyncio.get_running_loop().create_task(self.host.publish(DEATH_TOPIC, notice))
+            return
         self.last_seen[msg.host_id] = time.monotonic()
 
     async def _watch(self) -> None:
+        period = self.timeout / 4
         while True:
-            await asyncio.sleep(self.timeout / 4)
+            t0 = time.monotonic()
+            await asyncio.sleep(period)
             now = time.monotonic()
+            late = now - t0 - period
+            if late > period:
+                # This loop stalled: heartbeats may sit unread in our own socket. Credit every
+                # host with the stall instead of declaring them dead for our lateness.
+                for host_id in self.last_seen:
+                    self.last_seen[host_id] += late
+                log.warning("directory_loop_stalled", late_s=round(late, 2))
+                continue
             for host_id, seen in list(self.last_seen.items()):
                 if now - seen <= self.timeout:
                     continue
@@ -116,5 +140,7 @@ class Directory(Actor):
             del self.entries[n]
         log.warning("actors_dead", host=host_id, actors=names, reason=reason)
         notice = DeathNotice(host_id, names, reason)
+        if names:
+            self.dead[host_id] = notice
         self.host._on_death(notice)  # actors co-hosted with the directory learn it too
         await self.host.publish(DEATH_TOPIC, notice)

@@ -63,11 +63,16 @@ class Host:
         self.cfg = cfg or TransportConfig()
         self.directory_addr = directory
         self.host_id = host_id or f"{os.uname().nodename}:{os.getpid()}:{os.urandom(3).hex()}"
+        self._base_id = self.host_id
+        self.incarnation = 1  # bumped when the directory wrongly declared this host dead and it rejoined
+        self._rejoining: asyncio.Task[None] | None = None
+        self._old_ids: set[str] = set()
         self.address = ""
         self.pub_address = ""
         self.actors: dict[str, Actor] = {}
         self._mailboxes: dict[str, dict[str, Mailbox]] = {}
-        self._pending: dict[int, tuple[asyncio.Future[Any], str]] = {}
+        # msg id -> (future, target name, target host id or "" when not known)
+        self._pending: dict[int, tuple[asyncio.Future[Any], str, str]] = {}
         self._ids = itertools.count(1)
         self._dealers: dict[str, Any] = {}
         self._tasks: list[asyncio.Task[Any]] = []
@@ -78,6 +83,7 @@ class Host:
         self._subscriber: Subscriber | None = None
         self.protocol_errors = 0
         self.refused = 0  # tells refused by a full "refuse" mailbox
+        self.stale_replies = 0  # replies to asks already failed (deadline, death): refused
         self.loop_lag_ms = 0.0
         self.max_loop_lag_ms = 0.0
         self._stopping = False
@@ -167,7 +173,7 @@ class Host:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for fut, _ in self._pending.values():
+        for fut, _, _ in self._pending.values():
             if not fut.done():
                 fut.set_exception(ActorDeadError("host is stopping"))
         for d in self._dealers.values():
@@ -231,19 +237,20 @@ class Host:
         t0 = time.monotonic()
         loc = await self._lookup(name, wait_s=0.0, timeout=timeout)
         try:
-            return await self._send_ask(loc.address, name, msg, max(0.0, timeout - (time.monotonic() - t0)))
+            return await self._send_ask(loc.address, name, msg, max(0.0, timeout - (time.monotonic() - t0)),
+                                        loc.host_id)
         except PeerTimeout:
             # The peer may have been replaced at another address: resolve afresh next time.
             if self._locations.get(name) is loc:
                 self._locations.pop(name, None)
             raise
 
-    async def _send_ask(self, address: str, name: str, msg: Any, timeout: float) -> Any:
+    async def _send_ask(self, address: str, name: str, msg: Any, timeout: float, target_host: str = "") -> Any:
         msg_id = next(self._ids)
         frames = codec.encode(codec.ASK, msg_id, name, msg, timeout, self.host_id)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
-        self._pending[msg_id] = (fut, name)
+        self._pending[msg_id] = (fut, name, target_host)
         # A timer handle instead of asyncio.wait_for: no extra task per request.
         timer = loop.call_later(timeout, _expire, fut, name, address, timeout, type(msg).__name__)
         try:
@@ -308,7 +315,10 @@ class Host:
             return
         entry = self._pending.get(env.msg_id) if env.msg_id is not None else None
         if entry is None or entry[0].done():
-            return  # a late reply to a request that already timed out
+            # A reply to an ask that already failed (deadline, or its target declared dead):
+            # refused, so a stale answer never resolves anything.
+            self.stale_replies += 1
+            return
         fut = entry[0]
         if env.kind == codec.ERROR:
             fut.set_exception(_remote_exception(*env.body))
@@ -445,20 +455,54 @@ class Host:
                 log.warning("event_loop_lag", lag_ms=round(lag, 1))
 
     def _on_death(self, notice: DeathNotice) -> None:
+        if notice.host_id == self.host_id and notice.names:
+            # This host is alive: the directory missed its heartbeats (a stalled loop, a long GC).
+            if not self._stopping and (self._rejoining is None or self._rejoining.done()):
+                self._rejoining = asyncio.create_task(self._rejoin(notice), name="host-rejoin")
+            return
+        if notice.host_id in self._old_ids:
+            return  # a repeat of the notice that made this host rejoin
         self._dead_hosts.add(notice.host_id)
         for name in notice.names:
-            self._dead.add(name)
-            self._locations.pop(name, None)
+            known = self._locations.get(name)
+            # A name already known at a newer incarnation (a rejoin) is not dead again.
+            if known is None or known.host_id == notice.host_id:
+                self._dead.add(name)
+                self._locations.pop(name, None)
         for name, loc in list(self._locations.items()):
             if loc.host_id == notice.host_id:
                 self._locations.pop(name, None)
         dead = set(notice.names)
-        for fut, target in list(self._pending.values()):
-            if target in dead and not fut.done():
+        for fut, target, target_host in list(self._pending.values()):
+            if target in dead and target_host in ("", notice.host_id) and not fut.done():
                 fut.set_exception(ActorDeadError(f"actor {target!r} died: {notice.reason}"))
         for cb in self._death_callbacks:
             cb(notice)
 
+
+    async def _rejoin(self, notice: DeathNotice) -> None:
+        """Register every actor again under a new incarnation: same names, same address.
+
+        Peers failed their asks to the old incarnation when they heard of its death; its
+        late replies find no pending request and are refused (`stale_replies`).
+        """
+        old = self.host_id
+        self._old_ids.add(old)
+        self.incarnation += 1
+        self.host_id = f"{self._base_id}#{self.incarnation}"
+        log.warning("host_rejoining", old_host=old, host=self.host_id, reason=notice.reason)
+        for name in list(self.actors):
+            if name == DIRECTORY_NAME:
+                continue
+            loc = Location(name, self.address, self.pub_address, self.host_id)
+            self._locations[name] = loc
+            try:
+                await self._directory_ask(Register(name, self.address, self.pub_address, self.host_id))
+            except MilesError as exc:
+                log.error("rejoin_failed", actor=name, error=str(exc))
+                return
+        self._dead_hosts.add(old)
+        log.warning("host_rejoined", host=self.host_id, actors=[n for n in self.actors if n != DIRECTORY_NAME])
 
 
 def _expire(fut: asyncio.Future[Any], name: str, address: str, timeout: float, what: str) -> None:

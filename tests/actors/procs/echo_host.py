@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import os
 import sys
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +29,12 @@ class Echo:
 @message("t.Sleep")
 @dataclass
 class Sleep:
+    seconds: float
+
+
+@message("t.Block")
+@dataclass
+class Block:
     seconds: float
 
 
@@ -61,6 +68,10 @@ class EchoActor(Actor):
     async def sleep(self, msg: Sleep) -> float:
         await asyncio.sleep(msg.seconds)
         return msg.seconds
+
+    @handler(Block)
+    def block(self, msg: Block) -> None:
+        time.sleep(msg.seconds)  # on purpose: stalls the whole event loop, heartbeats included
 
     @handler(Fail)
     def fail(self, msg: Fail) -> None:
