@@ -161,8 +161,10 @@ class EngineActor(Actor):
         return self.engine.stats()
 
     @handler(Checksums)
-    def checksums(self, msg: Checksums) -> dict[str, str]:
-        return self.engine.checksums()
+    async def checksums(self, msg: Checksums) -> dict[str, str]:
+        # Hashing every weight takes seconds on a large model: a worker thread does it, so the
+        # loop keeps serving heartbeats and requests meanwhile.
+        return await asyncio.to_thread(self.engine.checksums)
 
     # ---- receiver side of the bulk weight channels (transport/bulk) -------------------
     async def _close_receiver(self) -> None:
