@@ -13,13 +13,24 @@ from pathlib import Path
 from typing import Any
 
 from miles.core.errors import ConfigError
+from miles.models.arch_config import (
+    UNSUPPORTED,
+    UNSUPPORTED_TYPES,
+    MLASpec,
+    deepseek_moe_fields,
+    mla_fields,
+    sliding_fields,
+)
+from miles.models.rope import RopeSpec
 
-# HF architecture class name -> model_type; the four families miles implements.
+# HF architecture class name -> model_type; the families miles implements.
 ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Glm4MoeForCausalLM": "glm4_moe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 MODEL_TYPES: dict[str, str] = {v: k for k, v in ARCHITECTURES.items()}
 
@@ -49,6 +60,15 @@ class ModelSpec:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
+    rope: RopeSpec | None = None  # None: default rope over head_dim with rope_theta
+    sliding_window: int = 0  # keys a query of a sliding layer sees (itself included); 0 = none
+    sliding_layers: tuple[int, ...] = ()
+    router: str = "softmax"  # "softmax" (Qwen3-MoE) | "sigmoid_group" (GLM-4.5, DeepSeek-V3)
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_intermediate_size: int = 0  # 0 = no shared experts
+    mla: MLASpec | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -62,6 +82,23 @@ class ModelSpec:
     @property
     def num_moe_layers(self) -> int:
         return len(self.moe_layers)
+
+    @property
+    def rope_spec(self) -> RopeSpec:
+        return self.rope or RopeSpec("default", self.rope_theta, self.head_dim)
+
+    @property
+    def attn_groups(self) -> int:
+        """Query heads per cached K/V head in the attention mask layout (MLA: 1, every head its own)."""
+        return 1 if self.mla else self.num_heads // self.num_kv_heads
+
+    @property
+    def kv_cache_dims(self) -> tuple[int, int, int]:
+        """(heads, k dim, v dim) of one token's cache entry per layer; MLA caches its
+        compressed latent (kv_lora_rank) as "k" and the shared rotary key as "v"."""
+        if self.mla:
+            return 1, self.mla.kv_lora_rank, self.mla.qk_rope_head_dim
+        return self.num_kv_heads, self.head_dim, self.head_dim
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelSpec:
@@ -96,11 +133,17 @@ class ModelSpec:
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"model config: hidden_act={act!r} is not supported (only 'silu')")
-        if cfg.get("use_sliding_window"):
-            raise ConfigError("model config: use_sliding_window=true is not supported")
-        rope_theta = _rope_theta(cfg, model_type)
-        attn_bias = bool(cfg.get("attention_bias", False))
         n_layers = get("num_hidden_layers")
+        extra: dict[str, Any] = sliding_fields(cfg, model_type, n_layers, get)
+        if model_type == "deepseek_v3":
+            extra.update(mla_fields(cfg, get))
+            head_dim = extra.pop("head_dim")
+        if model_type in ("glm4_moe", "deepseek_v3"):
+            extra.update(deepseek_moe_fields(cfg, model_type, n_layers, get))
+        rope_dim = extra["mla"].qk_rope_head_dim if "mla" in extra else head_dim
+        rope = RopeSpec.from_hf(cfg, model_type, rope_dim)
+        rope_theta = rope.theta
+        attn_bias = bool(cfg.get("attention_bias", False))
         spec: dict[str, Any] = dict(
             model_type=model_type,
             vocab_size=get("vocab_size"),
@@ -115,9 +158,11 @@ class ModelSpec:
             max_position_embeddings=get("max_position_embeddings", 32768),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=True if model_type == "qwen2" else attn_bias,
-            o_bias=False if model_type == "qwen2" else attn_bias,
+            o_bias=False if model_type in ("qwen2", "glm4_moe") else attn_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)) if model_type == "llama" else False,
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe") or bool(cfg.get("use_qk_norm", False)),
+            rope=None if rope.rope_type == "default" and rope.dim == head_dim else rope,
+            **extra,
         )
         if model_type == "qwen3_moe":
             n_exp = cfg.get("num_experts", cfg.get("num_local_experts"))
@@ -164,25 +209,19 @@ def _model_type(cfg: dict[str, Any]) -> str:
     archs = cfg.get("architectures") or []
     if archs:
         name = archs[0]
+        if name in UNSUPPORTED:
+            raise ConfigError(f"model architecture {name!r} is not supported: {UNSUPPORTED[name]}")
         if name not in ARCHITECTURES:
             raise ConfigError(
                 f"unknown model architecture {name!r}; supported: {', '.join(sorted(ARCHITECTURES))}"
             )
         return ARCHITECTURES[name]
     mt = cfg.get("model_type")
+    if mt in UNSUPPORTED_TYPES:
+        raise ConfigError(f"model_type {mt!r} is not supported: {UNSUPPORTED_TYPES[mt]}")
     if mt not in MODEL_TYPES:
         raise ConfigError(
             f"unknown model_type {mt!r} (and no 'architectures'); supported: {', '.join(sorted(MODEL_TYPES))}"
         )
     return str(mt)
 
-
-def _rope_theta(cfg: dict[str, Any], model_type: str) -> float:
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ConfigError(f"model config ({model_type}): rope_type={rope_type!r} is not supported (only 'default')")
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    if not isinstance(theta, int | float) or theta <= 0:
-        raise ConfigError(f"model config ({model_type}): rope_theta={theta!r} must be a positive number")
-    return float(theta)

@@ -15,18 +15,11 @@ from torch import nn
 
 from miles.models.config import ModelSpec
 from miles.models.errors import ModelInputError
-from miles.models.layers import (
-    MLP,
-    Attention,
-    KVCache,
-    RMSNorm,
-    Rotary,
-    grouped_bias,
-    rms_norm,
-    rotary_tables,
-)
-from miles.models.masks import packed_causal_mask, packed_position_ids
+from miles.models.layers import MLP, Attention, KVCache, RMSNorm, grouped_bias, rms_norm
+from miles.models.masks import packed_causal_mask, packed_position_ids, sliding_window_mask
+from miles.models.mla import MLAttention
 from miles.models.moe import MoEBlock
+from miles.models.rope import Rotary, rotary_tables
 
 
 @dataclass
@@ -52,7 +45,8 @@ def _check_head_args(b: int, logits_at: torch.Tensor | None, logits_index: torch
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, layer: int) -> None:
         super().__init__()
-        self.self_attn = Attention(spec, layer)
+        self.self_attn: nn.Module = MLAttention(spec, layer) if spec.mla else Attention(spec, layer)
+        self.sliding = layer in spec.sliding_layers
         self.is_moe = layer in spec.moe_layers
         self.mlp: nn.Module = (
             MoEBlock(spec)
@@ -91,11 +85,12 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.rotary = Rotary(spec.head_dim, spec.rope_theta)
+        self.rotary = Rotary(spec.rope_spec)
 
 
 class CausalLM(nn.Module):
-    """A Llama / Qwen2 / Qwen3 / Qwen3-MoE decoder LM built from a `ModelSpec`."""
+    """A Llama / Qwen2 / Qwen3 / Qwen3-MoE / GLM-4.5 (glm4_moe) / DeepSeek-V3 decoder LM built
+    from a `ModelSpec`."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -188,10 +183,12 @@ class CausalLM(nn.Module):
                 )
         _check_head_args(b, logits_at, logits_index)
         h = self.model.embed_tokens(input_ids)
-        bias = None
+        bias = window_bias = None
         if attention_mask is not None:
-            groups = spec.num_heads // spec.num_kv_heads
-            bias = grouped_bias(attention_mask.to(torch.bool), groups, h.dtype)
+            bias = grouped_bias(attention_mask.to(torch.bool), spec.attn_groups, h.dtype)
+        if spec.sliding_layers:
+            window = sliding_window_mask(attention_mask, position_ids, kv_cache is not None, spec.sliding_window)
+            window_bias = grouped_bias(window, spec.attn_groups, h.dtype)
         cos, sin = rotary_tables(*self.model.rotary(position_ids, h.dtype))
         used: list[torch.Tensor] = []
         j = 0
@@ -200,7 +197,7 @@ class CausalLM(nn.Module):
             if layer.is_moe:
                 given = routed_experts[:, :, j] if routed_experts is not None else None
                 j += 1
-            h, ids = layer(h, cos, sin, bias, kv_cache, given)
+            h, ids = layer(h, cos, sin, window_bias if layer.sliding else bias, kv_cache, given)
             if return_routed_experts and ids is not None:
                 used.append(ids)
         logits, hidden = self._head(h, logits_at, logits_index, return_hidden, compute_logits)

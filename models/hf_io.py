@@ -18,10 +18,13 @@ import xxhash
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from miles.core.logging import get_logger
 from miles.models.config import ModelSpec
 from miles.models.decoder import CausalLM
 from miles.models.errors import CheckpointError
 from miles.models.registry import build_model
+
+log = get_logger("miles.models.hf_io")
 
 _EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
@@ -69,7 +72,7 @@ def hf_param_slices(spec: ModelSpec, name: str, shape: Sequence[int]) -> list[HF
             HFSlice(f"{pre}.k_proj.{kind}", None, slice(nq, nq + nk)),
             HFSlice(f"{pre}.v_proj.{kind}", None, slice(nq + nk, nq + 2 * nk)),
         ]
-    if ".mlp.gate_up_proj." in name:
+    if ".gate_up_proj." in name:  # a dense MLP or a MoE layer's shared experts
         pre, kind = name.split(".gate_up_proj.")
         half = shape[0] // 2
         return [
@@ -124,9 +127,13 @@ def load_hf_tensors(
     """
     views = hf_tensor_views(model)
     seen: set[str] = set()
+    mtp: set[str] = set()
     for name, t in named:
         if name not in views:
             if name == "lm_head.weight" and model.spec.tie_word_embeddings:
+                continue
+            if _is_mtp_layer(model.spec, name):
+                mtp.add(name.split(".")[2])
                 continue
             raise CheckpointError(f"unexpected tensor {name!r} for {model.spec.architecture}")
         dst = views[name]
@@ -141,7 +148,22 @@ def load_hf_tensors(
         if missing:
             more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
             raise CheckpointError(f"checkpoint is missing tensors: {', '.join(missing[:5])}{more}")
+    if mtp:
+        log.info("mtp_layers_skipped", layers=sorted(mtp, key=int), reason="multi-token prediction is not used")
     return seen
+
+
+def _is_mtp_layer(spec: ModelSpec, name: str) -> bool:
+    """DeepSeek-V3 / GLM-4.5 checkpoints append their multi-token-prediction modules as
+    `model.layers.{num_hidden_layers + i}`; transformers skips them at load too."""
+    parts = name.split(".")
+    return (
+        spec.model_type in ("glm4_moe", "deepseek_v3")
+        and len(parts) > 2
+        and parts[:2] == ["model", "layers"]
+        and parts[2].isdigit()
+        and int(parts[2]) >= spec.num_layers
+    )
 
 
 def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,4 +1,4 @@
-"""Building blocks of the decoder: RMSNorm, rotary embedding, attention (with a KV cache hook), MLP.
+"""Building blocks of the decoder: RMSNorm, attention (with a KV cache hook), MLP (rotary: `rope`).
 
 Numerics follow the Hugging Face implementations op for op (fp32 RMSNorm
 statistics, fp32 rotary tables cast to the activation dtype) so that logits agree
@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from miles.models.config import ModelSpec
+from miles.models.rope import apply_rotary_thd
 
 
 class KVCache(Protocol):
@@ -45,50 +46,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         # the same ops as below, with the scaling inside the one F.rms_norm call (bit-identical)
         return F.rms_norm(x, (d,), weight, eps=eps)
     return weight * F.rms_norm(x.float(), (d,), eps=eps).to(x.dtype)
-
-
-class Rotary(nn.Module):
-    """Default RoPE: returns (cos, sin) of shape [B, T, head_dim] for given position ids.
-
-    The frequencies stay fp32 whatever dtype the model is cast to (`model.to(bf16)` would
-    otherwise round them): a bf16 engine built by `.to(bfloat16)` and a bf16 trainer whose
-    mixed precision casts only parameters must compute the same tables (true on-policy).
-    """
-
-    def __init__(self, head_dim: int, theta: float) -> None:
-        super().__init__()
-        self.head_dim, self.theta = head_dim, theta
-        self.register_buffer("inv_freq", self._frequencies(torch.device("cpu")), persistent=False)
-
-    def _frequencies(self, device: torch.device) -> torch.Tensor:
-        exps = torch.arange(0, self.head_dim, 2, dtype=torch.float, device=device) / self.head_dim
-        return 1.0 / (self.theta**exps)
-
-    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
-        super()._apply(fn, recurse)
-        if self.inv_freq.dtype != torch.float32:  # recomputed, not cast back: bits were lost
-            # computed on the CPU on both sides, then moved: device pow kernels may round differently
-            self.inv_freq = self._frequencies(torch.device("cpu")).to(self.inv_freq.device)
-        return self
-
-    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, signed sin) [B, T, 1, hd] for `apply_rotary_thd` on [B, T, heads, hd] tensors;
-    built once per forward and shared by every layer."""
-    half = cos.shape[-1] // 2
-    signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-    return cos.unsqueeze(2), signed.unsqueeze(2)
-
-
-def apply_rotary_thd(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on x [B, T, heads, hd] with tables from `rotary_tables`. Equals `apply_rotary`
-    bit for bit: rotate_half(x) * sin == roll(x, half) * signed_sin (only signs move)."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def grouped_bias(mask: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
@@ -124,7 +81,8 @@ class Attention(nn.Module):
         bias: torch.Tensor | None,
         kv_cache: KVCache | None,
     ) -> torch.Tensor:
-        """x: [B, T, H]; cos, sin: [B, T, 1, hd] from `rotary_tables`; bias from `grouped_bias`."""
+        """x: [B, T, H]; cos, sin: [B, T, 1, rd] from `rotary_tables` (rd < hd: partial rotary,
+        the first rd channels of each head rotate); bias from `grouped_bias`."""
         b, t, _ = x.shape
         # projections through F.linear, not the submodules' __call__: per-call module
         # overhead is a large share of a small decode step (no hooks are set on them)

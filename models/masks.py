@@ -64,3 +64,24 @@ def cached_causal_mask(past_lens: torch.Tensor, new_len: int, total: int) -> tor
     k = torch.arange(total, device=past_lens.device)
     limit = past_lens.to(torch.long)[:, None] + q[None, :]  # [B, new_len]
     return (k[None, None, :] <= limit[:, :, None])[:, None]
+
+
+def sliding_window_mask(
+    mask: torch.Tensor | None, position_ids: torch.Tensor, cached: bool, window: int
+) -> torch.Tensor:
+    """[B, 1, T, S]: `mask` (None = plain causal, or with a cache and T=1, every cached key)
+    narrowed to keys less than `window` positions behind the query.
+
+    Key positions: without a cache the keys are this forward's tokens (`position_ids`); with
+    one, key slot j holds position j (the engine's rows start at slot 0)."""
+    b, t = position_ids.shape
+    if mask is None:
+        if cached:  # T = 1, every row attends to all cached keys: S = its position + 1
+            s = int(position_ids.max()) + 1
+            mask = torch.ones(b, 1, t, s, dtype=torch.bool, device=position_ids.device)
+        else:
+            mask = torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril()[None, None]
+    s = mask.shape[-1]
+    k_pos = torch.arange(s, device=position_ids.device)[None, :] if cached else position_ids
+    near = (position_ids[:, :, None] - k_pos[:, None, :]) < window  # [B, T, S]
+    return mask.to(torch.bool) & near[:, None]

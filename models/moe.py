@@ -17,6 +17,7 @@ from torch import nn
 from miles.models.config import ModelSpec
 from miles.models.errors import ModelInputError
 from miles.models.invariant import invariant_active
+from miles.models.layers import MLP
 
 
 def expert_id_dtype(num_experts: int) -> np.dtype:
@@ -124,13 +125,63 @@ class Experts(nn.Module):
 
 
 class MoEBlock(nn.Module):
+    """Routed experts behind a router, plus optional shared experts (always on).
+
+    Routers (`spec.router`):
+    - "softmax" (Qwen3-MoE): top-k of softmax(logits); weights renormalised when `norm_topk_prob`.
+    - "sigmoid_group" (GLM-4.5, DeepSeek-V3, Kimi K2): scores = sigmoid(logits) in fp32; the
+      choice adds `e_score_correction_bias` and is limited to the `topk_group` groups (of
+      `n_group`) whose two best biased scores sum highest; weights are the unbiased scores at
+      the chosen ids, renormalised when `norm_topk_prob`, times `routed_scaling_factor`.
+    Replay (R3) takes the ids and recomputes only the weights, the same way, so gradients
+    reach the router in both kinds. `e_score_correction_bias` is a parameter without
+    gradient: RL does not update it, but it is saved, loaded and synced like a weight.
+    """
+
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.num_experts = spec.num_experts
         self.top_k = spec.num_experts_per_tok
         self.norm_topk_prob = spec.norm_topk_prob
+        self.router = spec.router
         self.gate = nn.Linear(spec.hidden_size, spec.num_experts, bias=False)
+        if spec.router == "sigmoid_group":
+            self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(spec.num_experts), requires_grad=False)
+        self.n_group, self.topk_group = spec.n_group, spec.topk_group
+        self.scale = spec.routed_scaling_factor
         self.experts = Experts(spec.num_experts, spec.hidden_size, spec.moe_intermediate_size)
+        inter = spec.shared_expert_intermediate_size
+        self.shared_experts = MLP(spec.hidden_size, inter) if inter else None
+
+    def _route(self, flat: torch.Tensor, given: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """flat [N, H] -> (weights [N, k] in the logits' dtype, ids [N, k] int64)."""
+        if self.router == "softmax":
+            logits = self.gate(flat)
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+            if given is None:
+                top_w, ids = torch.topk(probs, self.top_k, dim=-1)
+            else:
+                ids = given
+                top_w = probs.gather(-1, ids)
+            if self.norm_topk_prob:
+                top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+            return top_w.to(logits.dtype), ids
+        scores = F.linear(flat.float(), self.gate.weight.float()).sigmoid()
+        ids = self._group_topk(scores) if given is None else given
+        top_w = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            top_w = top_w / (top_w.sum(dim=-1, keepdim=True) + 1e-20)
+        return top_w * self.scale, ids
+
+    def _group_topk(self, scores: torch.Tensor) -> torch.Tensor:
+        choice = scores + self.gate.e_score_correction_bias.float()
+        n, g = scores.shape[0], self.n_group
+        if g > 1:
+            group_scores = choice.view(n, g, -1).topk(2, dim=-1)[0].sum(dim=-1)
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1], True)
+            choice = choice.masked_fill(~keep.repeat_interleave(self.num_experts // g, dim=1), float("-inf"))
+        return torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
 
     def forward(
         self, x: torch.Tensor, given_ids: torch.Tensor | None = None
@@ -142,15 +193,11 @@ class MoEBlock(nn.Module):
         """
         b, t, h = x.shape
         flat = x.reshape(-1, h)
-        logits = self.gate(flat)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-        if given_ids is None:
-            top_w, ids = torch.topk(probs, self.top_k, dim=-1)
-        else:
-            ids = given_ids.reshape(-1, self.top_k).to(device=x.device, dtype=torch.long)
-            top_w = probs.gather(-1, ids)
-        if self.norm_topk_prob:
-            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
-        top_w = top_w.to(logits.dtype)
+        given = None
+        if given_ids is not None:
+            given = given_ids.reshape(-1, self.top_k).to(device=x.device, dtype=torch.long)
+        top_w, ids = self._route(flat, given)
         out = self.experts(flat, ids, top_w)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
         return out.unflatten(0, (b, t)).clone(), ids.unflatten(0, (b, t)).clone()

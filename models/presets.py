@@ -9,8 +9,8 @@ from miles.models.config import ARCHITECTURES, MODEL_TYPES
 
 
 def tiny_config(arch: str, vocab_size: int = 256, **overrides: Any) -> dict[str, Any]:
-    """An HF config.json dict for a tiny model of `arch` ('llama', 'qwen2', 'qwen3', 'qwen3_moe'
-    or the HF class name); keyword overrides replace or add keys."""
+    """An HF config.json dict for a tiny model of `arch` ('llama', 'qwen2', 'qwen3', 'qwen3_moe',
+    'glm4_moe', 'deepseek_v3' or the HF class name); keyword overrides replace or add keys."""
     model_type = ARCHITECTURES.get(arch, arch)
     if model_type not in MODEL_TYPES:
         raise ConfigError(f"unknown tiny preset {arch!r}; valid: {', '.join(sorted(MODEL_TYPES))}")
@@ -49,6 +49,32 @@ def tiny_config(arch: str, vocab_size: int = 256, **overrides: Any) -> dict[str,
             mlp_only_layers=[],
             router_aux_loss_coef=0.001,
             output_router_logits=False,
+        )
+    if model_type in ("glm4_moe", "deepseek_v3"):
+        cfg.update(
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            first_k_dense_replace=1,
+            num_nextn_predict_layers=0,
+        )
+    if model_type == "glm4_moe":
+        cfg.update(partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True)
+    if model_type == "deepseek_v3":
+        del cfg["head_dim"]
+        cfg.update(
+            num_key_value_heads=4,
+            q_lora_rank=24,
+            kv_lora_rank=16,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            rope_interleave=True,
         )
     cfg.update(overrides)
     return cfg

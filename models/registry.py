@@ -8,7 +8,7 @@ from miles.core.hooks import Registry
 from miles.models.config import ModelSpec
 from miles.models.decoder import CausalLM
 
-# One class covers the four families: they differ only in what ModelSpec switches on.
+# One class covers every family: they differ only in what ModelSpec switches on.
 MODELS = Registry(
     "model architecture",
     {
@@ -16,6 +16,8 @@ MODELS = Registry(
         "Qwen2ForCausalLM": "miles.models.decoder:CausalLM",
         "Qwen3ForCausalLM": "miles.models.decoder:CausalLM",
         "Qwen3MoeForCausalLM": "miles.models.decoder:CausalLM",
+        "Glm4MoeForCausalLM": "miles.models.decoder:CausalLM",
+        "DeepseekV3ForCausalLM": "miles.models.decoder:CausalLM",
     },
 )
 

@@ -51,8 +51,8 @@ def test_unknown_architecture_and_bad_config() -> None:
         ModelSpec.from_hf({"architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(ConfigError, match="missing required key 'hidden_size'"):
         ModelSpec.from_hf({k: v for k, v in tiny_config("qwen3").items() if k != "hidden_size"})
-    with pytest.raises(ConfigError, match="rope_type='yarn'"):
-        ModelSpec.from_hf(tiny_config("llama", rope_scaling={"rope_type": "yarn", "factor": 2.0}))
+    with pytest.raises(ConfigError, match="rope_type='longrope'"):
+        ModelSpec.from_hf(tiny_config("llama", rope_scaling={"rope_type": "longrope", "factor": 2.0}))
     with pytest.raises(ConfigError, match="unknown tiny preset"):
         tiny_config("gpt2")
 
