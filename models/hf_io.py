@@ -22,6 +22,13 @@ from miles.core.logging import get_logger
 from miles.models.config import ModelSpec
 from miles.models.decoder import CausalLM
 from miles.models.errors import CheckpointError
+from miles.models.fp8 import SCALE_SUFFIX
+from miles.models.fp8_layout import (
+    dequantize_hf_state,
+    fp8_block,
+    quantize_hf_state,
+    scale_row_slices,
+)
 from miles.models.registry import build_model
 
 log = get_logger("miles.models.hf_io")
@@ -50,6 +57,8 @@ def hf_param_slices(spec: ModelSpec, name: str, shape: Sequence[int]) -> list[HF
     """The HF tensors held by the model parameter `name` of shape `shape` (its full,
     unsharded shape): fused q/k/v and gate/up projections are split into row slices,
     stacked experts into per-expert tensors; any other parameter maps to itself."""
+    if name.endswith(SCALE_SUFFIX):  # an FP8 engine's block scales, stacked like its codes
+        return [HFSlice(n, None, rows) for n, rows in scale_row_slices(name, shape[0], spec)]
     m = _EXPERTS.match(name)
     if m:
         if len(shape) != 3:
@@ -191,10 +200,12 @@ def iter_checkpoint(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 def load_model(
     path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> CausalLM:
-    """Build the model from `path/config.json` and load its safetensors weights."""
+    """Build the model from `path/config.json` and load its safetensors weights (an FP8
+    checkpoint's codes and block scales are dequantized: the model computes under the FP8
+    contract from the dequantized weights, models/fp8_linear.py)."""
     spec = ModelSpec.from_dir(path)
     model = build_model(spec).to(dtype=dtype)
-    load_hf_tensors(model, iter_checkpoint(path))
+    load_hf_tensors(model, dequantize_hf_state(iter_checkpoint(path), fp8_block(spec)))
     return model.to(device).eval()
 
 
@@ -202,7 +213,11 @@ def save_model(model: CausalLM, path: str | Path, max_shard_bytes: int | None = 
     """Write config.json + model.safetensors (or shards + index when over `max_shard_bytes`)."""
     d = Path(path)
     d.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().contiguous().cpu().clone() for k, v in hf_tensor_views(model).items()}
+    views = hf_tensor_views(model).items()
+    block = fp8_block(model.spec)
+    if block is not None:  # an FP8 model is saved as a DeepSeek-V3-style FP8 checkpoint
+        views = quantize_hf_state(views, block)
+    tensors = {k: v.detach().contiguous().cpu().clone() for k, v in views}
     cfg = dict(model.spec.hf_config)
     dtype = next(model.parameters()).dtype
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")

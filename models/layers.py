@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from miles.models.config import ModelSpec
+from miles.models.fp8_linear import project
 from miles.models.rope import apply_rotary_thd
 
 
@@ -84,9 +85,9 @@ class Attention(nn.Module):
         """x: [B, T, H]; cos, sin: [B, T, 1, rd] from `rotary_tables` (rd < hd: partial rotary,
         the first rd channels of each head rotate); bias from `grouped_bias`."""
         b, t, _ = x.shape
-        # projections through F.linear, not the submodules' __call__: per-call module
-        # overhead is a large share of a small decode step (no hooks are set on them)
-        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        # projections through F.linear (`project`: under the FP8 contract when it applies), not
+        # the submodules' __call__: per-call module overhead is a large share of a small decode step
+        qkv = project(x, self.qkv_proj)
         nh, nkv, hd = self.nh, self.nkv, self.hd
         # q and k heads side by side: one norm call and one rotary call cover both
         qk = qkv[..., : (nh + nkv) * hd].view(b, t, nh + nkv, hd)
@@ -110,7 +111,7 @@ class Attention(nn.Module):
             # reshape, not view: CUDA kernels return [B, T, H, d]-major outputs (non-contiguous)
             out = out.reshape(b, self.nh, t, self.hd)
         out = out.transpose(1, 2).reshape(b, t, self.nh * self.hd)
-        return F.linear(out, self.o_proj.weight, self.o_proj.bias)
+        return project(out, self.o_proj)
 
 
 class MLP(nn.Module):
@@ -123,6 +124,6 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = F.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        gu = project(x, self.gate_up_proj)
         act = F.silu(gu[..., : self.inter]) * gu[..., self.inter :]
-        return F.linear(act, self.down_proj.weight, self.down_proj.bias)
+        return project(act, self.down_proj)

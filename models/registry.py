@@ -7,6 +7,8 @@ import torch
 from miles.core.hooks import Registry
 from miles.models.config import ModelSpec
 from miles.models.decoder import CausalLM
+from miles.models.fp8_layout import fp8_block
+from miles.models.fp8_linear import attach_fp8
 
 # One class covers every family: they differ only in what ModelSpec switches on.
 MODELS = Registry(
@@ -31,6 +33,9 @@ def build_model(
     """Instantiate the model for `spec`; random-init with `seed` when given (else uninitialised)."""
     cls = MODELS.get(spec.architecture)
     model: CausalLM = cls(spec)
+    block = fp8_block(spec)
+    if block is not None:  # FP8 contract: the linear layers compute with quantized weights
+        attach_fp8(model, block)
     if seed is not None:
         model.init_weights(seed)
     return model.to(device=device, dtype=dtype).eval()
