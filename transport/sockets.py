@@ -1,4 +1,4 @@
-"""ZeroMQ helpers: contexts, bind/connect on tcp:// and ipc://, socket options, CurveZMQ keys."""
+"""ZeroMQ helpers: contexts, bind/connect on tcp:// and ipc://, socket options (CurveZMQ: curve.py)."""
 
 from __future__ import annotations
 
@@ -67,45 +67,6 @@ def bind(sock: zmq.Socket, scheme: str = "tcp", interface: str = "127.0.0.1", na
             f"cannot bind {scheme} socket on {interface}:{port or 'random'}: {exc}"
             + (" (port in use: choose another port or stop the other process)" if exc.errno == zmq.EADDRINUSE else "")
         ) from exc
-
-
-def load_curve_keys(path: str) -> tuple[bytes, bytes]:
-    """Read a (public, secret) CurveZMQ key pair written by `write_curve_keys`."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"CurveZMQ key file {path!r} does not exist")
-    lines = [ln.strip() for ln in p.read_text().splitlines() if ln.strip()]
-    keys = dict(ln.split("=", 1) for ln in lines if "=" in ln)
-    try:
-        return keys["public"].encode(), keys.get("secret", "").encode()
-    except KeyError as exc:
-        raise ConfigError(f"CurveZMQ key file {path!r} has no 'public=' line") from exc
-
-
-def write_curve_keys(path: str) -> bytes:
-    """Generate a key pair, write it (mode 0600) and return the public key."""
-    public, secret = zmq.curve_keypair()
-    p = Path(path)
-    p.write_text(f"public={public.decode()}\nsecret={secret.decode()}\n")
-    p.chmod(0o600)
-    return public
-
-
-def make_curve_server(sock: zmq.Socket, key_file: str) -> None:
-    public, secret = load_curve_keys(key_file)
-    if not secret:
-        raise ConfigError(f"CurveZMQ server key file {key_file!r} has no 'secret=' line")
-    sock.curve_secretkey = secret
-    sock.curve_publickey = public
-    sock.curve_server = True
-
-
-def make_curve_client(sock: zmq.Socket, client_key_file: str, server_public_file: str) -> None:
-    public, secret = load_curve_keys(client_key_file)
-    server_public, _ = load_curve_keys(server_public_file)
-    sock.curve_secretkey = secret
-    sock.curve_publickey = public
-    sock.curve_serverkey = server_public
 
 
 def socket(kind: int, ctx: Any = None, hwm: int = 10000, linger_ms: int = 0) -> Any:

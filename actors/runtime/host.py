@@ -40,14 +40,13 @@ from miles.core.errors import (
 from miles.core.logging import get_logger
 from miles.core.schema.transport import TransportConfig
 from miles.transport import codec
+from miles.transport.curve import make_curve_client, make_curve_server
 from miles.transport.schema import spec_for_class
 from miles.transport.sockets import (
     LoopSocket,
     QueuedLoopSocket,
     apply_options,
     bind,
-    make_curve_client,
-    make_curve_server,
     socket,
 )
 
@@ -97,11 +96,13 @@ class Host:
                       rcvhwm=self.cfg.mailbox_size)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)
         if self.cfg.curve_server_key:
-            make_curve_server(self._router, self.cfg.curve_server_key)
+            make_curve_server(self._router, self.cfg.curve_server_key, self.cfg.curve_allow_dir)
         self.address = bind(self._router, self.cfg.scheme, self.cfg.interface, "router", self.cfg.ipc_dir)
         self._rfast = QueuedLoopSocket(self._router, self.cfg.mailbox_size)
         self._rfast.start(asyncio.get_running_loop())
         self._pub = socket(zmq.PUB, hwm=self.cfg.hwm, linger_ms=self.cfg.linger_ms)
+        if self.cfg.curve_server_key:
+            make_curve_server(self._pub, self.cfg.curve_server_key, self.cfg.curve_allow_dir)
         self.pub_address = bind(self._pub, self.cfg.scheme, self.cfg.interface, "pub", self.cfg.ipc_dir)
         self._subscriber = Subscriber(self)
         self._tasks.append(asyncio.create_task(self._recv_loop(), name="host-recv"))

@@ -11,6 +11,7 @@ import zmq
 from miles.core.errors import ProtocolError
 from miles.core.logging import get_logger
 from miles.transport import codec
+from miles.transport.curve import make_curve_client
 from miles.transport.sockets import socket
 
 if TYPE_CHECKING:
@@ -30,6 +31,8 @@ class Subscriber:
         self.host = host
         self.sock = socket(zmq.SUB, hwm=host.cfg.hwm, linger_ms=0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, host.cfg.max_frame_bytes)
+        if host.cfg.curve_client_key:
+            make_curve_client(self.sock, host.cfg.curve_client_key, host.cfg.curve_public_key)
         self.callbacks: dict[str, list[Callable[[Any], Any]]] = {}
         self.connected: set[str] = set()
         self.tasks: list[asyncio.Task[Any]] = [asyncio.create_task(self._loop(), name="host-sub")]

@@ -22,6 +22,11 @@ class TransportConfig:
                             "ZeroMQ's receive queue per peer; full = block or refuse (per handler)", "messages")
     max_frame_bytes: int = opt(4 << 30, "largest frame accepted from the wire (ZeroMQ MAXMSGSIZE: a "
                                "larger one drops the connection before it is read)", "bytes")
-    curve_server_key: str = opt("", "CurveZMQ server secret key file; empty = no encryption", "path")
-    curve_client_key: str = opt("", "CurveZMQ client secret key file", "path")
-    curve_public_key: str = opt("", "CurveZMQ server public key file (clients)", "path")
+    curve_server_key: str = opt("", "CurveZMQ server secret certificate (zmq.auth .key_secret); empty = "
+                                "no encryption", "path")
+    curve_client_key: str = opt("", "CurveZMQ client secret certificate of this process", "path")
+    curve_public_key: str = opt("", "CurveZMQ server public certificate (clients)", "path")
+    curve_allow_dir: str = opt("", "directory of accepted client public certificates (*.key); required "
+                               "with curve_server_key: any other client key is refused", "path")
+    curve: bool = opt(False, "the launcher writes a fresh key set under <run.dir>/keys (0600) and fills "
+                      "the four curve_* paths", "")
