@@ -25,6 +25,7 @@ from miles.core.config import dump_toml, to_dict
 from miles.core.logging import get_logger
 from miles.core.schema import MilesConfig
 from miles.trainer.dist import free_port
+from miles.transport.curve import apply_cluster_keys
 
 log = get_logger("miles.launch")
 
@@ -85,6 +86,8 @@ class LocalLauncher:
     async def run(self) -> int:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(exist_ok=True)
+        if self.cfg.transport.curve:  # a fresh key set per launch; every role reads its paths from the config
+            apply_cluster_keys(self.cfg.transport, self.run_dir / "keys")
         cfg_path = self.run_dir / "config.resolved.json"
         cfg_path.write_text(json.dumps(to_dict(self.cfg), indent=1))
         (self.run_dir / "config.resolved.toml").write_text(dump_toml(self.cfg, with_docs=True))
