@@ -25,7 +25,7 @@ def _env_args(args: argparse.Namespace) -> dict[str, Any]:
     if args.config and cfg.rollout.env != DATASET_ENV:
         raise ConfigError(f"{args.config}: rollout.env is {cfg.rollout.env!r}, not the dataset env "
                           f"{DATASET_ENV!r}; `miles data check` checks files for that env")
-    env_args = dict(cfg.rollout.env_args) if cfg.rollout.env == DATASET_ENV else {}
+    env_args = dict(cfg.rollout.env_args)  # without a config: the defaults plus any --set
     env_args["path"] = args.file
     return env_args
 
