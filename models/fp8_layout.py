@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,14 +140,20 @@ def scale_row_slices(name: str, scale_rows: int, spec: ModelSpec) -> list[tuple[
 
 
 def quantize_hf_state(
-    named: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int]
+    named: Iterable[tuple[str, torch.Tensor]],
+    block: tuple[int, int],
+    names: Collection[str] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named weights -> the FP8 checkpoint / sync form: every quantized `X.weight` becomes
     `X.weight` (float8_e4m3fn codes, same shape) followed by `X.weight_scale_inv` (fp32);
     the others pass unchanged. Streams one tensor at a time. Codes come from the tensor as
-    given: feed it the weights in the dtype the trainer's forward computes in."""
+    given: feed it the weights in the dtype the trainer's forward computes in.
+
+    `names`: the HF names the model quantizes (`fp8_linear.fp8_hf_names(spec)`); None = every
+    name of the standard attention/MLP layout (`QUANTIZED_HF`)."""
     for name, t in named:
-        if QUANTIZED_HF.match(name) and t.dtype != FP8:
+        hit = QUANTIZED_HF.match(name) is not None if names is None else name in names
+        if hit and t.dtype != FP8:
             codes, scale = quantize_blockwise(t, block)
             yield name, codes
             yield name + SCALE_SUFFIX, scale

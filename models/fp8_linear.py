@@ -15,13 +15,23 @@ engine's FP8 weights, both computing with the same `Ŵ` (models/fp8.py).
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable, Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from miles.core.logging import get_logger
+from miles.models.config import ModelSpec
 from miles.models.fp8 import E4M3_MAX, FP8, SCALE_SUFFIX
-from miles.models.fp8_layout import Fp8Plan, dequantize_rows, quantize_rows
+from miles.models.fp8_layout import (
+    Fp8Plan,
+    dequantize_rows,
+    fp8_block,
+    quantize_hf_state,
+    quantize_rows,
+)
 from miles.models.invariant import invariant_active
 
 log = get_logger("miles.models.fp8")
@@ -138,3 +148,36 @@ def to_fp8_weights(model: nn.Module, block: tuple[int, int]) -> int:
         lin.register_parameter("weight" + SCALE_SUFFIX, nn.Parameter(scale, requires_grad=False))
         n += 1
     return n
+
+
+_NAMES: dict[str, frozenset[str]] = {}
+
+
+def fp8_hf_names(spec: ModelSpec) -> frozenset[str]:
+    """HF names of the weights the FP8 contract quantizes in this architecture (empty without
+    an FP8 quantization_config). Found on a meta-device build, so it costs no memory."""
+    block = fp8_block(spec)
+    if block is None:
+        return frozenset()
+    key = json.dumps(spec.hf_config, sort_keys=True, default=str)
+    if key not in _NAMES:
+        from miles.models.decoder import CausalLM
+        from miles.models.hf_io import hf_param_slices
+
+        with torch.device("meta"):
+            model = CausalLM(spec)
+        quantized = {id(lin.weight) for lin, _ in _linear_plans(model, block)}
+        _NAMES[key] = frozenset(s.hf_name for name, p in model.named_parameters() if id(p) in quantized
+                                for s in hf_param_slices(spec, name, p.shape))
+    return _NAMES[key]
+
+
+def fp8_export(named: Iterable[tuple[str, torch.Tensor]], spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weight-sync / export hook: HF-named weights of a model with `spec` -> FP8 codes +
+    `weight_scale_inv` for every quantized weight, the rest unchanged (all of them unchanged
+    without an FP8 quantization_config). Give it the tensors cast to the sync dtype, which must
+    be the trainer's compute dtype (the codes are computed from exactly these values)."""
+    block = fp8_block(spec)
+    if block is None:
+        return iter(named)
+    return quantize_hf_state(named, block, fp8_hf_names(spec))

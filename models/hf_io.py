@@ -216,7 +216,9 @@ def save_model(model: CausalLM, path: str | Path, max_shard_bytes: int | None = 
     views = hf_tensor_views(model).items()
     block = fp8_block(model.spec)
     if block is not None:  # an FP8 model is saved as a DeepSeek-V3-style FP8 checkpoint
-        views = quantize_hf_state(views, block)
+        from miles.models.fp8_linear import fp8_hf_names
+
+        views = quantize_hf_state(views, block, fp8_hf_names(model.spec))
     tensors = {k: v.detach().contiguous().cpu().clone() for k, v in views}
     cfg = dict(model.spec.hf_config)
     dtype = next(model.parameters()).dtype
