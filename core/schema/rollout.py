@@ -13,7 +13,8 @@ class RolloutConfig:
     env: str = opt(
         "miles.rollout.envs.arithmetic:make_env",
         "import path of `make_env(**env_args) -> Environment` (prompts, reward, agent, tools); "
-        "built-in: miles.rollout.envs.arithmetic | .calculator | .openai_agent",
+        "built-in: miles.rollout.envs.arithmetic | .calculator | .openai_agent | .dataset (a JSONL/Parquet "
+        "file with named rule rewards, see docs/datasets.md)",
     )
     env_args: dict[str, Any] = opt({}, "keyword arguments passed to the env's make_env (e.g. seed, max_operand)")
     rollout_fn: str = opt(
