@@ -18,31 +18,45 @@ from miles.models.config import ModelSpec
 
 
 class RowPool:
-    """Per-layer K/V tensors [rows, kv_heads, max_seq_len + 1, head_dim]; implements `KVCache`."""
+    """Per-layer K/V tensors [rows, heads, max_seq_len + 1, k_dim / v_dim]; implements `KVCache`.
+
+    (heads, k_dim, v_dim) = `spec.kv_cache_dims`: the K/V heads of GQA attention, or for MLA
+    (DeepSeek-V3) one "head" holding the compressed latent (as k) and the shared rotary key
+    (as v), which the attention expands per step.
+    """
 
     def __init__(self, spec: ModelSpec, rows: int, max_seq_len: int, dtype: torch.dtype, device: torch.device):
-        shape = (rows, spec.num_kv_heads, max_seq_len + 1, spec.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+        heads, kd, vd = spec.kv_cache_dims
+        k_shape, v_shape = (rows, heads, max_seq_len + 1, kd), (rows, heads, max_seq_len + 1, vd)
+        self.k = [torch.zeros(k_shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+        self.v = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
         self.max_seq_len = max_seq_len
         self._r0 = 0
         self._index = torch.zeros(0, 0, 0, 0, dtype=torch.long, device=device)
+        self._v_index = self._index
         self._read = 0
+
+    def bytes_per_token(self) -> int:
+        """Cache bytes one token takes over all layers (K and V)."""
+        return sum(t[0, :, 0].numel() * t.element_size() for t in (*self.k, *self.v))
 
     def bind(self, r0: int, pos: torch.Tensor, read_len: int) -> None:
         """The next forward writes rows r0..r0+n-1 at positions pos [n, T] and reads :read_len."""
         n, t = pos.shape
-        _, kvh, _, hd = self.k[0].shape
+        _, kvh, _, kd = self.k[0].shape
+        vd = self.v[0].shape[-1]
         self._r0 = r0
-        # one scatter index for every layer: [n, kv_heads, T, head_dim] positions along dim 2
-        self._index = pos.clamp(max=self.max_seq_len)[:, None, :, None].expand(n, kvh, t, hd)
+        # one scatter index for every layer: [n, heads, T, dim] positions along dim 2
+        at = pos.clamp(max=self.max_seq_len)[:, None, :, None]
+        self._index = at.expand(n, kvh, t, kd)
+        self._v_index = self._index if vd == kd else at.expand(n, kvh, t, vd)
         self._read = read_len
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n = k.shape[0]
         kr, vr = self.k[layer][self._r0 : self._r0 + n], self.v[layer][self._r0 : self._r0 + n]
         kr.scatter_(2, self._index, k)
-        vr.scatter_(2, self._index, v)
+        vr.scatter_(2, self._v_index, v)
         return kr[:, :, : self._read], vr[:, :, : self._read]
 
     def move(self, src: int, dst: int, length: int) -> None:
@@ -60,7 +74,7 @@ class RowPool:
 @dataclass
 class SessionKV:
     ids: list[int]  # tokens whose KV is held
-    k: list[torch.Tensor]  # per layer [kv_heads, len, head_dim]
+    k: list[torch.Tensor]  # per layer [heads, len, k_dim] (see RowPool)
     v: list[torch.Tensor]
     routed: np.ndarray | None  # [len, L_moe, k] when the turn recorded routing
 

@@ -68,7 +68,8 @@ def invariant_attention(
     rows: int,
     kv_block: int,
 ) -> torch.Tensor:
-    """q [B, Hq, T, d], k/v [B, Hk, S, d] -> [B, Hq, T, d] with a fixed reduction layout."""
+    """q [B, Hq, T, d], k [B, Hk, S, d], v [B, Hk, S, dv] -> [B, Hq, T, dv] with a fixed
+    reduction layout."""
     b, hq, t, d = q.shape
     s = k.shape[2]
     if enable_gqa and k.shape[1] != hq:
@@ -89,7 +90,7 @@ def invariant_attention(
     scale = d**-0.5 if scale is None else scale
     kp = F.pad(k, (0, 0, 0, length - s))
     vp = F.pad(v, (0, 0, 0, length - s))
-    out = q.new_empty(b, hq, t, d)
+    out = q.new_empty(b, hq, t, v.shape[-1])  # MLA: values narrower than queries/keys
     for i in range(b):
         mb = bias[i, 0] if bias.shape[0] > 1 else bias[0, 0]
         for h in range(hq):

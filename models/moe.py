@@ -124,6 +124,31 @@ class Experts(nn.Module):
         return out
 
 
+class GroupLimitedGate(nn.Module):
+    """The sigmoid router's parameters (HF names `gate.weight`, `gate.e_score_correction_bias`)
+    and its selection rule. `forward(scores)` maps the sigmoid scores [N, E] (fp32) to the
+    selection scores whose top-k is the choice: scores + bias, -inf outside the `topk_group`
+    groups whose two best biased scores sum highest. Being the gate's output, they are what
+    the trainer's router probe sees (its top-k is the live choice, as for a softmax gate).
+    """
+
+    def __init__(self, hidden: int, num_experts: int, n_group: int, topk_group: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
+        self.n_group, self.topk_group = n_group, topk_group
+
+    def forward(self, scores: torch.Tensor) -> torch.Tensor:
+        choice = scores + self.e_score_correction_bias.float()
+        n, e = choice.shape
+        if self.n_group > 1:
+            group_scores = choice.view(n, self.n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1], True)
+            choice = choice.masked_fill(~keep.repeat_interleave(e // self.n_group, dim=1), float("-inf"))
+        return choice
+
+
 class MoEBlock(nn.Module):
     """Routed experts behind a router, plus optional shared experts (always on).
 
@@ -144,10 +169,11 @@ class MoEBlock(nn.Module):
         self.top_k = spec.num_experts_per_tok
         self.norm_topk_prob = spec.norm_topk_prob
         self.router = spec.router
-        self.gate = nn.Linear(spec.hidden_size, spec.num_experts, bias=False)
-        if spec.router == "sigmoid_group":
-            self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(spec.num_experts), requires_grad=False)
-        self.n_group, self.topk_group = spec.n_group, spec.topk_group
+        self.gate: nn.Module = (
+            GroupLimitedGate(spec.hidden_size, spec.num_experts, spec.n_group, spec.topk_group)
+            if spec.router == "sigmoid_group"
+            else nn.Linear(spec.hidden_size, spec.num_experts, bias=False)
+        )
         self.scale = spec.routed_scaling_factor
         self.experts = Experts(spec.num_experts, spec.hidden_size, spec.moe_intermediate_size)
         inter = spec.shared_expert_intermediate_size
@@ -167,21 +193,12 @@ class MoEBlock(nn.Module):
                 top_w = top_w / top_w.sum(dim=-1, keepdim=True)
             return top_w.to(logits.dtype), ids
         scores = F.linear(flat.float(), self.gate.weight.float()).sigmoid()
-        ids = self._group_topk(scores) if given is None else given
+        choice = self.gate(scores)  # a module call: the router probe's hook sees the selection scores
+        ids = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1] if given is None else given
         top_w = scores.gather(1, ids)
         if self.norm_topk_prob:
             top_w = top_w / (top_w.sum(dim=-1, keepdim=True) + 1e-20)
         return top_w * self.scale, ids
-
-    def _group_topk(self, scores: torch.Tensor) -> torch.Tensor:
-        choice = scores + self.gate.e_score_correction_bias.float()
-        n, g = scores.shape[0], self.n_group
-        if g > 1:
-            group_scores = choice.view(n, g, -1).topk(2, dim=-1)[0].sum(dim=-1)
-            keep = torch.zeros_like(group_scores, dtype=torch.bool)
-            keep.scatter_(1, torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1], True)
-            choice = choice.masked_fill(~keep.repeat_interleave(self.num_experts // g, dim=1), float("-inf"))
-        return torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
 
     def forward(
         self, x: torch.Tensor, given_ids: torch.Tensor | None = None
