@@ -163,3 +163,20 @@ def test_batch_invariant_mode_gives_row_independent_logits(arch: str) -> None:
 def test_refusals_name_the_reason(cfg: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         ModelSpec.from_hf(cfg)
+
+
+@pytest.mark.parametrize(
+    ("arch", "kw", "match"),
+    [
+        ("deepseek_v3", {}, "does not map deepseek_v3"),
+        ("glm4_moe", {}, "does not map glm4_moe"),
+        ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "rope_type='yarn'"),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 8}, "sliding_window=8"),
+    ],
+)
+def test_megatron_backend_refuses_what_it_does_not_map(arch: str, kw: dict, match: str) -> None:
+    from miles.core.schema.trainer import MegatronConfig
+    from miles.trainer.megatron.build import check_parallel
+
+    with pytest.raises(ConfigError, match=match):
+        check_parallel(MegatronConfig(), ModelSpec.from_hf(tiny_config(arch, **kw)), 1)
