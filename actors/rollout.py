@@ -280,6 +280,7 @@ class RolloutActor(Actor):
     @handler(SetVersion)
     def set_version(self, msg: SetVersion) -> None:
         self.version = max(self.version, msg.version)
+        self.buffer.set_version(self.version)  # later admissions get later deadlines
         self._changed.set()
 
     @handler(PullBatch, concurrency=16)
@@ -299,10 +300,15 @@ class RolloutActor(Actor):
                 raise EngineError(f"generation failed {self._failures_in_a_row} times in a row with no "
                                   f"success; last error: {self._last_failure}")
             if self.buffer.num_waiting:
-                groups += self.buffer.collect(msg.n_groups - len(groups), msg.trainer_version)
+                waiting = self.buffer.num_waiting
+                got = self.buffer.collect(msg.n_groups - len(groups), msg.trainer_version)
+                groups += got
                 self._collecting = len(groups)
-                self._changed.set()  # slots below max_waiting / admission bound may have opened
-                continue
+                if self.buffer.num_waiting != waiting:
+                    self._changed.set()  # slots below max_waiting / admission bound may have opened
+                if got:
+                    continue
+                # nothing to take yet: the deadline schedule waits for a group due at this version
             self._changed.clear()
             await self._changed.wait()
         self._collecting = 0

@@ -11,10 +11,15 @@ Drops: when a group arrives - generation failure (any sample aborted/failed) or
 the user filter `(group) -> (keep, reason)`; when it is collected - staleness,
 trainer version minus the oldest sampled-token version above `max_staleness`.
 Dropped prompts are retried (up to `max_attempts`) or discarded by policy;
-filter-rejected ones are always discarded. Optional admission control: no new
-group starts while the groups in flight plus waiting reach
-`(max_staleness + 1) * batch_groups`, i.e. more work than the trainer can consume
-before it would be stale. Every prompt's whereabouts are in the `Ledger`.
+filter-rejected ones are always discarded. Every prompt's whereabouts are in the `Ledger`.
+
+Schedules (`schedule`): 'arrival' hands the trainer the oldest *finished* groups and
+drops stale ones at collection; its optional admission control starts no new group
+while the groups in flight plus waiting reach `(max_staleness + 1) * batch_groups`.
+'deadline' (rollout/schedule.py) admits a group under that bound with the deadline
+admission version + max_staleness and collects so that every group is trained by its
+deadline: nothing goes stale, so long groups are not dropped in favour of short ones.
+`BiasMeter` (rollout/bias.py) measures what the trainer gets against what was generated.
 """
 
 from __future__ import annotations
@@ -26,12 +31,14 @@ from typing import Any, Literal
 
 from miles.core.errors import ConfigError, MilesError
 from miles.core.schema.buffer import BufferConfig
+from miles.rollout.bias import BiasMeter, P
 from miles.rollout.filters import FilterFn, check_verdict, keep_all, load_filter
 from miles.rollout.ledger import Ledger
+from miles.rollout.schedule import Outstanding, admits, plan
 from miles.rollout.types import Group, Sample
 
-P = "rollout/fully_async/"
 RetryPolicy = Literal["retry", "discard"]
+Schedule = Literal["arrival", "deadline"]
 
 
 class BufferError(MilesError):
@@ -64,6 +71,8 @@ class _Group:
     prompt: dict[str, Any]
     attempt: int
     n: int
+    seq: int = 0  # admission order
+    deadline: int = 0  # latest trainer version that may train it (schedule 'deadline')
     started: int = 0
     running: set[int] = field(default_factory=set)
     results: dict[int, list[Sample]] = field(default_factory=dict)
@@ -83,7 +92,7 @@ class RolloutBuffer:
                  retry: RetryPolicy = "retry", max_attempts: int = 3, admission_control: bool = False,
                  batch_groups: int = 1, max_waiting: int = 0, filter_fn: FilterFn | None = None,
                  prompt_source: Callable[[], dict[str, Any] | None] | None = None,
-                 ledger: Ledger | None = None) -> None:
+                 ledger: Ledger | None = None, schedule: Schedule = "arrival", bias_window: int = 8) -> None:
         if capacity < 1 or n_samples < 1 or batch_groups < 1 or max_attempts < 1:
             raise ConfigError(f"buffer: capacity ({capacity}), n_samples ({n_samples}), batch_groups "
                               f"({batch_groups}) and max_attempts ({max_attempts}) must be >= 1")
@@ -91,6 +100,13 @@ class RolloutBuffer:
             raise ConfigError(f"buffer.retry: {retry!r} is not one of 'retry', 'discard'")
         if admission_control and max_staleness is None:
             raise ConfigError("buffer.admission_control needs buffer.max_staleness to be set")
+        if schedule not in ("arrival", "deadline"):
+            raise ConfigError(f"buffer.schedule: {schedule!r} is not one of 'arrival', 'deadline'")
+        # with no staleness bound nothing goes stale: arrival order has no drop bias to remove
+        self.schedule: Schedule = schedule if max_staleness is not None else "arrival"
+        self.version = 0  # the latest weight version the rollout side knows (admission deadlines)
+        self._taken = (0, 0)  # (trainer version, groups taken for it so far)
+        self.bias = BiasMeter(bias_window)
         self.capacity, self.n = capacity, n_samples
         self.max_staleness, self.retry, self.max_attempts = max_staleness, retry, max_attempts
         self.admission_control, self.batch_groups = admission_control, batch_groups
@@ -100,7 +116,7 @@ class RolloutBuffer:
         self.ledger = ledger or Ledger()
         self._prompts: dict[str, dict[str, Any]] = {}
         self._open: dict[str, _Group] = {}  # groups with a trajectory running or not yet started
-        self._waiting: deque[Group] = deque()  # finished, oldest first
+        self._waiting: deque[Group] = deque()  # finished, in arrival order
         self._running = 0
         self._seq = 0
         # per-step counters, reset by step_metrics()
@@ -113,9 +129,12 @@ class RolloutBuffer:
     @classmethod
     def from_config(cls, cfg: BufferConfig, n_samples: int,
                     prompt_source: Callable[[], dict[str, Any] | None] | None = None) -> RolloutBuffer:
+        # sync / one_step_off bound staleness by when work may generate (the rollout actor):
+        # their groups train in arrival order
+        schedule = cfg.schedule if cfg.mode == "fully_async" else "arrival"
         return cls(cfg.capacity, n_samples, None if cfg.max_staleness < 0 else cfg.max_staleness,
                    cfg.retry, cfg.max_attempts, cfg.admission_control, cfg.batch_groups, cfg.max_waiting,
-                   load_filter(cfg.filter_fn), prompt_source)
+                   load_filter(cfg.filter_fn), prompt_source, schedule=schedule, bias_window=cfg.bias_window)
 
     # -- prompts ---------------------------------------------------------------
     def add_prompts(self, prompts: list[dict[str, Any]]) -> None:
@@ -148,15 +167,32 @@ class RolloutBuffer:
         return [g.id for g in self._open.values() if g.running or g.started < g.n]
 
     def ready(self, n_groups: int | None = None) -> bool:
-        return len(self._waiting) >= (n_groups or self.batch_groups)
+        """Could a batch of `n_groups` be collected whole right now?"""
+        n = n_groups or self.batch_groups
+        if self.schedule == "arrival":
+            return len(self._waiting) >= n
+        take, wait = self._plan(n, self.version)
+        return wait == 0 and len(take) == n
+
+    def set_version(self, version: int) -> None:
+        """The rollout side learned of a newer weight version (new groups get later deadlines)."""
+        self.version = max(self.version, version)
+
+    def _taken_now(self) -> int:
+        v, k = self._taken
+        return k if v >= self.version else 0
 
     def _admits_new_group(self) -> bool:
         if len(self._waiting) >= self.max_waiting:
             return False
+        outstanding = len(self._open) + len(self._waiting)
+        if self.schedule == "deadline":
+            assert self.max_staleness is not None
+            return admits(outstanding, self._taken_now(), self.max_staleness, self.batch_groups)
         if not self.admission_control:
             return True
         assert self.max_staleness is not None
-        return len(self._open) + len(self._waiting) < (self.max_staleness + 1) * self.batch_groups
+        return outstanding < (self.max_staleness + 1) * self.batch_groups
 
     # -- generation ------------------------------------------------------------
     def fill(self) -> list[Work]:
@@ -172,7 +208,8 @@ class RolloutBuffer:
                     break
                 attempt = self.ledger.start(pid)
                 self._seq += 1
-                g = _Group(f"{pid}#{attempt}", pid, self._prompts[pid], attempt, self.n)
+                g = _Group(f"{pid}#{attempt}", pid, self._prompts[pid], attempt, self.n, self._seq,
+                           self.version + (self.max_staleness or 0))
                 self._open[g.id] = g
                 self.totals["groups_started"] += 1
             i = g.started
@@ -197,6 +234,7 @@ class RolloutBuffer:
             raise BufferError(f"buffer: work {work.group_id}[{work.sample_index}] finished with no sample")
         g = self._take(work)
         g.results[work.sample_index] = samples
+        self.bias.generated(samples)
         if any(s.status in ("aborted", "failed") for s in samples):
             g.failed = True
         if g.complete():
@@ -215,15 +253,18 @@ class RolloutBuffer:
     def _arrive(self, g: _Group) -> None:
         del self._open[g.id]
         group = g.to_group()
+        group.metadata |= {"seq": g.seq, "deadline": g.deadline}
         if g.failed or group.failed():
             self._aborted += 1
             self.totals["aborted_groups_filtered"] += 1
+            self.bias.dropped(group, "failed")
             self._drop(g.prompt_id, g.attempt, "failed", retryable=True)
             return
         keep, reason = check_verdict(self.filter_fn(group), "buffer.filter_fn")
         if not keep:
             self._drops[reason] += 1
             self.totals[f"drop_{reason}"] += 1
+            self.bias.dropped(group, reason)
             self._drop(g.prompt_id, g.attempt, reason, retryable=False)  # no gradient signal: never retried
             return
         self.ledger.finish(g.prompt_id)
@@ -234,20 +275,46 @@ class RolloutBuffer:
         v = group.oldest_version()
         return 0 if v is None else trainer_version - v
 
+    def _plan(self, n_groups: int, version: int) -> tuple[list[Group], int]:
+        items: list[Outstanding[Group]] = [Outstanding(g.seq, g.deadline, None) for g in self._open.values()]
+        items += [Outstanding(int(g.metadata["seq"]), int(g.metadata["deadline"]), g) for g in self._waiting]
+        return plan(items, n_groups, version, self.batch_groups)
+
+    def waiting_for(self, n_groups: int, trainer_version: int) -> int:
+        """Unfinished groups a batch at this version must wait for ('deadline'; 0 for 'arrival')."""
+        return self._plan(n_groups, trainer_version)[1] if self.schedule == "deadline" else 0
+
     def collect(self, n_groups: int, trainer_version: int) -> list[Group]:
-        """Take up to `n_groups` oldest finished groups, dropping stale ones on the way."""
+        """Take up to `n_groups` finished groups for the batch of `trainer_version`.
+
+        'arrival': the oldest finished, dropping stale ones on the way. 'deadline': those the
+        plan says to take now (it may take fewer and wait for a group due at this version).
+        Call again with the rest of the batch as groups finish.
+        """
+        self.set_version(trainer_version)
+        if self.schedule == "deadline":
+            picked = self._plan(n_groups, trainer_version)[0]
+            ids = {id(g) for g in picked}
+            self._waiting = deque(g for g in self._waiting if id(g) not in ids)
+        else:
+            picked = []
+            while self._waiting and len(picked) < n_groups:
+                picked.append(self._waiting.popleft())
         out: list[Group] = []
-        while self._waiting and len(out) < n_groups:
-            g = self._waiting.popleft()
+        for g in picked:
             st = self.staleness(g, trainer_version)
             if self.max_staleness is not None and st > self.max_staleness:
                 self._stale += 1
                 self.totals["stale_groups_filtered"] += 1
+                self.bias.dropped(g, "stale")
                 self._drop(g.prompt_id, int(g.metadata["attempt"]), "stale", retryable=True)
                 continue
             self.ledger.train(g.prompt_id, trainer_version)
             self._drawn_staleness.append(st)
+            self.bias.trained(g)
             out.append(g)
+        v, k = self._taken
+        self._taken = (trainer_version, (k if v == trainer_version else 0) + len(out))
         self.totals["groups_trained"] += len(out)
         return out
 
@@ -266,6 +333,7 @@ class RolloutBuffer:
         }
         for reason, k in self._drops.items():
             m[f"rollout/dynamic_filter/drop_{reason}"] = float(k)
+        m |= self.bias.step_metrics()
         self._aborted = self._stale = 0
         self._drops = Counter()
         self._drawn_staleness = []
@@ -276,7 +344,7 @@ class RolloutBuffer:
         """JSON-able state: the ledger and the prompts it still needs. Generated data is not kept."""
         needed = {p for p in self._prompts if self.ledger.get(p).state in ("pending", "in_flight", "finished")}
         return {"ledger": self.ledger.dump(), "prompts": {p: self._prompts[p] for p in sorted(needed)},
-                "totals": dict(self.totals)}
+                "totals": dict(self.totals), "bias": self.bias.dump()}
 
     def load(self, d: dict[str, Any]) -> None:
         """Restore a dump into this (fresh) buffer; in-flight and waiting prompts start again."""
@@ -285,3 +353,4 @@ class RolloutBuffer:
         self.ledger = Ledger.restore(d["ledger"])
         self._prompts = {str(k): dict(v) for k, v in d["prompts"].items()}
         self.totals = Counter({str(k): int(v) for k, v in d.get("totals", {}).items()})
+        self.bias.load(d.get("bias", {}))

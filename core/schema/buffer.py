@@ -36,10 +36,23 @@ class BufferConfig:
         "retry", "what happens to a prompt dropped for failure or staleness (filter drops are always discarded)"
     )
     max_attempts: int = opt(3, "groups started for one prompt before it is discarded", "attempts")
+    schedule: Literal["deadline", "arrival"] = opt(
+        "deadline",
+        "fully_async only. deadline: admit a group while groups outstanding + taken this version < "
+        "(max_staleness + 1) * batch_groups, and train each by version admitted + max_staleness (the trainer "
+        "waits only for a group that would otherwise go stale): no stale drops, no bias toward short "
+        "rollouts (docs/orchestration.md). arrival: train the oldest finished groups, drop stale ones at "
+        "collection (the old behaviour; see admission_control). With max_staleness = -1 both are arrival",
+    )
     admission_control: bool = opt(
         False,
-        "do not start new groups while groups in flight + waiting reach (max_staleness + 1) * batch_groups; "
-        "avoids the bias toward short rollouts that discard-and-retry alone has",
+        "schedule 'arrival' only: do not start new groups while groups in flight + waiting reach "
+        "(max_staleness + 1) * batch_groups; fewer stale drops than discard-and-retry alone, but short "
+        "groups still overtake long ones ('deadline' always admits this way)",
+    )
+    bias_window: int = opt(
+        8, "steps over which rollout/fully_async/len_ratio compares trained and generated response lengths",
+        "steps",
     )
     filter_fn: str = opt(
         "",
@@ -48,7 +61,7 @@ class BufferConfig:
     )
 
     def __post_init__(self) -> None:
-        for name in ("capacity", "batch_groups", "max_attempts"):
+        for name in ("capacity", "batch_groups", "max_attempts", "bias_window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_staleness < -1:

@@ -17,7 +17,9 @@ NAMES = [
     "rollout/fully_async/queue_size", "rollout/fully_async/aborted_groups_filtered",
     "rollout/fully_async/stale_groups_filtered", "rollout/fully_async/avg_staleness",
     "rollout/fully_async/max_staleness", "rollout/fully_async/buffer_avg_staleness",
-    "rollout/fully_async/buffer_max_staleness",
+    "rollout/fully_async/buffer_max_staleness", "rollout/fully_async/len_ratio",
+    "rollout/fully_async/untrained_share", "rollout/fully_async/untrained_share/stale",
+    "rollout/fully_async/untrained_share/failed",
 ]
 
 
@@ -61,4 +63,6 @@ def test_mode_small_run(mode: str, tmp_path: Path, cache: Path) -> None:
     assert led["drop_events"].get("stale", 0) >= stale  # drops after the last step are in the ledger only
     if mode == "sync":
         assert all(r["rollout/fully_async/avg_staleness"] == 0 for r in rows)
-        assert stale == 0
+    if mode != "one_step_off":  # sync by when work generates, fully_async by the deadline schedule
+        assert stale == 0 and led["drop_events"].get("stale", 0) == 0
+        assert rows[-1]["rollout/fully_async/untrained_share/stale"] == 0.0

@@ -156,3 +156,85 @@ def test_no_prompt_lost_or_trained_twice(capacity: int, n: int, max_staleness: i
     restored = Ledger.restore(json.loads(json.dumps(led.dump())))
     assert restored.counts()["total"] == len(prompts)
     assert restored.counts()["trained"] == counts["trained"]
+
+
+def test_plan_waits_only_for_a_group_due_now() -> None:
+    from miles.rollout.schedule import Outstanding, plan
+
+    # batch 2, version 5: A (due 5) still generating, B and C finished with later deadlines
+    items = [Outstanding(1, 5, None), Outstanding(2, 6, "B"), Outstanding(3, 7, "C")]
+    assert plan(items, 2, 5, 2) == (["B"], 1)  # B fills one place, A must be waited for
+    # nothing due before 7: the two oldest finished go, no wait
+    items = [Outstanding(1, 7, None), Outstanding(2, 7, "B"), Outstanding(3, 7, "C")]
+    assert plan(items, 2, 5, 2) == (["B", "C"], 0)
+    # five groups due by 6 and one more step to take them: three must go now, A among them
+    items = [Outstanding(i, 6, None if i == 1 else str(i)) for i in range(1, 6)] + [Outstanding(6, 7, "6")]
+    assert plan(items, 3, 5, 2) == (["2", "3", "4"], 0)  # finished ones satisfy the count
+    assert plan(items[:1] + items[1:3] + [Outstanding(4, 6, None), Outstanding(5, 6, None)], 3, 5, 2) == (
+        ["2", "3"], 1)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    capacity=st.integers(1, 6), n=st.integers(2, 3), max_staleness=st.integers(0, 2), batch=st.integers(1, 3),
+    ops=st.lists(st.tuples(st.integers(0, 99), st.sampled_from(["ok", "fail", "same"])), max_size=120),
+)
+def test_deadline_schedule_never_goes_stale(capacity: int, n: int, max_staleness: int, batch: int,
+                                            ops: list) -> None:
+    """Any finishing order: every group trained within max_staleness of its oldest token, none
+    dropped as stale, every version trains a full batch, and the run never deadlocks."""
+    source = iter([prompt(f"p{i}") for i in range(1000)])
+    buf = RolloutBuffer(capacity=capacity, n_samples=n, max_staleness=max_staleness, batch_groups=batch,
+                        filter_fn=dynamic_sampling, schedule="deadline", max_attempts=2,
+                        prompt_source=lambda: next(source, None))
+    running: list[tuple[Work, int]] = [(w, 0) for w in buf.fill()]  # (work, version it started at)
+    version, current, trained = 0, [], []
+
+    def step(pick: int, kind: str) -> None:
+        nonlocal version, current, running
+        if running:
+            # most picks finish the newest work: the overtaking that makes long groups stale
+            w, v0 = running.pop(-1 if pick % 4 else pick % len(running))
+            if kind == "fail":
+                new = buf.fail(w, "boom")
+            else:
+                new = buf.finish(w, traj(v0, 1.0 if kind == "same" else float(w.sample_index % 2)))
+            running += [(x, version) for x in new]
+        current += buf.collect(batch - len(current), version)
+        if len(current) == batch:
+            for g in current:
+                assert version - g.oldest_version() <= max_staleness
+            trained.extend(g.prompt_id for g in current)
+            m = buf.step_metrics(version)
+            assert m[P + "stale_groups_filtered"] == 0 and m[P + "max_staleness"] <= max_staleness
+            version, current = version + 1, []
+            buf.set_version(version)
+        running += [(x, version) for x in buf.fill()]
+
+    for pick, kind in ops:
+        step(pick, kind)
+    before = len(trained)
+    for _ in range(300):  # oldest first, all succeed: what lingered finishes, and progress goes on
+        step(0, "ok")
+    assert len(trained) >= before + 6 * batch, "the deadline schedule stopped making progress"
+    assert len(trained) == len(set(trained))
+    assert buf.ledger.drop_events["stale"] == 0
+    assert buf.bias.untrained["stale"] == 0
+
+
+def test_deadline_waits_for_an_overtaken_group() -> None:
+    """Newest work always finishes first: p0 is overtaken until it is due, then the trainer waits."""
+    buf = RolloutBuffer(capacity=6, n_samples=2, max_staleness=1, batch_groups=1, schedule="deadline",
+                        prompt_source=iter([prompt(f"p{i}") for i in range(100)]).__next__)
+    running = [(w, 0) for w in buf.fill()]
+    version, trained_at = 0, {}
+    for i in range(40):
+        w, v0 = running.pop(-1 if i < 20 else 0)  # LIFO, then FIFO: p0 finishes late
+        running += [(x, version) for x in buf.finish(w, traj(v0, float(w.sample_index % 2)))]
+        got = buf.collect(1, version)
+        if got:
+            trained_at[got[0].prompt_id] = version
+            version += 1
+            buf.set_version(version)
+        running += [(x, version) for x in buf.fill()]
+    assert trained_at["p0"] <= 1 and buf.ledger.drop_events["stale"] == 0
