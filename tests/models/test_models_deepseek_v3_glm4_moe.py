@@ -171,7 +171,7 @@ def test_refusals_name_the_reason(cfg: dict, match: str) -> None:
         ("deepseek_v3", {}, "does not map deepseek_v3"),
         ("glm4_moe", {}, "does not map glm4_moe"),
         ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "rope_type='yarn'"),
-        ("qwen2", {"use_sliding_window": True, "sliding_window": 8}, "sliding_window=8"),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}, "sliding_window=8"),
     ],
 )
 def test_megatron_backend_refuses_what_it_does_not_map(arch: str, kw: dict, match: str) -> None:
