@@ -14,7 +14,10 @@ Modes mirror the rollout actor: `sync` (generate a batch, then train), `one_step
 (the next batch generates while the trainer trains), `fully_async` (every free slot
 starts work; staleness = trainer version - oldest version a group sampled with; stale
 groups are dropped at collection and retried or discarded), optionally with admission
-control (no new group while groups in flight + waiting reach (max_staleness+1) * batch).
+control (no new group while groups in flight + waiting reach (max_staleness+1) * batch),
+or with `deadline=True` the deadline schedule, using the buffer's own admission test and
+collection plan (miles.rollout.schedule): no stale drops; or with `budget=True` the same
+admission test, arrival order and no stale drops at all (AReaL's scheme).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from miles.rollout.schedule import Outstanding, admits, plan
 
 
 @dataclass
@@ -51,6 +56,8 @@ class SimGroup:
     done: int = 0
     lengths: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    seq: int = 0
+    deadline: int = 0
 
 
 @dataclass
@@ -73,10 +80,14 @@ class SimResult:
 class Simulator:
     def __init__(self, lat: Latency, engines: int, mode: str, groups_per_engine: int = 4, n: int = 8,
                  steps: int = 12, max_staleness: int = 2, admission: bool = False, max_attempts: int = 3,
-                 seed: int = 0) -> None:
+                 seed: int = 0, deadline: bool = False, budget: bool = False) -> None:
         self.lat, self.E, self.mode, self.n, self.steps = lat, engines, mode, n, steps
         self.batch = groups_per_engine * engines
         self.eta, self.admission, self.max_attempts, self.seed = max_staleness, admission, max_attempts, seed
+        self.deadline = deadline and mode == "fully_async"
+        self.budget = budget and mode == "fully_async" and not deadline
+        self.taken = (0, 0)  # (version, groups taken for it): the deadline admission test
+        self.seq = 0
         slots = lat.slots_per_engine * engines
         self.remaining = np.zeros(slots)
         self.length = np.zeros(slots, dtype=np.int64)
@@ -107,13 +118,17 @@ class Simulator:
         else:
             p, a = self.next_prompt, 1
             self.next_prompt += 1
-        g = SimGroup(p, a, self.n)
+        self.seq += 1
+        g = SimGroup(p, a, self.n, seq=self.seq, deadline=self.version + self.eta)
         self.open.append(g)
         return g
 
     # -- engines -----------------------------------------------------------------
     def _may_open_group(self) -> bool:
         if self.mode == "fully_async":
+            if self.deadline or self.budget:
+                taken = self.taken[1] if self.taken[0] == self.version else 0
+                return admits(len(self.open) + len(self.waiting), taken, self.eta, self.batch)
             if self.admission:
                 return len(self.open) + len(self.waiting) < (self.eta + 1) * self.batch
             return len(self.waiting) < 4 * self.batch  # max_waiting
@@ -176,10 +191,20 @@ class Simulator:
 
     # -- trainer -----------------------------------------------------------------
     def _collect(self, got: list[SimGroup]) -> None:
+        if self.deadline:
+            items: list[Outstanding[SimGroup]] = [Outstanding(g.seq, g.deadline, None) for g in self.open]
+            items += [Outstanding(g.seq, g.deadline, g) for g in self.waiting]
+            take, _ = plan(items, self.batch - len(got), self.version, self.batch)
+            for g in take:
+                self.waiting.remove(g)
+                self.max_seen_staleness = max(self.max_seen_staleness, self.version - min(g.versions))
+            got += take
+            self.taken = (self.version, len(got))
+            return
         while self.waiting and len(got) < self.batch:
             g = self.waiting.popleft()
             st = self.version - min(g.versions)
-            if self.mode == "fully_async" and st > self.eta:
+            if self.mode == "fully_async" and st > self.eta and not self.budget:
                 self.drops += 1
                 if g.attempt < self.max_attempts:
                     self.pending.appendleft((g.prompt, g.attempt + 1))
@@ -188,6 +213,7 @@ class Simulator:
                 continue
             self.max_seen_staleness = max(self.max_seen_staleness, st)
             got.append(g)
+        self.taken = (self.version, len(got))
 
     def run(self) -> SimResult:
         trained_tokens = trained_samples = 0
@@ -199,6 +225,7 @@ class Simulator:
             got: list[SimGroup] = []
             while True:
                 self._collect(got)
+                self._fill()  # collecting may have opened admission (the actor wakes its pump)
                 if len(got) == self.batch:
                     break
                 self._advance(math.inf, stop_on_finish=True)
@@ -218,6 +245,7 @@ class Simulator:
                 trained_tokens += tokens
                 trained_samples += sum(g.n for g in got)
         seconds = self.t - t_first
-        return SimResult(self.mode + ("+admission" if self.admission else ""), self.E, trained_tokens, seconds,
+        label = "+deadline" if self.deadline else "+budget" if self.budget else "+admission" if self.admission else ""
+        return SimResult(self.mode + label, self.E, trained_tokens, seconds,
                          trained_tokens / max(1, trained_samples), self.gen_tokens / max(1, self.gen_samples),
                          self.drops, self.discarded, self.max_seen_staleness)

@@ -19,6 +19,9 @@ while the groups in flight plus waiting reach `(max_staleness + 1) * batch_group
 'deadline' (rollout/schedule.py) admits a group under that bound with the deadline
 admission version + max_staleness and collects so that every group is trained by its
 deadline: nothing goes stale, so long groups are not dropped in favour of short ones.
+'budget' (as AReaL) admits under the same version budget, trains in arrival order and
+never drops for staleness: nothing is wasted and nothing waits, but a long group's oldest
+tokens may be more than max_staleness versions old when it is trained.
 `BiasMeter` (rollout/bias.py) measures what the trainer gets against what was generated.
 """
 
@@ -38,7 +41,7 @@ from miles.rollout.schedule import Outstanding, admits, plan
 from miles.rollout.types import Group, Sample
 
 RetryPolicy = Literal["retry", "discard"]
-Schedule = Literal["arrival", "deadline"]
+Schedule = Literal["arrival", "deadline", "budget"]
 
 
 class BufferError(MilesError):
@@ -100,8 +103,8 @@ class RolloutBuffer:
             raise ConfigError(f"buffer.retry: {retry!r} is not one of 'retry', 'discard'")
         if admission_control and max_staleness is None:
             raise ConfigError("buffer.admission_control needs buffer.max_staleness to be set")
-        if schedule not in ("arrival", "deadline"):
-            raise ConfigError(f"buffer.schedule: {schedule!r} is not one of 'arrival', 'deadline'")
+        if schedule not in ("arrival", "deadline", "budget"):
+            raise ConfigError(f"buffer.schedule: {schedule!r} is not one of 'arrival', 'deadline', 'budget'")
         # with no staleness bound nothing goes stale: arrival order has no drop bias to remove
         self.schedule: Schedule = schedule if max_staleness is not None else "arrival"
         self.version = 0  # the latest weight version the rollout side knows (admission deadlines)
@@ -169,7 +172,7 @@ class RolloutBuffer:
     def ready(self, n_groups: int | None = None) -> bool:
         """Could a batch of `n_groups` be collected whole right now?"""
         n = n_groups or self.batch_groups
-        if self.schedule == "arrival":
+        if self.schedule != "deadline":
             return len(self._waiting) >= n
         take, wait = self._plan(n, self.version)
         return wait == 0 and len(take) == n
@@ -186,7 +189,7 @@ class RolloutBuffer:
         if len(self._waiting) >= self.max_waiting:
             return False
         outstanding = len(self._open) + len(self._waiting)
-        if self.schedule == "deadline":
+        if self.schedule != "arrival":
             assert self.max_staleness is not None
             return admits(outstanding, self._taken_now(), self.max_staleness, self.batch_groups)
         if not self.admission_control:
@@ -303,7 +306,7 @@ class RolloutBuffer:
         out: list[Group] = []
         for g in picked:
             st = self.staleness(g, trainer_version)
-            if self.max_staleness is not None and st > self.max_staleness:
+            if self.max_staleness is not None and st > self.max_staleness and self.schedule != "budget":
                 self._stale += 1
                 self.totals["stale_groups_filtered"] += 1
                 self.bias.dropped(g, "stale")

@@ -36,19 +36,21 @@ class BufferConfig:
         "retry", "what happens to a prompt dropped for failure or staleness (filter drops are always discarded)"
     )
     max_attempts: int = opt(3, "groups started for one prompt before it is discarded", "attempts")
-    schedule: Literal["deadline", "arrival"] = opt(
+    schedule: Literal["deadline", "budget", "arrival"] = opt(
         "deadline",
         "fully_async only. deadline: admit a group while groups outstanding + taken this version < "
         "(max_staleness + 1) * batch_groups, and train each by version admitted + max_staleness (the trainer "
         "waits only for a group that would otherwise go stale): no stale drops, no bias toward short "
-        "rollouts (docs/orchestration.md). arrival: train the oldest finished groups, drop stale ones at "
-        "collection (the old behaviour; see admission_control). With max_staleness = -1 both are arrival",
+        "rollouts (docs/orchestration.md). budget: the same admission, arrival order, never a stale drop (as "
+        "AReaL): more throughput when generation is the bottleneck, but a long group's oldest tokens may be "
+        "older than max_staleness. arrival: train the oldest finished groups, drop stale ones at collection "
+        "(the old behaviour; see admission_control). With max_staleness = -1 all three are arrival",
     )
     admission_control: bool = opt(
         False,
-        "schedule 'arrival' only: do not start new groups while groups in flight + waiting reach "
-        "(max_staleness + 1) * batch_groups; fewer stale drops than discard-and-retry alone, but short "
-        "groups still overtake long ones ('deadline' always admits this way)",
+        "schedule 'arrival' only ('deadline' and 'budget' always admit this way): do not start new groups "
+        "while groups in flight + waiting reach (max_staleness + 1) * batch_groups; fewer stale drops than "
+        "discard-and-retry alone, but short groups still overtake long ones and go stale",
     )
     bias_window: int = opt(
         8, "steps over which rollout/fully_async/len_ratio compares trained and generated response lengths",

@@ -104,13 +104,15 @@ def test_dump_and_restore() -> None:
 @given(
     capacity=st.integers(1, 5), n=st.integers(1, 3), max_staleness=st.integers(0, 2),
     retry=st.sampled_from(["retry", "discard"]), admission=st.booleans(),
+    schedule=st.sampled_from(["arrival", "deadline", "budget"]),
     ops=st.lists(st.tuples(st.integers(0, 99), st.sampled_from(["ok", "fail", "same"]),
                            st.integers(0, 3), st.booleans()), max_size=80),
 )
 def test_no_prompt_lost_or_trained_twice(capacity: int, n: int, max_staleness: int, retry: str,
-                                         admission: bool, ops: list) -> None:
+                                         admission: bool, schedule: str, ops: list) -> None:
     buf = RolloutBuffer(capacity=capacity, n_samples=n, max_staleness=max_staleness, retry=retry,  # type: ignore[arg-type]
-                        admission_control=admission, filter_fn=dynamic_sampling, max_attempts=2)
+                        admission_control=admission, filter_fn=dynamic_sampling, max_attempts=2,
+                        schedule=schedule)  # type: ignore[arg-type]
     prompts = [prompt(f"p{i}") for i in range(12)]
     buf.add_prompts(prompts)
     running: list[Work] = buf.fill()
