@@ -12,15 +12,21 @@ Every error is JSON, `{"error": {"message", "type", "code"}}`, with a 4xx status
 for bad input (404 unknown session, 409 diverged history, 422 non-append-only
 template, 400 anything else malformed) and 5xx for engine-side failures; no
 request can take the server down.
+
+With a token (`token=`, e.g. read from a 0600 file), every route but /health needs
+`Authorization: Bearer <token>` (what OpenAI clients send as their `api_key`);
+anything else is answered 401 before its body is read.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from miles.actors.session_openai import (
     completion,
@@ -88,8 +94,47 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return error_response(500, type(exc).__name__, f"internal error: {exc}")
 
 
+def _bearer(token: str) -> Callable[..., Awaitable[web.StreamResponse]]:
+    expected = f"Bearer {token}".encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path != "/health":
+            got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(got, expected):
+                return web.json_response(
+                    {"error": {"message": "missing or wrong bearer token (Authorization: Bearer ...)",
+                               "type": "Unauthorized", "code": 401}},
+                    status=401, headers={"WWW-Authenticate": "Bearer"})
+        return await handler(request)
+
+    return check
+
+
+def read_token(path: str) -> str:
+    """The bearer token in `path` (stripped); a file others can read is refused."""
+    import os
+    import stat
+
+    if not path:
+        return ""
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+        token = open(path, encoding="utf-8").read().strip()
+    except OSError as exc:
+        raise ConfigError(f"session HTTP token file {path!r}: {exc}") from exc
+    if mode & 0o077:
+        raise ConfigError(f"session HTTP token file {path!r} has mode {mode:o}: make it 0600")
+    if len(token) < 16:
+        raise ConfigError(f"session HTTP token file {path!r}: the token must be at least 16 characters")
+    return token
+
+
 async def _json_body(request: web.Request, optional: bool = False) -> Any:
-    raw = await request.read()
+    try:
+        raw = await request.read()
+    except RequestPayloadError as exc:  # a body whose Content-Encoding does not decode, a cut-off body
+        raise SessionError(f"request body: cannot be read ({str(exc).strip()})") from None
     if not raw.strip():
         if optional:
             return {}
@@ -98,14 +143,17 @@ async def _json_body(request: web.Request, optional: bool = False) -> Any:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise SessionError(f"request body: not valid JSON ({exc})") from exc
+    except RecursionError:
+        raise SessionError("request body: JSON nested too deep") from None
 
 
 class SessionHTTP:
     """Serves a `SessionService` over HTTP on `interface:port` (port 0 = any free port)."""
 
     def __init__(self, service: SessionService, interface: str = "127.0.0.1", port: int = 0,
-                 advertise: str = "") -> None:
+                 advertise: str = "", token: str = "") -> None:
         self.service = service
+        self.token = token
         self.interface = interface
         self.port = port
         self.advertise = advertise
@@ -113,7 +161,8 @@ class SessionHTTP:
         self._runner: web.AppRunner | None = None
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY)
+        middlewares = [_bearer(self.token), _errors] if self.token else [_errors]
+        app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY)
         app.router.add_get("/health", self.health)
         app.router.add_post("/sessions", self.create)
         app.router.add_get("/sessions/{sid}", self.info)

@@ -20,6 +20,45 @@ from miles.core.clock import new_id
 from miles.core.errors import ProtocolError, SessionError
 from miles.rollout.types import Sample
 
+MAX_DEPTH = 32  # JSON nesting a chat body may have (tool arguments included)
+# Below this a temperature divides logits into inf/NaN, which would fail every request of the
+# engine batch it shares: refused up front (0 means greedy).
+MIN_TEMPERATURE = 1e-3
+
+
+def check_tree(body: Any, max_depth: int = MAX_DEPTH) -> None:
+    """Refuse nesting deeper than `max_depth` and strings that are not valid Unicode (lone surrogates).
+
+    Iterative, so no input can exhaust the stack; called on every parsed request body.
+    """
+    stack: list[tuple[Any, str, int]] = [(body, "request body", 0)]
+    while stack:
+        v, where, depth = stack.pop()
+        if isinstance(v, str):
+            if not v.isascii():
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise SessionError(f"{where}: not valid Unicode ({exc.reason} at {exc.start})") from None
+            continue
+        if isinstance(v, dict | list):
+            if depth >= max_depth:
+                raise SessionError(f"{where}: nested deeper than {max_depth} levels")
+            items = v.items() if isinstance(v, dict) else enumerate(v)
+            for k, x in items:
+                if isinstance(k, str):
+                    stack.append((k, f"{where} (a key)", depth + 1))
+                stack.append((x, f"{where}.{k}" if isinstance(v, dict) else f"{where}[{k}]", depth + 1))
+
+
+def _check_messages(messages: Any) -> None:
+    """Types the message normaliser relies on (a role must be hashable to be looked up)."""
+    if not isinstance(messages, list):
+        return  # normalize() names the problem
+    for i, m in enumerate(messages):
+        if isinstance(m, dict) and "role" in m and not isinstance(m["role"], str):
+            raise SessionError(f"messages[{i}].role: expected a string, got {type(m['role']).__name__}")
+
 
 @dataclass
 class ChatRequest:
@@ -40,12 +79,12 @@ def _number(body: dict[str, Any], key: str, lo: float, hi: float) -> float | Non
     return float(v)
 
 
-def _int(body: dict[str, Any], key: str, lo: int) -> int | None:
+def _int(body: dict[str, Any], key: str, lo: int, hi: int = (1 << 63) - 1) -> int | None:
     v = body.get(key)
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise SessionError(f"{key}: expected an integer >= {lo}, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise SessionError(f"{key}: expected an integer >= {lo} and <= {hi}, got {v!r}")
     return v
 
 
@@ -68,6 +107,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
         raise SessionError(f"request body: expected a JSON object, got {type(body).__name__}")
     if "messages" not in body:
         raise SessionError("messages: missing (a chat request needs the whole conversation)")
+    check_tree(body)
+    _check_messages(body["messages"])
     if body.get("n") not in (None, 1):
         raise SessionError(f"n: only 1 choice per request is supported, got {body['n']!r} (open n sessions)")
     if body.get("stop") not in (None, [], ""):
@@ -86,6 +127,9 @@ def parse_chat_request(body: Any) -> ChatRequest:
         v = _number(body, key, lo, hi)
         if v is not None:
             sampling[key] = v
+    t = sampling.get("temperature")
+    if t is not None and 0.0 < t < MIN_TEMPERATURE:
+        raise SessionError(f"temperature: expected 0 (greedy) or a number in [{MIN_TEMPERATURE}, 2.0], got {t!r}")
     max_tokens = _int(body, "max_completion_tokens", 1) or _int(body, "max_tokens", 1)
     if max_tokens is not None:
         sampling["max_new_tokens"] = max_tokens
@@ -95,7 +139,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
             sampling[key] = max(0, iv) if key == "top_k" else iv
     stops = body.get("stop_token_ids")
     if stops is not None:
-        if not isinstance(stops, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in stops):
+        if not isinstance(stops, list) or not all(
+                isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 31 for x in stops):
             raise SessionError(f"stop_token_ids: expected a list of ints, got {stops!r}")
         sampling["stop_token_ids"] = stops
     stream = body.get("stream", False)

@@ -1,0 +1,256 @@
+"""HTTP fuzz of the session server's OpenAI front: every malformed request must get a clear 4xx.
+
+Sends N requests (default 10,000) built from a seeded generator of malformed bodies
+(deep nesting, lone surrogates, wrong types for every field, huge bodies, undecodable
+Content-Encoding, absurd sampling values, unknown session ids, cancelled requests)
+mixed with well-formed ones, to a real front over a real engine (tiny random model).
+Counts statuses; any 5xx, any 4xx without a JSON error message, or a server that
+stops answering /health is a failure. Last line: one JSON object.
+
+    python bench/http_fuzz.py --n 10000 --out bench/results/http_fuzz.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gzip
+import json
+import random
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+USER = {"role": "user", "content": "hi"}
+WEIRD: list[Any] = [None, True, 0, -1, 1e308, -1e308, 1e-300, "", "x", [], {}, [[]], {"a": {}},
+                    "\u0000", "😀", 2**70, -(2**70)]
+FIELDS = ["temperature", "top_p", "max_tokens", "max_completion_tokens", "top_k", "seed", "stop_token_ids",
+          "stream", "stream_options", "model", "tools", "tool_choice", "n", "stop", "logprobs",
+          "response_format"]
+
+
+def _nest(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+def case(rng: random.Random) -> tuple[str, dict[str, str], bytes, bool]:
+    """(kind, extra headers, raw body, expect_ok): one request body for the chat route."""
+    k = rng.randrange(16)
+    body: dict[str, Any] = {"messages": [USER], "max_tokens": 2}
+    if k == 0:
+        d = rng.choice([100, 1000, 200_000])
+        inner = _nest(d)
+        return "deep_json", {}, b'{"messages": [{"role": "user", "content": ' + inner + b"}]}", False
+    if k == 1:
+        return "lone_surrogate", {}, b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', False
+    if k == 2:
+        role = rng.choice([{"a": 1}, [1], ["user"], 5, None, True])
+        return "role_type", {}, json.dumps({"messages": [{"role": role, "content": "x"}]}).encode(), False
+    if k == 3:
+        raw = json.dumps(body).encode()
+        enc = rng.choice(["gzip", "deflate", "br", "x-bogus"])
+        return "bad_encoding", {"Content-Encoding": enc}, b"\x1f\x8bnot-really" + raw, False
+    if k == 4:
+        return "gzip_ok", {"Content-Encoding": "gzip"}, gzip.compress(json.dumps(body).encode()), True
+    if k == 5:
+        body["temperature"] = rng.choice([1e-300, 5e-324, 1e-10, -0.0001, float("1e309") if False else 3.0,
+                                          2.0000001])
+        return "temperature", {}, json.dumps(body).encode(), body["temperature"] in (0.0, -0.0)
+    if k == 6:
+        f = rng.choice(FIELDS)
+        body[f] = rng.choice(WEIRD)
+        return f"field_{f}", {}, json.dumps(body).encode(), None  # type: ignore[return-value]
+    if k == 7:
+        m = rng.choice([{"role": "user"}, {"content": "x"}, {"role": "user", "content": rng.choice(WEIRD)},
+                        "user", 5, None, {"role": "tool", "content": "x"},
+                        {"role": "assistant", "content": "x", "tool_calls": rng.choice(WEIRD)}])
+        return "message_shape", {}, json.dumps({"messages": [m]}).encode(), None  # type: ignore[return-value]
+    if k == 8:
+        return "not_json", {}, rng.choice([b"{", b"nul", b"\xff\xfe", b'{"messages": [}', b"[1,]"]), False
+    if k == 9:
+        return "top_level", {}, rng.choice([b"[]", b"1", b'"s"', b"null", b"true"]), False
+    if k == 10:
+        return "messages_type", {}, json.dumps({"messages": rng.choice(WEIRD)}).encode(), False
+    if k == 11:
+        return "huge_body", {}, b"", False  # built when sent: at most a few per run
+    if k == 12:
+        return "unknown_session", {"X-Fuzz-Session": "nope"}, json.dumps(body).encode(), False
+    if k == 13:
+        return "cancelled", {"X-Fuzz-Cancel": "1"}, json.dumps(body).encode(), True
+    if k == 14:
+        return "bad_utf8", {}, b'{"messages": [{"role": "user", "content": "\xc3\x28"}]}', False
+    return "valid", {}, json.dumps(body).encode(), True
+
+
+def _huge() -> bytes:
+    """A body just over the front's 64 MiB limit."""
+    return b'{"messages": [{"role": "user", "content": "' + b"x" * (65 << 20) + b'"}]}'
+
+
+async def run_fuzz(url: str, n: int, seed: int = 0, concurrency: int = 8, max_huge: int = 3) -> dict[str, Any]:
+    """Fuzz the front at `url`; returns counts and the failures (5xx, unclear 4xx, dead server)."""
+    rng = random.Random(seed)
+    statuses: Counter[str] = Counter()
+    kinds: Counter[str] = Counter()
+    failures: list[str] = []
+    huge_sent = 0
+    # A fresh connection per request: a refused body may leave its connection closed by the server.
+    conn = aiohttp.TCPConnector(force_close=True, limit=concurrency * 2)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120), connector=conn) as http:
+        async with http.post(f"{url}/sessions") as r:
+            sid = (await r.json())["session_id"]
+        sem = asyncio.Semaphore(concurrency)
+
+        async def one(i: int, kind: str, headers: dict[str, str], raw: bytes, expect_ok: bool | None) -> None:
+            nonlocal huge_sent
+            s = headers.pop("X-Fuzz-Session", sid)
+            cancel = headers.pop("X-Fuzz-Cancel", "")
+            chat = f"{url}/sessions/{s}/v1/chat/completions"
+            hdrs = {"Content-Type": "application/json", **headers}
+            async with sem:
+                if cancel:
+                    task = asyncio.ensure_future(http.post(chat, data=raw, headers=hdrs))
+                    await asyncio.sleep(rng.random() * 0.01)
+                    task.cancel()
+                    try:
+                        r = await task
+                        r.release()
+                    except (asyncio.CancelledError, aiohttp.ClientError):
+                        pass
+                    statuses["cancelled"] += 1
+                    kinds[kind] += 1
+                    return
+                try:
+                    async with http.post(chat, data=raw, headers=hdrs) as r:
+                        text = await r.text(errors="replace")
+                        code = r.status
+                except aiohttp.ClientError as exc:
+                    # A server refusing a huge or undecodable body may answer and close the connection
+                    # before the client has written it all: refused, not failed.
+                    if kind in ("huge_body", "bad_encoding"):
+                        statuses["huge_closed"] += 1
+                        kinds[kind] += 1
+                        return
+                    failures.append(f"{i} {kind}: {type(exc).__name__}: {exc}")
+                    return
+            statuses[str(code)] += 1
+            kinds[kind] += 1
+            if code >= 500:
+                failures.append(f"{i} {kind}: {code} {text[:200]}")
+            elif code >= 400:
+                try:
+                    msg = json.loads(text)["error"]["message"]
+                    assert isinstance(msg, str) and msg
+                except (ValueError, KeyError, TypeError, AssertionError):
+                    # aiohttp's protocol layer answers some encodings (br without Brotli) in plain text
+                    # before any handler runs: still a clear 4xx when it says why.
+                    if "content-encoding" in text.lower():
+                        statuses["plain_4xx"] += 1
+                    else:
+                        failures.append(f"{i} {kind}: {code} without a JSON error message: {text[:200]}")
+            elif expect_ok is False:
+                failures.append(f"{i} {kind}: {code} accepted a request meant to be refused")
+
+        cases = [case(rng) for _ in range(n)]
+        # Huge bodies are costly to build and send: at most a few per run.
+        pending = []
+        for i, (kind, headers, raw, ok) in enumerate(cases):
+            if kind == "huge_body":
+                if huge_sent >= max_huge:
+                    kind, headers, raw, ok = "valid", {}, json.dumps({"messages": [USER], "max_tokens": 2}).encode(), True
+                else:
+                    huge_sent += 1
+                    raw = _huge()
+            pending.append(one(i, kind, dict(headers), raw, ok))
+        t0 = time.perf_counter()
+        await asyncio.gather(*pending)
+        secs = time.perf_counter() - t0
+        async with http.get(f"{url}/health") as r:
+            alive = r.status == 200
+        async with http.post(f"{url}/sessions") as r:
+            fresh = (await r.json())["session_id"]
+        async with http.post(f"{url}/sessions/{fresh}/v1/chat/completions",
+                             json={"messages": [USER], "max_tokens": 2}) as r:
+            still_serves = r.status == 200
+    return {"requests": n, "seconds": round(secs, 2), "statuses": dict(statuses), "kinds": dict(kinds),
+            "failures": failures[:50], "n_failures": len(failures), "alive": alive, "still_serves": still_serves}
+
+
+class Front:
+    """A real session front: directory + tiny TorchEngine + router + session actor on one host."""
+
+    def __init__(self, host: Any, url: str) -> None:
+        self.host = host
+        self.url = url
+
+    async def stop(self) -> None:
+        await self.host.stop()
+
+
+async def start_front(tmp: Path, token: str = "") -> Front:
+    from miles.actors.engine import EngineActor
+    from miles.actors.router import RouterActor
+    from miles.actors.runtime.directory import Directory
+    from miles.actors.runtime.host import DIRECTORY_NAME, Host
+    from miles.actors.session import SessionActor
+    from miles.core.schema.engine import EngineConfig
+    from miles.core.schema.transport import TransportConfig
+    from miles.engines.torch_engine import TorchEngine
+    from miles.models.config import ModelSpec
+    from miles.models.presets import tiny_config
+    from miles.models.registry import build_model
+    from miles.rollout.session_store import SessionStore
+    from miles.rollout.tiny_tokenizer import tiny_tokenizer
+
+    tok = tiny_tokenizer(str(tmp / "tok"))
+    cfg = TransportConfig()
+    host = Host(cfg)
+    await host.start()
+    await host.add(Directory(cfg.heartbeat_timeout_s, cfg.heartbeat_interval_s), DIRECTORY_NAME)
+    spec = ModelSpec.from_hf(tiny_config("qwen3", vocab_size=tok.vocab_size))
+    eng = TorchEngine(build_model(spec, seed=0), EngineConfig(max_batch_size=16, max_seq_len=1024,
+                                                              kv_budget_tokens=100_000))
+    await host.add(EngineActor(eng), "engine-0")
+    await host.add(RouterActor(["engine-0"]), "router")
+    session = SessionActor(SessionStore(tok), "router", engine_timeout_s=60.0)
+    await host.add(session, "session")
+    assert session.http is not None
+    return Front(host, session.http.url)
+
+
+async def _main(a: argparse.Namespace) -> dict[str, Any]:
+    front = await start_front(Path(a.tmp))
+    try:
+        return await run_fuzz(front.url, a.n, a.seed, a.concurrency)
+    finally:
+        await front.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=10_000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        a.tmp = tmp
+        res = asyncio.run(_main(a))
+    print(f"{'status':>12} {'count':>8}")
+    for k, v in sorted(res["statuses"].items()):
+        print(f"{k:>12} {v:>8}")
+    print(f"failures: {res['n_failures']}  alive: {res['alive']}  still serves: {res['still_serves']}")
+    for f in res["failures"][:10]:
+        print("  ", f)
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(res, indent=1))
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
