@@ -38,17 +38,19 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg, resume = _resume_config(args.resume, args.set)
     else:
         cfg = _load(args)
+    # auto: events as JSON to run_dir/logs/launcher.log, warnings and errors as one line each here
+    log_file = Path(cfg.run.dir) / "logs" / "launcher.log" if cfg.run.log_json == "auto" else None
     configure_logging(cfg.run.log_level, None if cfg.run.log_json == "auto" else cfg.run.log_json == "json",
-                      run=cfg.run.name, role="launcher")
+                      file=log_file, run=cfg.run.name, role="launcher")
     from miles.launch.validate import validate_launch
 
     validate_launch(cfg)
     if not resume:
         cfg = with_initial_checkpoint(cfg)
     rc = asyncio.run(LocalLauncher(cfg, resume_from=resume).run())
-    plots = write_plots(cfg.run.dir)
-    print(summarize(cfg.run.dir), flush=True)
-    print(f"run dir: {cfg.run.dir}  (metrics.jsonl, {len(plots)} plots, final_hf/)", flush=True)
+    from miles.launch.report import finish_run
+
+    print(finish_run(cfg.run.dir, write_plots), flush=True)
     return rc
 
 
@@ -70,19 +72,6 @@ def _resume_config(run_dir: str, overrides: list[str]) -> tuple[MilesConfig, str
         raise ConfigError(f"--resume {run_dir!r}: no checkpoint yet; set trainer.checkpoint_interval "
                           "to a number of steps so runs can be resumed")
     return from_dict(MilesConfig, data), str(ckpt)
-
-
-def summarize(run_dir: str, window: int = 10) -> str:
-    """One line comparing the reward of the first and last steps of a run."""
-    from miles.launch.metrics import read_metrics
-
-    rows = read_metrics(Path(run_dir) / "metrics.jsonl")
-    r = [x["rollout/reward_mean"] for x in rows if x.get("rollout/reward_mean") is not None]
-    if not r:
-        return "no training steps recorded"
-    w = max(1, min(window, len(r) // 2))
-    first, last = sum(r[:w]) / w, sum(r[-w:]) / w
-    return f"reward: first {w} steps {first:.3f} -> last {w} steps {last:.3f} ({len(r)} steps)"
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -114,6 +103,7 @@ SUBCOMMAND_MODULES: list[str] = [
     "miles.launch.slurm",
     "miles.launch.perftest",
     "miles.launch.data_check",
+    "miles.launch.report",
 ]
 
 

@@ -24,6 +24,7 @@ from miles.actors.runtime.host import DIRECTORY_NAME, Host
 from miles.core.config import dump_toml, to_dict
 from miles.core.logging import get_logger
 from miles.core.schema import MilesConfig
+from miles.launch.console import Console
 from miles.trainer.dist import free_port
 from miles.transport.curve import apply_cluster_keys
 
@@ -74,11 +75,15 @@ class LocalLauncher:
         self.children: list[Child] = []
         self.max_restarts = max_restarts
         self._stop = asyncio.Event()
+        self.console = Console(self.run_dir, cfg.run.steps, progress=cfg.run.progress,
+                               forward_warnings=cfg.run.log_json == "auto")
 
     def _spawn(self, c: Child) -> None:
         log_f = c.log_path.open("ab")
-        c.proc = subprocess.Popen(c.argv, stdout=log_f if c.role != "trainer" or c.index else None,
-                                  stderr=log_f, env=c.env, start_new_session=True,
+        # stdout (prints, progress) apart from the JSON events; the console shows progress
+        # from metrics.jsonl and warnings from the logs, so no role writes to the terminal
+        out_f = c.log_path.with_suffix(".out").open("ab")
+        c.proc = subprocess.Popen(c.argv, stdout=out_f, stderr=log_f, env=c.env, start_new_session=True,
                                   preexec_fn=_die_with_parent)
         c.started = time.monotonic()
         log.info("role_started", role=c.role, index=c.index, pid=c.proc.pid)
@@ -110,10 +115,16 @@ class LocalLauncher:
                       self.run_dir / "logs" / f"{role}-{i}.log")
             self.children.append(c)
             self._spawn(c)
+        console_done = asyncio.Event()
+        console = asyncio.create_task(self.console.follow(console_done), name="console")
         try:
             rc = await self._supervise()
         finally:
-            self._terminate()
+            console_done.set()
+            await console
+            # The directory (in this process) stays responsive while the roles shut down,
+            # so they unregister cleanly instead of timing out against a blocked loop.
+            await self._terminate()
             await host.stop(grace_s=1.0)
         return rc
 
@@ -157,14 +168,14 @@ class LocalLauncher:
         log.warning("run_interrupted")
         return 130
 
-    def _terminate(self) -> None:
+    async def _terminate(self, grace_s: float = 10.0) -> None:
         live = [c.proc for c in self.children if c.proc is not None and c.proc.poll() is None]
         for p in live:
             p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + grace_s
+        while any(p.poll() is None for p in live) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
         for p in live:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            if p.poll() is None:
                 p.kill()
                 p.wait(5)

@@ -15,7 +15,9 @@ class RunConfig:
     seed: int = opt(0, "global random seed")
     log_level: Literal["debug", "info", "warning", "error"] = opt("info", "log level")
     log_json: Literal["auto", "json", "console"] = opt(
-        "auto", "log format: auto = JSON unless stderr is a TTY"
+        "auto",
+        "log format: auto = JSON events to run_dir/logs/ (local launcher: only warnings and errors on "
+        "the console, one readable line each); json = JSON on stderr; console = readable on stderr",
     )
     steps: int = opt(20, "training steps (weight versions) the run makes", "steps")
     warmup_sft_steps: int = opt(
