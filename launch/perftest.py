@@ -58,7 +58,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--timeout", type=float, default=60.0, help="deadline of every wait during a run [s]")
     p.add_argument("--connect-timeout", type=float, default=30.0, help="how long to wait for the other end [s]")
     p.add_argument("--peer", default="", metavar="HOST:PORT", help="be rank 1 and connect to rank 0 there")
-    p.add_argument("--listen", default="", metavar="[HOST:]PORT", help="be rank 0 and wait for a --peer there")
+    p.add_argument("--listen", default="", metavar="[HOST:]PORT",
+                   help="be rank 0 and wait for a --peer there (HOST defaults to 127.0.0.1; 0.0.0.0 for other nodes)")
     p.add_argument("--port", type=int, default=0, help="under srun: fixed rank-0 port instead of a rendezvous file")
     p.add_argument("--rendezvous-dir", default="", help="under srun: shared dir of the address file")
     p.add_argument("--quiet", action="store_true", help="no table on stdout")
@@ -139,7 +140,7 @@ def cmd_perftest(a: argparse.Namespace) -> int:
     max_bytes = parse_size(a.max_bytes, "--max-bytes")
     env = SlurmEnv.from_environ()
     if a.listen:
-        host, port = _hostport(a.listen, "--listen", "0.0.0.0")
+        host, port = _hostport(a.listen, "--listen", "127.0.0.1")  # loopback unless a HOST is given
         return _drive(a, sizes, max_bytes, host, port, rendezvous=None, child=False)
     if env.in_step:
         if env.ntasks != 2:

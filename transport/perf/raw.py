@@ -34,7 +34,7 @@ class Ctx:
     device: str
     max_size: int
     timeout_s: float
-    bind_host: str = "0.0.0.0"  # where rank 0 listens
+    bind_host: str = "127.0.0.1"  # where rank 0 listens (loopback unless the launcher says otherwise)
     peer_host: str = "127.0.0.1"  # where rank 1 reaches rank 0
     directory: str = ""  # shared directory (disk)
 
