@@ -199,6 +199,9 @@ class WeightStager:
             if dst is None or dst.dtype != FP8 or t.dtype == FP8:
                 yield name, t
                 continue
+            if t.dtype == torch.uint8:  # codes as their raw bytes (fp8_linear.fp8_export)
+                yield name, t.view(FP8)
+                continue
             if tuple(t.shape) != tuple(dst.shape):
                 raise EngineError(f"stage: tensor {name!r} has shape {tuple(t.shape)}, engine expects {tuple(dst.shape)}")
             yield from quantize_hf_state([(name, t)], self.fp8_block)

@@ -173,11 +173,16 @@ def fp8_hf_names(spec: ModelSpec) -> frozenset[str]:
 
 
 def fp8_export(named: Iterable[tuple[str, torch.Tensor]], spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
-    """The weight-sync / export hook: HF-named weights of a model with `spec` -> FP8 codes +
-    `weight_scale_inv` for every quantized weight, the rest unchanged (all of them unchanged
-    without an FP8 quantization_config). Give it the tensors cast to the sync dtype, which must
-    be the trainer's compute dtype (the codes are computed from exactly these values)."""
+    """The weight-sync hook: HF-named weights of a model with `spec` -> for every quantized
+    weight its codes `X.weight` and fp32 scales `X.weight_scale_inv`; the rest unchanged (all
+    unchanged without an FP8 quantization_config). The codes travel as their raw bytes
+    (uint8, same shape): the actor wire and gloo have no float8 dtype; an FP8 engine views
+    them back (engines/weights.py), and a checksum of either is the same xxh64 of the bytes.
+    Give it the tensors cast to the sync dtype, which must be the trainer's compute dtype
+    (the codes are computed from exactly these values)."""
     block = fp8_block(spec)
     if block is None:
-        return iter(named)
-    return quantize_hf_state(named, block, fp8_hf_names(spec))
+        yield from named
+        return
+    for name, t in quantize_hf_state(named, block, fp8_hf_names(spec)):
+        yield name, (t.view(torch.uint8) if t.dtype == FP8 else t)
