@@ -5,17 +5,22 @@ ZeroMQ) of the quick-start model on the same long-tailed workload: every prompt 
 log-normal `max_new_tokens` (rollout/envs/long_tail.py) and the untrained policy rarely
 stops early, so response lengths follow that distribution. The engine process is pinned
 to one core, the trainer and the rollout process to the other (taskset, one torch thread
-each). Runs: sync, fully_async with admission control, fully_async with
-discard-and-retry alone (same staleness bound). Throughput = response tokens the trainer
+each). Runs: sync, and fully_async under each `buffer.schedule` with the same staleness
+bound: deadline (the default), budget, arrival with admission control, arrival with
+discard-and-retry alone (the old default). Throughput = response tokens the trainer
 trained on / wall time, over every step after the first (which fills the pipeline).
 
 Scale model: bench/async_sim.py, a discrete-event SIMULATION with a latency model (not a
 measurement), for fleets of 1-16 engines; same modes plus one_step_off.
 
 Both parts also measure the bias toward short rollouts: mean response length of the
-samples trained on vs of all samples generated.
+samples trained on vs of all samples generated (len ratio), and the share of generated
+completions dropped as stale.
 
-Usage: python bench/async_vs_sync.py [--quick]    (last line: JSON)
+Sample efficiency (bench/async_efficiency.py): the quick-start task, sync vs fully_async,
+reward against trained samples and wall time, several seeds; PNG + JSON under bench/results/.
+
+Usage: python bench/async_vs_sync.py [--quick] [--parts real,sim,efficiency]    (last line: JSON)
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import async_efficiency
 from async_sim import Latency, Simulator
 
 from miles.core.config import load_config
@@ -49,6 +55,15 @@ WORKLOAD = {"base": "miles.rollout.envs.arithmetic:make_env", "median_tokens": 1
             "min_tokens": 2, "max_tokens": 160, "seed": 0, "ignore_stop": True}
 
 
+N_SAMPLES = 4  # rollout.n_samples_per_prompt of the throughput runs
+# (name, buffer.mode, buffer.schedule, buffer.admission_control)
+REAL_RUNS = [("sync", "sync", "deadline", False), ("fully_async deadline", "fully_async", "deadline", False),
+             ("fully_async budget", "fully_async", "budget", False),
+             ("fully_async arrival+admission", "fully_async", "arrival", True),
+             ("fully_async arrival (old default)", "fully_async", "arrival", False)]
+EFFICIENCY_OUT = REPO / "bench" / "results" / "async_efficiency_cpu"
+
+
 class PinnedLauncher(LocalLauncher):
     """The local launcher with every role process pinned to its cores, one torch thread each."""
 
@@ -59,15 +74,15 @@ class PinnedLauncher(LocalLauncher):
         super()._spawn(c)
 
 
-def real_config(run_dir: Path, mode: str, admission: bool, steps: int) -> MilesConfig:
+def real_config(run_dir: Path, mode: str, schedule: str, admission: bool, steps: int) -> MilesConfig:
     sets = {
         "run.dir": str(run_dir), "run.steps": str(steps), "run.warmup_sft_steps": "0", "run.progress": "false",
         "run.log_level": "error", "rollout.env": "miles.rollout.envs.long_tail:make_env",
-        "rollout.n_samples_per_prompt": "4", "rollout.max_new_tokens": str(WORKLOAD["max_tokens"]),
+        "rollout.n_samples_per_prompt": str(N_SAMPLES), "rollout.max_new_tokens": str(WORKLOAD["max_tokens"]),
         "engine.max_seq_len": "192", "engine.max_batch_size": "64",
         "buffer.mode": mode, "buffer.batch_groups": "8", "buffer.max_staleness": "2",
         "buffer.capacity": "64" if mode == "fully_async" else "32",
-        "buffer.admission_control": "true" if admission else "false",
+        "buffer.admission_control": "true" if admission else "false", "buffer.schedule": schedule,
         "trainer.routing_replay": "false",
     }
     cfg = load_config(MilesConfig, REPO / "examples" / "quickstart.toml", [f"{k}={v}" for k, v in sets.items()])
@@ -88,8 +103,8 @@ def launch_and_read(cfg: Any, launcher: Any, name: str) -> tuple[list[dict[str, 
     return read_metrics(Path(cfg.run.dir) / "metrics.jsonl"), wall
 
 
-def run_real(root: Path, name: str, mode: str, admission: bool, steps: int) -> dict[str, Any]:
-    rows, wall = launch_and_read(real_config(root / name, mode, admission, steps), PinnedLauncher, name)
+def run_real(root: Path, name: str, mode: str, schedule: str, admission: bool, steps: int) -> dict[str, Any]:
+    rows, wall = launch_and_read(real_config(root / name, mode, schedule, admission, steps), PinnedLauncher, name)
     timed = rows[1:]  # step 1 fills the pipeline (and pays process start-up)
     tokens = sum(r["rollout/trained_response_tokens"] for r in timed)
     seconds = sum(r["perf/step_time_s"] for r in timed)
@@ -98,6 +113,10 @@ def run_real(root: Path, name: str, mode: str, admission: bool, steps: int) -> d
     return {"name": name, "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
             "trained_len": tokens / max(samples, 1), "generated_len": last["rollout/generated_response_len_mean"],
             "stale_drops": sum(r["rollout/fully_async/stale_groups_filtered"] for r in rows),
+            "stale_share": sum(r["rollout/fully_async/stale_groups_filtered"] for r in rows) * N_SAMPLES
+            / max(1.0, last["rollout/generated_samples"]),
+            "untrained_share": last["rollout/fully_async/untrained_share"],
+            "window_len_ratio": last["rollout/fully_async/len_ratio"],
             "max_staleness": max(r["rollout/fully_async/max_staleness"] for r in rows), "wall": wall}
 
 
@@ -108,17 +127,58 @@ def real_part(steps: int, keep: str = "") -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="miles-async-bench-") as tmp_dir:
         tmp = keep or tmp_dir
-        for i, (name, mode, adm) in enumerate([("sync", "sync", False), ("fully_async+admission", "fully_async", True),
-                                               ("fully_async (discard-and-retry)", "fully_async", False)]):
-            out[name] = run_real(Path(tmp), f"run{i}", mode, adm, steps)
+        for i, (name, mode, schedule, adm) in enumerate(REAL_RUNS):
+            out[name] = run_real(Path(tmp), f"run{i}", mode, schedule, adm, steps)
             out[name]["name"] = name
     base = out["sync"]["tok_s"]
     print(f"{'run':34s} {'trained tok/s':>13s} {'vs sync':>8s} {'trained len':>11s} {'generated len':>13s} "
-          f"{'stale drops':>11s} {'max stale':>9s}")
+          f"{'len ratio':>9s} {'stale drops':>11s} {'stale share':>11s} {'max stale':>9s}")
     for r in out.values():
         print(f"{r['name']:34s} {r['tok_s']:13.1f} {r['tok_s'] / base:7.2f}x {r['trained_len']:11.1f} "
-              f"{r['generated_len']:13.1f} {r['stale_drops']:11.0f} {r['max_staleness']:9.0f}")
+              f"{r['generated_len']:13.1f} {r['trained_len'] / r['generated_len']:9.2f} {r['stale_drops']:11.0f} "
+              f"{r['stale_share']:11.1%} {r['max_staleness']:9.0f}")
     return out
+
+
+def efficiency_part(steps: int, seeds: int, keep: str = "", out: Path = EFFICIENCY_OUT) -> dict[str, Any]:
+    print(f"\n== sample efficiency: quick start (examples/quickstart.toml, {steps} of its 120 steps), sync vs "
+          f"fully_async (schedule deadline), seeds 0..{seeds - 1}; engine on core {PIN['engine']}, trainer+rollout "
+          f"on core {PIN['trainer']}")
+    # the old default once (seed 0): what the quick start wasted before (the issue: 57% stale)
+    plan = [(m, sched, seed) for seed in range(seeds) for m, sched in (("sync", "deadline"), ("fully_async", "deadline"))]
+    plan.append(("fully_async arrival (old default)", "arrival", 0))
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m, _, _ in plan}
+    with tempfile.TemporaryDirectory(prefix="miles-async-eff-") as tmp_dir:
+        tmp = Path(keep or tmp_dir)
+        for name, schedule, seed in plan:
+            mode = "sync" if name == "sync" else "fully_async"
+            cfg = async_efficiency.quickstart_config(tmp / f"{name.split()[0]}-{schedule}-s{seed}", mode, seed, steps,
+                                                     schedule)
+            rows, _ = launch_and_read(cfg, PinnedLauncher, f"{name} seed {seed}")
+            runs[name].append(async_efficiency.run_summary(rows, cfg))
+            r = runs[name][-1]
+            print(f"  {name:34s} seed {seed}: final reward {statistics.fmean(r['reward'][-steps // 4:]):.3f}, "
+                  f"wall {r['wall_s'][-1]:.0f} s, stale share {r['stale_share']:.1%}, len ratio "
+                  f"{r['len_ratio']:.2f}", flush=True)
+    summary = async_efficiency.compare(runs)
+    title = (f"quick start on CPU (2 cores, shared): sync vs fully_async (deadline, max_staleness 2), "
+             f"{steps} steps x 64 samples, {seeds} seeds")
+    async_efficiency.save(runs, summary, out, title)
+    print(f"{'mode':34s} {'final reward per seed':>30s} {'steps to ' + str(summary['target_reward']):>18s} "
+          f"{'wall s total':>16s} {'stale share':>20s}")
+    for m in runs:
+        sm = summary[m]
+        print(f"{m:34s} {str(sm['final_reward']):>30s} {str(sm['steps_to_target']):>18s} "
+              f"{str([round(w) for w in sm['wall_s_total']]):>16s} {str(sm['stale_share']):>20s}")
+    print(f"saved {out.with_suffix('.png')} and .json")
+    return summary
+
+
+SIM_RUNS = [("sync", "sync", {}), ("one_step_off", "one_step_off", {}),
+            ("fully_async deadline", "fully_async", {"deadline": True}),
+            ("fully_async budget", "fully_async", {"budget": True}),
+            ("fully_async arrival+admission", "fully_async", {"admission": True}),
+            ("fully_async arrival (old default)", "fully_async", {})]
 
 
 def sim_part(fleets: list[int], steps: int) -> dict[int, dict[str, Any]]:
@@ -128,53 +188,60 @@ def sim_part(fleets: list[int], steps: int) -> dict[int, dict[str, Any]]:
           f"(median {lat.median_len:.0f}, sigma {lat.sigma_prompt}/prompt + {lat.sigma_sample}/sample, <= "
           f"{lat.max_len}); train {lat.train_fixed_s} s + tokens / ({lat.train_tok_s_per_engine:.0f} tok/s x "
           f"engines); update pause {lat.update_s} s; batch 2 groups x 8 / engine; max_staleness 2; {steps} steps")
-    print(f"{'engines':>7s} {'mode':28s} {'trained tok/s':>13s} {'vs sync':>8s} {'trained len':>11s} "
-          f"{'generated len':>13s} {'stale drops':>11s} {'discarded':>9s}")
+    print(f"{'engines':>7s} {'mode':34s} {'trained tok/s':>13s} {'vs sync':>8s} {'trained len':>11s} "
+          f"{'generated len':>13s} {'len ratio':>9s} {'stale drops':>11s} {'discarded':>9s} {'max stale':>9s}")
     out: dict[int, dict[str, Any]] = {}
     for e in fleets:
-        rs = [Simulator(lat, e, m, groups_per_engine=2, steps=steps, admission=a).run()
-              for m, a in [("sync", False), ("one_step_off", False), ("fully_async", True), ("fully_async", False)]]
-        base = rs[0].tokens_per_s
-        for r in rs:
-            label = r.mode if r.mode != "fully_async" else "fully_async (discard-and-retry)"
-            print(f"{e:7d} {label:28s} {r.tokens_per_s:13.0f} {r.tokens_per_s / base:7.2f}x "
-                  f"{r.trained_len_mean:11.0f} {r.generated_len_mean:13.0f} {r.drops:11d} {r.discarded:9d}")
-        out[e] = {"speedup": rs[2].tokens_per_s / base, "discard_speedup": rs[3].tokens_per_s / base,
-                  "one_step_off_speedup": rs[1].tokens_per_s / base,
-                  "admission_len_ratio": rs[2].trained_len_mean / rs[2].generated_len_mean,
-                  "discard_len_ratio": rs[3].trained_len_mean / rs[3].generated_len_mean}
+        rs = {name: Simulator(lat, e, m, groups_per_engine=2, steps=steps, **kw).run() for name, m, kw in SIM_RUNS}
+        base = rs["sync"].tokens_per_s
+        for name, r in rs.items():
+            print(f"{e:7d} {name:34s} {r.tokens_per_s:13.0f} {r.tokens_per_s / base:7.2f}x "
+                  f"{r.trained_len_mean:11.0f} {r.generated_len_mean:13.0f} "
+                  f"{r.trained_len_mean / r.generated_len_mean:9.2f} {r.drops:11d} {r.discarded:9d} "
+                  f"{r.max_staleness:9d}")
+        out[e] = {name: {"speedup": round(r.tokens_per_s / base, 3),
+                         "len_ratio": round(r.trained_len_mean / r.generated_len_mean, 3), "stale_drops": r.drops,
+                         "max_staleness": r.max_staleness} for name, r in rs.items()}
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="fewer steps and fleet sizes")
+    ap.add_argument("--quick", action="store_true", help="fewer steps, fleet sizes and seeds")
     ap.add_argument("--keep", default="", help="write the real runs' directories here (kept)")
-    ap.add_argument("--real-only", action="store_true", help="skip the simulation")
+    ap.add_argument("--parts", default="real,sim,efficiency", help="comma-separated: real, sim, efficiency")
+    ap.add_argument("--steps", type=int, default=30, help="steps of each throughput run")
+    ap.add_argument("--efficiency-steps", type=int, default=120, help="steps of each quick-start run (of 120)")
+    ap.add_argument("--seeds", type=int, default=3, help="seeds per mode in the efficiency part")
     a = ap.parse_args()
+    parts = set(a.parts.split(","))
+    if parts - {"real", "sim", "efficiency"}:
+        raise SystemExit(f"--parts: unknown {sorted(parts - {'real', 'sim', 'efficiency'})}")
     configure_logging("error", None, run="bench", role="launcher")
-    real = real_part(5 if a.quick else 20, a.keep)
-    if a.real_only:
-        return
-    sim = sim_part([1, 4] if a.quick else [1, 2, 4, 8, 16], 10 if a.quick else 30)
-    base = real["sync"]["tok_s"]
-    adm, disc = real["fully_async+admission"], real["fully_async (discard-and-retry)"]
-    print(f"\nreal: fully_async+admission {adm['tok_s'] / base:.2f}x sync; discard-and-retry "
-          f"{disc['tok_s'] / base:.2f}x; trained/generated length {adm['trained_len'] / adm['generated_len']:.2f} "
-          f"(admission) vs {disc['trained_len'] / disc['generated_len']:.2f} (discard-and-retry)")
-    sp = {e: round(v["speedup"], 2) for e, v in sim.items()}
-    print(f"sim: fully_async+admission vs sync by engines {sp} (goal >= 2.5x; AReaL 2.77x, verl 2.35x)")
-    print(json.dumps({
-        "real_speedup": round(adm["tok_s"] / base, 3),
-        "real_discard_speedup": round(disc["tok_s"] / base, 3),
-        "real_tok_s": {k: round(v["tok_s"], 1) for k, v in real.items()},
-        "real_len_ratio": {k: round(v["trained_len"] / v["generated_len"], 3) for k, v in real.items()},
-        "sim_speedup": round(statistics.median(sp.values()), 3),
-        "sim_speedup_by_engines": sp,
-        "sim_discard_speedup_by_engines": {e: round(v["discard_speedup"], 2) for e, v in sim.items()},
-        "sim_len_ratio_admission": {e: round(v["admission_len_ratio"], 3) for e, v in sim.items()},
-        "sim_len_ratio_discard": {e: round(v["discard_len_ratio"], 3) for e, v in sim.items()},
-    }))
+    result: dict[str, Any] = {}
+    if "real" in parts:
+        real = real_part(5 if a.quick else a.steps, a.keep and str(Path(a.keep) / "real"))
+        base = real["sync"]["tok_s"]
+        result |= {
+            "real_speedup": {k: round(v["tok_s"] / base, 3) for k, v in real.items()},
+            "real_tok_s": {k: round(v["tok_s"], 1) for k, v in real.items()},
+            "real_len_ratio": {k: round(v["trained_len"] / v["generated_len"], 3) for k, v in real.items()},
+            "real_stale_share": {k: round(v["stale_share"], 4) for k, v in real.items()},
+            "real_untrained_share": {k: round(v["untrained_share"], 4) for k, v in real.items()},
+        }
+    if "sim" in parts:
+        sim = sim_part([1, 4] if a.quick else [1, 2, 4, 8, 16], 10 if a.quick else 30)
+        for name in ("fully_async deadline", "fully_async budget", "fully_async arrival+admission",
+                     "fully_async arrival (old default)"):
+            sp = {e: v[name]["speedup"] for e, v in sim.items()}
+            lr = {e: v[name]["len_ratio"] for e, v in sim.items()}
+            print(f"sim {name}: vs sync by engines {sp}; len ratio {lr}")
+        result["sim"] = sim
+    if "efficiency" in parts:
+        result["efficiency"] = efficiency_part(
+            5 if a.quick else a.efficiency_steps, 1 if a.quick else a.seeds, a.keep and str(Path(a.keep) / "efficiency"),
+            EFFICIENCY_OUT.with_name(EFFICIENCY_OUT.name + "_quick") if a.quick else EFFICIENCY_OUT)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":
