@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
 from miles.core.errors import ConfigError
 from miles.models.config import ModelSpec
+from miles.models.errors import ModelInputError
 from miles.models.hf_io import load_model, save_model
 from miles.models.invariant import BatchInvariant
 from miles.models.masks import cached_causal_mask
-from miles.models.errors import ModelInputError
 from miles.models.presets import tiny_config
 from miles.models.registry import build_model
 
@@ -42,8 +41,9 @@ def _compare(cfg: dict, tmp_path, t: int = 24) -> torch.Tensor:
     return ids
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("name", sorted(ROPES))
+@pytest.mark.parametrize(
+    ("arch", "name"), [("llama", n) for n in sorted(ROPES)] + [("qwen2", "yarn"), ("qwen2", "dynamic")]
+)
 def test_rope_scaling_matches_transformers(arch: str, name: str, tmp_path) -> None:
     rope = dict(ROPES[name], rope_theta=10000.0)
     cfg = tiny_config(arch, initializer_range=0.2, max_position_embeddings=MAX_POS, rope_parameters=rope)
