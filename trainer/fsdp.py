@@ -350,7 +350,10 @@ class FSDPTrainer:
             m = masks[i] > 0
             metrics.add_mean("train/advantage", float(advs[i][m].sum()), float(m.sum()))
             if s.versions is not None:
-                stale = self.weight_version - s.versions.astype(np.float64)
+                # Only tokens the policy sampled: tokens spliced in between turns (tool output, the
+                # next user message) carry version -1 and are not stale, whatever the step.
+                sampled = s.versions[s.versions >= 0].astype(np.float64)
+                stale = self.weight_version - sampled
                 metrics.add_mean("train/staleness", float(stale.sum()), float(stale.size))
 
     def _optimize(self, plan: list[MicroBatch], metrics: StepMetrics) -> float:
