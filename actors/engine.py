@@ -208,18 +208,19 @@ class EngineActor(Actor):
         return await self._stage_behind(msg.version, whole)
 
     @handler(BulkPlan)
-    async def bulk_plan(self, msg: BulkPlan) -> bool:
+    async def bulk_plan(self, msg: BulkPlan) -> bool | str:
         """Take a flat plan: checked against the staging slots now, so a mismatch is refused
-        before any range moves. False: this engine has no slots (the coordinator sends tensors)."""
+        before any range moves. True: taken; else the reason it is declined (the coordinator
+        then sends tensors, and warns with this reason)."""
         if self._stager is None or not hasattr(self.engine, "mark_staged"):
-            return False
+            return f"engine {self.name!r} ({type(self.engine).__name__}) has no staging slots to land byte ranges in"
         landing = FlatLanding(FlatPlan.from_wire(msg.plan))
         await self._settle()
         try:
             landing.region(self._local())
         except FlatDeclined as exc:
-            log.info("flat_plan_declined", reason=str(exc))
-            return False
+            log.warning("flat_plan_declined", reason=str(exc))
+            return f"engine {self.name!r}: {exc}"
         self._landing = landing
         return True
 

@@ -46,6 +46,12 @@ class SyncReport:
     committed: list[str] = field(default_factory=list)
     dead: list[str] = field(default_factory=list)
     verified: bool | None = None
+    declined: list[str] = field(default_factory=list)  # engines that declined the flat plan (tensors went)
+    # phases of `seconds` (pause -> stage every bucket -> commit -> resume), for perf/* metrics
+    pause_s: float = 0.0
+    transfer_s: float = 0.0
+    commit_s: float = 0.0
+    resume_s: float = 0.0
 
     @property
     def gbps(self) -> float:
@@ -99,6 +105,7 @@ class WeightSync:
         self._open_for: list[str] | None = None  # engines whose receivers are connected to the sender
         self._plan_for: tuple[Any, ...] | None = None  # (flat plan digest, engines) that hold that plan
         self._plan_ok = False
+        self._declined: list[str] = []
         self._ranges: tuple[Any, list[tuple[int, int]]] = (None, [])  # flat byte ranges per (plan, bucket size)
         self.versions: dict[str, int] = {}  # last version each engine committed through this coordinator
 
@@ -171,17 +178,24 @@ class WeightSync:
                                  data.to("cpu") if host and data is not None else data)
             yield hi - lo, make
 
-    async def _send_plan(self, weights: FlatWeights, live: list[str], dead: list[str]) -> bool:
-        """Give the engines the flat plan (once per plan and engine set); whether all take it."""
+    async def _send_plan(self, weights: FlatWeights, live: list[str], rep: SyncReport) -> bool:
+        """Give the engines the flat plan (once per plan and engine set); whether all take it.
+
+        An engine answers True, or the reason it declines (None: it died meanwhile). A decline
+        sends every later version tensor by tensor, converted: a slow path the user is told
+        about, with the engines' reasons, and that `sync/plan_declined` counts."""
         key = (weights.plan.digest, tuple(live))
         if self._plan_for != key:
             wire = weights.plan.to_wire()
-            took = await self._all("flat plan", live, lambda _n: BulkPlan(wire), dead)
-            self._plan_for, self._plan_ok = key, all(t is not False for t in took)
-            if not self._plan_ok:
-                log.info("flat_plan_declined", engines=[n for n, t in zip(live, took, strict=True) if t is False])
+            took = await self._all("flat plan", live, lambda _n: BulkPlan(wire), rep.dead)
+            why = {n: str(t) for n, t in zip(live, took, strict=True) if t is not True and t is not None}
+            self._plan_for, self._plan_ok, self._declined = key, not why, sorted(why)
+            if why:
+                log.warning("flat_plan_declined", engines=why, consequence="weights go tensor by tensor, converted "
+                            "on the engine; set sync.dtype to the engine's dtype ('engine') to keep the fast path")
             else:
                 log.info("flat_plan_sent", engines=live, tensors=len(weights.plan.names), bytes=weights.plan.nbytes)
+        rep.declined = list(self._declined)
         return self._plan_ok
 
     async def _send_buckets(self, version: int, msgs: Iterable[tuple[int, Callable[[int], Any]]], live: list[str],
@@ -251,6 +265,7 @@ class WeightSync:
                 await self._all("pause", live, lambda _n: Pause(self.cfg.pause_mode), rep.dead)
                 paused = True
             live = [n for n in live if n not in rep.dead]
+            rep.pause_s = time.perf_counter() - t0
             await self._open(live, rep.dead)
 
             host_only = self.cfg.transport in ("zmq", "disk_delta") or (
@@ -267,7 +282,7 @@ class WeightSync:
                         sums[n] = tensor_checksum(t)
                     yield n, t
 
-            if flat is not None and await self._send_plan(flat, live, rep.dead):
+            if flat is not None and await self._send_plan(flat, live, rep):
                 if verify:
                     sums.update((n, tensor_checksum(t)) for n, t in flat)
                 msgs, depth = self._flat_msgs(version, flat), snd.flat_window
@@ -279,8 +294,11 @@ class WeightSync:
                 live = [n for n in live if n not in rep.dead]
                 await self._all(f"stage v{version} bucket {seq} ({snd.tag})", live, lambda _n, m=msg: m, rep.dead)
             live = [n for n in live if n not in rep.dead]
+            t_staged = time.perf_counter()
+            rep.transfer_s = t_staged - t0 - rep.pause_s
             await self._all(f"commit v{version}", live, lambda _n: Commit(version), rep.dead)
             rep.committed = [n for n in live if n not in rep.dead]
+            rep.commit_s = time.perf_counter() - t_staged
             await snd.committed(version)
             for n in rep.committed:
                 self.versions[n] = version
@@ -292,12 +310,14 @@ class WeightSync:
             await self._abort(version, [n for n in live if n not in rep.dead])
             raise
         finally:
+            t_resume = time.perf_counter()
             if paused:
                 try:
                     await self._all("resume", [n for n in live if n not in rep.dead],
                                     lambda _n: Resume(), rep.dead)
                 except SyncError as exc:
                     log.error("resume_failed", error=str(exc))
+            rep.resume_s = time.perf_counter() - t_resume
         rep.seconds = time.perf_counter() - t0
         if verify:
             rep.verified = await self.verify(rep.committed, sums)

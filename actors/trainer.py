@@ -11,23 +11,21 @@ import asyncio
 import dataclasses
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from miles.actors.evaluator import Evaluator, run_external
 from miles.actors.messages import DumpState, Health, PullBatch, RunEval, SetVersion
 from miles.actors.runtime.actor import Actor
 from miles.actors.sync import WeightSync
+from miles.actors.weight_publisher import WeightPublisher
+from miles.core.clock import Phases
 from miles.core.errors import MilesError, TrainerError
 from miles.core.logging import get_logger
 from miles.core.schema import MilesConfig
 from miles.models.config import ModelSpec
 from miles.trainer.backends import check_lora_launch, data_parallel, make_trainer
 from miles.trainer.batch import TrainBatch, TrainSample, shard_batch
-from miles.transport.bulk.flat import FlatWeights
 
 log = get_logger("miles.trainer")
 
@@ -62,15 +60,14 @@ class TrainerActor(Actor):
         self.error: BaseException | None = None
         self._task: asyncio.Task[None] | None = None
         self._watch: asyncio.Task[None] | None = None
-        # Rank 0 keeps a host copy of the last pushed version: a restarted engine is caught up
-        # from it while training goes on (the live parameters may be mid-update in a step).
-        self._last_pushed: tuple[int, dict[str, Any]] | None = None
-        self._sync_lock = asyncio.Lock()
+        # Rank 0's publisher keeps what a restarted engine is caught up from (the live
+        # parameters may be mid-update in a step); made when the loop starts.
+        self.publisher: WeightPublisher | None = None
+        self.run_dir = Path(cfg.run.dir)
         self._eval_task: asyncio.Task[None] | None = None
         self._eval_done: list[dict[str, Any]] = []
         self.eval_skipped = 0
         self._evaluator: Evaluator | None = None
-        self.pushed_bytes = 0  # bytes of the last version handed to the sync (adapters only with LoRA)
 
     async def on_start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="trainer-loop")
@@ -87,54 +84,19 @@ class TrainerActor(Actor):
             if t is not None and not t.done():
                 t.cancel()
 
-    def _export(self) -> Any:
-        """What this rank's trainer hands the sync: flat (one persistent buffer, byte ranges)
-        when `sync.flat_export` says so, else tensor by tensor."""
-        sc = self.cfg.sync  # (a LoRA trainer exports its adapters tensor by tensor either way)
-        return self.trainer.export_sync_state(flat=sc.flat, dtype=None if sc.dtype == "same" else getattr(torch, sc.dtype))
-
-    async def _push(self, sync: WeightSync, version: int, state: Any) -> Any:
-        """Push a version to every engine, keeping a host copy for catch-ups."""
-        copy: dict[str, Any] = {}
-
-        def keep() -> Any:
-            for name, t in state:
-                copy[name] = t.detach().to("cpu", copy=True)
-                yield name, t
-
-        if isinstance(state, FlatWeights):  # a flat export: one host copy, and it goes out as byte ranges
-            copy.update(FlatWeights(state.buffer.to("cpu", copy=True), state.plan))
-            pushed: Any = state
-        else:
-            pushed = keep()
-        async with self._sync_lock:
-            rep = await sync.push(version, pushed)
-        self._last_pushed = (version, copy)
-        self.pushed_bytes = sum(t.numel() * t.element_size() for t in copy.values())
-        return rep
-
-    async def _watch_engines(self, sync: WeightSync) -> None:
+    async def _watch_engines(self, pub: WeightPublisher) -> None:
         """Catch up any engine that serves an older version than the last push (e.g. restarted)."""
         while True:
             await asyncio.sleep(1.0)
-            if self._last_pushed is None:
+            if pub.last_version < 0:
                 continue
-            version, state = self._last_pushed
             for name in self.engines:
                 try:
                     h = await self.ref(name).ask(Health(), timeout=5)
                 except MilesError:
                     continue  # dead or restarting: try again next round
-                if int(h.get("version", 0)) >= version:
-                    continue
-                async with self._sync_lock:
-                    if self._last_pushed[0] != version:
-                        break  # a newer push happened meanwhile; re-check next round
-                    try:
-                        await sync.catch_up(name, version, state.items())
-                        log.warning("engine_caught_up", engine=name, version=version)
-                    except MilesError as exc:
-                        log.warning("engine_catch_up_failed", engine=name, error=str(exc))
+                if int(h.get("version", 0)) < pub.last_version:
+                    await pub.catch_up(name)
 
     async def _checkpoint(self, run_dir: Path, step: int) -> None:
         """Trainer state (every rank) + rollout state (rank 0), then an atomic `latest` pointer."""
@@ -170,11 +132,14 @@ class TrainerActor(Actor):
             if ec.mode == "shared":
                 m = await self.ref("rollout").ask(RunEval(step, version), timeout=ec.timeout_s)
             elif ec.mode == "snapshot":
-                assert self._last_pushed is not None
-                _, state = self._last_pushed
+                assert self.publisher is not None
                 snap = WeightSync(self.host, dataclasses.replace(self.cfg.sync, transport="zmq",
                                                                  pause_mode="none"), ["eval-engine"])
-                await snap.push(version, state.items())
+                async with self.publisher.lock:  # the export buffer is not refilled meanwhile
+                    got = await self.publisher.source()
+                    if got is None:
+                        raise TrainerError("snapshot eval: no weight version has been pushed yet")
+                    await snap.push(got[0], got[1])
                 if self._evaluator is None:
                     from miles.rollout.tokenizer import load_tokenizer
 
@@ -199,78 +164,101 @@ class TrainerActor(Actor):
             self._eval_done.clear()
         return out
 
+    # ------------------------------------------------------------------ the loop
     async def _loop(self) -> None:
-        cfg = self.cfg
-        rollout = self.ref("rollout")
-        sync = WeightSync(self.host, cfg.sync, self.engines, self.trainer.device) if self.rank == 0 else None
+        """pull -> train -> hand off the new version -> (offload, eval, checkpoint) -> report."""
+        self.publisher = self._make_publisher()
+        await self._resume()
+        while self.trainer.step < self.cfg.run.steps:
+            ph = Phases()
+            with ph("wait_rollout"):
+                batch, rollout_metrics = await self._pull()
+            with ph("train"):
+                metrics = await asyncio.to_thread(self.trainer.train_step, batch)
+            self.trainer.weight_version += 1
+            version, step = self.trainer.weight_version, self.trainer.step
+            metrics.update(await self._hand_off(version))
+            ph.add("sync", metrics.get("perf/sync_s", metrics["perf/export_s"]))
+            if self.cfg.trainer.memory.offload_when_idle:
+                with ph("offload"):
+                    await asyncio.to_thread(self.trainer.offload)
+            self._maybe_eval(step, version, self.run_dir)
+            with ph("checkpoint"):
+                await self._maybe_checkpoint(step)
+            self._report(step, version, rollout_metrics, metrics, ph)
+        await self._finish()
+
+    def _make_publisher(self) -> WeightPublisher:
+        sync = WeightSync(self.host, self.cfg.sync, self.engines, self.trainer.device) if self.rank == 0 else None
+        pub = WeightPublisher(self.cfg.sync, self.trainer, sync)
         if sync is not None:
-            self._watch = asyncio.create_task(self._watch_engines(sync), name="engine-watch")
-        run_dir = Path(cfg.run.dir)
-        if self.resume_from:
-            await asyncio.to_thread(self.trainer.load_checkpoint, Path(self.resume_from) / "trainer")
-            log.info("resumed", step=self.trainer.step, version=self.trainer.weight_version,
-                     checkpoint=self.resume_from)
-            # Engines restart from the initial weights: bring them to the checkpoint's version.
-            state = self._export()
-            if sync is not None:
-                await self._push(sync, self.trainer.weight_version, state)
-                await rollout.tell(SetVersion(self.trainer.weight_version))
-            else:
-                for _ in state:
-                    pass
-        while self.trainer.step < cfg.run.steps:
-            t0 = time.perf_counter()
-            version = self.trainer.weight_version
-            reply = await rollout.ask(PullBatch(self.trainer.step, version, cfg.buffer.batch_groups),
-                                      timeout=cfg.sync.step_timeout_s * 10)
-            t_wait = time.perf_counter() - t0
-            batch = samples_from_wire(reply["groups"])
-            shard = shard_batch(batch, self.dp_size)[self.dp_rank] if self.dp_size > 1 else batch
-            metrics = await asyncio.to_thread(self.trainer.train_step, shard)
-            new_version = version + 1
-            self.trainer.weight_version = new_version
-            t_sync = time.perf_counter()
-            state = self._export()
-            if sync is not None:
-                rep = await self._push(sync, new_version, state)
-                await rollout.tell(SetVersion(new_version))
-                metrics.update({"sync/seconds": rep.seconds, "sync/gbps": rep.gbps,
-                                "sync/dead_engines": float(len(rep.dead)), "sync/bytes": float(rep.bytes),
-                                "sync/payload_bytes": float(self.pushed_bytes)})
-            else:
-                for _ in state:  # every rank drains the gather collective
-                    pass
-            if cfg.trainer.memory.offload_when_idle:
-                metrics["perf/offload_s"] = await asyncio.to_thread(self.trainer.offload)
-            step = self.trainer.step
-            self._maybe_eval(step, new_version, run_dir)
-            if self.rank == 0 and self.sink is not None:
-                rec = {"step": step, "version": new_version, **reply["metrics"], **metrics,
-                       **self._eval_metrics(),
-                       "perf/step_time_s": time.perf_counter() - t0, "perf/wait_rollout_s": t_wait,
-                       "perf/sync_s": time.perf_counter() - t_sync}
-                self.sink.write(rec)
-                if cfg.run.progress:
-                    print(
-                        f"step {step:4d} | reward {rec.get('rollout/reward_mean', 0):.3f} | "
-                        f"staleness {rec.get('rollout/fully_async/avg_staleness', 0):.2f} | "
-                        f"Δlogp {rec.get('train/train_rollout_logprob_abs_diff', 0):.4f} | "
-                        f"tok/s {rec.get('train/tokens_per_s', 0):.0f} | step {rec['perf/step_time_s']:.2f}s",
-                        flush=True,
-                    )
-            if cfg.trainer.checkpoint_interval and step % cfg.trainer.checkpoint_interval == 0:
-                await self._checkpoint(run_dir, step)
+            self._watch = asyncio.create_task(self._watch_engines(pub), name="engine-watch")
+        return pub
+
+    async def _resume(self) -> None:
+        """Load the checkpoint to resume from, and bring the engines (started from the initial
+        weights) to its version."""
+        if not self.resume_from:
+            return
+        await asyncio.to_thread(self.trainer.load_checkpoint, Path(self.resume_from) / "trainer")
+        log.info("resumed", step=self.trainer.step, version=self.trainer.weight_version,
+                 checkpoint=self.resume_from)
+        await self._hand_off(self.trainer.weight_version)
+
+    async def _pull(self) -> tuple[TrainBatch, dict[str, Any]]:
+        """This rank's shard of the next batch, and the rollout side's metrics for the step."""
+        reply = await self.ref("rollout").ask(
+            PullBatch(self.trainer.step, self.trainer.weight_version, self.cfg.buffer.batch_groups),
+            timeout=self.cfg.sync.step_timeout_s * 10)
+        batch = samples_from_wire(reply["groups"])
+        shard = shard_batch(batch, self.dp_size)[self.dp_rank] if self.dp_size > 1 else batch
+        return shard, reply["metrics"]
+
+    async def _hand_off(self, version: int) -> dict[str, float]:
+        """Export (every rank), push and announce (rank 0) a weight version."""
+        assert self.publisher is not None
+        return await self.publisher.hand_off(version, lambda: self.ref("rollout").tell(SetVersion(version)))
+
+    async def _maybe_checkpoint(self, step: int) -> None:
+        every = self.cfg.trainer.checkpoint_interval
+        if every and step % every == 0:
+            await self._checkpoint(self.run_dir, step)
+
+    def _report(self, step: int, version: int, rollout_metrics: dict[str, Any], metrics: dict[str, float],
+                ph: Phases) -> None:
+        if self.rank != 0 or self.sink is None:
+            return
+        rec = {"step": step, "version": version, **rollout_metrics, **metrics, **self._eval_metrics(),
+               **ph.metrics()}
+        self.sink.write(rec)
+        if self.cfg.run.progress:
+            print(progress_line(rec), flush=True)
+
+    async def _finish(self) -> None:
+        """Let the last evaluation land, write the ledger (rank 0) and the final HF checkpoint."""
+        cfg = self.cfg
         if self._eval_task is not None and not self._eval_task.done():
-            try:  # let the last evaluation land in eval.jsonl
+            try:
                 await asyncio.wait_for(asyncio.shield(self._eval_task), cfg.eval.timeout_s)
             except TimeoutError:
                 log.warning("eval_abandoned_at_end")
         if self.rank == 0:
-            state = await rollout.ask(DumpState(), timeout=cfg.transport.default_deadline_s)
-            _write_json(run_dir / "ledger.json", state["buffer"]["ledger"])
-            _write_json(run_dir / "rollout_final.json", state)
-        await asyncio.to_thread(self.trainer.export_hf_checkpoint, run_dir / "final_hf")
+            state = await self.ref("rollout").ask(DumpState(), timeout=cfg.transport.default_deadline_s)
+            _write_json(self.run_dir / "ledger.json", state["buffer"]["ledger"])
+            _write_json(self.run_dir / "rollout_final.json", state)
+        await asyncio.to_thread(self.trainer.export_hf_checkpoint, self.run_dir / "final_hf")
         log.info("training_done", steps=self.trainer.step, version=self.trainer.weight_version)
+
+
+def progress_line(rec: dict[str, Any]) -> str:
+    """One console line per step: learning, staleness and bias, mismatch, speed, and where the time went."""
+    line = (f"step {rec['step']:4d} | reward {rec.get('rollout/reward_mean', 0):.3f} | "
+            f"staleness {rec.get('rollout/fully_async/avg_staleness', 0):.2f} | ")
+    if "rollout/fully_async/len_ratio" in rec:
+        line += f"len ratio {rec['rollout/fully_async/len_ratio']:.2f} | "
+    return line + (f"Δlogp {rec.get('train/train_rollout_logprob_abs_diff', 0):.4f} | "
+                   f"tok/s {rec.get('train/tokens_per_s', 0):.0f} | step {rec['perf/step_time_s']:.2f}s "
+                   f"(train {rec.get('perf/train_s', 0):.2f}s, sync {rec.get('perf/sync_s', 0) * 1e3:.0f}ms)")
 
 
 def _write_text(path: Path, text: str) -> None:

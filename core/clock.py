@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from miles.core.errors import PeerTimeout
@@ -38,3 +40,32 @@ class Deadline:
     def check(self, what: str) -> None:
         if self.expired():
             raise PeerTimeout(f"deadline passed while {what}")
+
+
+class Phases:
+    """Wall time of one loop iteration's named phases, reported as `perf/<name>_s`.
+
+    `perf/step_time_s` is the whole iteration and `perf/other_s` what no phase covers, so
+    the phases and `other` add up to the step."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.spent: dict[str, float] = {}
+
+    def add(self, name: str, seconds: float) -> None:
+        self.spent[name] = self.spent.get(name, 0.0) + seconds
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - t)
+
+    def metrics(self) -> dict[str, float]:
+        total = time.perf_counter() - self.t0
+        out = {f"perf/{k}_s": v for k, v in self.spent.items()}
+        out["perf/step_time_s"] = total
+        out["perf/other_s"] = max(0.0, total - sum(self.spent.values()))
+        return out

@@ -33,3 +33,10 @@ class MilesConfig:
     trainer: TrainerConfig = section(TrainerConfig, "trainer backend, losses, corrections, optimizer")
     sync: SyncConfig = section(SyncConfig, "weight handoff: transport, bucket size, deadlines")
     eval: EvalConfig = section(EvalConfig, "evaluation during training: shared, snapshot or external")
+
+    def __post_init__(self) -> None:
+        # Weights travel in the engines' compute dtype unless told otherwise: the trainer casts
+        # once into its export buffer, and the engines take the flat plan as it is.
+        if self.sync.dtype == "engine":
+            # LoRA adapters (and their scale) travel as exported: the engine merges them itself.
+            self.sync.dtype = "same" if self.trainer.lora.rank > 0 else self.engine.dtype

@@ -24,8 +24,17 @@ class SyncConfig:
         "in_place", "how generation pauses around a commit; 'none' relies on the atomic swap alone"
     )
     verify_every: int = opt(0, "compare engine checksums with the trainer's every N versions; 0 = never", "versions")
-    dtype: Literal["float32", "bfloat16", "float16", "same"] = opt(
-        "same", "dtype the weights travel in; 'same' = the trainer's export dtype"
+    dtype: Literal["engine", "float32", "bfloat16", "float16", "same"] = opt(
+        "engine", "dtype the weights travel in; 'engine' = engine.dtype (the trainer casts once, into its "
+        "export buffer, so an fp32 trainer sends a bf16 engine half the bytes); 'same' = the trainer's export dtype"
+    )
+    catchup_source: Literal["auto", "export_buffer", "host_copy"] = opt(
+        "auto", "where a restarted engine is caught up from. export_buffer: the trainer's flat export "
+        "buffer, which holds the last pushed version until the next export (no extra memory; the next "
+        "export waits for a running catch-up). host_copy: a copy of the last pushed version in host memory "
+        "(one model's bytes in sync.dtype, pinned for GPU trainers), made after the push in a worker "
+        "thread on a side stream, overlapping the next rollout wait and train step (a tensor-by-tensor "
+        "export copies as it streams). auto = export_buffer for flat exports, else host_copy"
     )
     flat_export: Literal["auto", "on", "off"] = opt(
         "auto", "gather the trainer's weights into one persistent buffer and move byte ranges (the plan "
@@ -40,6 +49,17 @@ class SyncConfig:
         "auto", "compression of disk_delta XOR deltas; auto = lz4 if installed, else zlib"
     )
     delta_keep: int = opt(2, "disk_delta versions kept on disk (older ones are deleted)", "versions")
+
+    def wire_dtype(self) -> str | None:
+        """The resolved dtype name weights travel in, or None to keep the export's own.
+
+        `engine` is resolved by `MilesConfig` to engine.dtype; a SyncConfig built on its own
+        (tests, benches) with `engine` keeps the export dtype."""
+        return None if self.dtype in ("same", "engine") else self.dtype
+
+    @property
+    def catchup_from_buffer(self) -> bool:
+        return self.catchup_source == "export_buffer" or (self.catchup_source == "auto" and self.flat)
 
     @property
     def flat(self) -> bool:
@@ -57,5 +77,8 @@ class SyncConfig:
             raise ConfigError(f"sync.verify_every={self.verify_every} must be >= 0")
         if self.delta_keep < 1:
             raise ConfigError(f"sync.delta_keep={self.delta_keep} must be >= 1")
+        if self.catchup_source == "export_buffer" and not self.flat:
+            raise ConfigError("sync.catchup_source='export_buffer' needs a flat export (sync.flat_export = "
+                              "'on', or 'auto' with a transport other than disk_delta)")
         if self.transport == "disk_delta" and not self.delta_dir:
             raise ConfigError("sync.transport='disk_delta' needs sync.delta_dir (a directory shared with engines)")

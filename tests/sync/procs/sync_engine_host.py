@@ -11,6 +11,8 @@ import os
 import signal
 import sys
 
+import torch
+
 from miles.actors.engine import EngineActor
 from miles.actors.runtime.host import Host
 from miles.actors.runtime.process import run
@@ -33,6 +35,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--ready", required=True)
     a = ap.parse_args()
     cfg = TransportConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0)
@@ -41,8 +44,9 @@ def main() -> None:
 
     async def setup(host: Host) -> None:
         for n in a.name:
-            model = build_model(spec, seed=a.seed, device=a.device)
-            eng = TorchEngine(model, EngineConfig(max_batch_size=8, max_seq_len=256, device=a.device))
+            model = build_model(spec, seed=a.seed, device=a.device, dtype=getattr(torch, a.dtype))
+            eng = TorchEngine(model, EngineConfig(max_batch_size=8, max_seq_len=256, device=a.device,
+                                                  dtype=a.dtype))
             await host.add(EngineActor(eng), n)
 
     sys.exit(run(setup, cfg=cfg, directory=a.directory or None, run_directory=a.run_directory,
