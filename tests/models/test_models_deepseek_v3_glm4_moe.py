@@ -26,6 +26,7 @@ from miles.models.registry import build_model
 from miles.trainer.batch import TrainBatch, TrainSample
 from miles.trainer.fsdp import FSDPTrainer
 
+from ..recipes.test_recipes_true_on_policy import _max_diff
 from .test_models_numerics import hf_model
 
 ARCHS = ["glm4_moe", "deepseek_v3"]
@@ -138,6 +139,15 @@ async def test_engine_records_routes_and_fsdp_replay_reproduces_logprobs(arch: s
         trainer.close()
     assert m["train/routing_overlap"] == 1.0
     assert m["train/train_rollout_logprob_abs_diff_max"] < 1e-4
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=["bf16"])
+async def test_true_on_policy_engine_and_trainer_logprobs_are_bitwise_equal(arch: str, dtype: torch.dtype) -> None:
+    """A real rollout (engine over its KV cache, MLA: the latent cache) then a trainer step
+    with R3, twice with a weight sync between: exact 0 in the batch-invariant mode."""
+    spec = ModelSpec.from_hf(tiny_config(arch, vocab_size=64, initializer_range=0.1, n_routed_experts=16))
+    assert await _max_diff(spec, True, dtype) == 0.0
 
 
 @pytest.mark.parametrize("arch", ARCHS)
