@@ -19,6 +19,7 @@ class MetricsSink:
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
+        _drop_torn_tail(self.path)  # a resumed run must not append onto a killed run's fragment
         self._f = self.path.open("a")
         self._tb: Any = None
         if tensorboard:
@@ -53,6 +54,54 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
+def _drop_torn_tail(path: Path) -> None:
+    """Cut a last line that has no newline (a write cut short by kill -9) off the file."""
+    if not path.exists():
+        return
+    with path.open("rb+") as f:
+        size = f.seek(0, 2)
+        if size == 0:
+            return
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return
+        # Walk back to the previous newline; small reads, the tail is one record at most.
+        pos = size
+        while pos > 0:
+            step = min(4096, pos)
+            f.seek(pos - step)
+            chunk = f.read(step)
+            i = chunk.rfind(b"\n")
+            if i >= 0:
+                pos = pos - step + i + 1
+                break
+            pos -= step
+        f.truncate(pos)
+    log.warning("metrics_torn_line_dropped", path=str(path), bytes=size - pos)
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The step records of a metrics.jsonl; a torn last line (a killed writer) is skipped.
+
+    A bad line elsewhere is skipped too and logged with its number: one damaged record
+    must not hide the rest of a run.
+    """
     p = Path(path)
-    return [json.loads(ln) for ln in p.read_text().splitlines() if ln.strip()] if p.exists() else []
+    if not p.exists():
+        return []
+    out: list[dict[str, Any]] = []
+    lines = p.read_bytes().split(b"\n")
+    for i, ln in enumerate(lines):
+        if not ln.strip():
+            continue
+        try:
+            rec = json.loads(ln)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            last = i == len(lines) - 1  # no newline after it: the write was cut short
+            log.warning("metrics_line_skipped", path=str(p), line=i + 1, torn=last, error=str(exc))
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+        else:
+            log.warning("metrics_line_skipped", path=str(p), line=i + 1, error="not a JSON object")
+    return out

@@ -11,6 +11,7 @@ import uvloop
 
 from miles.actors.runtime.directory import Directory
 from miles.actors.runtime.host import DIRECTORY_NAME, Host
+from miles.core.files import atomic_write_text
 from miles.core.logging import get_logger
 from miles.core.schema.transport import TransportConfig
 
@@ -53,10 +54,7 @@ async def serve(setup: Setup, cfg: TransportConfig | None = None, directory: str
     await setup(host)
     if ready_file:
         # Written last, atomically, so a parent polling for it sees a fully started host.
-        tmp = ready_file + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(host.address)
-        os.replace(tmp, ready_file)
+        atomic_write_text(ready_file, host.address)
     log.info("host_ready", address=host.address, actors=list(host.actors))
     await stop.wait()
     log.info("host_stopping", max_loop_lag_ms=round(host.max_loop_lag_ms, 2))
