@@ -27,8 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from miles.core.errors import EngineError, ProtocolError
+from miles.core.errors import ConfigError, EngineError, ProtocolError
 from miles.engines.base import FinishReason, GenerateRequest, GenerateResult
+from miles.models.config import ModelSpec
 from miles.models.moe import expert_id_dtype
 
 _FINISH: dict[str, FinishReason] = {"length": "length", "stop": "stop", "abort": "abort"}
@@ -52,6 +53,14 @@ class ModelFacts:
             vocab = int(cfg["vocab_size"])
         except (KeyError, TypeError, ValueError) as exc:
             raise EngineError(f"{where}: missing or bad num_hidden_layers/vocab_size ({exc})") from exc
+        if cfg.get("model_type") in ("glm4_moe", "deepseek_v3") or "n_routed_experts" in cfg:
+            # DeepSeek-style layout (n_routed_experts, first_k_dense_replace): miles' own parse
+            try:
+                spec = ModelSpec.from_hf(cfg)
+            except ConfigError as exc:
+                raise EngineError(f"{where}: {exc}") from exc
+            return cls(vocab, n_layers, spec.num_experts, spec.num_experts_per_tok, spec.moe_layers,
+                       spec.max_position_embeddings)
         n_exp = int(cfg.get("num_experts") or 0)
         k = int(cfg.get("num_experts_per_tok") or 0)
         moe: tuple[int, ...] = ()

@@ -190,3 +190,19 @@ def test_megatron_backend_refuses_what_it_does_not_map(arch: str, kw: dict, matc
 
     with pytest.raises(ConfigError, match=match):
         check_parallel(MegatronConfig(), ModelSpec.from_hf(tiny_config(arch, **kw)), 1)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sglang_client_reads_deepseek_style_moe_layout_and_routes(arch: str) -> None:
+    """SGLang serves these natively; its routed_experts (int32, one row per decoder layer)
+    decode to the MoE layers only, in the smallest id dtype."""
+    import base64
+
+    from miles.engines.sglang_wire import ModelFacts, decode_routed_experts
+
+    cfg = tiny_config(arch, num_hidden_layers=3, first_k_dense_replace=1)
+    facts = ModelFacts.from_config(cfg)
+    assert (facts.num_experts, facts.top_k, facts.moe_layers) == (8, 2, (1, 2))
+    raw = np.arange(5 * 3 * 2, dtype=np.int32).reshape(5, 3, 2) % 8
+    got = decode_routed_experts(base64.b64encode(raw.tobytes()).decode(), 5, facts, "test")
+    assert got.dtype == np.uint8 and np.array_equal(got, raw[:, 1:])
