@@ -70,6 +70,10 @@ class TrainerError(MilesError):
     """The trainer got a batch or state it cannot train on."""
 
 
+class RewardError(MilesError):
+    """A reward function raised or returned a non-number; the message names the prompt and the cause."""
+
+
 class SyncError(MilesError):
     """A weight-sync step failed or timed out; the message names the step and the peer."""
 
@@ -92,5 +96,6 @@ KNOWN_ERRORS: dict[str, type[MilesError]] = {
         NotAppendOnly,
         TrainerError,
         SyncError,
+        RewardError,
     )
 }

@@ -73,6 +73,14 @@ class RolloutConfig:
         "(e.g. miles.rollout.envs.openai_agent) reach their session at ctx.base_url"
     )
     http_port: int = opt(0, "port of that front; 0 = any free port (bound on transport.interface)")
+    reward_errors: Literal["stop", "drop"] = opt(
+        "stop", "what a reward-function exception does: the sample is dropped (counted by type, logged "
+        "with the prompt id) and, with stop, the run ends after reward_max_errors_in_a_row in a row"
+    )
+    reward_max_errors_in_a_row: int = opt(
+        3, "reward-function failures in a row (no success between) that end the run when "
+        "reward_errors = stop", "samples"
+    )
     max_failures_in_a_row: int = opt(
         256, "stop the run when this many trajectories fail in a row with no success (the error names "
         "the last cause); 0 = never", "trajectories"
