@@ -31,12 +31,14 @@ from miles.actors.evaluator import Evaluator
 from miles.actors.messages import DumpState, Generate, PullBatch, RunEval, SetVersion
 from miles.actors.runtime.actor import Actor, handler
 from miles.core.errors import EngineError
+from miles.core.files import atomic_write_text
 from miles.core.hooks import resolve_hook
 from miles.core.logging import get_logger
 from miles.core.schema import MilesConfig
 from miles.rollout.buffer import RolloutBuffer, Work
 from miles.rollout.client import EngineOutput, LocalSessionClient
 from miles.rollout.layers import GenerateContext, load_layer
+from miles.rollout.reward_guard import RewardGuard
 from miles.rollout.routing import RouterPolicy
 from miles.rollout.session_store import SessionStore
 from miles.rollout.tokenizer import Tokenizer
@@ -82,7 +84,8 @@ class RolloutActor(Actor):
         self.router = RouterPolicy(engines, rc.router_affinity)
         self.agent = load_layer("agent", rc.agent_fn or self.env.agent)
         self.generate = load_layer("generate", rc.generate_fn or "miles.rollout.layers:default_generate")
-        self.reward = resolve_hook(rc.reward_fn, "rollout.reward_fn") if rc.reward_fn else self.env.reward
+        self.reward = RewardGuard(resolve_hook(rc.reward_fn, "rollout.reward_fn") if rc.reward_fn else self.env.reward,
+                                  rc.reward_errors, rc.reward_max_errors_in_a_row)
         self.sampling: dict[str, Any] = {
             "temperature": rc.temperature, "top_p": rc.top_p, "top_k": max(0, rc.top_k),
             "max_new_tokens": rc.max_new_tokens, "stop_token_ids": tokenizer.stop_token_ids,
@@ -134,7 +137,7 @@ class RolloutActor(Actor):
             await self.http.stop()
         path = Path(self.cfg.run.dir) / "rollout_state.json"
         try:
-            path.write_text(json.dumps(self.dump_state(DumpState())))
+            atomic_write_text(path, json.dumps(self.dump_state(DumpState())))
         except OSError as exc:
             log.warning("rollout_state_not_written", path=str(path), error=str(exc))
 
@@ -293,6 +296,7 @@ class RolloutActor(Actor):
     async def _collect_batch(self, msg: PullBatch) -> dict[str, Any]:
         groups: list[Group] = []
         while len(groups) < msg.n_groups:
+            self.reward.check()  # a reward function that keeps failing ends the run with its cause
             limit = self.cfg.rollout.max_failures_in_a_row
             if limit and self._failures_in_a_row >= limit:
                 # Nothing will ever fill this batch (e.g. every prompt exceeds the engine's length):
