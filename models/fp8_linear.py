@@ -16,7 +16,7 @@ engine's FP8 weights, both computing with the same `Ŵ` (models/fp8.py).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -91,9 +91,26 @@ def quantize_activations(x2: torch.Tensor, block: int = _GEMM_BLOCK) -> tuple[to
     return q.view(m, k), s
 
 
+_compiled: list[Callable[..., tuple[torch.Tensor, torch.Tensor]]] = []
+
+
+def _act_quant(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_activations` fused into one kernel by torch.compile on CUDA (eagerly it is ~8
+    small kernels per linear, as long as the decode GEMM itself); eager when compile fails."""
+    if not _compiled:
+        try:
+            fn = torch.compile(quantize_activations, dynamic=True)
+            fn(x2)
+            _compiled.append(fn)
+        except Exception as exc:  # noqa: BLE001 - e.g. no triton: the eager ops give the same values
+            log.warning("fp8_activation_quant_not_compiled", error=f"{type(exc).__name__}: {exc}")
+            _compiled.append(quantize_activations)
+    return _compiled[0](x2)
+
+
 def _scaled_gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     lead, k = x.shape[:-1], x.shape[-1]
-    xq, xs = quantize_activations(x.reshape(-1, k))
+    xq, xs = _act_quant(x.reshape(-1, k))
     # cuBLAS layouts: activation scales outer-dim-major [M, K/128]; weight scales [L4, N/128],
     # K-block-major, with the K-blocks padded to a multiple of 4
     xs = xs.t().contiguous().t()
