@@ -49,10 +49,11 @@ def test_kill_9_whole_run_then_resume(tmp_path: Path) -> None:
     # Identity, not a count: every prompt trained before the kill is still trained, by the same
     # step (the resumed run did not train it again) ...
     assert {p: after.get(p) for p in before} == before
-    # ... and each of the 10 steps trained exactly one batch of distinct prompts.
+    # ... and each of the 10 steps (one weight version each) trained exactly one batch of
+    # distinct prompts.
     groups = json.loads((run / "config.resolved.json").read_text())["buffer"]["batch_groups"]
     per_step = Counter(after.values())
-    assert sorted(per_step) == list(range(10)) and set(per_step.values()) == {groups}, per_step
+    assert len(per_step) == 10 and set(per_step.values()) == {groups}, per_step
 
 
 def test_killed_engine_is_restarted_and_training_continues(tmp_path: Path) -> None:
