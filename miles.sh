@@ -2,15 +2,37 @@
 # Quick start wrapper: bootstraps a virtualenv on first use, then runs miles or the tests.
 #   ./miles.sh train examples/quickstart.toml    # the end-to-end RL run on CPU
 #   ./miles.sh test                              # the test suite (what CI runs)
+# It (re)installs when the virtualenv is missing or pyproject.toml (the dependency list) has
+# changed since the last install: the marker file holds the hash of the pyproject.toml it
+# installed from. MILES_VENV picks another virtualenv directory.
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV="${MILES_VENV:-.venv}"
-if [ ! -x "$VENV/bin/python" ] || [ ! -f "$VENV/.miles-installed" ]; then
-  python3 -m venv "$VENV"
-  # The CPU build of torch 2.13.0 is on this machine's disk; pin it so no CUDA build is pulled.
+MARKER="$VENV/.miles-installed"
+say() { echo "miles.sh: $*" >&2; }
+want="$(python3 -c 'import hashlib,sys; print(hashlib.sha256(open("pyproject.toml","rb").read()).hexdigest())')"
+have="$(cat "$MARKER" 2>/dev/null || true)"
+if [ ! -x "$VENV/bin/python" ] || [ "$have" != "$want" ]; then
+  if ! python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+    say "miles needs Python >= 3.11; python3 is $(python3 -V 2>&1). Put a newer python3 first on PATH."
+    exit 1
+  fi
+  if [ ! -x "$VENV/bin/python" ]; then
+    say "creating the virtualenv $VENV ($(python3 -V 2>&1)); first run only, a few minutes"
+    python3 -m venv "$VENV"
+  elif [ -z "$have" ]; then
+    say "$VENV has no record of what it installed: installing the dependencies of pyproject.toml"
+  else
+    say "pyproject.toml changed since $VENV was installed: updating the dependencies"
+  fi
+  # The CPU build of torch 2.13.0, pinned first so that no CUDA build is pulled in. Where the
+  # default index serves CUDA builds, set PIP_INDEX_URL to PyTorch's CPU-only wheel index first.
+  say "installing torch==2.13.0 (CPU) ..."
   "$VENV/bin/pip" install -q torch==2.13.0
+  say "installing miles with extras dev,tb,ucx (editable) ..."
   "$VENV/bin/pip" install -q -e '.[dev,tb,ucx]'  # ucx: UCXX over TCP on CPU too
-  touch "$VENV/.miles-installed"
+  echo "$want" > "$MARKER"
+  say "done; $VENV is up to date with pyproject.toml"
 fi
 cmd="${1:-}"
 shift || true
