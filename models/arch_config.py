@@ -17,10 +17,8 @@ from miles.core.errors import ConfigError
 UNSUPPORTED: dict[str, str] = {
     "Qwen3NextForCausalLM": "qwen3_next: Gated DeltaNet (linear attention) layers and gated attention "
     "are not implemented in miles.models",
-    "GptOssForCausalLM": "gpt_oss: attention sinks and MXFP4 expert weights are not implemented in miles.models",
 }
-UNSUPPORTED_TYPES: dict[str, str] = {"qwen3_next": UNSUPPORTED["Qwen3NextForCausalLM"],
-                                     "gpt_oss": UNSUPPORTED["GptOssForCausalLM"]}
+UNSUPPORTED_TYPES: dict[str, str] = {"qwen3_next": UNSUPPORTED["Qwen3NextForCausalLM"]}
 
 Getter = Callable[..., Any]
 
@@ -45,10 +43,16 @@ class MLASpec:
 
 def sliding_fields(cfg: dict[str, Any], model_type: str, n_layers: int, get: Getter) -> dict[str, Any]:
     """Qwen2/Qwen3 `use_sliding_window`: layers >= max_window_layers (or those `layer_types`
-    names 'sliding_attention') see only the last `sliding_window` keys; Qwen3-MoE: all layers."""
+    names 'sliding_attention') see only the last `sliding_window` keys; Qwen3-MoE: all layers.
+    gpt-oss: always, every even layer unless `layer_types` says otherwise."""
+    if model_type == "gpt_oss":
+        types = cfg.get("layer_types") or [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)
+        ]
+        cfg = {**cfg, "use_sliding_window": True, "layer_types": types}
     if not cfg.get("use_sliding_window"):
         return {}
-    if model_type not in ("qwen2", "qwen3", "qwen3_moe"):
+    if model_type not in ("qwen2", "qwen3", "qwen3_moe", "gpt_oss"):
         raise ConfigError(f"model config ({model_type}): use_sliding_window=true is not supported for {model_type}")
     window = get("sliding_window")
     if window < 1:
@@ -128,3 +132,24 @@ def mla_fields(cfg: dict[str, Any], get: Getter) -> dict[str, Any]:
     if mla.qk_rope_head_dim % 2:
         raise ConfigError(f"model config (deepseek_v3): qk_rope_head_dim={mla.qk_rope_head_dim} must be even")
     return {"mla": mla, "head_dim": mla.qk_head_dim}
+
+
+def gpt_oss_fields(cfg: dict[str, Any], n_layers: int, get: Getter) -> dict[str, Any]:
+    """Every layer MoE: num_local_experts experts of intermediate_size, top-k then softmax."""
+    quant = cfg.get("quantization_config") or {}
+    if quant:
+        raise ConfigError(
+            f"model config (gpt_oss): quantization_config.quant_method={quant.get('quant_method')!r}: "
+            "quantized (MXFP4) expert weights are not supported; dequantize the checkpoint to bf16 first"
+        )
+    n_exp = get("num_local_experts")
+    top_k = get("num_experts_per_tok", 4)
+    if not 1 <= top_k <= n_exp:
+        raise ConfigError(f"model config (gpt_oss): num_experts_per_tok={top_k} must be in [1, num_local_experts={n_exp}]")
+    return dict(
+        num_experts=n_exp,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=get("intermediate_size"),
+        moe_layers=tuple(range(n_layers)),
+        router="topk_softmax",
+    )

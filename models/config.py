@@ -18,6 +18,7 @@ from miles.models.arch_config import (
     UNSUPPORTED_TYPES,
     MLASpec,
     deepseek_moe_fields,
+    gpt_oss_fields,
     mla_fields,
     sliding_fields,
 )
@@ -31,6 +32,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Glm4MoeForCausalLM": "glm4_moe",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "GptOssForCausalLM": "gpt_oss",
 }
 MODEL_TYPES: dict[str, str] = {v: k for k, v in ARCHITECTURES.items()}
 
@@ -63,7 +65,7 @@ class ModelSpec:
     rope: RopeSpec | None = None  # None: default rope over head_dim with rope_theta
     sliding_window: int = 0  # keys a query of a sliding layer sees (itself included); 0 = none
     sliding_layers: tuple[int, ...] = ()
-    router: str = "softmax"  # "softmax" (Qwen3-MoE) | "sigmoid_group" (GLM-4.5, DeepSeek-V3)
+    router: str = "softmax"  # "softmax" (Qwen3-MoE) | "sigmoid_group" (GLM-4.5, DeepSeek-V3) | "topk_softmax" (gpt-oss)
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
@@ -140,6 +142,8 @@ class ModelSpec:
             head_dim = extra.pop("head_dim")
         if model_type in ("glm4_moe", "deepseek_v3"):
             extra.update(deepseek_moe_fields(cfg, model_type, n_layers, get))
+        if model_type == "gpt_oss":
+            extra.update(gpt_oss_fields(cfg, n_layers, get))
         rope_dim = extra["mla"].qk_rope_head_dim if "mla" in extra else head_dim
         rope = RopeSpec.from_hf(cfg, model_type, rope_dim)
         rope_theta = rope.theta

@@ -15,6 +15,7 @@ from torch import nn
 
 from miles.models.config import ModelSpec
 from miles.models.errors import ModelInputError
+from miles.models.gpt_oss import SinkAttention, TopkSoftmaxMoE
 from miles.models.layers import MLP, Attention, KVCache, RMSNorm, grouped_bias, rms_norm
 from miles.models.masks import packed_causal_mask, packed_position_ids, sliding_window_mask
 from miles.models.mla import MLAttention
@@ -45,11 +46,17 @@ def _check_head_args(b: int, logits_at: torch.Tensor | None, logits_index: torch
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, layer: int) -> None:
         super().__init__()
-        self.self_attn: nn.Module = MLAttention(spec, layer) if spec.mla else Attention(spec, layer)
+        self.self_attn: nn.Module = (
+            MLAttention(spec, layer) if spec.mla
+            else SinkAttention(spec, layer) if spec.model_type == "gpt_oss"
+            else Attention(spec, layer)
+        )
         self.sliding = layer in spec.sliding_layers
         self.is_moe = layer in spec.moe_layers
         self.mlp: nn.Module = (
-            MoEBlock(spec)
+            TopkSoftmaxMoE(spec)
+            if self.is_moe and spec.router == "topk_softmax"
+            else MoEBlock(spec)
             if self.is_moe
             else MLP(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
         )
@@ -89,8 +96,8 @@ class Backbone(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """A Llama / Qwen2 / Qwen3 / Qwen3-MoE / GLM-4.5 (glm4_moe) / DeepSeek-V3 decoder LM built
-    from a `ModelSpec`."""
+    """A Llama / Qwen2 / Qwen3 / Qwen3-MoE / GLM-4.5 (glm4_moe) / DeepSeek-V3 / gpt-oss decoder
+    LM built from a `ModelSpec`."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()

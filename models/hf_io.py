@@ -60,7 +60,7 @@ def hf_param_slices(spec: ModelSpec, name: str, shape: Sequence[int]) -> list[HF
     if name.endswith(SCALE_SUFFIX):  # an FP8 engine's block scales, stacked like its codes
         return [HFSlice(n, None, rows) for n, rows in scale_row_slices(name, shape[0], spec)]
     m = _EXPERTS.match(name)
-    if m:
+    if m and spec.model_type != "gpt_oss":  # gpt-oss checkpoints keep experts stacked, as we do
         if len(shape) != 3:
             raise CheckpointError(f"expert parameter {name!r} should be 3-D [E, rows, cols], got shape {tuple(shape)}")
         out = []

@@ -76,7 +76,8 @@ def invariant_attention(
         k = k.repeat_interleave(hq // k.shape[1], dim=1)
         v = v.repeat_interleave(hq // v.shape[1], dim=1)
     length = -(-s // kv_block) * kv_block
-    bias = torch.zeros(b, 1, t, length, dtype=q.dtype, device=q.device)
+    heads = attn_mask.shape[1] if attn_mask is not None and attn_mask.dim() == 4 else 1
+    bias = torch.zeros(b, heads, t, length, dtype=q.dtype, device=q.device)
     bias[..., s:] = float("-inf")
     if is_causal:
         qi = torch.arange(t, device=q.device)[:, None] + (s - t)
@@ -92,8 +93,8 @@ def invariant_attention(
     vp = F.pad(v, (0, 0, 0, length - s))
     out = q.new_empty(b, hq, t, v.shape[-1])  # MLA: values narrower than queries/keys
     for i in range(b):
-        mb = bias[i, 0] if bias.shape[0] > 1 else bias[0, 0]
-        for h in range(hq):
+        for h in range(hq):  # a mask may be per head (attention sinks) or shared
+            mb = bias[i if bias.shape[0] > 1 else 0, h if bias.shape[1] > 1 else 0]
             scores = tiled_linear(q[i, h], kp[i, h], None, rows) * scale + mb
             probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
             out[i, h] = tiled_linear(probs, vp[i, h].t().contiguous(), None, rows)

@@ -10,7 +10,7 @@ from miles.models.config import ARCHITECTURES, MODEL_TYPES
 
 def tiny_config(arch: str, vocab_size: int = 256, **overrides: Any) -> dict[str, Any]:
     """An HF config.json dict for a tiny model of `arch` ('llama', 'qwen2', 'qwen3', 'qwen3_moe',
-    'glm4_moe', 'deepseek_v3' or the HF class name); keyword overrides replace or add keys."""
+    'glm4_moe', 'deepseek_v3', 'gpt_oss' or the HF class name); keyword overrides replace or add keys."""
     model_type = ARCHITECTURES.get(arch, arch)
     if model_type not in MODEL_TYPES:
         raise ConfigError(f"unknown tiny preset {arch!r}; valid: {', '.join(sorted(MODEL_TYPES))}")
@@ -75,6 +75,20 @@ def tiny_config(arch: str, vocab_size: int = 256, **overrides: Any) -> dict[str,
             qk_rope_head_dim=8,
             v_head_dim=12,
             rope_interleave=True,
+        )
+    if model_type == "gpt_oss":
+        cfg.update(
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            attention_bias=True,
+            sliding_window=4,
+            swiglu_alpha=1.702,
+            swiglu_limit=7.0,
+            router_aux_loss_coef=0.0,
+            output_router_logits=False,
+            rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0},
         )
     cfg.update(overrides)
     return cfg

@@ -20,6 +20,7 @@ MODELS = Registry(
         "Qwen3MoeForCausalLM": "miles.models.decoder:CausalLM",
         "Glm4MoeForCausalLM": "miles.models.decoder:CausalLM",
         "DeepseekV3ForCausalLM": "miles.models.decoder:CausalLM",
+        "GptOssForCausalLM": "miles.models.decoder:CausalLM",
     },
 )
 

@@ -66,11 +66,12 @@ def check_parallel(mc: MegatronConfig, spec: ModelSpec, world: int) -> tuple[int
         )
     if spec.rope_theta != int(spec.rope_theta):
         raise ConfigError(f"megatron takes an integer rotary base; rope_theta={spec.rope_theta}")
-    if spec.model_type in ("glm4_moe", "deepseek_v3"):
+    if spec.model_type in ("glm4_moe", "deepseek_v3", "gpt_oss"):
         # the layout maps fused GQA q/k/v and a softmax router; MLA, the sigmoid group-limited
-        # router with its bias correction and shared experts have no mapping here yet
+        # router with its bias correction, shared experts, attention sinks and biased experts
+        # have no mapping here yet
         raise ConfigError(f"the megatron backend does not map {spec.model_type} (MLA / sigmoid router / "
-                          "shared experts); train it with trainer.backend='fsdp'")
+                          "shared experts / attention sinks / biased experts); train it with trainer.backend='fsdp'")
     if spec.rope is not None or spec.sliding_layers:
         raise ConfigError("the megatron backend maps only the default full-width rope without sliding "
                           f"windows; got rope_type={spec.rope_spec.rope_type!r}, rotary dim {spec.rope_spec.dim}, "
