@@ -10,9 +10,12 @@ produces it); a different tensor list (names, shapes) builds it afresh.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
+from miles.models.config import ModelSpec
+from miles.models.hf_io import hf_param_views
 from miles.transport.bulk.flat import FlatWeights
 
 
@@ -20,6 +23,29 @@ class FlatExportBuffer:
     def __init__(self) -> None:
         self.weights: FlatWeights | None = None
         self._views: list[tuple[str, torch.Tensor]] = []
+        self._local_key: Any = None  # what the (source, buffer) view pairs below were built for
+        self._srcs: list[torch.Tensor] = []
+        self._dsts: list[torch.Tensor] = []
+
+    @torch.no_grad()
+    def fill_local(self, spec: ModelSpec, params: list[tuple[str, torch.Tensor]],
+                   dtype: torch.dtype | None = None) -> FlatWeights:
+        """Refill from parameters held whole on this rank (one trainer rank: no gather).
+
+        The (HF view of a parameter -> view of the buffer) pairs are built once; every later
+        export is one multi-tensor copy with the cast, instead of Python work per tensor
+        (~20 us each: ~50 ms for a 2,400-tensor MoE). The pairs are rebuilt when a parameter
+        moves (offload, a new optimizer layout) or the dtype changes."""
+        key = (dtype, tuple((n, t.data_ptr(), t.dtype, tuple(t.shape), t.device) for n, t in params))
+        if key == self._local_key and self.weights is not None:
+            torch._foreach_copy_(self._dsts, self._srcs)
+            return self.weights
+        pairs = [(hn, v) for n, t in params for hn, v in hf_param_views(spec, n, t)]
+        weights = self.fill(iter(pairs), dtype)
+        views = dict(self._views)
+        self._srcs, self._dsts = [v for _, v in pairs], [views[n] for n, _ in pairs]
+        self._local_key = key
+        return weights
 
     @torch.no_grad()
     def fill(self, named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> FlatWeights:

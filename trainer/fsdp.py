@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from miles.core.errors import ConfigError, TrainerError
 from miles.core.logging import get_logger
@@ -496,6 +497,13 @@ class FSDPTrainer:
                 for _ in self.export_hf_state():
                     pass
                 return []
+            if self.world == 1 and type(self).export_hf_state is FSDPTrainer.export_hf_state:
+                # One rank holds every parameter whole: no gather, and the export is one
+                # multi-tensor copy into the buffer (trainer/flat_export.py).
+                self._ensure_loaded()
+                local = [(n, (p.to_local() if isinstance(p, DTensor) else p).detach())
+                         for n, p in self.policy.named_parameters()]
+                return self._flat_export.fill_local(self.policy.spec, local, dtype)
             return self._flat_export.fill(self.export_hf_state(), dtype)
         self._ensure_loaded()
         return iter_adapter_payload(self.policy, self.cfg.lora)
