@@ -12,7 +12,8 @@ creates one under /tmp with pip (CPU torch pinned first, then trl).
 Measured from outside each command: whole-command wall time (process start to exit), and
 the wall time at which each step landed (miles: its metrics.jsonl row, TRL: a callback),
 giving launch -> first step, steps/s over the loop (first -> last step) and the median
-interval between steps. Prints a table; the last line is one JSON object; the result goes
+interval between steps; and the CPU time (user + sys) of each whole process tree, which
+a busy shared machine distorts less than wall time. Prints a table; the last line is one JSON object; the result goes
 to bench/results/quickstart_vs_trl_cpu.txt.
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -97,6 +99,11 @@ def trl_worker(a: argparse.Namespace) -> None:
 
 
 # ----------------------------------------------------------------------------- miles side
+def _cpu_children() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def _follow(path: Path, landed: list[float], stop: threading.Event) -> None:
     """The wall time at which each metrics.jsonl row appears (polled every 5 ms)."""
     seen = 0
@@ -113,18 +120,18 @@ def run_miles(sets: list[str], run_dir: Path, cache: str) -> dict[str, Any]:
     stop = threading.Event()
     t = threading.Thread(target=_follow, args=(run_dir / "metrics.jsonl", landed, stop), daemon=True)
     t.start()
-    t0 = time.time()
+    t0, cpu0 = time.time(), _cpu_children()
     p = subprocess.run([sys.executable, "-m", "miles.launch.cli", "train", str(QUICKSTART),
                         "--set", f"run.dir={run_dir}", *[x for s in sets for x in ("--set", s)]],
                        capture_output=True, text=True, env={**os.environ, "MILES_CACHE": cache})
-    wall = time.time() - t0
+    wall, cpu = time.time() - t0, _cpu_children() - cpu0
     time.sleep(0.05)
     stop.set()
     t.join()
     if p.returncode != 0:
         raise SystemExit(f"miles run failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {"t_launch": t0, "landed": landed[: len(rows)], "wall": wall,
+    return {"t_launch": t0, "landed": landed[: len(rows)], "wall": wall, "cpu": cpu,
             "reward": [r["rollout/reward_mean"] for r in rows],
             "completion_tokens": sum(r.get("rollout/trained_response_tokens", 0.0) for r in rows),
             "stale_dropped": rows[-1].get("rollout/fully_async/stale_groups_filtered")}
@@ -133,17 +140,17 @@ def run_miles(sets: list[str], run_dir: Path, cache: str) -> dict[str, Any]:
 def run_trl(py: str, model: str, a: argparse.Namespace, env_args: dict[str, Any], lr: float,
             shape: tuple[int, int, int]) -> dict[str, Any]:
     prompts, samples, new_tokens = shape
-    t0 = time.time()
+    t0, cpu0 = time.time(), _cpu_children()
     p = subprocess.run([py, __file__, "--trl-worker", "--model", model, "--steps", str(a.steps),
                         "--prompts", str(prompts), "--samples", str(samples),
                         "--max-new-tokens", str(new_tokens), "--lr", str(lr), "--seed", str(a.seed),
                         "--env-args", json.dumps(env_args)],
                        capture_output=True, text=True, env={**os.environ, "BENCH_T0": repr(t0)})
-    wall = time.time() - t0
+    wall, cpu = time.time() - t0, _cpu_children() - cpu0
     if p.returncode != 0:
         raise SystemExit(f"TRL run failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
     out = json.loads(p.stdout.strip().splitlines()[-1])
-    out["wall"] = wall
+    out["wall"], out["cpu"] = wall, cpu
     out["completion_tokens"] = sum(x * prompts * samples for x in out["completion_len"])
     return out
 
@@ -154,7 +161,7 @@ def stats(r: dict[str, Any]) -> dict[str, float]:
     gaps = [b - a for a, b in zip(landed, landed[1:], strict=False)]
     rw = r["reward"]
     q = max(1, len(rw) // 4)
-    return {"steps": len(landed), "whole_command_s": r["wall"], "launch_to_first_step_s": landed[0] - r["t_launch"],
+    return {"steps": len(landed), "whole_command_s": r["wall"], "whole_command_cpu_s": r["cpu"], "launch_to_first_step_s": landed[0] - r["t_launch"],
             "loop_s": loop, "steps_per_s": (len(landed) - 1) / loop if loop > 0 else 0.0,
             "median_s_per_step": statistics.median(gaps) if gaps else 0.0,
             "completion_tokens_per_s": r["completion_tokens"] / loop if loop > 0 else 0.0,
@@ -213,6 +220,7 @@ def main() -> None:
     keys = [("steps_per_s", "steps/s (loop)", ".2f"), ("median_s_per_step", "median s/step", ".3f"),
             ("loop_s", "loop, first -> last step [s]", ".1f"), ("whole_command_s", "whole command [s]", ".1f"),
             ("launch_to_first_step_s", "launch -> first step [s]", ".1f"),
+            ("whole_command_cpu_s", "whole command, CPU time [s]", ".1f"),
             ("completion_tokens_per_s", "trained completion tokens/s", ".0f"),
             ("reward_first_quarter", "reward, first quarter", ".3f"),
             ("reward_last_quarter", "reward, last quarter", ".3f")]

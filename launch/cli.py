@@ -30,7 +30,6 @@ def _load(args: argparse.Namespace) -> MilesConfig:
 def cmd_train(args: argparse.Namespace) -> int:
 
     from miles.launch.local import LocalLauncher
-    from miles.launch.plots import write_plots
     from miles.launch.warmup import with_initial_checkpoint
 
     resume = ""
@@ -50,7 +49,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     rc = asyncio.run(LocalLauncher(cfg, resume_from=resume).run())
     from miles.launch.report import finish_run
 
-    print(finish_run(cfg.run.dir, write_plots), flush=True)
+    # report.html (inline SVG plots) and the summary table; PNGs: miles report RUN_DIR --png
+    print(finish_run(cfg.run.dir), flush=True)
     return rc
 
 
@@ -104,6 +104,7 @@ SUBCOMMAND_MODULES: list[str] = [
     "miles.launch.perftest",
     "miles.launch.data_check",
     "miles.launch.report",
+    "miles.diffusion.cli",
 ]
 
 

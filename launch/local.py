@@ -67,6 +67,21 @@ def _last_error(log_path: Path) -> str:
     return ""
 
 
+def role_threads(role: str, roles: list[tuple[str, int]]) -> dict[str, str]:
+    """CPU threads for one role process, unless the user set OMP_NUM_THREADS.
+
+    Every torch process defaults to one thread per core; several compute roles on one machine
+    then oversubscribe it (on 2 cores the engine and the trainer would run 4 spinning threads).
+    The cores are split between the compute roles (engines, trainer ranks); the rollout
+    process, which only tokenizes and routes, gets one.
+    """
+    if "OMP_NUM_THREADS" in os.environ:
+        return {}
+    compute = sum(1 for r, _ in roles if r != "rollout")
+    n = 1 if role == "rollout" else max(1, (os.cpu_count() or 1) // max(compute, 1))
+    return {"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n)}
+
+
 class LocalLauncher:
     def __init__(self, cfg: MilesConfig, max_restarts: int = 3, resume_from: str = "") -> None:
         self.cfg = cfg
@@ -111,7 +126,8 @@ class LocalLauncher:
             roles.insert(0, ("eval_engine", 0))  # a dedicated engine that evaluates weight snapshots
         for role, i in roles:
             argv = [*base, role, "--config", str(cfg_path), "--index", str(i), "--directory", host.address]
-            c = Child(role, i, argv, {**env, "RANK": str(i), "WORLD_SIZE": str(self.cfg.trainer.world_size)},
+            c = Child(role, i, argv, {**env, "RANK": str(i), "WORLD_SIZE": str(self.cfg.trainer.world_size),
+                                      **role_threads(role, roles)},
                       self.run_dir / "logs" / f"{role}-{i}.log")
             self.children.append(c)
             self._spawn(c)

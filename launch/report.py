@@ -112,6 +112,11 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
 def cmd_report(args: argparse.Namespace) -> int:
     path = write_report(args.run_dir, args.out or None)
+    if args.png:
+        from miles.launch.plots import write_plots
+
+        pngs = write_plots(args.run_dir)
+        print(f"PNG plots: {', '.join(str(p) for p in pngs) or 'none (pip install matplotlib)'}")
     print(format_table(summarize_run(args.run_dir)))
     print(f"report: {path}")
     return 0
@@ -121,6 +126,7 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("report", help="write RUN_DIR/report.html (plots, ledger, config) and print a summary")
     p.add_argument("run_dir")
     p.add_argument("--out", default="", help="HTML path (default RUN_DIR/report.html)")
+    p.add_argument("--png", action="store_true", help="also write PNG plots into RUN_DIR (needs matplotlib)")
     p.set_defaults(fn=cmd_report)
 
 

@@ -44,9 +44,11 @@ def _fake_run(run: Path, steps: int = 60) -> None:
 def test_report_command_writes_a_self_contained_page(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = tmp_path / "run"
     _fake_run(run)
-    assert main(["report", str(run)]) == 0
+    assert main(["report", str(run), "--png"]) == 0
     out = capsys.readouterr().out
     assert "reward (first -> last quarter)" in out and "aborted 20, stale 200" in out and "report.html" in out
+    if "none (pip install matplotlib)" not in out:
+        assert (run / "reward.png").stat().st_size > 1000
     page = (run / "report.html").read_text()
     assert page.count("<svg ") == N_PLOTS
     # nothing to fetch: no scripts, stylesheets or images by URL
