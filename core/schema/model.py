@@ -8,12 +8,16 @@ from typing import Literal
 from miles.core.config import opt
 from miles.core.errors import ConfigError
 
+PRESETS = ("llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss")
+
 
 @dataclass
 class ModelConfig:
     path: str = opt("", "HF checkpoint directory (config.json + safetensors); '' = use `arch` preset")
     arch: str = opt(
-        "qwen3_moe", "tiny preset used when path is '': llama | qwen2 | qwen3 | qwen3_moe (random weights)"
+        "qwen3_moe",
+        "tiny preset used when path is '': llama | qwen2 | qwen3 | qwen3_moe | glm4_moe | deepseek_v3 | gpt_oss "
+        "(random weights)",
     )
     vocab_size: int = opt(0, "vocab size of the tiny preset; 0 = the tokenizer's size")
     overrides: dict[str, int | float | bool | str] = opt({}, "extra HF config keys for the tiny preset")
@@ -28,8 +32,8 @@ class ModelConfig:
     fp8_block: int = opt(128, "rows and columns of one FP8 weight block (one scale each)", "elements")
 
     def __post_init__(self) -> None:
-        if not self.path and self.arch not in ("llama", "qwen2", "qwen3", "qwen3_moe"):
-            raise ConfigError(f"model.arch={self.arch!r}: expected llama, qwen2, qwen3 or qwen3_moe")
+        if not self.path and self.arch not in PRESETS:
+            raise ConfigError(f"model.arch={self.arch!r}: expected one of {', '.join(PRESETS)}")
         if self.fp8_block < 1:
             raise ConfigError(f"model.fp8_block={self.fp8_block} must be >= 1")
         if self.vocab_size < 0:
