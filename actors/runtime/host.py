@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -86,6 +87,9 @@ class Host:
         self.loop_lag_ms = 0.0
         self.max_loop_lag_ms = 0.0
         self._stopping = False
+        self._last_tick = time.monotonic()  # the loop's last sign of life (lag monitor)
+        self._beat_stop = threading.Event()
+        self._beat_thread: threading.Thread | None = None
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -112,7 +116,14 @@ class Host:
             self.directory_addr = self.address
         else:
             await self._watch_deaths()
-        self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="host-heartbeat"))
+        if self.directory_addr == self.address:
+            self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="host-heartbeat"))
+        else:
+            # Heartbeats from a thread: a loop busy for a few seconds (imports, a long GC, a
+            # blocking call) is not a dead process. A loop stuck past loop_stall_timeout_s is.
+            self._beat_thread = threading.Thread(target=self._heartbeat_thread, args=(self.directory_addr,),
+                                                 name="miles-heartbeat", daemon=True)
+            self._beat_thread.start()
 
     async def _watch_deaths(self) -> None:
         assert self._subscriber is not None
@@ -149,6 +160,7 @@ class Host:
         if self._stopping:
             return
         self._stopping = True
+        self._beat_stop.set()
         for name in list(self.actors):
             if name != DIRECTORY_NAME and self.directory_addr != self.address:
                 try:
@@ -428,28 +440,54 @@ class Host:
 
     # ---------------------------------------------------------------- liveness
     async def _heartbeat_loop(self) -> None:
+        """The directory's own host: beats straight into the co-hosted directory."""
         while True:
             await asyncio.sleep(self.cfg.heartbeat_interval_s)
-            names = [n for n in self.actors if n != DIRECTORY_NAME]
             directory = self.actors.get(DIRECTORY_NAME)
             if directory is not None:
+                names = [n for n in self.actors if n != DIRECTORY_NAME]
                 directory.beat(Heartbeat(self.host_id, names, self.loop_lag_ms))  # type: ignore[attr-defined]
-                continue
-            if not names:
-                continue
-            frames = codec.encode(codec.TELL, None, DIRECTORY_NAME,
-                                  Heartbeat(self.host_id, names, self.loop_lag_ms), None, self.host_id)
-            try:
-                await self._dealer(self.directory_addr or "").send(
-                    frames, time.monotonic() + self.cfg.heartbeat_interval_s, "heartbeat")
-            except PeerTimeout as exc:
-                log.warning("heartbeat_not_sent", error=str(exc))
+
+    def _heartbeat_thread(self, address: str) -> None:
+        """Beat from a thread with its own socket, while the loop has ticked within the stall bound."""
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        apply_options(sock, hwm=4, linger_ms=0)  # a few beats queue at most; older ones are moot
+        try:
+            if self.cfg.curve_client_key:
+                make_curve_client(sock, self.cfg.curve_client_key, self.cfg.curve_public_key)
+            sock.connect(address)
+            warned = False
+            while not self._beat_stop.wait(self.cfg.heartbeat_interval_s):
+                stalled_s = time.monotonic() - self._last_tick
+                if stalled_s > self.cfg.loop_stall_timeout_s:
+                    if not warned:  # silence now lets the directory declare this host dead
+                        log.error("event_loop_stalled", stalled_s=round(stalled_s, 1), host=self.host_id)
+                        warned = True
+                    continue
+                warned = False
+                try:
+                    names = [n for n in list(self.actors) if n != DIRECTORY_NAME]
+                except RuntimeError:  # the dict changed under us: beat next time
+                    continue
+                if not names:
+                    continue
+                beat = Heartbeat(self.host_id, names, max(self.loop_lag_ms, stalled_s * 1e3))
+                try:
+                    sock.send_multipart(codec.encode(codec.TELL, None, DIRECTORY_NAME, beat, None, self.host_id),
+                                        zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    pass  # the directory is not reading: its own stall, see Directory._watch
+        except Exception as exc:  # noqa: BLE001 - a dead heartbeat thread must say why
+            log.error("heartbeat_thread_failed", error=f"{type(exc).__name__}: {exc}")
+        finally:
+            sock.close(0)
 
     async def _lag_monitor(self, interval: float = 0.1) -> None:
         while True:
             t0 = time.monotonic()
             await asyncio.sleep(interval)
-            lag = max(0.0, (time.monotonic() - t0 - interval) * 1e3)
+            self._last_tick = time.monotonic()
+            lag = max(0.0, (self._last_tick - t0 - interval) * 1e3)
             self.loop_lag_ms = 0.8 * self.loop_lag_ms + 0.2 * lag
             self.max_loop_lag_ms = max(self.max_loop_lag_ms, lag)
             if lag > 500:

@@ -17,6 +17,8 @@ class TransportConfig:
     linger_ms: int = opt(0, "how long a closing socket keeps unsent messages", "ms")
     heartbeat_interval_s: float = opt(0.5, "how often actors send heartbeats to the directory", "s")
     heartbeat_timeout_s: float = opt(3.0, "silence after which a peer is declared dead", "s")
+    loop_stall_timeout_s: float = opt(60.0, "heartbeats come from a thread; a process whose event loop has "
+                                      "not ticked for this long stops them (a hung loop is dead)", "s")
     default_deadline_s: float = opt(30.0, "deadline of a request when the caller gives none", "s")
     mailbox_size: int = opt(1024, "bound of each handler's mailbox, of a host's read-ahead and of "
                             "ZeroMQ's receive queue per peer; full = block or refuse (per handler)", "messages")

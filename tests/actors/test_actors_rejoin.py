@@ -1,4 +1,4 @@
-"""A host wrongly declared dead (its loop stalled past the heartbeat timeout) rejoins under a new incarnation."""
+"""Liveness under stalls: a busy loop is not a death; a host declared dead that is alive rejoins."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ pytestmark = pytest.mark.timeout(60)
 
 async def test_stalled_host_rejoins_with_a_new_incarnation(procs) -> None:
     _, directory = procs.spawn([HOST, "--run-directory"])
-    procs.spawn([HOST, "--directory", directory, "--name", "stall"])
+    # A stall bound of 0.5 s: the 3 s stall below silences the heartbeats and the host is declared dead.
+    procs.spawn([HOST, "--directory", directory, "--name", "stall", "--stall-timeout", "0.5"])
     host = Host(TransportConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0), directory)
     await host.start()
     notices: list[DeathNotice] = []
@@ -51,5 +52,23 @@ async def test_stalled_host_rejoins_with_a_new_incarnation(procs) -> None:
         while host.stale_replies < 1 and time.monotonic() < t_end:
             await asyncio.sleep(0.05)
         assert host.stale_replies >= 1
+    finally:
+        await host.stop()
+
+
+async def test_a_loop_busy_for_seconds_is_not_declared_dead(procs) -> None:
+    """Heartbeats come from a thread: 3 s of blocked loop (three heartbeat timeouts) is no death."""
+    _, directory = procs.spawn([HOST, "--run-directory"])
+    procs.spawn([HOST, "--directory", directory, "--name", "busy"])
+    host = Host(TransportConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0), directory)
+    await host.start()
+    notices: list[DeathNotice] = []
+    host.on_death(notices.append)
+    try:
+        ref = host.ref("busy")
+        await ref.tell(Block(3.0))
+        out = await ref.ask(Echo("late"), timeout=20)  # answered once the loop is free again
+        assert out.text == "etal"
+        assert notices == []
     finally:
         await host.stop()

@@ -92,9 +92,11 @@ def main() -> None:
     ap.add_argument("--run-directory", action="store_true")
     ap.add_argument("--name", action="append", default=[])
     ap.add_argument("--scheme", default="tcp")
+    ap.add_argument("--stall-timeout", type=float, default=60.0)
     ap.add_argument("--ready", required=True)
     a = ap.parse_args()
-    cfg = TransportConfig(scheme=a.scheme, heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0)
+    cfg = TransportConfig(scheme=a.scheme, heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0,
+                          loop_stall_timeout_s=a.stall_timeout)
 
     async def setup(host: Host) -> None:
         for n in a.name:
