@@ -44,7 +44,7 @@ from miles.trainer.corrections import (
 from miles.trainer.deterministic import enable_deterministic
 from miles.trainer.dist import Collectives, ensure_process_group, pick_device
 from miles.trainer.distill import distill_advantages, load_teacher
-from miles.trainer.flat_export import FlatExportBuffer
+from miles.trainer.flat_export import FlatExportBuffer, ShardExportBuffer
 from miles.trainer.forward import ForwardOut, RouterProbe, packed_forward
 from miles.trainer.kl import kl_estimate
 from miles.trainer.lora import (
@@ -64,6 +64,7 @@ from miles.trainer.sharding import build_policy, compute_dtype, make_mesh, shard
 from miles.trainer.true_on_policy import invariant_forward
 from miles.trainer.value import ValueModel
 from miles.transport.bulk.flat import FlatWeights
+from miles.transport.bulk.shard_plan import ShardExport
 
 log = get_logger("trainer.fsdp")
 _SUM_KEYS = ("train/loss", "train/pg_loss", "train/kl_loss", "train/value_loss")
@@ -141,6 +142,7 @@ class FSDPTrainer:
         self._rollout_lp = False
         self._offload: FlatOffload | None = None
         self._flat_export = FlatExportBuffer()  # allocated at the first flat export (rank 0)
+        self._shard_export = ShardExportBuffer()  # this rank's slices, at the first sharded export
         self._old_is_current = False  # set per step by `_single_update`
 
     # ---------------------------------------------------------------- step
@@ -507,6 +509,22 @@ class FSDPTrainer:
             return self._flat_export.fill(self.export_hf_state(), dtype)
         self._ensure_loaded()
         return iter_adapter_payload(self.policy, self.cfg.lora)
+
+    def export_sharded_state(self, dtype: torch.dtype | None = None) -> ShardExport:
+        """This rank's own slices of every HF weight, cast to `dtype`, in the transfer plan's order
+        (trainer/flat_export.py): what a sharded sync (sync.sharded) sends from every rank.
+
+        Not a collective and no gather: no rank holds a tensor it does not own, and the extra
+        memory is this rank's shard in `dtype`."""
+        if self.lora:
+            raise TrainerError("export_sharded_state(): LoRA syncs the adapter payload (export_sync_state), "
+                               "not sharded full weights")
+        self._ensure_loaded()
+        params = [(n, (p.to_local() if isinstance(p, DTensor) else p).detach(), tuple(p.shape))
+                  for n, p in self.policy.named_parameters()]
+        if self.world > 1 and not all(isinstance(p, DTensor) for p in self.policy.parameters()):
+            raise TrainerError("export_sharded_state(): every parameter must be an FSDP2 DTensor shard")
+        return self._shard_export.fill(self.policy.spec, params, self.rank, self.world, dtype)
 
     def export_hf_checkpoint(self, path: str | Path) -> None:
         self._ensure_loaded()
