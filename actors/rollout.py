@@ -30,7 +30,7 @@ from typing import Any
 from miles.actors.evaluator import Evaluator
 from miles.actors.messages import DumpState, Generate, PullBatch, RunEval, SetVersion
 from miles.actors.runtime.actor import Actor, handler
-from miles.core.errors import EngineError
+from miles.core.errors import ActorDeadError, EngineError
 from miles.core.files import atomic_write_text
 from miles.core.hooks import resolve_hook
 from miles.core.logging import get_logger
@@ -44,6 +44,7 @@ from miles.rollout.session_store import SessionStore
 from miles.rollout.tokenizer import Tokenizer
 from miles.rollout.types import Group
 
+_DEAD_ENGINE_BACKOFF_S = 0.5
 log = get_logger("miles.rollout")
 
 
@@ -254,7 +255,13 @@ class RolloutActor(Actor):
         except Exception as exc:  # noqa: BLE001 - any failure is recorded in the buffer, never lost
             log.warning("trajectory_failed", group=work.group_id, sample=work.sample_index,
                         error=f"{type(exc).__name__}: {exc}")
-            self._failures_in_a_row += 1
+            if isinstance(exc, ActorDeadError):
+                # A dead engine is the supervisor's to restart (or to give up on, which ends the
+                # run): not "hopeless generation". Hold the slot a moment so its prompts are not
+                # burnt through at the speed of an instant refusal meanwhile.
+                await asyncio.sleep(_DEAD_ENGINE_BACKOFF_S)
+            else:
+                self._failures_in_a_row += 1
             self._last_failure = f"{type(exc).__name__}: {exc}"
             started = self.buffer.fail(work, self._last_failure)
         # The buffer starts new work in the freed slot at once; generate it if the mode allows.

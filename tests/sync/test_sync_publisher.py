@@ -131,3 +131,21 @@ async def test_catch_up_needs_no_host_copy_on_the_push_path(procs, source: str) 
     finally:
         await pub.sync.close()  # type: ignore[union-attr]
         await host.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (H200 runs)")
+def test_host_copy_of_a_cuda_export_is_pinned_and_exact() -> None:
+    """host_copy mode on a GPU trainer: the copy is made on a side stream into pinned memory,
+    ordered after the export's fill, and reused (no new allocation) for the next version."""
+    from miles.actors.weight_publisher import _host_copy
+
+    model = trainer_model(hidden=512, layers=1).cuda()
+    exporter = FlatExporter(model)
+    fw = exporter.export_sync_state(flat=True, dtype=torch.bfloat16)
+    first = _host_copy(fw, None)
+    assert first.buffer.is_pinned() and torch.equal(first.buffer, fw.buffer.cpu())
+    perturb(model, seed=9)
+    fw = exporter.export_sync_state(flat=True, dtype=torch.bfloat16)
+    second = _host_copy(fw, first.buffer)
+    assert second.buffer.data_ptr() == first.buffer.data_ptr() and torch.equal(second.buffer, fw.buffer.cpu())
