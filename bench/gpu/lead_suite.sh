@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device call, several GPU measurements, each under its own time limit (bench/suite_step.sh):
+#   run(command="SUITE='e2e fp8 tests' bash bench/gpu/lead_suite.sh", carry=[".wheels-lead"])
+# .wheels-lead: cp312 wheels the image lacks (bench/gpu/e2e_suite.sh names them). Outputs in $OUT.
+set -u
+OUT="${OUT:-/tmp/out}"
+SUITE="${SUITE:-e2e tests fp8}"
+mkdir -p "$OUT" /tmp/deps /tmp/pkg
+pip install -q --no-index --no-deps --target /tmp/deps .wheels-lead/*.whl > /tmp/install.log 2>&1
+ln -sfn "$PWD" /tmp/pkg/miles
+export PYTHONPATH="/tmp/pkg:/tmp/deps:${PYTHONPATH:-}"
+export NCCL_NVLS_ENABLE=0 MILES_CACHE=/tmp/miles-cache
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >&2
+STEP_DIR="$OUT"
+# shellcheck source=bench/suite_step.sh
+source bench/suite_step.sh
+PYTEST=(python -m pytest -q -p no:cacheprovider --import-mode=importlib -o addopts= -m gpu)
+for s in $SUITE; do
+  case "$s" in
+    e2e) step e2e_gpu_h200 330 python bench/e2e_gpu.py --device cuda --cases "${E2E_CASES:-dense,moe,moe-sync}" \
+           --steps "${E2E_STEPS:-12}" --out "$OUT/e2e_gpu_h200.json" ${E2E_SETS:-} ;;
+    e2e-async) step e2e_async_h200 300 python bench/e2e_gpu.py --device cuda --cases moe,moe-sync \
+           --steps 16 --out "$OUT/e2e_async_h200.json" ${ASYNC_SETS:-} ;;
+    tests) step gpu_tests_h200 150 "${PYTEST[@]}" tests/sync/test_sync_publisher.py ${GPU_TESTS:-} ;;
+    fp8) step fp8_gemm_h200 150 python bench/gpu/fp8_gemm.py --device cuda --out "$OUT/fp8_gemm_h200.json" ;;
+    *) echo "unknown suite step $s" >&2 ;;
+  esac
+done
+exit 0
