@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
+import pkgutil
 from collections.abc import Callable
 from typing import Any
 
@@ -10,24 +10,19 @@ from miles.core.errors import ConfigError
 
 
 def resolve_import_path(path: str, where: str = "") -> Any:
-    """Import 'pkg.mod:attr' (or 'pkg.mod.attr'); raise ConfigError naming `where` on failure."""
+    """Import 'pkg.mod:attr' (or 'pkg.mod.attr') with `pkgutil.resolve_name`; raise ConfigError naming `where`."""
     label = f" ({where})" if where else ""
-    if ":" in path:
-        mod_name, _, attr = path.partition(":")
-    else:
-        mod_name, _, attr = path.rpartition(".")
-    if not mod_name or not attr:
+    mod_name = path.partition(":")[0] if ":" in path else path.rpartition(".")[0]
+    if not mod_name or path.endswith((":", ".")):
         raise ConfigError(f"hook{label} {path!r} is not an import path like 'pkg.mod:func'")
     try:
-        mod = importlib.import_module(mod_name)
+        return pkgutil.resolve_name(path)
+    except ValueError as exc:
+        raise ConfigError(f"hook{label} {path!r} is not an import path like 'pkg.mod:func' ({exc})") from exc
     except ImportError as exc:
         raise ConfigError(f"hook{label} {path!r}: cannot import module {mod_name!r}: {exc}") from exc
-    obj: Any = mod
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"hook{label} {path!r}: module {mod_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    return obj
+    except AttributeError as exc:
+        raise ConfigError(f"hook{label} {path!r}: {exc}") from exc
 
 
 def resolve_hook(path: str, where: str = "") -> Callable[..., Any]:
