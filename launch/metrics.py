@@ -1,9 +1,11 @@
-"""Metrics sinks: one JSON object per step in metrics.jsonl, TensorBoard when installed."""
+"""Metrics sinks: one JSON object per step in metrics.jsonl, TensorBoard when installed,
+Weights & Biases when configured (`run.wandb_project`, the `wandb` extra)."""
 
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +14,19 @@ from miles.core.logging import get_logger
 log = get_logger("miles.metrics")
 
 
-class MetricsSink:
-    """Appends step records to `<dir>/metrics.jsonl`; mirrors scalars to TensorBoard if available."""
+@dataclass
+class WandbSettings:
+    project: str
+    mode: str = "online"  # "offline": files under <run_dir>/wandb/, no network
+    name: str = ""
+    config: dict[str, Any] = field(default_factory=dict)
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True) -> None:
+
+class MetricsSink:
+    """Appends step records to `<dir>/metrics.jsonl`; mirrors scalars to TensorBoard if available
+    and to a Weights & Biases run when `wandb` settings are given."""
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, wandb: WandbSettings | None = None) -> None:
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
@@ -29,6 +40,12 @@ class MetricsSink:
                 log.info("tensorboard_unavailable", hint="pip install 'miles[tb]' for event files")
             else:
                 self._tb = SummaryWriter(str(self.dir / "tb"))
+        self._wandb: Any = None
+        if wandb is not None:
+            import wandb as wb  # checked at launch (launch/validate.py)
+
+            self._wandb = wb.init(project=wandb.project, name=wandb.name or None, mode=wandb.mode,
+                                  dir=str(self.dir), config=wandb.config, reinit="create_new")
 
     def write(self, record: dict[str, Any]) -> None:
         clean = {k: _jsonable(v) for k, v in record.items()}
@@ -39,11 +56,16 @@ class MetricsSink:
             for k, v in clean.items():
                 if k != "step" and isinstance(v, int | float) and not isinstance(v, bool):
                     self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in clean.items() if k != "step" and isinstance(v, int | float)
+                             and not isinstance(v, bool)}, step=int(record.get("step", 0)))
 
     def close(self) -> None:
         self._f.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
 
 
 def _jsonable(v: Any) -> Any:

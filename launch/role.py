@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import sys
+from typing import Any
 
 from miles.actors.runtime.host import Host
 from miles.actors.runtime.process import serve
@@ -28,6 +29,16 @@ def engine_names(cfg: MilesConfig) -> list[str]:
 async def _wait_engines(host: Host, cfg: MilesConfig) -> None:
     for name in engine_names(cfg):
         await host.lookup(name, timeout=300)
+
+
+def wandb_settings(cfg: MilesConfig) -> Any:
+    """The trainer's Weights & Biases settings, or None when `run.wandb_project` is empty."""
+    if not cfg.run.wandb_project:
+        return None
+    from miles.core.config import to_dict
+    from miles.launch.metrics import WandbSettings
+
+    return WandbSettings(cfg.run.wandb_project, cfg.run.wandb_mode, cfg.run.name, to_dict(cfg))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
 
             await _wait_engines(host, cfg)
             await host.lookup("rollout", timeout=300)
-            sink = MetricsSink(cfg.run.dir) if a.index == 0 else None
+            sink = MetricsSink(cfg.run.dir, wandb=wandb_settings(cfg)) if a.index == 0 else None
             done = asyncio.Event()
             actor = TrainerActor(cfg, ModelSpec.from_dir(cfg.model.path), a.index, cfg.trainer.world_size,
                                  engine_names(cfg), cfg.model.path, done, sink,

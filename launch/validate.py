@@ -45,5 +45,11 @@ def validate_launch(cfg: MilesConfig) -> None:
     if cfg.eval.mode == "external" and not cfg.eval.command:
         raise ConfigError("eval.mode = 'external' needs eval.command, e.g. "
                           "'python my_eval.py --model {checkpoint}'")
+    if cfg.run.wandb_project:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError(f"run.wandb_project = {cfg.run.wandb_project!r} needs the wandb package: "
+                              "pip install 'miles[wandb]' (or leave run.wandb_project empty)")
     if cfg.eval.mode != "none" and cfg.eval.every_steps < 1:
         raise ConfigError(f"eval.every_steps must be >= 1, got {cfg.eval.every_steps}")

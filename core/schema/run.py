@@ -25,3 +25,9 @@ class RunConfig:
     )
     warmup_lr: float = opt(3e-3, "learning rate of the supervised warm-up")
     progress: bool = opt(True, "print a one-line progress record per training step")
+    wandb_project: str = opt(
+        "", "Weights & Biases project the trainer logs metrics to; empty = off (pip install 'miles[wandb]')"
+    )
+    wandb_mode: Literal["online", "offline"] = opt(
+        "online", "Weights & Biases mode: offline writes the run under run_dir/wandb/ for `wandb sync`"
+    )
