@@ -201,8 +201,11 @@ def main() -> None:
         return
     sys.path.insert(0, str(REPO.parent))
     from miles.core.config import load_config
+    from miles.core.logging import configure_logging
     from miles.core.schema import MilesConfig
     from miles.launch.warmup import ensure_initial_checkpoint
+
+    configure_logging("warning")
 
     py = make_trl_venv(TRL_VENV) if a.make_trl_venv else (a.trl_python or str(TRL_VENV / "bin" / "python"))
     if not Path(py).exists():
