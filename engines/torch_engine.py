@@ -40,7 +40,7 @@ from miles.engines.weights import WeightStager
 from miles.models.decoder import CausalLM
 from miles.models.factory import model_from_config
 from miles.models.fp8_layout import fp8_block
-from miles.models.fp8_linear import to_fp8_weights
+from miles.models.fp8_linear import to_fp8_weights, weights_changed
 from miles.models.hf_io import checksums, hf_tensor_views
 from miles.models.lora import is_adapter_name
 
@@ -221,6 +221,8 @@ class TorchEngine(Engine):
                 self.stager.apply()
             else:
                 await asyncio.to_thread(self.stager.apply)
+            if self.fp8_block is not None:
+                weights_changed()  # cached dequantized FP8 weights (CPU) are stale now
             self.version = version
             if with_adapters:
                 self.adapters.committed_version()

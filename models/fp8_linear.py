@@ -70,8 +70,32 @@ def project(x: torch.Tensor, mod: nn.Linear) -> torch.Tensor:
             except (RuntimeError, NotImplementedError) as exc:  # e.g. no blockwise kernels on this GPU
                 _gemm_broken.append(f"{type(exc).__name__}: {exc}")
                 log.warning("fp8_gemm_unavailable", error=_gemm_broken[-1], fallback="dequantized weights")
-        return F.linear(x, dequantize_rows(w, scale, plan, x.dtype), mod.bias)
+        w_hat = _cached_dequant(mod, w, scale, plan, x.dtype) if not x.is_cuda else dequantize_rows(
+            w, scale, plan, x.dtype)
+        return F.linear(x, w_hat, mod.bias)
     return F.linear(x, fake_quantized(w, plan), mod.bias)
+
+
+_generation = [0]
+
+
+def weights_changed() -> None:
+    """New live weights (an engine commit): drop every cached Ŵ in this process."""
+    _generation[0] += 1
+
+
+def _cached_dequant(mod: nn.Module, codes: torch.Tensor, scale: torch.Tensor, plan: Fp8Plan,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """CPU engine: Ŵ kept until the codes or scales change, so a decode step does not pay a
+    dequantization per layer. Keyed by the weight generation (`weights_changed`, called at every
+    engine commit: a receiver may write staged bytes without torch noticing) and by storage
+    address and version counter of codes and scales (any in-place torch write)."""
+    key = (_generation[0], codes.data_ptr(), codes._version, scale.data_ptr(), scale._version, dtype)
+    hit = getattr(mod, "_fp8_cache", None)
+    if hit is None or hit[0] != key:
+        hit = (key, dequantize_rows(codes, scale, plan, dtype))
+        mod._fp8_cache = hit
+    return hit[1]  # type: ignore[no-any-return]
 
 
 def _gemm_ok(x: torch.Tensor, w: torch.Tensor, plan: Fp8Plan) -> bool:

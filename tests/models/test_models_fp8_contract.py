@@ -54,15 +54,17 @@ async def _fp8_sync(trainer: FSDPTrainer, engine: TorchEngine, version: int, dty
     await engine.commit(version)
 
 
-async def _max_diff(trainer_spec: ModelSpec, dtype: torch.dtype) -> float:
+async def _max_diff(trainer_spec: ModelSpec, dtype: torch.dtype, device: str = "cpu") -> float:
     cfg = TrainerConfig()
+    cfg.device = device  # type: ignore[assignment]
     cfg.param_dtype = "bfloat16" if dtype == torch.bfloat16 else "float32"  # type: ignore[assignment]
     cfg.micro_batch_tokens = 64
     cfg.optim.lr = 1e-2
     cfg.true_on_policy = True
     cfg.correction.old_logprobs = "recompute"
     trainer = FSDPTrainer(cfg, trainer_spec, 0, 1, seed=5)
-    engine = TorchEngine(build_model(FP8_SPEC, dtype=dtype, seed=9), EngineConfig(max_batch_size=4),
+    engine = TorchEngine(build_model(FP8_SPEC, dtype=dtype, device=device, seed=9),
+                         EngineConfig(max_batch_size=4, device=device),
                          batch_invariant=True)
     worst = 0.0
     try:
@@ -88,3 +90,10 @@ async def test_true_on_policy_under_the_fp8_contract_is_exact(dtype: torch.dtype
 async def test_quantizing_only_the_engine_breaks_it() -> None:
     # the paper's counter-example the other way round: one side quantized, the other not
     assert await _max_diff(PLAIN, torch.float32) > 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the H200 bf16 check)")
+@pytest.mark.timeout(300)
+async def test_true_on_policy_under_the_fp8_contract_on_cuda_bf16() -> None:
+    assert await _max_diff(FP8_SPEC, torch.bfloat16, "cuda") == 0.0

@@ -99,14 +99,17 @@ async def test_fp8_version_installs_atomically() -> None:
     trainer = build_model(spec, seed=2)
     try:
         before = engine.checksums()
+        ids = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(0))
+        old = engine.model(ids).logits  # fills the CPU engine's cache of dequantized weights
         sent = list(fp8_export(hf_tensor_views(trainer).items(), spec))
         half = len(sent) // 2
         await engine.stage(5, sent[:half])
         await engine.stage(5, sent[half:])
         assert engine.checksums() == before  # staged, not live
+        assert torch.equal(engine.model(ids).logits, old)
         await engine.commit(5)
         assert engine.checksums() == _sums(sent)
-        ids = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(0))
+        assert not torch.equal(engine.model(ids).logits, old)  # the cached old weights are gone
         assert torch.equal(engine.model(ids).logits, trainer(ids).logits)  # the contract after a sync
         # a half-staged version never goes live; a scale of the wrong grid is refused
         await engine.stage(6, [sent[0]])
