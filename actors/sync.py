@@ -16,7 +16,6 @@ import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,32 +29,14 @@ from miles.core.schema.sync import SyncConfig
 from miles.models.hf_io import tensor_checksum
 from miles.transport.bulk.base import BulkSender, make_sender
 from miles.transport.bulk.buckets import Bucket, iter_buckets
+from miles.transport.bulk.coordinator import ShardedCoordinator, ShardedOptions, SyncReport
 from miles.transport.bulk.flat import FlatWeights
+from miles.transport.bulk.rank_group import RankGroup, TorchRankGroup
+from miles.transport.bulk.shard_channels import make_shard_sender
+from miles.transport.bulk.shard_plan import ShardExport
 
 log = get_logger("miles.sync")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class SyncReport:
-    version: int
-    transport: str = "zmq"
-    bytes: int = 0
-    buckets: int = 0
-    seconds: float = 0.0
-    committed: list[str] = field(default_factory=list)
-    dead: list[str] = field(default_factory=list)
-    verified: bool | None = None
-    declined: list[str] = field(default_factory=list)  # engines that declined the flat plan (tensors went)
-    # phases of `seconds` (pause -> stage every bucket -> commit -> resume), for perf/* metrics
-    pause_s: float = 0.0
-    transfer_s: float = 0.0
-    commit_s: float = 0.0
-    resume_s: float = 0.0
-
-    @property
-    def gbps(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
 def _advertise(host: Host, cfg: SyncConfig) -> str:
@@ -372,3 +353,78 @@ class WeightSync:
             if bad:
                 raise SyncError(f"checksum mismatch on engine {name!r} for {len(bad)} tensor(s), e.g. {bad[:3]}")
         return True
+
+
+class ActorEngineLink:
+    """The sharded coordinator's EngineLink (transport/bulk/coordinator.py) over the actor wire:
+    each step one ask with the step deadline (sync.step_timeout_s)."""
+
+    def __init__(self, host: Host, timeout_s: float) -> None:
+        self.host, self.timeout_s = host, timeout_s
+
+    async def _ask(self, engine: str, msg: Any) -> Any:
+        return await self.host.ref(engine).ask(msg, timeout=self.timeout_s)
+
+    async def pause(self, engine: str, mode: str) -> None:
+        await self._ask(engine, Pause(mode))
+
+    async def resume(self, engine: str) -> None:
+        await self._ask(engine, Resume())
+
+    async def open(self, engine: str, tag: str, info: dict[str, Any], bucket_bytes: int) -> None:
+        await self._ask(engine, BulkOpen(tag, info, bucket_bytes))
+
+    async def plan(self, engine: str, plan: dict[str, Any]) -> bool | str:
+        return await self._ask(engine, BulkPlan(plan))  # type: ignore[no-any-return]
+
+    async def range(self, engine: str, version: int, digest: str, lo: int, hi: int, header: dict[str, Any]) -> int:
+        return await self._ask(engine, FlatRange(version, digest, lo, hi, header))  # type: ignore[no-any-return]
+
+    async def commit(self, engine: str, version: int) -> None:
+        await self._ask(engine, Commit(version))
+
+    async def abort(self, engine: str, version: int) -> None:
+        await self._ask(engine, AbortVersion(version))
+
+    async def checksums(self, engine: str) -> dict[str, str]:
+        return await self._ask(engine, Checksums())  # type: ignore[no-any-return]
+
+    async def close(self, engine: str) -> None:
+        await self._ask(engine, BulkClose())
+
+
+class ShardedWeightSync:
+    """Every trainer rank's shell of a sharded sync (`sync.sharded`): each rank sends its own
+    slices (trainer `export_sharded_state`) straight to every engine; the protocol is
+    `ShardedCoordinator`. Every rank constructs one and calls `push` / `catch_up` / `close`
+    together (they are collectives over `group`, default: the trainer's torch.distributed group).
+    """
+
+    def __init__(self, host: Host, cfg: SyncConfig, engines: list[str], device: str | torch.device = "cpu",
+                 group: RankGroup | None = None, bucket_bytes: int | None = None) -> None:
+        self.host, self.cfg = host, cfg
+        self.device = torch.device(device)
+        self.group = group if group is not None else TorchRankGroup("cuda" if self.device.type == "cuda" else "cpu")
+        self.advertise = _advertise(host, cfg)
+        self.link = ActorEngineLink(host, cfg.step_timeout_s)
+        self.opts = ShardedOptions(bucket_bytes or cfg.bucket_mib << 20, cfg.pipeline_depth, cfg.pause_mode,
+                                   cfg.verify_every)
+        self.coordinator = ShardedCoordinator(self.link, self.group, self._sender(cfg.transport), engines, self.opts)
+
+    def _sender(self, tag: str) -> Any:
+        return make_shard_sender(tag, self.group.rank, self.group.size, self.cfg.step_timeout_s, self.advertise,
+                                 self.device)
+
+    @property
+    def engines(self) -> list[str]:
+        return self.coordinator.engines
+
+    async def push(self, version: int, export: ShardExport) -> SyncReport:
+        return await self.coordinator.push(version, export)
+
+    async def catch_up(self, engine: str, version: int, export: ShardExport) -> SyncReport:
+        """Bring one engine to `version` over zmq, every rank sending its shard (a collective)."""
+        return await self.coordinator.catch_up(engine, version, export, self._sender("zmq"))
+
+    async def close(self) -> None:
+        await self.coordinator.close()

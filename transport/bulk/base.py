@@ -37,6 +37,8 @@ RECEIVERS = Registry("sync.transport", {
     "disk_delta": "miles.transport.bulk.disk_delta:DiskDeltaReceiver",
     "ucx": "miles.transport.bulk.ucx:UcxReceiver",
     "cuda_ipc": "miles.transport.bulk.cuda_ipc:CudaIpcReceiver",
+    # Sharded syncs (every trainer rank sends its own bytes): one receiver takes every rank's.
+    "sharded": "miles.transport.bulk.shard_channels:ShardReceiver",
 })
 
 

@@ -1,0 +1,331 @@
+"""Channels of the sharded weight sync: every trainer rank sends its own bytes to every engine.
+
+One sender per trainer rank, one `ShardReceiver` per engine that takes buckets from every
+rank. Control (which byte ranges a bucket holds, from which rank) rides in the `FlatRange`
+header over the actor wire; the bytes go on the channel:
+
+- `zmq`: inline in the header, as a zero-copy frame of the rank's send buffer.
+- `ucx`: one endpoint per (rank, engine) pair; each rank listens, each engine connects to
+  every rank. A pair's buckets go in order on its endpoint.
+- `broadcast`: one torch.distributed group of every trainer rank and engine (gloo on CPU,
+  NCCL on GPU) and send/recv per pair. Not a per-owner broadcast: an engine lands buckets
+  one at a time, in the order their headers arrive, and collectives of several owners'
+  groups taken in different orders by different engines would deadlock; point-to-point
+  transfers only need each pair's order, which the header order gives.
+
+A receiver lands a bucket's bytes in the engine's staging slots through the flat plan's
+landing (transport/bulk/flat.py): straight into the slots when the bucket is one range and
+the slots are laid out like the plan, else through its bucket buffer, range by range.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import datetime
+import time
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from miles.core.errors import SyncError
+from miles.core.logging import get_logger
+from miles.transport.bulk.base import BulkReceiver, LocalWeights
+
+log = get_logger("miles.bulk.sharded")
+SHARDED_TAG = "sharded"  # the receiver tag engines open (BulkOpen.transport)
+
+
+class ShardSender(abc.ABC):
+    """One trainer rank's side of a sharded channel to every engine."""
+
+    tag: ClassVar[str]
+
+    def __init__(self, rank: int, world: int, timeout_s: float, advertise: str = "127.0.0.1") -> None:
+        self.rank, self.world, self.timeout_s, self.advertise = rank, world, timeout_s, advertise
+        self.peers: list[str] = []
+
+    async def setup(self, peers: list[str]) -> dict[str, Any]:
+        """Rank 0 only, before `open`: what every rank needs to open (e.g. a rendezvous address)."""
+        return {}
+
+    @abc.abstractmethod
+    async def open(self, peers: list[str], shared: dict[str, Any]) -> list[dict[str, Any]]:
+        """Set up this rank's side for `peers`; returns what each peer's receiver needs of this rank."""
+
+    async def connected(self) -> None:  # noqa: B027 - optional hook
+        """Wait until every peer is connected to this rank (runs while engines open their receivers)."""
+
+    def header(self, seq: int, data: torch.Tensor) -> dict[str, Any]:
+        """Channel part of bucket `seq`'s header (the coordinator adds the ranges)."""
+        return {"src": self.rank, "seq": seq, "nbytes": int(data.numel())}
+
+    @abc.abstractmethod
+    async def send(self, peer: int, seq: int, data: torch.Tensor) -> None:
+        """Move bucket `seq`'s bytes to peer #`peer` (runs with that peer's receive)."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the channel."""
+
+
+class ZmqShardSender(ShardSender):
+    tag = "zmq"
+
+    async def open(self, peers: list[str], shared: dict[str, Any]) -> list[dict[str, Any]]:
+        self.peers = list(peers)
+        return [{} for _ in peers]
+
+    def header(self, seq: int, data: torch.Tensor) -> dict[str, Any]:
+        return {**super().header(seq, data), "data": data if data.device.type == "cpu" else data.to("cpu")}
+
+    async def send(self, peer: int, seq: int, data: torch.Tensor) -> None:
+        """The bytes travel with the header."""
+
+
+class UcxShardSender(ShardSender):
+    tag = "ucx"
+
+    def __init__(self, rank: int, world: int, timeout_s: float, advertise: str = "127.0.0.1") -> None:
+        super().__init__(rank, world, timeout_s, advertise)
+        from miles.transport.bulk.ucx import import_ucxx
+
+        self.ucxx = import_ucxx()
+        self._listener: Any = None
+        self._eps: dict[int, Any] = {}
+
+    async def _accept(self, ep: Any) -> None:
+        who = np.empty(1, dtype=np.int64)
+        await ep.recv(who)
+        self._eps[int(who[0])] = ep
+
+    async def open(self, peers: list[str], shared: dict[str, Any]) -> list[dict[str, Any]]:
+        await self.close()
+        self._listener = self.ucxx.create_listener(self._accept)
+        self.peers = list(peers)
+        return [{"addr": self.advertise, "port": self._listener.port} for _ in peers]
+
+    async def connected(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while len(self._eps) < len(self.peers):
+            if time.monotonic() > deadline:
+                raise SyncError(f"ucx (rank {self.rank}): {len(self._eps)}/{len(self.peers)} engines connected "
+                                f"within {self.timeout_s}s")
+            await asyncio.sleep(0.005)
+
+    async def send(self, peer: int, seq: int, data: torch.Tensor) -> None:
+        from miles.transport.bulk.ucx import ucx_buffer
+
+        if data.device.type == "cuda":
+            torch.cuda.current_stream(data.device).synchronize()  # UCX reads outside torch's streams
+        try:
+            await asyncio.wait_for(self._eps[peer].send(ucx_buffer(data)), self.timeout_s)
+        except TimeoutError:
+            raise SyncError(f"ucx (rank {self.rank}): sending {data.numel()} bytes to engine #{peer} "
+                            f"({self.peers[peer]!r}) did not complete within {self.timeout_s}s") from None
+
+    async def close(self) -> None:
+        for ep in self._eps.values():
+            await ep.close()
+        self._eps = {}
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+
+def _make_pg(backend: str, store: Any, rank: int, world: int, timeout_s: float) -> Any:
+    from miles.transport.bulk.broadcast import _make_pg as make
+
+    return make(backend, store, rank, world, datetime.timedelta(seconds=timeout_s))
+
+
+async def _wait(work: Any, what: str) -> None:
+    try:
+        await asyncio.to_thread(work.wait)
+    except RuntimeError as exc:
+        raise SyncError(f"{what} failed: {exc}") from exc
+
+
+class P2PShardSender(ShardSender):
+    """`broadcast` in a sharded sync: send/recv per (rank, engine) pair in one group.
+
+    Group ranks: trainer rank r is r, engine #i is world + i. Rank 0 hosts the store."""
+
+    tag = "broadcast"
+
+    def __init__(self, rank: int, world: int, timeout_s: float, advertise: str = "127.0.0.1",
+                 device: torch.device | None = None) -> None:
+        super().__init__(rank, world, timeout_s, advertise)
+        self.backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
+        self._store: Any = None
+        self._pg: Any = None
+        self._pending: asyncio.Future[Any] | None = None
+
+    async def setup(self, peers: list[str]) -> dict[str, Any]:
+        from torch.distributed import TCPStore
+
+        await self.close()
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        self._store = TCPStore(self.advertise, 0, self.world + len(peers), True, timeout=timeout,
+                               wait_for_workers=False)
+        return {"addr": self.advertise, "port": self._store.port, "backend": self.backend}
+
+    async def open(self, peers: list[str], shared: dict[str, Any]) -> list[dict[str, Any]]:
+        from torch.distributed import TCPStore
+
+        if self.rank != 0:
+            await self.close()
+            self._store = TCPStore(str(shared["addr"]), int(shared["port"]), self.world + len(peers), False,
+                                   timeout=datetime.timedelta(seconds=self.timeout_s), wait_for_workers=False)
+        self.peers = list(peers)
+        size = self.world + len(peers)
+        self._pending = asyncio.ensure_future(asyncio.to_thread(
+            _make_pg, str(shared["backend"]), self._store, self.rank, size, self.timeout_s))
+        if self.rank != 0:
+            return [{} for _ in peers]
+        return [{"addr": shared["addr"], "port": shared["port"], "backend": shared["backend"],
+                 "rank": self.world + i, "world": size} for i in range(len(peers))]
+
+    async def connected(self) -> None:
+        if self._pending is not None:
+            fut, self._pending = self._pending, None
+            try:
+                self._pg = await fut
+            except RuntimeError as exc:
+                raise SyncError(f"sharded broadcast group setup failed on rank {self.rank}: {exc}") from exc
+
+    async def send(self, peer: int, seq: int, data: torch.Tensor) -> None:
+        await self.connected()
+        if self._pg is None:
+            raise SyncError("broadcast (sharded): send before open")
+        work = self._pg.send([data], self.world + peer, seq)
+        await _wait(work, f"broadcast (sharded): rank {self.rank} sending {data.numel()} bytes to engine #{peer}")
+
+    async def close(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            await asyncio.gather(pending, return_exceptions=True)
+        if self._pg is not None:
+            from miles.transport.bulk.broadcast import _shutdown
+
+            await asyncio.to_thread(_shutdown, self._pg)
+        self._pg = None
+        self._store = None
+
+
+def make_shard_sender(tag: str, rank: int, world: int, timeout_s: float, advertise: str,
+                      device: torch.device) -> ShardSender:
+    if tag == "zmq":
+        return ZmqShardSender(rank, world, timeout_s, advertise)
+    if tag == "ucx":
+        return UcxShardSender(rank, world, timeout_s, advertise)
+    if tag == "broadcast":
+        return P2PShardSender(rank, world, timeout_s, advertise, device)
+    raise SyncError(f"sync.transport={tag!r} has no sharded path; sharded syncs run over zmq, ucx and broadcast")
+
+
+class ShardReceiver(BulkReceiver):
+    """Engine side: buckets from every trainer rank, landed through the flat plan's landing.
+
+    `info`: {"channel": zmq | ucx | broadcast, "sources": [per trainer rank: its open info],
+    "timeout_s": s}; broadcast adds the group (rank 0's source info names it)."""
+
+    tag = SHARDED_TAG
+
+    def __init__(self, info: dict[str, Any], bucket_bytes: int) -> None:
+        super().__init__(info, bucket_bytes)
+        self.channel = str(info.get("channel", ""))
+        if self.channel not in ("zmq", "ucx", "broadcast"):
+            raise SyncError(f"sharded receiver: unknown channel {self.channel!r}")
+        self.sources: list[dict[str, Any]] = list(info.get("sources", []))
+        self.timeout_s = float(info.get("timeout_s", 120.0))
+        self._eps: list[Any] = []
+        self._pg: Any = None
+        self._store: Any = None
+        dev = "cuda" if self.sources and self.sources[0].get("backend") == "nccl" else "cpu"
+        self._buf = torch.empty(0, dtype=torch.uint8, device=dev)  # grown to a bucket on first need
+
+    async def open(self) -> None:
+        try:
+            if self.channel == "ucx":
+                from miles.transport.bulk.ucx import import_ucxx
+
+                ucxx = import_ucxx()
+                index = int(self.info["index"])
+                for s in self.sources:
+                    ep = await ucxx.create_endpoint(str(s["addr"]), int(s["port"]))
+                    await ep.send(np.array([index], dtype=np.int64))
+                    self._eps.append(ep)
+            elif self.channel == "broadcast":
+                from miles.transport.bulk.broadcast import _group
+
+                s = self.sources[0]
+                self._store, self._pg = await asyncio.to_thread(
+                    _group, str(s["backend"]), str(s["addr"]), int(s["port"]), int(s["rank"]), int(s["world"]),
+                    self.timeout_s)
+        except (KeyError, IndexError, ValueError) as exc:
+            raise SyncError(f"sharded {self.channel} open info is malformed: {exc}") from exc
+        except RuntimeError as exc:
+            raise SyncError(f"sharded {self.channel}: connecting to the trainer ranks failed: {exc}") from exc
+
+    async def recv(self, header: dict[str, Any], local: LocalWeights) -> list[tuple[str, torch.Tensor]]:
+        raise SyncError("a sharded channel moves flat byte ranges only (the engine must take the flat plan)")
+
+    async def _take(self, src: int, seq: int, dst: torch.Tensor) -> None:
+        if self.channel == "ucx":
+            from miles.transport.bulk.ucx import ucx_buffer
+
+            try:
+                await asyncio.wait_for(self._eps[src].recv(ucx_buffer(dst)), self.timeout_s)
+            except TimeoutError:
+                raise SyncError(f"ucx (sharded): receiving {dst.numel()} bytes from trainer rank {src} did not "
+                                f"complete within {self.timeout_s}s") from None
+        else:
+            if self._pg is None:
+                raise SyncError("broadcast (sharded): receive before open")
+            await _wait(self._pg.recv([dst], src, seq), f"broadcast (sharded): receiving {dst.numel()} bytes "
+                        f"from trainer rank {src}")
+
+    async def recv_flat(self, header: dict[str, Any], landing: Any, local: LocalWeights) -> list[str]:
+        try:
+            src, seq = int(header["src"]), int(header["seq"])
+            ranges = [(int(lo), int(hi)) for lo, hi in header["ranges"]]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SyncError(f"sharded bucket header is malformed: {exc}") from exc
+        total = sum(hi - lo for lo, hi in ranges)
+        if any(not 0 <= lo < hi <= landing.plan.nbytes for lo, hi in ranges):
+            raise SyncError(f"sharded bucket from rank {src}: a range lies outside the plan's {landing.plan.nbytes} "
+                            "bytes")
+        if self.channel == "zmq":
+            data = header.get("data")
+            if not isinstance(data, torch.Tensor) or data.numel() * data.element_size() != total:
+                raise SyncError(f"sharded zmq bucket from rank {src}: its data does not hold the {total} bytes "
+                                "its ranges name")
+            data = data.reshape(-1).view(torch.uint8)
+        else:
+            region = landing.region(local)
+            if len(ranges) == 1 and region is not None and region.device == self._buf.device:
+                lo, hi = ranges[0]
+                await self._take(src, seq, region[lo:hi])  # straight into the staging slots
+                return landing.plan.done_in(lo, hi)  # type: ignore[no-any-return]
+            if self._buf.numel() < total:
+                self._buf = torch.empty(max(total, self.bucket_bytes), dtype=torch.uint8, device=self._buf.device)
+            data = self._buf[:total]
+            await self._take(src, seq, data)
+        names: list[str] = []
+        pos = 0
+        for lo, hi in ranges:
+            names += landing.land(lo, hi, data[pos:pos + hi - lo], local)
+            pos += hi - lo
+        return names
+
+    async def close(self) -> None:
+        for ep in self._eps:
+            await ep.close()
+        self._eps = []
+        if self._pg is not None:
+            from miles.transport.bulk.broadcast import _shutdown
+
+            await asyncio.to_thread(_shutdown, self._pg)
+        self._pg = None
+        self._store = None
