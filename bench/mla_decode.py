@@ -8,9 +8,10 @@ Two numbers per model shape:
 - decode tokens/s of the torch engine on the MLA model (random weights, greedy, exactly
   `--new` tokens for `--batch` prompts of `--prompt` tokens; CUDA graphs on cuda).
 
-CPU (default): a tiny DeepSeek-V3 config. `--device cuda`: DeepSeek-V3's attention and
-router shapes (hidden 7168, 128 heads, kv_lora_rank 512, q_lora_rank 1536, 256 experts)
-cut to `--layers` layers and a 32k vocab, bf16. Last line: one JSON object.
+CPU (default): a tiny DeepSeek-V3 config. `--device cuda`: DeepSeek-V3's attention shapes
+(hidden 7168, 128 heads, kv_lora_rank 512, q_lora_rank 1536, rope 64, nope 128, v 128) and
+its router (8 groups, top-4 groups, top-8), cut to `--layers` layers, 32 experts of 2048
+and a 32k vocab so the random model fits one GPU, bf16. Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def config(device: str, layers: int) -> dict[str, Any]:
     return tiny_config(
         "deepseek_v3", vocab_size=32768, hidden_size=7168, intermediate_size=18432, num_hidden_layers=layers,
         num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
-        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=32,
         num_experts_per_tok=8, n_group=8, topk_group=4, moe_intermediate_size=2048, first_k_dense_replace=1,
         initializer_range=0.006,
     )
