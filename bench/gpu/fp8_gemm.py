@@ -179,10 +179,10 @@ def gemm(device: str, batch: int, reps: int) -> list[dict[str, Any]]:
                     output_dtype=dt), device, reps)
             tot_bf += t_bf
             tot_f8 += t_f8
-            rows.append({"layer": tag, "proj": name, "M": batch, "N": n, "K": k, "bf16_us": t_bf * 1e6,
+            rows.append({"layer": tag, "proj": name, "M": batch, "N": n, "K": k, "base_us": t_bf * 1e6,
                          "fp8_us": t_f8 * 1e6, "speedup": t_bf / t_f8, "gemm_only_us": t_mm * 1e6,
                          "rel_err": rel})
-        rows.append({"layer": tag, "proj": "all4", "M": batch, "N": 0, "K": 0, "bf16_us": tot_bf * 1e6,
+        rows.append({"layer": tag, "proj": "all4", "M": batch, "N": 0, "K": 0, "base_us": tot_bf * 1e6,
                      "fp8_us": tot_f8 * 1e6, "speedup": tot_bf / tot_f8,
                      "gemm_only_us": sum(r["gemm_only_us"] for r in rows if r["layer"] == tag), "rel_err": 0.0})
     return rows
@@ -232,7 +232,7 @@ def engine_tok_s(cfg: dict[str, Any], device: str, batch: int, new: int, repeats
         loop.run_until_complete(e.close())
     loop.close()
     n = batch * new
-    return {"bf16_tok_s": n / statistics.median(ts["bf16"]), "fp8_tok_s": n / statistics.median(ts["fp8"]),
+    return {"base_tok_s": n / statistics.median(ts["bf16"]), "fp8_tok_s": n / statistics.median(ts["fp8"]),
             "ratio": statistics.median(b / f for b, f in zip(ts["bf16"], ts["fp8"], strict=True))}
 
 
@@ -276,16 +276,18 @@ def main() -> None:
     rows = gemm(a.device, batch, reps)
     res["fp8_gemm_path"] = ("dequantized fallback: " + _gemm_broken[0]) if _gemm_broken else (
         "scaled_mm blockwise" if cuda else "dequantized (cpu)")
-    print(f"{'layer':6} {'proj':8} {'M':>4} {'N':>6} {'K':>5} {'bf16 us':>9} {'fp8 us':>9} {'speedup':>8} "
+    base = "bf16" if cuda else "fp32"
+    res["base_dtype"] = base
+    print(f"{'layer':6} {'proj':8} {'M':>4} {'N':>6} {'K':>5} {base + ' us':>9} {'fp8 us':>9} {'speedup':>8} "
           f"{'mm-only us':>10} {'rel err':>8}")
     for r in rows:
-        print(f"{r['layer']:6} {r['proj']:8} {r['M']:>4} {r['N']:>6} {r['K']:>5} {r['bf16_us']:>9.1f} "
+        print(f"{r['layer']:6} {r['proj']:8} {r['M']:>4} {r['N']:>6} {r['K']:>5} {r['base_us']:>9.1f} "
               f"{r['fp8_us']:>9.1f} {r['speedup']:>8.2f} {r['gemm_only_us']:>10.1f} {r['rel_err']:>8.4f}")
     res["gemm"] = rows
     res["gemm_speedup_all4"] = {r["layer"]: r["speedup"] for r in rows if r["proj"] == "all4"}
     print("fp8 GEMM path:", res["fp8_gemm_path"])
     res["engine"] = engine_tok_s(e2e_cfg, a.device, batch, new, max(3, reps // 10))
-    print(f"engine decode (batch {batch}, {new} tokens): bf16 {res['engine']['bf16_tok_s']:.0f} tok/s, "
+    print(f"engine decode (batch {batch}, {new} tokens): {base} {res['engine']['base_tok_s']:.0f} tok/s, "
           f"fp8 {res['engine']['fp8_tok_s']:.0f} tok/s, ratio {res['engine']['ratio']:.2f}")
     res["sync_bytes"] = {"e2e": sync_bytes(e2e_cfg),
                          **{k: sync_bytes(tiny_config("qwen3", vocab_size=151936, **v)) for k, v in REAL.items()}}
