@@ -21,6 +21,12 @@ for s in $SUITE; do
            --steps "${E2E_STEPS:-12}" --out "$OUT/e2e_gpu_h200.json" ${E2E_SETS:-} ;;
     e2e-async) step e2e_async_h200 300 python bench/e2e_gpu.py --device cuda --cases moe,moe-sync \
            --steps 16 --out "$OUT/e2e_async_h200.json" ${ASYNC_SETS:-} ;;
+    async-mps)  # the same fully_async vs sync pair with the MPS daemon up (engine and trainer
+      # kernels then run concurrently instead of time-slicing the GPU between the two processes)
+      nvidia-cuda-mps-control -d && echo "MPS daemon started" >&2
+      step e2e_async_mps_h200 330 python bench/e2e_gpu.py --device cuda --cases "${MPS_CASES:-moe,moe-sync}" \
+           --steps 16 --out "$OUT/e2e_async_mps_h200.json" ${ASYNC_SETS:-}
+      echo quit | nvidia-cuda-mps-control ;;
     tests) step gpu_tests_h200 150 "${PYTEST[@]}" tests/sync/test_sync_publisher.py ${GPU_TESTS:-} ;;
     fp8) step fp8_gemm_h200 150 python bench/gpu/fp8_gemm.py --device cuda --out "$OUT/fp8_gemm_h200.json" ;;
     *) echo "unknown suite step $s" >&2 ;;
