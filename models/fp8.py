@@ -5,6 +5,8 @@ run their forward passes on the same `Ŵ = s · code`, with `code = round(W / s)
 to the code range. One function computes it for both, and it gives the same bits on
 every device and in every process:
 
+- `W` is first rounded to bf16, so fp32 masters, their bf16 forward cast and an fp32 or bf16
+  sync copy of them all give the same codes (`contract_input`).
 - `s` is the dequantization scale of a block (`weight_scale_inv` in DeepSeek-V3-style
   checkpoints): `amax(|W_block|) / 448` in fp32 (1 for an all-zero block).
 - Only ops IEEE 754 rounds one way are used: max, tensor/tensor division, multiplication,
@@ -33,6 +35,7 @@ _MANTISSA_BITS = 3
 _MIN_NORMAL_EXP = -6  # below 2^-6 E4M3 is subnormal: the grid step stays 2^-9
 SCALE_SUFFIX = "_scale_inv"  # `X.weight` -> `X.weight_scale_inv`, the DeepSeek-V3 convention
 DEFAULT_BLOCK = (128, 128)
+CONTRACT_DTYPE = torch.bfloat16  # weights are rounded to it before quantizing (`contract_input`)
 
 
 @dataclass(frozen=True)
@@ -94,9 +97,19 @@ def _blocked(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, int
     return w.view(w.shape[0] // br, br, w.shape[1] // bc, bc), r, c
 
 
+def contract_input(w: torch.Tensor) -> torch.Tensor:
+    """The values the quantizer sees: `w` rounded to bf16 (exact for bf16 weights), in fp32.
+
+    So the codes do not depend on the dtype the weights travel or live in: an fp32 master,
+    its bf16 cast in a mixed-precision forward and a bf16 or fp32 weight-sync copy all give the
+    same codes and scales (bf16 keeps 8 bits of mantissa, E4M3 keeps 4)."""
+    return w.detach().to(CONTRACT_DTYPE).float()
+
+
 def block_scales(w: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK, code_max: float = E4M3_MAX) -> torch.Tensor:
-    """The fp32 dequantization scale of every block: amax / code_max ([Rb, Cb]; 1 for a zero block)."""
-    wb, _, _ = _blocked(w.detach().float(), block)
+    """The fp32 dequantization scale of every block: amax / code_max ([Rb, Cb]; 1 for a zero
+    block), of the weight as the contract sees it (`contract_input`)."""
+    wb, _, _ = _blocked(contract_input(w), block)
     amax = wb.abs().amax(dim=(1, 3))
     s = amax / torch.full_like(amax, code_max)  # tensor / tensor: IEEE division on every device
     return torch.where(s > 0, s, torch.ones_like(s))
@@ -115,7 +128,7 @@ def quantize_blockwise(
     """
     if scale_inv is None:
         scale_inv = block_scales(w, block, float(grid.hi))
-    wb, r, c = _blocked(w.detach().float(), block)
+    wb, r, c = _blocked(contract_input(w) if isinstance(grid, E4M3Grid) else w.detach().float(), block)
     s = scale_inv.to(device=wb.device, dtype=torch.float32)
     if tuple(s.shape) != (wb.shape[0], wb.shape[2]):
         raise ValueError(f"scale_inv shape {tuple(s.shape)} != block grid {(wb.shape[0], wb.shape[2])}")

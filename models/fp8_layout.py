@@ -146,8 +146,8 @@ def quantize_hf_state(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named weights -> the FP8 checkpoint / sync form: every quantized `X.weight` becomes
     `X.weight` (float8_e4m3fn codes, same shape) followed by `X.weight_scale_inv` (fp32);
-    the others pass unchanged. Streams one tensor at a time. Codes come from the tensor as
-    given: feed it the weights in the dtype the trainer's forward computes in.
+    the others pass unchanged. Streams one tensor at a time. Codes are those of the tensor
+    rounded to bf16 (`fp8.contract_input`), whatever its dtype.
 
     `names`: the HF names the model quantizes (`fp8_linear.fp8_hf_names(spec)`); None = every
     name of the standard attention/MLP layout (`QUANTIZED_HF`)."""

@@ -67,7 +67,7 @@ def test_block_scales_partial_blocks_and_zero_blocks() -> None:
     codes, s = quantize_blockwise(w)
     assert codes.dtype == FP8 and codes.shape == w.shape and s.dtype == torch.float32 and s.shape == (3, 2)
     assert s[2, 1] == 1.0 and torch.all(codes[256:, 128:].float() == 0)
-    amax = w[:128, :128].abs().max()
+    amax = w[:128, :128].to(torch.bfloat16).float().abs().max()  # of the bf16-rounded weight
     assert s[0, 0] == amax / torch.tensor(448.0)  # amax / 448 in fp32
     assert codes.float().abs().max() == 448.0  # each block's amax maps to the top code
     w_hat = dequantize_blockwise(codes, s)
@@ -131,6 +131,14 @@ def test_engine_and_trainer_compute_with_identical_weights(arch: str) -> None:
     assert views["model.layers.0.self_attn.k_proj.weight_scale_inv"].shape == (
         -(-spec.num_kv_heads * spec.head_dim // 32), -(-spec.hidden_size // 32))
     assert views["model.embed_tokens.weight"].dtype == torch.float32
+
+
+def test_codes_do_not_depend_on_the_weight_dtype() -> None:
+    """fp32 masters, their bf16 cast and an fp32 or bf16 sync copy give the same codes."""
+    w = torch.randn(200, 300, generator=torch.Generator().manual_seed(9))
+    c32, s32 = quantize_blockwise(w)
+    c16, s16 = quantize_blockwise(w.to(torch.bfloat16))
+    assert torch.equal(c32.view(torch.uint8), c16.view(torch.uint8)) and torch.equal(s32, s16)
 
 
 def test_straight_through_gradient() -> None:

@@ -45,9 +45,10 @@ def _batch(ps: list[list[int]], res: list[GenerateResult]) -> TrainBatch:
         for k, r in enumerate(res)])
 
 
-async def _fp8_sync(trainer: FSDPTrainer, engine: TorchEngine, version: int, dtype: torch.dtype) -> None:
-    # the export cast to the trainer's compute dtype, then quantized: the codes its forward uses
-    named = ((n, t.detach().to(dtype)) for n, t in trainer.export_hf_state())
+async def _fp8_sync(trainer: FSDPTrainer, engine: TorchEngine, version: int) -> None:
+    # the fp32 masters as exported (bf16 case: not cast to the compute dtype first): the codes
+    # are those of the bf16-rounded weights either way, as in the trainer's forward
+    named = ((n, t.detach()) for n, t in trainer.export_hf_state())
     staged = [(n, t.clone()) for n, t in quantize_hf_state(named, BLOCK)]
     assert any(t.dtype == FP8 for _, t in staged)
     await engine.stage(version, staged)
@@ -68,12 +69,12 @@ async def _max_diff(trainer_spec: ModelSpec, dtype: torch.dtype, device: str = "
                          batch_invariant=True)
     worst = 0.0
     try:
-        await _fp8_sync(trainer, engine, 0, dtype)
+        await _fp8_sync(trainer, engine, 0)
         for step in range(2):  # the second rollout runs on trained, FP8-synced weights
             ps, res = await _rollout(engine, step)
             m = trainer.train_step(_batch(ps, res))
             worst = max(worst, m["train/train_rollout_logprob_abs_diff_max"])
-            await _fp8_sync(trainer, engine, step + 1, dtype)
+            await _fp8_sync(trainer, engine, step + 1)
     finally:
         await engine.close()
         trainer.close()
