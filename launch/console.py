@@ -48,11 +48,18 @@ def progress_line(rec: dict[str, Any], total: int, rewards: list[float], elapsed
     return " | ".join(parts)
 
 
-class _Tail:
-    """New complete lines of a growing file."""
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
-    def __init__(self, path: Path) -> None:
-        self.path, self.pos, self.rest = path, 0, b""
+
+class _Tail:
+    """New complete lines of a growing file, from byte `pos` on."""
+
+    def __init__(self, path: Path, pos: int = 0) -> None:
+        self.path, self.pos, self.rest = path, pos, b""
 
     def lines(self) -> list[str]:
         try:
@@ -76,7 +83,9 @@ class Console:
         self.total = total_steps
         self.progress, self.forward_warnings = progress, forward_warnings
         self.out = out or sys.stdout
-        self._metrics = _Tail(self.run_dir / "metrics.jsonl")
+        # a resumed (or reused) run directory appends: show only what this launch adds
+        self._metrics = _Tail(self.run_dir / "metrics.jsonl", _size(self.run_dir / "metrics.jsonl"))
+        self._log_start = {f: _size(f) for f in (self.run_dir / "logs").glob("*.log")}
         self._logs: dict[Path, _Tail] = {}
         self._shown: dict[tuple[str, str], int] = {}
         self.rewards: list[float] = []
@@ -95,7 +104,7 @@ class Console:
             for f in sorted((self.run_dir / "logs").glob("*.log")):
                 if f.name == "launcher.log":
                     continue  # the launcher prints its own warnings
-                tail = self._logs.setdefault(f, _Tail(f))
+                tail = self._logs.get(f) or self._logs.setdefault(f, _Tail(f, self._log_start.get(f, 0)))
                 for ln in tail.lines():
                     self._on_log(ln)
 

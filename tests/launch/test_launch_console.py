@@ -68,6 +68,23 @@ def test_console_follows_metrics_and_role_logs(tmp_path: Path) -> None:
     sink.close()
 
 
+def test_a_reused_run_directory_shows_only_the_new_lines(tmp_path: Path) -> None:
+    (tmp_path / "logs").mkdir()
+    sink = MetricsSink(tmp_path, tensorboard=False)
+    sink.write(_row(1))
+    (tmp_path / "logs" / "engine-0.log").write_text(_event("warning", "old_news") + "\n")
+    out = io.StringIO()
+    con = Console(tmp_path, 4, out=out)  # as a resumed launch starts
+    sink.write(_row(2))
+    with (tmp_path / "logs" / "engine-0.log").open("a") as f:
+        f.write(_event("warning", "fresh") + "\n")
+    con.poll()
+    sink.close()
+    lines = out.getvalue().splitlines()
+    assert [ln.split(" |")[0] for ln in lines if ln.startswith("step")] == ["step 2/4  50%"]
+    assert [ln for ln in lines if not ln.startswith("step")] == ["warning [engine-0] fresh"]
+
+
 def test_log_file_gets_json_console_gets_readable_warnings(tmp_path: Path) -> None:
     code = (
         "from miles.core.logging import configure_logging, get_logger\n"
