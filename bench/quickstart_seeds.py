@@ -6,7 +6,8 @@ Each seed is one `miles train examples/quickstart.toml --set run.seed=S` (its ow
 cached after the first run). Per seed: reward mean over the first and the last quarter of
 the steps, the rise between them, and the whole-command wall time. Goal: a rise of at least
 +0.25 on every seed within 3 minutes on 2 cores. Prints a table; the last line is one JSON
-object; the result goes to bench/results/quickstart_seeds_cpu.txt.
+object; the result goes to bench/results/quickstart_seeds_cpu.txt, and the first seed's
+reward plot to bench/results/quickstart_reward_cpu.png (the README's curve).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -51,6 +53,11 @@ def main() -> None:
         for s in a.seeds:
             rows.append(run_seed(s, a.set, Path(tmp) / f"seed{s}"))
             print(f"seed {s}: rise {rows[-1]['rise']:+.3f}", file=sys.stderr, flush=True)
+        first = Path(tmp) / f"seed{a.seeds[0]}"
+        subprocess.run([sys.executable, "-m", "miles.launch.cli", "report", str(first), "--png"],
+                       capture_output=True, check=True)
+        if (first / "reward.png").is_file():
+            shutil.copy(first / "reward.png", Path(a.out).with_name("quickstart_reward_cpu.png"))
     lines = [f"quick start, {os.cpu_count()} cores, load avg at end {os.getloadavg()[0]:.1f}, overrides {a.set}",
              f"{'seed':>4s} {'steps':>5s} {'first 1/4':>9s} {'last 1/4':>9s} {'rise':>7s} {'wall [s]':>8s}"]
     for r in rows:
