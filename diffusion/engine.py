@@ -248,6 +248,7 @@ class DiffusionEngine(Engine):
     async def close(self) -> None:
         self._closed = True
         self._abort_all()
+        self._resumed.set()  # a worker held by an in-place pause must see the close
         self._wake.set()
         if self._worker is not None:
             await asyncio.gather(self._worker, return_exceptions=True)

@@ -16,8 +16,10 @@ deterministic run) - generate a batch, train on it, push the weights, repeat.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +30,7 @@ import torch
 
 from miles.actors.runtime.directory import Directory
 from miles.actors.runtime.host import DIRECTORY_NAME, Host
+from miles.actors.runtime.process import dump_tasks
 from miles.actors.sync import WeightSync
 from miles.core.config import dump_json
 from miles.core.errors import ConfigError
@@ -212,6 +215,8 @@ class DiffusionRecipe:
         self.trainer = DiffusionTrainer(cfg.trainer, prec, self.sched, base.spec, base.state_dict(),
                                         seed=cfg.run.seed, asynchronous=not self.lockstep)
         self.buffer = RolloutBuffer.from_config(cfg.buffer, cfg.n_samples, prompt_source=self._next_prompt)
+        with contextlib.suppress(NotImplementedError, RuntimeError):  # a hung run can be asked where it waits
+            asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump_tasks)
         tcfg = TransportConfig(heartbeat_interval_s=0.5, heartbeat_timeout_s=30.0)
         self.host = Host(tcfg, None)
         await self.host.start()
