@@ -317,8 +317,7 @@ class RolloutActor(Actor):
                 self._collecting = len(groups)
                 if self.buffer.num_waiting != waiting:
                     self._changed.set()  # slots below max_waiting / admission bound may have opened
-                if got:
-                    continue
+                    continue  # something was taken or dropped: look again before waiting
                 # nothing to take yet: the deadline schedule waits for a group due at this version
             self._changed.clear()
             await self._changed.wait()

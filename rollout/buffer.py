@@ -290,36 +290,41 @@ class RolloutBuffer:
     def collect(self, n_groups: int, trainer_version: int) -> list[Group]:
         """Take up to `n_groups` finished groups for the batch of `trainer_version`.
 
-        'arrival': the oldest finished, dropping stale ones on the way. 'deadline': those the
-        plan says to take now (it may take fewer and wait for a group due at this version).
-        Call again with the rest of the batch as groups finish.
+        'arrival' / 'budget': the oldest finished, dropping stale ones on the way ('arrival'),
+        so it returns nothing only when nothing fresh is waiting. 'deadline': those the plan
+        says to take now (it may take fewer and wait for a group due at this version). Call
+        again with the rest of the batch as groups finish.
         """
         self.set_version(trainer_version)
+        out: list[Group] = []
         if self.schedule == "deadline":
             picked = self._plan(n_groups, trainer_version)[0]
             ids = {id(g) for g in picked}
             self._waiting = deque(g for g in self._waiting if id(g) not in ids)
+            out = [g for g in picked if self._train_or_drop(g, trainer_version)]
         else:
-            picked = []
-            while self._waiting and len(picked) < n_groups:
-                picked.append(self._waiting.popleft())
-        out: list[Group] = []
-        for g in picked:
-            st = self.staleness(g, trainer_version)
-            if self.max_staleness is not None and st > self.max_staleness and self.schedule != "budget":
-                self._stale += 1
-                self.totals["stale_groups_filtered"] += 1
-                self.bias.dropped(g, "stale")
-                self._drop(g.prompt_id, int(g.metadata["attempt"]), "stale", retryable=True)
-                continue
-            self.ledger.train(g.prompt_id, trainer_version)
-            self._drawn_staleness.append(st)
-            self.bias.trained(g)
-            out.append(g)
+            while self._waiting and len(out) < n_groups:
+                g = self._waiting.popleft()
+                if self._train_or_drop(g, trainer_version):
+                    out.append(g)
         v, k = self._taken
         self._taken = (trainer_version, (k if v == trainer_version else 0) + len(out))
         self.totals["groups_trained"] += len(out)
         return out
+
+    def _train_or_drop(self, g: Group, trainer_version: int) -> bool:
+        """Hand a group to the trainer (True), or drop it as stale ('budget' never does)."""
+        st = self.staleness(g, trainer_version)
+        if self.max_staleness is not None and st > self.max_staleness and self.schedule != "budget":
+            self._stale += 1
+            self.totals["stale_groups_filtered"] += 1
+            self.bias.dropped(g, "stale")
+            self._drop(g.prompt_id, int(g.metadata["attempt"]), "stale", retryable=True)
+            return False
+        self.ledger.train(g.prompt_id, trainer_version)
+        self._drawn_staleness.append(st)
+        self.bias.trained(g)
+        return True
 
     def step_metrics(self, trainer_version: int) -> dict[str, float]:
         """The metrics of one training step (counters since the previous call), then reset."""

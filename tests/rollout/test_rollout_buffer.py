@@ -240,3 +240,18 @@ def test_deadline_waits_for_an_overtaken_group() -> None:
             buf.set_version(version)
         running += [(x, version) for x in buf.fill()]
     assert trained_at["p0"] <= 1 and buf.ledger.drop_events["stale"] == 0
+
+
+def test_arrival_collect_skips_stale_groups_to_fresh_ones() -> None:
+    """A full queue of stale groups must not hide a fresh one behind them (the caller would wait
+    for a change that, with the queue at max_waiting and nothing generating, never comes)."""
+    buf = RolloutBuffer(capacity=3, n_samples=1, max_staleness=0, max_waiting=3)
+    buf.add_prompts([prompt(p) for p in "ABC"])
+    a, b, c = buf.fill()
+    buf.finish(a, traj(0))
+    buf.finish(b, traj(0))
+    buf.finish(c, traj(1))
+    assert buf.fill() == []  # three wait: no new group
+    got = buf.collect(1, trainer_version=1)
+    assert [g.prompt_id for g in got] == ["C"] and buf.num_waiting == 0
+    assert buf.ledger.drop_events["stale"] == 2
