@@ -80,7 +80,7 @@ def round_e4m3(x: torch.Tensor) -> torch.Tensor:
     exp = ((a.view(torch.int32) >> 23) & 0xFF) - 127
     exp = exp.clamp(min=_MIN_NORMAL_EXP)
     q = torch.round(a * _pow2(_MANTISSA_BITS - exp)) * _pow2(exp - _MANTISSA_BITS)
-    return torch.where(x < 0, -q, q)
+    return torch.where((x < 0) & (q > 0), -q, q)  # zero codes are +0: re-quantizing Ŵ gives them back
 
 
 def _blocked(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, int, int]:

@@ -141,6 +141,17 @@ def test_codes_do_not_depend_on_the_weight_dtype() -> None:
     assert torch.equal(c32.view(torch.uint8), c16.view(torch.uint8)) and torch.equal(s32, s16)
 
 
+def test_requantizing_the_dequantized_weights_gives_the_same_codes() -> None:
+    """A loaded FP8 checkpoint is dequantized, then both sides quantize it again: that must give
+    the file's codes and scales back (the amax is a bf16 value, zero codes are +0)."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        w = torch.randn(384, 384, generator=g) * torch.logspace(-8, 4, 384)[torch.randperm(384, generator=g)][:, None]
+        c, s = quantize_blockwise(w)
+        c2, s2 = quantize_blockwise(dequantize_blockwise(c, s))
+        assert torch.equal(c.view(torch.uint8), c2.view(torch.uint8)) and torch.equal(s, s2)
+
+
 def test_straight_through_gradient() -> None:
     spec = _spec("qwen3")
     m = build_model(spec, seed=2)
