@@ -234,3 +234,30 @@ def test_cuda_fp8_gemm_matches_the_dequantized_weights() -> None:
     assert not _gemm_broken, _gemm_broken  # the real FP8 kernel ran
     ref = F.linear(x.float(), dequantize_rows(lin.weight, lin.weight_scale_inv, plan, torch.float32))
     assert float((y.float() - ref).norm() / ref.norm()) < 0.05  # activations rounded to FP8 too
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (FP8 GEMMs inside decode CUDA graphs)")
+async def test_cuda_engine_decodes_on_fp8_gemms() -> None:
+    from miles.core.schema.engine import EngineConfig
+    from miles.engines.base import GenerateRequest, SamplingParams
+    from miles.models.fp8_linear import _gemm_broken
+    from miles.models.logprobs import token_logprobs
+
+    cfg = tiny_config("qwen3", vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=128)
+    spec = with_fp8(ModelSpec.from_hf(cfg), (128, 128))
+    engine = TorchEngine(build_model(spec, dtype=torch.bfloat16, device="cuda", seed=0),
+                         EngineConfig(device="cuda", max_batch_size=8))
+    trainer = build_model(spec, dtype=torch.bfloat16, device="cuda", seed=0)
+    try:
+        prompt = list(range(1, 9))
+        res = await engine.generate(GenerateRequest(prompt, SamplingParams(temperature=0.0, max_new_tokens=8)))
+        assert not _gemm_broken, _gemm_broken
+        ids = torch.tensor([prompt + res.output_ids[:-1]], device="cuda")
+        logits = trainer(ids).logits[0, len(prompt) - 1:]
+        lp = token_logprobs(logits.float(), torch.tensor(res.output_ids, device="cuda"), 1.0)
+        # same weights; only the engine's FP8 activation rounding differs
+        assert (lp.cpu() - torch.tensor(res.logprobs)).abs().max() < 0.1
+    finally:
+        await engine.close()
