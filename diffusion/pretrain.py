@@ -55,7 +55,7 @@ def pretrain(spec: FlowUNetSpec, plan: PretrainPlan) -> tuple[FlowUNet, list[flo
         opt.step()
         losses.append(float(loss.detach()))
         if step % 200 == 0:
-            log.info("pretrain_step", step=step, loss=round(float(loss), 4))
+            log.info("pretrain_step", step=step, loss=round(losses[-1], 4))
         if plan.time_budget_s and time.perf_counter() - t0 > plan.time_budget_s:
             log.info("pretrain_time_budget_reached", step=step, seconds=round(time.perf_counter() - t0, 1))
             break
