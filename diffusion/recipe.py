@@ -109,6 +109,7 @@ class DiffusionRecipe:
         self._deferred: list[Work] = []
         self._inflight: set[asyncio.Task[None]] = set()
         self.failed: list[str] = []
+        self._crash: BaseException | None = None
 
     # ---------------------------------------------------------------- prompts and generation
     def _next_prompt(self) -> dict[str, Any]:
@@ -130,7 +131,15 @@ class DiffusionRecipe:
             return
         task = asyncio.ensure_future(self._generate(works))
         self._inflight.add(task)
-        task.add_done_callback(self._inflight.discard)
+        task.add_done_callback(self._generation_done)
+
+    def _generation_done(self, task: asyncio.Task[None]) -> None:
+        self._inflight.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            # a bug here would leave the trainer waiting for groups that never come: stop the run
+            self._crash = task.exception()
+            log.error("generation_task_crashed", error=repr(self._crash))
+            self._changed.set()
 
     async def _generate(self, works: list[Work]) -> None:
         ids = [f"{w.group_id}/{w.sample_index}" for w in works]
@@ -174,6 +183,8 @@ class DiffusionRecipe:
         got: list[Group] = []
         while True:
             self._changed.clear()
+            if self._crash is not None:
+                raise self._crash
             got += self.buffer.collect(want - len(got), self.trainer.weight_version)
             self._dispatch(self.buffer.fill())  # collection freed waiting room
             if len(got) >= want:
