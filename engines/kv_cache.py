@@ -26,14 +26,14 @@ class RowPool:
     """
 
     def __init__(self, spec: ModelSpec, rows: int, max_seq_len: int, dtype: torch.dtype, device: torch.device):
-        heads, kd, vd = spec.kv_cache_dims
-        k_shape, v_shape = (rows, heads, max_seq_len + 1, kd), (rows, heads, max_seq_len + 1, vd)
-        self.k = [torch.zeros(k_shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
-        self.v = [torch.zeros(v_shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+        self.k, self.v = [], []
+        for layer in range(spec.num_layers):  # dims may differ per layer (qwen3_next's DeltaNet)
+            heads, kd, vd = spec.kv_cache_dims_at(layer)
+            self.k.append(torch.zeros((rows, heads, max_seq_len + 1, kd), dtype=dtype, device=device))
+            self.v.append(torch.zeros((rows, heads, max_seq_len + 1, vd), dtype=dtype, device=device))
         self.max_seq_len = max_seq_len
         self._r0 = 0
-        self._index = torch.zeros(0, 0, 0, 0, dtype=torch.long, device=device)
-        self._v_index = self._index
+        self._index: dict[tuple[int, int], torch.Tensor] = {}
         self._read = 0
 
     def bytes_per_token(self) -> int:
@@ -43,20 +43,21 @@ class RowPool:
     def bind(self, r0: int, pos: torch.Tensor, read_len: int) -> None:
         """The next forward writes rows r0..r0+n-1 at positions pos [n, T] and reads :read_len."""
         n, t = pos.shape
-        _, kvh, _, kd = self.k[0].shape
-        vd = self.v[0].shape[-1]
         self._r0 = r0
-        # one scatter index for every layer: [n, heads, T, dim] positions along dim 2
+        # one scatter index per distinct cache shape: [n, heads, T, dim] positions along dim 2
         at = pos.clamp(max=self.max_seq_len)[:, None, :, None]
-        self._index = at.expand(n, kvh, t, kd)
-        self._v_index = self._index if vd == kd else at.expand(n, kvh, t, vd)
+        self._index = {}
+        for c in (*self.k, *self.v):
+            key = (c.shape[1], c.shape[3])
+            if key not in self._index:
+                self._index[key] = at.expand(n, key[0], t, key[1])
         self._read = read_len
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n = k.shape[0]
         kr, vr = self.k[layer][self._r0 : self._r0 + n], self.v[layer][self._r0 : self._r0 + n]
-        kr.scatter_(2, self._index, k)
-        vr.scatter_(2, self._v_index, v)
+        kr.scatter_(2, self._index[(kr.shape[1], kr.shape[3])], k)
+        vr.scatter_(2, self._index[(vr.shape[1], vr.shape[3])], v)
         return kr[:, :, : self._read], vr[:, :, : self._read]
 
     def move(self, src: int, dst: int, length: int) -> None:

@@ -1,5 +1,6 @@
 """HF config parsing for the parts beyond Llama/Qwen: sliding windows, DeepSeek-style MoE
-routing (GLM-4.5 / DeepSeek-V3 / Kimi K2) and multi-head latent attention (MLA).
+routing (GLM-4.5 / DeepSeek-V3 / Kimi K2), multi-head latent attention (MLA), gpt-oss and
+Qwen3-Next's hybrid layers.
 
 `ModelSpec.from_hf` calls these; each returns keyword fields for `ModelSpec` and raises
 ConfigError naming the offending config key.
@@ -12,13 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles.core.errors import ConfigError
-
-# Architectures whose HF class is known but not implemented: refused at load with the reason.
-UNSUPPORTED: dict[str, str] = {
-    "Qwen3NextForCausalLM": "qwen3_next: Gated DeltaNet (linear attention) layers and gated attention "
-    "are not implemented in miles.models",
-}
-UNSUPPORTED_TYPES: dict[str, str] = {"qwen3_next": UNSUPPORTED["Qwen3NextForCausalLM"]}
 
 Getter = Callable[..., Any]
 
@@ -39,6 +33,24 @@ class MLASpec:
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class DeltaNetDims:
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.num_k_heads * self.k_head_dim + self.num_v_heads * self.v_head_dim
+
+    @property
+    def history_dim(self) -> int:
+        """Per-token values the engine caches for one DeltaNet layer: conv inputs, b, a."""
+        return self.conv_dim + 2 * self.num_v_heads
 
 
 def sliding_fields(cfg: dict[str, Any], model_type: str, n_layers: int, get: Getter) -> dict[str, Any]:
@@ -152,4 +164,37 @@ def gpt_oss_fields(cfg: dict[str, Any], n_layers: int, get: Getter) -> dict[str,
         moe_intermediate_size=get("intermediate_size"),
         moe_layers=tuple(range(n_layers)),
         router="topk_softmax",
+    )
+
+
+def qwen3_next_fields(cfg: dict[str, Any], n_layers: int, get: Getter) -> dict[str, Any]:
+    """Gated DeltaNet layers where `layer_types` says 'linear_attention' (default: all but
+    every `full_attention_interval`-th), their dims, and the sigmoid-gated shared expert."""
+    types = cfg.get("layer_types")
+    if types is None:
+        every = get("full_attention_interval", 4)
+        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n_layers)]
+    if not isinstance(types, list) or len(types) != n_layers or not set(types) <= {
+        "full_attention", "linear_attention"
+    }:
+        raise ConfigError(
+            f"model config (qwen3_next): layer_types must list 'full_attention'/'linear_attention' "
+            f"for each of the {n_layers} layers, got {types!r}"
+        )
+    dims = DeltaNetDims(
+        num_k_heads=get("linear_num_key_heads"),
+        num_v_heads=get("linear_num_value_heads"),
+        k_head_dim=get("linear_key_head_dim"),
+        v_head_dim=get("linear_value_head_dim"),
+        conv_kernel=get("linear_conv_kernel_dim", 4),
+    )
+    if dims.num_v_heads % dims.num_k_heads:
+        raise ConfigError(
+            f"model config (qwen3_next): linear_num_value_heads={dims.num_v_heads} is not a multiple "
+            f"of linear_num_key_heads={dims.num_k_heads}"
+        )
+    return dict(
+        deltanet=dims,
+        linear_layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
+        shared_expert_intermediate_size=get("shared_expert_intermediate_size", 0),
     )

@@ -14,12 +14,12 @@ from typing import Any
 
 from miles.core.errors import ConfigError
 from miles.models.arch_config import (
-    UNSUPPORTED,
-    UNSUPPORTED_TYPES,
+    DeltaNetDims,
     MLASpec,
     deepseek_moe_fields,
     gpt_oss_fields,
     mla_fields,
+    qwen3_next_fields,
     sliding_fields,
 )
 from miles.models.rope import RopeSpec
@@ -33,6 +33,7 @@ ARCHITECTURES: dict[str, str] = {
     "Glm4MoeForCausalLM": "glm4_moe",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "GptOssForCausalLM": "gpt_oss",
+    "Qwen3NextForCausalLM": "qwen3_next",
 }
 MODEL_TYPES: dict[str, str] = {v: k for k, v in ARCHITECTURES.items()}
 
@@ -71,6 +72,8 @@ class ModelSpec:
     routed_scaling_factor: float = 1.0
     shared_expert_intermediate_size: int = 0  # 0 = no shared experts
     mla: MLASpec | None = None
+    deltanet: DeltaNetDims | None = None  # qwen3_next: dims of its Gated DeltaNet layers
+    linear_layers: tuple[int, ...] = ()  # qwen3_next: the Gated DeltaNet layers
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -93,6 +96,12 @@ class ModelSpec:
     def attn_groups(self) -> int:
         """Query heads per cached K/V head in the attention mask layout (MLA: 1, every head its own)."""
         return 1 if self.mla else self.num_heads // self.num_kv_heads
+
+    def kv_cache_dims_at(self, layer: int) -> tuple[int, int, int]:
+        """`kv_cache_dims` of one layer; a Gated DeltaNet layer caches its per-token inputs."""
+        if self.deltanet is not None and layer in self.linear_layers:
+            return 1, self.deltanet.history_dim, 0
+        return self.kv_cache_dims
 
     @property
     def kv_cache_dims(self) -> tuple[int, int, int]:
@@ -144,6 +153,8 @@ class ModelSpec:
             extra.update(deepseek_moe_fields(cfg, model_type, n_layers, get))
         if model_type == "gpt_oss":
             extra.update(gpt_oss_fields(cfg, n_layers, get))
+        if model_type == "qwen3_next":
+            extra.update(qwen3_next_fields(cfg, n_layers, get))
         rope_dim = extra["mla"].qk_rope_head_dim if "mla" in extra else head_dim
         rope = RopeSpec.from_hf(cfg, model_type, rope_dim)
         rope_theta = rope.theta
@@ -168,7 +179,7 @@ class ModelSpec:
             rope=None if rope.rope_type == "default" and rope.dim == head_dim else rope,
             **extra,
         )
-        if model_type == "qwen3_moe":
+        if model_type in ("qwen3_moe", "qwen3_next"):
             n_exp = cfg.get("num_experts", cfg.get("num_local_experts"))
             if not isinstance(n_exp, int) or n_exp < 0:
                 raise ConfigError(f"model config (qwen3_moe): num_experts={n_exp!r} must be an int >= 0")
@@ -213,16 +224,12 @@ def _model_type(cfg: dict[str, Any]) -> str:
     archs = cfg.get("architectures") or []
     if archs:
         name = archs[0]
-        if name in UNSUPPORTED:
-            raise ConfigError(f"model architecture {name!r} is not supported: {UNSUPPORTED[name]}")
         if name not in ARCHITECTURES:
             raise ConfigError(
                 f"unknown model architecture {name!r}; supported: {', '.join(sorted(ARCHITECTURES))}"
             )
         return ARCHITECTURES[name]
     mt = cfg.get("model_type")
-    if mt in UNSUPPORTED_TYPES:
-        raise ConfigError(f"model_type {mt!r} is not supported: {UNSUPPORTED_TYPES[mt]}")
     if mt not in MODEL_TYPES:
         raise ConfigError(
             f"unknown model_type {mt!r} (and no 'architectures'); supported: {', '.join(sorted(MODEL_TYPES))}"

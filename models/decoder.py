@@ -20,6 +20,7 @@ from miles.models.layers import MLP, Attention, KVCache, RMSNorm, grouped_bias, 
 from miles.models.masks import packed_causal_mask, packed_position_ids, sliding_window_mask
 from miles.models.mla import MLAttention
 from miles.models.moe import MoEBlock
+from miles.models.qwen3_next import GatedAttention, GatedDeltaNet, ZcRMSNorm, zc_rms_norm
 from miles.models.rope import Rotary, rotary_tables
 
 
@@ -46,11 +47,16 @@ def _check_head_args(b: int, logits_at: torch.Tensor | None, logits_index: torch
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, layer: int) -> None:
         super().__init__()
-        self.self_attn: nn.Module = (
-            MLAttention(spec, layer) if spec.mla
-            else SinkAttention(spec, layer) if spec.model_type == "gpt_oss"
-            else Attention(spec, layer)
-        )
+        self.linear = layer in spec.linear_layers
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(spec, layer)
+        else:
+            self.self_attn: nn.Module = (
+                MLAttention(spec, layer) if spec.mla
+                else SinkAttention(spec, layer) if spec.model_type == "gpt_oss"
+                else GatedAttention(spec, layer) if spec.model_type == "qwen3_next"
+                else Attention(spec, layer)
+            )
         self.sliding = layer in spec.sliding_layers
         self.is_moe = layer in spec.moe_layers
         self.mlp: nn.Module = (
@@ -60,8 +66,11 @@ class DecoderLayer(nn.Module):
             if self.is_moe
             else MLP(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
         )
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        zc = spec.model_type == "qwen3_next"  # zero-centred norms: weight + 1 scales
+        norm = ZcRMSNorm if zc else RMSNorm
+        self.input_layernorm: nn.Module = norm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm: nn.Module = norm(spec.hidden_size, spec.rms_norm_eps)
+        self._norm = zc_rms_norm if zc else rms_norm
 
     def forward(
         self,
@@ -71,15 +80,21 @@ class DecoderLayer(nn.Module):
         bias: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
         given_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """h: [B, T, H] -> (new h [B, T, H], expert ids [B, T, k] for a MoE layer else None).
 
         A real forward (rather than the LM reaching into the block) so that FSDP2 can shard
         one unit per block: its pre-forward hook gathers exactly this block's weights.
         """
-        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        h = h + self.self_attn(rms_norm(h, ln1.weight, ln1.eps), cos, sin, bias, kv_cache)
-        x = rms_norm(h, ln2.weight, ln2.eps)
+        ln1, ln2, norm = self.input_layernorm, self.post_attention_layernorm, self._norm
+        x = norm(h, ln1.weight, ln1.eps)
+        if self.linear:
+            assert position_ids is not None
+            h = h + self.linear_attn(x, position_ids, kv_cache)
+        else:
+            h = h + self.self_attn(x, cos, sin, bias, kv_cache)
+        x = norm(h, ln2.weight, ln2.eps)
         if self.is_moe:
             y, ids = self.mlp(x, given_ids)
             return h + y, ids
@@ -91,7 +106,9 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.norm: nn.Module = (ZcRMSNorm if spec.model_type == "qwen3_next" else RMSNorm)(
+            spec.hidden_size, spec.rms_norm_eps
+        )
         self.rotary = Rotary(spec.rope_spec)
 
 
@@ -119,6 +136,9 @@ class CausalLM(nn.Module):
                 p.zero_()
             else:
                 p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
+        for m in self.modules():
+            if isinstance(m, ZcRMSNorm):  # scale 1 + weight: weight 0 is the identity scale
+                m.weight.zero_()
 
     def forward(
         self,
@@ -204,7 +224,7 @@ class CausalLM(nn.Module):
             if layer.is_moe:
                 given = routed_experts[:, :, j] if routed_experts is not None else None
                 j += 1
-            h, ids = layer(h, cos, sin, window_bias if layer.sliding else bias, kv_cache, given)
+            h, ids = layer(h, cos, sin, window_bias if layer.sliding else bias, kv_cache, given, position_ids)
             if return_routed_experts and ids is not None:
                 used.append(ids)
         logits, hidden = self._head(h, logits_at, logits_index, return_hidden, compute_logits)

@@ -166,6 +166,8 @@ def _is_mtp_layer(spec: ModelSpec, name: str) -> bool:
     """DeepSeek-V3 / GLM-4.5 checkpoints append their multi-token-prediction modules as
     `model.layers.{num_hidden_layers + i}`; transformers skips them at load too."""
     parts = name.split(".")
+    if spec.model_type == "qwen3_next":
+        return parts[0] == "mtp"
     return (
         spec.model_type in ("glm4_moe", "deepseek_v3")
         and len(parts) > 2

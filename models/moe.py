@@ -177,7 +177,10 @@ class MoEBlock(nn.Module):
         self.scale = spec.routed_scaling_factor
         self.experts = Experts(spec.num_experts, spec.hidden_size, spec.moe_intermediate_size)
         inter = spec.shared_expert_intermediate_size
-        self.shared_experts = MLP(spec.hidden_size, inter) if inter else None
+        gated = spec.model_type == "qwen3_next"  # its one shared expert is scaled by a sigmoid gate
+        self.shared_experts = MLP(spec.hidden_size, inter) if inter and not gated else None
+        self.shared_expert = MLP(spec.hidden_size, inter) if inter and gated else None
+        self.shared_expert_gate = nn.Linear(spec.hidden_size, 1, bias=False) if inter and gated else None
 
     def _route(self, flat: torch.Tensor, given: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """flat [N, H] -> (weights [N, k] in the logits' dtype, ids [N, k] int64)."""
@@ -217,4 +220,7 @@ class MoEBlock(nn.Module):
         out = self.experts(flat, ids, top_w)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            gate = torch.sigmoid(F.linear(flat, self.shared_expert_gate.weight))
+            out = out + gate * self.shared_expert(flat)
         return out.unflatten(0, (b, t)).clone(), ids.unflatten(0, (b, t)).clone()

@@ -10,7 +10,7 @@ from miles.models.config import ARCHITECTURES, MODEL_TYPES
 
 def tiny_config(arch: str, vocab_size: int = 256, **overrides: Any) -> dict[str, Any]:
     """An HF config.json dict for a tiny model of `arch` ('llama', 'qwen2', 'qwen3', 'qwen3_moe',
-    'glm4_moe', 'deepseek_v3', 'gpt_oss' or the HF class name); keyword overrides replace or add keys."""
+    'glm4_moe', 'deepseek_v3', 'gpt_oss', 'qwen3_next' or the HF class name); keyword overrides replace or add keys."""
     model_type = ARCHITECTURES.get(arch, arch)
     if model_type not in MODEL_TYPES:
         raise ConfigError(f"unknown tiny preset {arch!r}; valid: {', '.join(sorted(MODEL_TYPES))}")
@@ -39,6 +39,25 @@ def tiny_config(arch: str, vocab_size: int = 256, **overrides: Any) -> dict[str,
         cfg["mlp_bias"] = False
     if model_type == "qwen2":
         cfg["use_sliding_window"] = False
+    if model_type == "qwen3_next":
+        cfg.update(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            layer_types=["linear_attention", "full_attention"],
+            partial_rotary_factor=0.25,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=12,
+            linear_conv_kernel_dim=4,
+            router_aux_loss_coef=0.0,
+            output_router_logits=False,
+        )
     if model_type == "qwen3_moe":
         cfg.update(
             num_experts=8,

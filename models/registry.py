@@ -21,6 +21,7 @@ MODELS = Registry(
         "Glm4MoeForCausalLM": "miles.models.decoder:CausalLM",
         "DeepseekV3ForCausalLM": "miles.models.decoder:CausalLM",
         "GptOssForCausalLM": "miles.models.decoder:CausalLM",
+        "Qwen3NextForCausalLM": "miles.models.decoder:CausalLM",
     },
 )
 

@@ -60,7 +60,8 @@ class RopeSpec:
         theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
         if not isinstance(theta, int | float) or isinstance(theta, bool) or theta <= 0:
             raise ConfigError(f"model config ({model_type}): rope_theta={theta!r} must be a positive number")
-        partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+        default_partial = {"glm4_moe": 0.5, "qwen3_next": 0.25}.get(model_type, 1.0)  # transformers' defaults
+        partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default_partial))
         if not isinstance(partial, int | float) or not 0 < partial <= 1:
             raise ConfigError(f"model config ({model_type}): partial_rotary_factor={partial!r} must be in (0, 1]")
         dim = int(head_dim * partial)

@@ -27,6 +27,13 @@ from miles.trainer.megatron.available import transformer_engine_installed
 
 def check_parallel(mc: MegatronConfig, spec: ModelSpec, world: int) -> tuple[int, int, int]:
     """(tp, ep, dp) for `world` ranks; ConfigError naming the field when they do not fit."""
+    if spec.model_type in ("glm4_moe", "deepseek_v3", "gpt_oss", "qwen3_next"):
+        # the layout maps fused GQA q/k/v and a softmax router; MLA, the sigmoid group-limited
+        # router with its bias correction, shared experts, attention sinks, biased experts and
+        # Gated DeltaNet layers have no mapping here yet
+        raise ConfigError(f"the megatron backend does not map {spec.model_type} (MLA / sigmoid router / "
+                          "shared experts / attention sinks / biased experts / Gated DeltaNet); "
+                          "train it with trainer.backend='fsdp'")
     tp, pp, ep = mc.tensor_parallel_size, mc.pipeline_parallel_size, mc.expert_parallel_size
     for name, v in (("tensor", tp), ("pipeline", pp), ("expert", ep)):
         if v < 1:
@@ -66,12 +73,6 @@ def check_parallel(mc: MegatronConfig, spec: ModelSpec, world: int) -> tuple[int
         )
     if spec.rope_theta != int(spec.rope_theta):
         raise ConfigError(f"megatron takes an integer rotary base; rope_theta={spec.rope_theta}")
-    if spec.model_type in ("glm4_moe", "deepseek_v3", "gpt_oss"):
-        # the layout maps fused GQA q/k/v and a softmax router; MLA, the sigmoid group-limited
-        # router with its bias correction, shared experts, attention sinks and biased experts
-        # have no mapping here yet
-        raise ConfigError(f"the megatron backend does not map {spec.model_type} (MLA / sigmoid router / "
-                          "shared experts / attention sinks / biased experts); train it with trainer.backend='fsdp'")
     if spec.rope is not None or spec.sliding_layers:
         raise ConfigError("the megatron backend maps only the default full-width rope without sliding "
                           f"windows; got rope_type={spec.rope_spec.rope_type!r}, rotary dim {spec.rope_spec.dim}, "
