@@ -18,6 +18,7 @@ from typing import Any
 import zmq
 
 from miles.actors.runtime.actor import Actor, Mailbox
+from miles.actors.runtime.liveness import DIRECTORY_NAME, heartbeat_thread, rejoin
 from miles.actors.runtime.messages import (
     DEATH_TOPIC,
     DeathNotice,
@@ -52,7 +53,6 @@ from miles.transport.sockets import (
 )
 
 log = get_logger("miles.host")
-DIRECTORY_NAME = "directory"
 
 
 class Host:
@@ -449,38 +449,7 @@ class Host:
                 directory.beat(Heartbeat(self.host_id, names, self.loop_lag_ms))  # type: ignore[attr-defined]
 
     def _heartbeat_thread(self, address: str) -> None:
-        """Beat from a thread with its own socket, while the loop has ticked within the stall bound."""
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        apply_options(sock, hwm=4, linger_ms=0)  # a few beats queue at most; older ones are moot
-        try:
-            if self.cfg.curve_client_key:
-                make_curve_client(sock, self.cfg.curve_client_key, self.cfg.curve_public_key)
-            sock.connect(address)
-            warned = False
-            while not self._beat_stop.wait(self.cfg.heartbeat_interval_s):
-                stalled_s = time.monotonic() - self._last_tick
-                if stalled_s > self.cfg.loop_stall_timeout_s:
-                    if not warned:  # silence now lets the directory declare this host dead
-                        log.error("event_loop_stalled", stalled_s=round(stalled_s, 1), host=self.host_id)
-                        warned = True
-                    continue
-                warned = False
-                try:
-                    names = [n for n in list(self.actors) if n != DIRECTORY_NAME]
-                except RuntimeError:  # the dict changed under us: beat next time
-                    continue
-                if not names:
-                    continue
-                beat = Heartbeat(self.host_id, names, max(self.loop_lag_ms, stalled_s * 1e3))
-                try:
-                    sock.send_multipart(codec.encode(codec.TELL, None, DIRECTORY_NAME, beat, None, self.host_id),
-                                        zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    pass  # the directory is not reading: its own stall, see Directory._watch
-        except Exception as exc:  # noqa: BLE001 - a dead heartbeat thread must say why
-            log.error("heartbeat_thread_failed", error=f"{type(exc).__name__}: {exc}")
-        finally:
-            sock.close(0)
+        heartbeat_thread(self, address)
 
     async def _lag_monitor(self, interval: float = 0.1) -> None:
         while True:
@@ -520,29 +489,7 @@ class Host:
 
 
     async def _rejoin(self, notice: DeathNotice) -> None:
-        """Register every actor again under a new incarnation: same names, same address.
-
-        Peers failed their asks to the old incarnation when they heard of its death; its
-        late replies find no pending request and are refused (`stale_replies`).
-        """
-        old = self.host_id
-        self._old_ids.add(old)
-        self.incarnation += 1
-        self.host_id = f"{self._base_id}#{self.incarnation}"
-        log.warning("host_rejoining", old_host=old, host=self.host_id, reason=notice.reason)
-        for name in list(self.actors):
-            if name == DIRECTORY_NAME:
-                continue
-            loc = Location(name, self.address, self.pub_address, self.host_id)
-            self._locations[name] = loc
-            try:
-                await self._directory_ask(Register(name, self.address, self.pub_address, self.host_id))
-            except MilesError as exc:
-                log.error("rejoin_failed", actor=name, error=str(exc))
-                return
-        self._dead_hosts.add(old)
-        log.warning("host_rejoined", host=self.host_id, actors=[n for n in self.actors if n != DIRECTORY_NAME])
-
+        await rejoin(self, notice)
 
 def _expire(fut: asyncio.Future[Any], name: str, address: str, timeout: float, what: str) -> None:
     if not fut.done():
