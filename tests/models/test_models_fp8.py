@@ -81,23 +81,26 @@ def test_block_scales_partial_blocks_and_zero_blocks() -> None:
 
 
 _CHILD = """
-import sys, torch, xxhash
+import torch, xxhash
 from miles.models.fp8 import quantize_blockwise
-g = torch.Generator().manual_seed(3)
-w = (torch.randn(257, 300, generator=g) * torch.logspace(-6, 2, 300)).to(getattr(torch, sys.argv[1]))
-c, s = quantize_blockwise(w, (128, 128))
-print(xxhash.xxh64(c.view(torch.uint8).numpy().tobytes() + s.numpy().tobytes()).hexdigest())
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(257, 300, generator=g) * torch.logspace(-6, 2, 300)).to(dtype)
+    c, s = quantize_blockwise(w, (128, 128))
+    print(xxhash.xxh64(c.view(torch.uint8).numpy().tobytes() + s.numpy().tobytes()).hexdigest())
 """
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_codes_are_bit_identical_in_another_process(dtype: str) -> None:
-    g = torch.Generator().manual_seed(3)
-    w = (torch.randn(257, 300, generator=g) * torch.logspace(-6, 2, 300)).to(getattr(torch, dtype))
-    c, s = quantize_blockwise(w, (128, 128))
-    mine = xxhash.xxh64(c.view(torch.uint8).numpy().tobytes() + s.numpy().tobytes()).hexdigest()
-    out = subprocess.run([sys.executable, "-c", _CHILD, dtype], capture_output=True, text=True, timeout=60, check=True)
-    assert out.stdout.strip() == mine
+def test_codes_are_bit_identical_in_another_process() -> None:
+    """The trainer process and the engine process quantize alike (fp32, bf16, fp16 weights)."""
+    out = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=60, check=True)
+    mine = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        g = torch.Generator().manual_seed(3)
+        w = (torch.randn(257, 300, generator=g) * torch.logspace(-6, 2, 300)).to(dtype)
+        c, s = quantize_blockwise(w, (128, 128))
+        mine.append(xxhash.xxh64(c.view(torch.uint8).numpy().tobytes() + s.numpy().tobytes()).hexdigest())
+    assert out.stdout.split() == mine
 
 
 def _spec(arch: str, block: tuple[int, int] = (32, 32)) -> ModelSpec:
