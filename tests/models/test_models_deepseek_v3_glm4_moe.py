@@ -213,3 +213,11 @@ def test_sglang_client_reads_deepseek_style_moe_layout_and_routes(arch: str) -> 
     raw = np.arange(5 * 3 * 2, dtype=np.int32).reshape(5, 3, 2) % 8
     got = decode_routed_experts(base64.b64encode(raw.tobytes()).decode(), 5, facts, "test")
     assert got.dtype == np.uint8 and np.array_equal(got, raw[:, 1:])
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_next"])
+def test_fp8_is_refused_for_families_outside_the_fp8_contract(arch: str) -> None:
+    from miles.models.fp8_layout import with_fp8
+
+    with pytest.raises(ConfigError, match=f"{arch} under FP8"):
+        build_model(with_fp8(ModelSpec.from_hf(tiny_config(arch)), (16, 16)))
