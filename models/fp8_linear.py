@@ -150,16 +150,17 @@ def _scaled_gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias
 
 
 def _linear_plans(model: nn.Module, block: tuple[int, int]) -> list[tuple[nn.Linear, Fp8Plan]]:
-    """The quantized projections of attention and dense MLP modules, with their HF row split."""
+    """The quantized projections of attention and dense MLP modules, with their HF row split.
+    Exact classes only: a subclass with its own forward may not route through `project`."""
     from miles.models.layers import MLP, Attention
 
     out: list[tuple[nn.Linear, Fp8Plan]] = []
     for mod in model.modules():
-        if isinstance(mod, Attention):
+        if type(mod) is Attention:
             nq, nk = mod.nh * mod.hd, mod.nkv * mod.hd
             out += [(mod.qkv_proj, Fp8Plan(block, (nq, nk, nk))),
                     (mod.o_proj, Fp8Plan(block, (mod.o_proj.weight.shape[0],)))]
-        elif isinstance(mod, MLP):
+        elif type(mod) is MLP:
             out += [(mod.gate_up_proj, Fp8Plan(block, (mod.inter, mod.inter))),
                     (mod.down_proj, Fp8Plan(block, (mod.down_proj.weight.shape[0],)))]
     return out
