@@ -221,3 +221,11 @@ def test_fp8_is_refused_for_families_outside_the_fp8_contract(arch: str) -> None
 
     with pytest.raises(ConfigError, match=f"{arch} under FP8"):
         build_model(with_fp8(ModelSpec.from_hf(tiny_config(arch)), (16, 16)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the H200 bf16 check)")
+@pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3", "gpt_oss", "qwen3_next"])
+async def test_true_on_policy_bitwise_equal_on_cuda_bf16(arch: str) -> None:
+    spec = ModelSpec.from_hf(tiny_config(arch, vocab_size=64, initializer_range=0.1))
+    assert await _max_diff(spec, True, torch.bfloat16, "cuda") == 0.0
