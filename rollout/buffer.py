@@ -109,6 +109,8 @@ class RolloutBuffer:
         self.schedule: Schedule = schedule if max_staleness is not None else "arrival"
         self.version = 0  # the latest weight version the rollout side knows (admission deadlines)
         self._taken = (0, 0)  # (trainer version, groups taken for it so far)
+        self._last_collect: int | None = None  # trainer version of the last collection
+        self.stride = 1  # versions one training step advances, as last seen (deadline admission)
         self.bias = BiasMeter(bias_window)
         self.capacity, self.n = capacity, n_samples
         self.max_staleness, self.retry, self.max_attempts = max_staleness, retry, max_attempts
@@ -191,7 +193,7 @@ class RolloutBuffer:
         outstanding = len(self._open) + len(self._waiting)
         if self.schedule != "arrival":
             assert self.max_staleness is not None
-            return admits(outstanding, self._taken_now(), self.max_staleness, self.batch_groups)
+            return admits(outstanding, self._taken_now(), self.max_staleness, self.batch_groups, self.stride)
         if not self.admission_control:
             return True
         assert self.max_staleness is not None
@@ -281,7 +283,7 @@ class RolloutBuffer:
     def _plan(self, n_groups: int, version: int) -> tuple[list[Group], int]:
         items: list[Outstanding[Group]] = [Outstanding(g.seq, g.deadline, None) for g in self._open.values()]
         items += [Outstanding(int(g.metadata["seq"]), int(g.metadata["deadline"]), g) for g in self._waiting]
-        return plan(items, n_groups, version, self.batch_groups)
+        return plan(items, n_groups, version, self.batch_groups, self.stride)
 
     def waiting_for(self, n_groups: int, trainer_version: int) -> int:
         """Unfinished groups a batch at this version must wait for ('deadline'; 0 for 'arrival')."""
@@ -296,6 +298,9 @@ class RolloutBuffer:
         again with the rest of the batch as groups finish.
         """
         self.set_version(trainer_version)
+        if self._last_collect is not None and trainer_version > self._last_collect:
+            self.stride = trainer_version - self._last_collect
+        self._last_collect = trainer_version
         out: list[Group] = []
         if self.schedule == "deadline":
             picked = self._plan(n_groups, trainer_version)[0]

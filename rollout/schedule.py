@@ -41,25 +41,28 @@ class Outstanding(Generic[T]):
     done: T | None  # the finished group, None while generating
 
 
-def admits(outstanding: int, taken_this_version: int, max_staleness: int, batch_groups: int) -> bool:
-    """May one more group be admitted at the current version?"""
-    return outstanding + taken_this_version < (max_staleness + 1) * batch_groups
+def admits(outstanding: int, taken_this_version: int, max_staleness: int, batch_groups: int,
+           stride: int = 1) -> bool:
+    """May one more group be admitted at the current version? (`stride`: versions per step)"""
+    return outstanding + taken_this_version < (max_staleness // stride + 1) * batch_groups
 
 
-def plan(items: list[Outstanding[T]], room: int, version: int, batch_groups: int) -> tuple[list[T], int]:
+def plan(items: list[Outstanding[T]], room: int, version: int, batch_groups: int,
+         stride: int = 1) -> tuple[list[T], int]:
     """What a collection at `version` with `room` groups still to take should do now.
 
     Returns (finished groups to take now, in admission order; how many unfinished groups the
-    batch must still wait for). Groups past their deadline (only possible after an
-    infeasible restore or an engine that fell behind) count as due now.
+    batch must still wait for). `stride` is how many versions one training step advances
+    (1 unless a trainer publishes more). Groups past their deadline (only possible after an
+    infeasible restore, a change of stride or an engine that fell behind) count as due now.
     """
     order = sorted(items, key=lambda it: it.seq)
     deadlines = sorted({max(it.deadline, version) for it in order})
     chosen: set[int] = set()  # indexes into order
     for d in deadlines:
         upto = [i for i, it in enumerate(order) if max(it.deadline, version) <= d]
-        # later steps (version+1 .. d) take at most batch_groups each; the rest must go now
-        need = len(upto) - (d - version) * batch_groups
+        # the later steps up to version d take at most batch_groups each; the rest must go now
+        need = len(upto) - ((d - version) // stride) * batch_groups
         have = sum(1 for i in chosen if i in upto)
         # finished ones first (no wait), then the oldest unfinished (a wait)
         for i in sorted(upto, key=lambda i: (order[i].done is None, i)):

@@ -7,7 +7,8 @@ version of the tick that sampled them (an in-place update mixes versions; the ol
 counts for staleness). Lengths are long-tailed per prompt: a log-normal budget seeded
 by the prompt, as in rollout/envs/long_tail.py, with a small per-sample spread. The
 trainer collects a batch piece by piece like the rollout actor, then trains for
-`train_ticks` and publishes the next version.
+`train_ticks` and publishes the next version (`version_stride` versions later: a trainer
+may publish more than one version per step).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def budget(prompt_index: int, sample_index: int, median: float, sigma: float, ma
 
 def simulate(schedule: Schedule, admission_control: bool = False, steps: int = 30, capacity: int = 32,
              n: int = 4, batch_groups: int = 4, max_staleness: int = 1, train_ticks: int = 20,
-             median: float = 8.0, sigma: float = 1.0, max_len: int = 120) -> SimRun:
+             median: float = 8.0, sigma: float = 1.0, max_len: int = 120, version_stride: int = 1) -> SimRun:
     counter = iter(range(10**9))
     buf = RolloutBuffer(capacity, n, max_staleness, admission_control=admission_control,
                         batch_groups=batch_groups, schedule=schedule,
@@ -81,7 +82,7 @@ def simulate(schedule: Schedule, admission_control: bool = False, steps: int = 3
         if train_left:
             train_left -= 1
             if not train_left:  # the update lands: a new version, new admissions
-                version += 1
+                version += version_stride
                 buf.set_version(version)
                 start(buf.fill())
             continue

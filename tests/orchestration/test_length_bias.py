@@ -48,3 +48,13 @@ def test_deadline_keeps_throughput(train_ticks: int) -> None:
         return r.trained_len * r.steps / r.ticks
 
     assert rate("deadline", False) >= 0.95 * rate("arrival", True)
+
+
+@pytest.mark.timeout(30)
+def test_deadline_learns_a_trainer_that_publishes_two_versions_a_step() -> None:
+    """Versions advancing by 2 per step: the schedule counts steps, not versions, once it has
+    seen the stride (only the groups admitted before the first stride was seen can go stale)."""
+    run = simulate("deadline", max_staleness=2, version_stride=2)
+    assert run.len_ratio >= 0.9 and run.metrics[-1][P + "len_ratio"] >= 0.9
+    assert sum(r[P + "stale_groups_filtered"] for r in run.metrics[3:]) == 0
+    assert run.stale_groups <= 4  # one batch at most, at the first stride change
