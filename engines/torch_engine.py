@@ -65,7 +65,7 @@ class TorchEngine(Engine):
         self.model = model.eval()
         self.fp8_block = fp8_block(model.spec)
         if self.fp8_block is not None:  # FP8 contract: linear layers hold E4M3 codes + block scales
-            to_fp8_weights(model, self.fp8_block)
+            to_fp8_weights(model, self.fp8_block, gemm=self.cfg.fp8_gemm)
         self.spec = model.spec
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype

@@ -64,7 +64,7 @@ def project(x: torch.Tensor, mod: nn.Linear) -> torch.Tensor:
         return F.linear(x, w, mod.bias)
     if w.dtype == FP8:
         scale = getattr(mod, "weight" + SCALE_SUFFIX)
-        if x.is_cuda and not invariant_active() and _gemm_ok(x, w, plan):
+        if x.is_cuda and getattr(mod, "fp8_gemm", True) and not invariant_active() and _gemm_ok(x, w, plan):
             try:
                 return _scaled_gemm(x, w, scale, mod.bias)
             except (RuntimeError, NotImplementedError) as exc:  # e.g. no blockwise kernels on this GPU
@@ -176,13 +176,15 @@ def attach_fp8(model: nn.Module, block: tuple[int, int]) -> int:
 
 
 @torch.no_grad()
-def to_fp8_weights(model: nn.Module, block: tuple[int, int]) -> int:
+def to_fp8_weights(model: nn.Module, block: tuple[int, int], gemm: bool = True) -> int:
     """Engine side: replace each quantized projection's float weight by its FP8 codes and add
     its `weight_scale_inv` parameter (computed from the weights as they are now, in their
-    dtype). Returns the number of projections converted; already converted ones are skipped."""
+    dtype). Returns the number of projections converted; already converted ones are skipped.
+    `gemm` False: on CUDA too, compute with the dequantized weights (activations not rounded)."""
     n = 0
     for lin, plan in _linear_plans(model, block):
         setattr(lin, _PLAN, plan)
+        lin.fp8_gemm = gemm  # type: ignore[assignment]
         if lin.weight.dtype == FP8:
             continue
         codes, scale = quantize_rows(lin.weight.data, plan)

@@ -13,6 +13,8 @@
 3. End to end: engine decode tokens/s with and without `model.fp8` (same model, same prompts,
    greedy, rounds interleaved), and the FP8 weight-sync bytes per version vs bf16 for the bench
    model and Qwen3-1.7B/8B shapes (goal: <= 0.55x; unquantized embeddings raise it).
+4. Logprob gap: |trainer - engine| logprobs of sampled tokens, plain vs under the contract with
+   the engine on FP8 GEMMs (activations rounded) or on dequantized weights (`engine.fp8_gemm`).
 
 Last line: one JSON object. `--out FILE` also writes it there.
 Run: python bench/gpu/fp8_gemm.py [--device cuda] [--out bench/results/fp8_gemm_h200.json]
@@ -236,6 +238,44 @@ def engine_tok_s(cfg: dict[str, Any], device: str, batch: int, new: int, repeats
             "ratio": statistics.median(b / f for b, f in zip(ts["bf16"], ts["fp8"], strict=True))}
 
 
+def logprob_gap(cfg: dict[str, Any], device: str, prompts: int = 16, new: int = 32) -> dict[str, dict[str, float]]:
+    """|trainer logprob - engine logprob| over sampled tokens: plain bf16, and under the FP8
+    contract with the engine on FP8 GEMMs or on dequantized weights (`engine.fp8_gemm`)."""
+    from miles.models.logprobs import token_logprobs
+
+    dt = torch.bfloat16 if device != "cpu" else torch.float32
+    spec = ModelSpec.from_hf(cfg)
+    g = torch.Generator().manual_seed(1)
+    ps = [torch.randint(0, cfg["vocab_size"], (16,), generator=g).tolist() for _ in range(prompts)]
+    out: dict[str, dict[str, float]] = {}
+    loop = asyncio.new_event_loop()
+    for name, s, fp8_gemm in (("base", spec, True), ("fp8_gemm", with_fp8(spec, BLOCK), True),
+                              ("fp8_dequant", with_fp8(spec, BLOCK), False)):
+        engine = TorchEngine(build_model(s, dtype=dt, device=device, seed=0),
+                             EngineConfig(device=device, max_batch_size=prompts, max_seq_len=16 + new + 8,
+                                          fp8_gemm=fp8_gemm))
+        trainer = build_model(s, dtype=dt, device=device, seed=0)
+
+        async def go(engine: TorchEngine = engine) -> list[Any]:
+            return list(await asyncio.gather(*(engine.generate(GenerateRequest(
+                input_ids=p, sampling=SamplingParams(temperature=1.0, max_new_tokens=new, seed=i)))
+                for i, p in enumerate(ps))))
+
+        res = loop.run_until_complete(go())
+        diffs = []
+        with torch.no_grad():
+            for p, r in zip(ps, res, strict=True):
+                ids = torch.tensor([p + r.output_ids[:-1]], device=device)
+                lg = trainer(ids).logits[0, len(p) - 1:].float()
+                lp = token_logprobs(lg, torch.tensor(r.output_ids, device=device), 1.0).cpu()
+                diffs.append((lp - torch.tensor(r.logprobs)).abs())
+        d = torch.cat(diffs)
+        out[name] = {"mean": float(d.mean()), "max": float(d.max()), "tokens": int(d.numel())}
+        loop.run_until_complete(engine.close())
+    loop.close()
+    return out
+
+
 def sync_bytes(cfg: dict[str, Any]) -> dict[str, float]:
     """Bytes of one FP8 version (codes 1 B + fp32 scales; the rest bf16) vs all-bf16, from shapes."""
     spec = with_fp8(ModelSpec.from_hf(cfg), BLOCK)
@@ -289,6 +329,9 @@ def main() -> None:
     res["engine"] = engine_tok_s(e2e_cfg, a.device, batch, new, max(3, reps // 10))
     print(f"engine decode (batch {batch}, {new} tokens): {base} {res['engine']['base_tok_s']:.0f} tok/s, "
           f"fp8 {res['engine']['fp8_tok_s']:.0f} tok/s, ratio {res['engine']['ratio']:.2f}")
+    res["logprob_gap"] = logprob_gap(e2e_cfg, a.device)
+    for k, v in res["logprob_gap"].items():
+        print(f"|logp trainer - engine| {k:12}: mean {v['mean']:.2e}, max {v['max']:.2e} over {v['tokens']} tokens")
     res["sync_bytes"] = {"e2e": sync_bytes(e2e_cfg),
                          **{k: sync_bytes(tiny_config("qwen3", vocab_size=151936, **v)) for k, v in REAL.items()}}
     for k, v in res["sync_bytes"].items():

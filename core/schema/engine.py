@@ -30,6 +30,12 @@ class EngineConfig:
         "trainer.true_on_policy; dense and MoE; slower)",
     )
     cuda_graphs: bool = opt(True, "torch engine on CUDA: replay decode steps as CUDA graphs per batch-size bucket")
+    fp8_gemm: bool = opt(
+        True,
+        "torch engine on CUDA under model.fp8 (docs/fp8.md): real FP8 GEMMs with activations quantized per token "
+        "and 128 columns (fast); false = the FP8 weights dequantized into bf16 GEMMs (activations exact, "
+        "logprobs closest to the trainer's)",
+    )
     # ---- type = "sglang": a stock SGLang server driven over HTTP (engines/sglang.py) ----
     sglang_url: str = opt("", "URL of an already running SGLang server; '' = launch one (sglang_model_path)")
     sglang_model_path: str = opt("", "HF checkpoint directory the launched server loads (config.json + safetensors)")
