@@ -22,6 +22,7 @@ from miles.models.mla import MLAttention
 from miles.models.moe import MoEBlock
 from miles.models.qwen3_next import GatedAttention, GatedDeltaNet, ZcRMSNorm, zc_rms_norm
 from miles.models.rope import Rotary, rotary_tables
+from miles.models.varlen import PackedSeqs
 
 
 @dataclass
@@ -123,6 +124,7 @@ class CausalLM(nn.Module):
         self.lm_head = (
             None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         )
+        self.packed_attention = "auto"  # how packed rows attend: varlen | masked | auto (`_varlen`)
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, std: float | None = None) -> None:
@@ -182,12 +184,16 @@ class CausalLM(nn.Module):
         if input_ids.dim() != 2:
             raise ModelInputError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         b, t = input_ids.shape
+        packed: PackedSeqs | None = None
         if cu_seqlens is not None:
             if b != 1:
                 raise ModelInputError(f"cu_seqlens needs a packed batch with B=1, got B={b}")
             if attention_mask is not None:
                 raise ModelInputError("pass either cu_seqlens or attention_mask, not both")
-            attention_mask = packed_causal_mask(cu_seqlens.to(input_ids.device), t)
+            if self._varlen(input_ids.device):
+                packed = PackedSeqs.of(cu_seqlens)
+            else:
+                attention_mask = packed_causal_mask(cu_seqlens.to(input_ids.device), t)
             if position_ids is None:
                 position_ids = packed_position_ids(cu_seqlens.to(input_ids.device), t)
         if kv_cache is not None and attention_mask is None and t > 1:
@@ -210,7 +216,8 @@ class CausalLM(nn.Module):
                 )
         _check_head_args(b, logits_at, logits_index)
         h = self.model.embed_tokens(input_ids)
-        bias = window_bias = None
+        bias: torch.Tensor | PackedSeqs | None = packed
+        window_bias = None
         if attention_mask is not None:
             bias = grouped_bias(attention_mask.to(torch.bool), spec.attn_groups, h.dtype)
         if spec.sliding_layers:
@@ -237,6 +244,16 @@ class CausalLM(nn.Module):
                 else torch.zeros(b, t, 0, k, dtype=torch.long, device=input_ids.device)
             )
         return CausalLMOutput(logits=logits, routed_experts=out_ids, hidden=hidden)
+
+    def _varlen(self, device: torch.device) -> bool:
+        """Packed rows through per-sequence attention (models/varlen.py) instead of a mask:
+        `packed_attention` = varlen | masked | auto (varlen on CUDA, where it reaches the flash
+        kernels; masked on CPU, where short packs are cheaper as one call). Only the plain
+        attention layer takes it; sliding windows and the other attention kinds use the mask."""
+        mode = self.packed_attention
+        if mode == "masked" or (mode == "auto" and device.type != "cuda") or self.spec.sliding_layers:
+            return False
+        return all(type(getattr(layer, "self_attn", None)) is Attention for layer in self.model.layers)
 
     def _head(
         self,

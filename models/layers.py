@@ -16,6 +16,7 @@ from torch import nn
 from miles.models.config import ModelSpec
 from miles.models.fp8_linear import project
 from miles.models.rope import apply_rotary_thd
+from miles.models.varlen import PackedSeqs, packed_causal_attention
 
 
 class KVCache(Protocol):
@@ -79,11 +80,12 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        bias: torch.Tensor | None,
+        bias: torch.Tensor | PackedSeqs | None,
         kv_cache: KVCache | None,
     ) -> torch.Tensor:
         """x: [B, T, H]; cos, sin: [B, T, 1, rd] from `rotary_tables` (rd < hd: partial rotary,
-        the first rd channels of each head rotate); bias from `grouped_bias`."""
+        the first rd channels of each head rotate); bias from `grouped_bias`, or the sequences
+        of a packed row (`PackedSeqs`, B = 1, no cache)."""
         b, t, _ = x.shape
         # projections through F.linear (`project`: under the FP8 contract when it applies), not
         # the submodules' __call__: per-call module overhead is a large share of a small decode step
@@ -97,6 +99,9 @@ class Attention(nn.Module):
             qk = rms_norm(qk, w, self.q_norm.eps)
         qk = apply_rotary_thd(qk, cos, sin).transpose(1, 2)
         q, k = qk[:, :nh], qk[:, nh:]
+        if isinstance(bias, PackedSeqs):  # packed training row: no mask (models/varlen.py)
+            out = packed_causal_attention(q, k, v, bias, self.hd**-0.5)
+            return project(out.transpose(1, 2).reshape(b, t, self.nh * self.hd), self.o_proj)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer, k, v)
         if bias is None:

@@ -110,6 +110,7 @@ class FSDPTrainer:
         self.dtype = compute_dtype(cfg.param_dtype, self.device)
         mesh = make_mesh(self.device, world)
         policy = build_policy(model_spec, init_checkpoint, seed)
+        policy.packed_attention = cfg.packed_attention
         self.lora = cfg.lora.rank > 0
         if self.lora:  # adapters before sharding; only they are trainable
             apply_lora(policy, cfg.lora, seed)

@@ -195,6 +195,13 @@ class TrainerConfig:
         "token budget of one packed micro-batch (sequences concatenated, no padding)",
         "tokens",
     )
+    packed_attention: Literal["auto", "varlen", "masked"] = opt(
+        "auto",
+        "attention over a packed micro-batch: varlen = one causal attention call per sequence (flash "
+        "kernels on CUDA; memory and work follow the sequences' lengths), masked = one call over the "
+        "whole pack with a block-diagonal mask (quadratic in micro_batch_tokens), auto = varlen on "
+        "CUDA, masked on CPU; layers with sliding windows, sinks, MLA or linear attention use the mask",
+    )
     mini_batches: int = opt(
         1,
         "optimizer steps per train_step: the batch is split into this many mini-batches; "
