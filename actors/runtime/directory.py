@@ -76,6 +76,10 @@ class Directory(Actor):
         loc = self.entries.get(msg.name)
         if loc is not None and loc.host_id == msg.host_id:
             del self.entries[msg.name]
+            if not any(e.host_id == msg.host_id for e in self.entries.values()):
+                # A host with no names left sends no heartbeats: stop watching it, or its
+                # silence would be reported as a (nameless) death.
+                self.last_seen.pop(msg.host_id, None)
             return True
         return False
 
