@@ -3,8 +3,13 @@
 CPU (default): a tiny MoE model, one rank (gloo). R3 overhead = fractional step-time
 increase of replay over live routing on the same batch (goal <= 5%).
 --device cuda: a ~0.5B dense and a small MoE config in bf16, a realistic step (default 8 x 4
-sequences of ~768 tokens, ~25k tokens; packed micro-batches of 4k tokens); also reports model
-FLOPs utilisation against --peak-tflops (the measured bf16 matmul rate, ~780 on an H200).
+sequences of ~768 tokens, ~25k tokens; packed micro-batches of 4k tokens), packed attention
+masked (one call over the pack, block-diagonal bias) vs varlen (one flash call per sequence).
+MFU, counted the standard way: 6 x non-embedding active parameters per token (the LM head
+GEMM included, the embedding lookup not) plus causal attention (12 x layers x heads x
+head_dim x mean context), over the peak measured by a bf16
+8192^3 GEMM on the same GPU (reported; --peak-tflops overrides). The older count (6 x all
+active parameters, embedding and LM head included, no attention) is kept as `mfu_old`.
 The last line is one JSON object.
 """
 
@@ -73,9 +78,34 @@ def _flops_per_token(spec: ModelSpec) -> float:
     return 6.0 * (layers * attn + mlp + 2 * h * spec.vocab_size)
 
 
-def _trainer(spec: ModelSpec, replay: bool, device: str, args: argparse.Namespace) -> FSDPTrainer:
+def _flops_per_token_std(spec: ModelSpec, seq: int) -> float:
+    """6 x non-embedding active parameters + causal attention (mean context (seq+1)/2)."""
+    h = spec.hidden_size
+    layer_params = _flops_per_token(spec) / 6.0 - 2 * h * spec.vocab_size  # without embedding and head
+    attn = 12.0 * spec.num_layers * spec.num_heads * spec.head_dim * (seq + 1) / 2
+    # the LM head is a GEMM (counted); the embedding is a lookup (not)
+    return 6.0 * (layer_params + h * spec.vocab_size) + attn
+
+
+def measured_peak_tflops(n: int = 8192, reps: int = 20) -> float:
+    """bf16 GEMM rate of this GPU (the denominator of MFU)."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e12
+
+
+def _trainer(spec: ModelSpec, mode: tuple[bool, str], device: str, args: argparse.Namespace) -> FSDPTrainer:
+    replay, packed = mode
     cfg = TrainerConfig()
     cfg.device = device  # type: ignore[assignment]
+    cfg.packed_attention = packed  # type: ignore[assignment]
     cfg.routing_replay = replay
     cfg.micro_batch_tokens = args.micro_tokens
     cfg.optim.lr = 1e-5
@@ -118,8 +148,8 @@ def _device_batch(model: CausalLM, groups: int, group_size: int, seq: int, seed:
 
 
 def _compare(
-    spec: ModelSpec, device: str, args: argparse.Namespace, modes: tuple[bool, ...]
-) -> tuple[dict[bool, float], int]:
+    spec: ModelSpec, device: str, args: argparse.Namespace, modes: tuple[tuple[bool, str], ...]
+) -> tuple[dict[tuple[bool, str], float], int]:
     """Median step time per routing mode; steps alternate between modes so that load from
     other processes affects both alike."""
     if device == "cpu":
@@ -138,7 +168,7 @@ def _compare(
     trainers = {m: _trainer(spec, m, device, args) for m in modes}
     for t in trainers.values():
         t.train_step(batch)  # warm-up
-    times: dict[bool, list[float]] = {m: [] for m in modes}
+    times: dict[tuple[bool, str], list[float]] = {m: [] for m in modes}
     for _ in range(args.steps):
         for m, t in trainers.items():
             times[m].append(_timed(t, batch, device))
@@ -155,7 +185,7 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (cpu 64, cuda 1024)")
     ap.add_argument("--micro-tokens", type=int, default=None, help="cpu 512, cuda 4096")
-    ap.add_argument("--peak-tflops", type=float, default=780.0)
+    ap.add_argument("--peak-tflops", type=float, default=0.0, help="0 = measure a bf16 GEMM")
     args = ap.parse_args()
     gpu = args.device == "cuda"
     args.steps = args.steps or (4 if gpu else 8)
@@ -167,30 +197,36 @@ def main() -> None:
     if args.device == "cpu":
         torch.set_num_threads(max(1, torch.get_num_threads()))
         spec = _spec("qwen3_moe", vocab_size=512, hidden_size=128, num_hidden_layers=2)
-        times, n = _compare(spec, "cpu", args, (False, True))
-        live, r3 = times[False], times[True]
+        times, n = _compare(spec, "cpu", args, ((False, "auto"), (True, "auto")))
+        live, r3 = times[(False, "auto")], times[(True, "auto")]
         rows.append(("cpu tiny-moe", "live", n / live, live))
         rows.append(("cpu tiny-moe", "R3", n / r3, r3))
         result["cpu_tokens_per_s"] = n / r3
         result["cpu_tokens_per_s_live"] = n / live
         result["cpu_r3_overhead"] = r3 / live - 1.0
     else:
+        peak = args.peak_tflops or measured_peak_tflops()
+        result["peak_tflops_measured_gemm"] = peak
+        print(f"peak: {peak:.0f} TFLOP/s (bf16 8192^3 GEMM{', given' if args.peak_tflops else ', measured'})")
         for name, kw in CUDA_MODELS.items():
             kw = dict(kw)
             spec = _spec(str(kw.pop("arch")), **kw)
-            modes = (False, True) if spec.is_moe else (False,)
+            modes = (((False, "masked"), (False, "varlen"), (True, "varlen")) if spec.is_moe
+                     else ((False, "masked"), (False, "varlen")))
             times, n = _compare(spec, "cuda", args, modes)
-            for replay in modes:
-                dt = times[replay]
-                mfu = n * _flops_per_token(spec) / dt / (args.peak_tflops * 1e12)
-                rows.append((name, "R3" if replay else "live", n / dt, dt))
-                result[f"{name}_{'r3' if replay else 'live'}_tokens_per_s"] = n / dt
-                result[f"{name}_{'r3' if replay else 'live'}_mfu"] = mfu
-            if True in times:
-                result[f"{name}_r3_overhead"] = times[True] / times[False] - 1.0
-    print(f"{'model':<16}{'routing':<8}{'tokens/s':>12}{'step s':>10}")
-    for name, mode, tps, dt in rows:
-        print(f"{name:<16}{mode:<8}{tps:>12.1f}{dt:>10.3f}")
+            seq = args.seq * 3 // 4  # prompt seq/4 + response seq/2
+            for mode in modes:
+                dt = times[mode]
+                tag = f"{'r3' if mode[0] else 'live'}_{mode[1]}"
+                rows.append((name, tag, n / dt, dt, n * _flops_per_token_std(spec, seq) / dt / (peak * 1e12)))
+                result[f"{name}_{tag}_tokens_per_s"] = n / dt
+                result[f"{name}_{tag}_mfu"] = n * _flops_per_token_std(spec, seq) / dt / (peak * 1e12)
+                result[f"{name}_{tag}_mfu_old"] = n * _flops_per_token(spec) / dt / (780.0 * 1e12)
+            if (True, "varlen") in times:
+                result[f"{name}_r3_overhead"] = times[(True, "varlen")] / times[(False, "varlen")] - 1.0
+    print(f"{'model':<16}{'mode':<16}{'tokens/s':>12}{'step s':>10}{'MFU':>8}")
+    for name, mode, tps, dt, *mfu in rows:
+        print(f"{name:<16}{mode:<16}{tps:>12.1f}{dt:>10.3f}" + (f"{mfu[0]:>8.3f}" if mfu else ""))
     print(json.dumps(result))
 
 
