@@ -28,6 +28,7 @@ for s in $SUITE; do
            --steps 16 --out "$OUT/e2e_async_mps_h200.json" ${ASYNC_SETS:-}
       echo quit | nvidia-cuda-mps-control ;;
     tests) step gpu_tests_h200 150 "${PYTEST[@]}" tests/sync/test_sync_publisher.py ${GPU_TESTS:-} ;;
+    trainer) step trainer_h200 240 python bench/trainer.py --device cuda ;;
     fp8) step fp8_gemm_h200 150 python bench/gpu/fp8_gemm.py --device cuda --out "$OUT/fp8_gemm_h200.json" ;;
     *) echo "unknown suite step $s" >&2 ;;
   esac
