@@ -264,3 +264,18 @@ async def test_cuda_engine_decodes_on_fp8_gemms() -> None:
         assert (lp.cpu() - torch.tensor(res.logprobs)).abs().max() < 0.1
     finally:
         await engine.close()
+
+
+def test_the_fp8_quick_start_recipe_builds_an_fp8_model() -> None:
+    from pathlib import Path
+
+    from miles.core.config import check_documented, load_config
+    from miles.core.schema import MilesConfig
+
+    cfg = load_config(MilesConfig, Path(__file__).resolve().parents[2] / "examples" / "quickstart_fp8.toml")
+    assert cfg.model.fp8 == "blockwise" and cfg.model.fp8_block == 32
+    assert not check_documented(MilesConfig)
+    m = model_from_config(cfg.model, vocab_size=64)
+    assert fp8_block(m.spec) == (32, 32)
+    engine = TorchEngine(m, cfg.engine)
+    assert engine.model.model.layers[0].self_attn.qkv_proj.weight.dtype == FP8
