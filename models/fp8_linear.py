@@ -37,6 +37,7 @@ from miles.models.invariant import invariant_active
 log = get_logger("miles.models.fp8")
 _PLAN = "fp8_plan"
 _GEMM_BLOCK = 128  # the block cuBLAS's blockwise FP8 kernels take (1x128 activations, 128x128 weights)
+_HAS_SCALED_MM = hasattr(F, "scaled_mm")  # the recipe-explicit API (torch >= 2.10); else dequantized weights
 _gemm_broken: list[str] = []  # set once the device's scaled_mm refuses blockwise scaling
 
 
@@ -67,7 +68,7 @@ def project(x: torch.Tensor, mod: nn.Linear) -> torch.Tensor:
         if x.is_cuda and getattr(mod, "fp8_gemm", True) and not invariant_active() and _gemm_ok(x, w, plan):
             try:
                 return _scaled_gemm(x, w, scale, mod.bias)
-            except (RuntimeError, NotImplementedError) as exc:  # e.g. no blockwise kernels on this GPU
+            except Exception as exc:  # noqa: BLE001 - e.g. no blockwise kernels on this GPU / torch build
                 _gemm_broken.append(f"{type(exc).__name__}: {exc}")
                 log.warning("fp8_gemm_unavailable", error=_gemm_broken[-1], fallback="dequantized weights")
         w_hat = _cached_dequant(mod, w, scale, plan, x.dtype) if not x.is_cuda else dequantize_rows(
@@ -100,7 +101,7 @@ def _cached_dequant(mod: nn.Module, codes: torch.Tensor, scale: torch.Tensor, pl
 
 def _gemm_ok(x: torch.Tensor, w: torch.Tensor, plan: Fp8Plan) -> bool:
     n, k = w.shape
-    return (not _gemm_broken and plan.block == (_GEMM_BLOCK, _GEMM_BLOCK) and plan.block_aligned
+    return (not _gemm_broken and _HAS_SCALED_MM and plan.block == (_GEMM_BLOCK, _GEMM_BLOCK) and plan.block_aligned
             and k % _GEMM_BLOCK == 0 and n % 16 == 0 and x.dtype in (torch.bfloat16, torch.float16))
 
 
@@ -132,6 +133,14 @@ def _act_quant(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _compiled[0](x2)
 
 
+def blockwise_mm(xq: torch.Tensor, xs: torch.Tensor, codes: torch.Tensor, ws: torch.Tensor,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """xq [M, K] fp8 (scales xs, 1x128) @ codes [N, K].T (scales ws [L4, N/128], 128x128) -> [M, N]
+    through `F.scaled_mm` with explicit scaling recipes (cuBLAS blockwise kernels)."""
+    return F.scaled_mm(xq, codes.t(), xs, F.ScalingType.BlockWise1x128, ws, F.ScalingType.BlockWise128x128,
+                       output_dtype=dtype)
+
+
 def _scaled_gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     lead, k = x.shape[:-1], x.shape[-1]
     xq, xs = _act_quant(x.reshape(-1, k))
@@ -142,8 +151,7 @@ def _scaled_gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias
     pad = (-ws.shape[1]) % 4
     if pad:
         ws = F.pad(ws, (0, pad))
-    out = F.scaled_mm(xq, codes.t(), xs, F.ScalingType.BlockWise1x128, ws.t(), F.ScalingType.BlockWise128x128,
-                      output_dtype=x.dtype)
+    out = blockwise_mm(xq, xs, codes, ws.t(), x.dtype)
     if bias is not None:
         out = out + bias
     return out.view(*lead, codes.shape[0])

@@ -43,7 +43,14 @@ from miles.models.config import ModelSpec
 from miles.models.decoder import CausalLM
 from miles.models.fp8 import FP8, SCALE_SUFFIX, dequantize_blockwise, quantize_blockwise
 from miles.models.fp8_layout import Fp8Plan, quantize_rows, with_fp8
-from miles.models.fp8_linear import _gemm_broken, fp8_hf_names, project, quantize_activations
+from miles.models.fp8_linear import (
+    _HAS_SCALED_MM,
+    _gemm_broken,
+    blockwise_mm,
+    fp8_hf_names,
+    project,
+    quantize_activations,
+)
 from miles.models.hf_io import hf_tensor_views
 from miles.models.presets import tiny_config
 from miles.models.registry import build_model
@@ -172,13 +179,12 @@ def gemm(device: str, batch: int, reps: int) -> list[dict[str, Any]]:
             t_bf = _time_graph(lambda x=x, lin=lin: F.linear(x, lin.weight), device, reps)
             t_f8 = _time_graph(lambda x=x, f8=f8: project(x, f8), device, reps)
             t_mm = 0.0
-            if device != "cpu" and not _gemm_broken:  # the GEMM alone, activations quantized beforehand
+            if device != "cpu" and not _gemm_broken and _HAS_SCALED_MM:  # the GEMM alone, activations quantized beforehand
                 xq, xs = quantize_activations(x)
                 xs = xs.t().contiguous().t()
                 ws = F.pad(f8.weight_scale_inv.float(), (0, (-f8.weight_scale_inv.shape[1]) % 4)).t()
-                t_mm = _time_graph(lambda xq=xq, xs=xs, ws=ws, f8=f8: F.scaled_mm(
-                    xq, f8.weight.t(), xs, F.ScalingType.BlockWise1x128, ws, F.ScalingType.BlockWise128x128,
-                    output_dtype=dt), device, reps)
+                t_mm = _time_graph(lambda xq=xq, xs=xs, ws=ws, f8=f8: blockwise_mm(xq, xs, f8.weight, ws, dt),
+                                   device, reps)
             tot_bf += t_bf
             tot_f8 += t_f8
             rows.append({"layer": tag, "proj": name, "M": batch, "N": n, "K": k, "base_us": t_bf * 1e6,
@@ -315,7 +321,8 @@ def main() -> None:
     print("quantizer exactness:", json.dumps(res["exactness"]))
     rows = gemm(a.device, batch, reps)
     res["fp8_gemm_path"] = ("dequantized fallback: " + _gemm_broken[0]) if _gemm_broken else (
-        "scaled_mm blockwise" if cuda else "dequantized (cpu)")
+        "dequantized (cpu)" if not cuda else "scaled_mm blockwise" if _HAS_SCALED_MM
+        else "dequantized (this torch has no F.scaled_mm)")
     base = "bf16" if cuda else "fp32"
     res["base_dtype"] = base
     print(f"{'layer':6} {'proj':8} {'M':>4} {'N':>6} {'K':>5} {base + ' us':>9} {'fp8 us':>9} {'speedup':>8} "
