@@ -126,14 +126,14 @@ class DiffusionTrainer:
 
     # ---------------------------------------------------------------- log-probabilities
     def _transitions(self, model: nn.Module, b: DiffusionBatch, rows: torch.Tensor,
-                     cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mean [M, ...] and log-prob [M] of transitions (trajectory rows[k], step cols[k])."""
+                     cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Mean [M, ...], std [M, 1, 1, 1] and log-prob [M] of transitions (trajectory rows[k], step cols[k])."""
         ts = self.sched.times()
         x, x_next = b.latents[rows, cols], b.latents[rows, cols + 1]
         t, s = ts[cols], ts[cols + 1]
         v = model(x, t, b.conditions[rows])
         mean, std = step_mean_std(x, v, t, s, self.sched)
-        return mean, gaussian_logprob(x_next, mean, std)
+        return mean, std, gaussian_logprob(x_next, mean, std)
 
     def _chunks(self, rows: torch.Tensor, cols: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         mb = self.cfg.micro_batch
@@ -145,7 +145,7 @@ class DiffusionTrainer:
         """Log-probability [N, steps] of every recorded transition under `model` (the policy)."""
         n, steps = b.rollout_logp.shape
         rows, cols = _grid(n, steps)
-        out = [self._transitions(model or self.policy, b, r, c)[1] for r, c in self._chunks(rows, cols)]
+        out = [self._transitions(model or self.policy, b, r, c)[2] for r, c in self._chunks(rows, cols)]
         return torch.cat(out).view(n, steps)
 
     @torch.no_grad()
@@ -201,7 +201,7 @@ class DiffusionTrainer:
         total = rows.numel()
         self.opt.zero_grad(set_to_none=True)
         for r, c in self._chunks(rows, cols):
-            mean, logp = self._transitions(self.policy, b, r, c)
+            mean, std, logp = self._transitions(self.policy, b, r, c)
             a = adv[r]
             o = old[r, c]
             local = torch.unique(r, return_inverse=True)[1]
@@ -216,8 +216,6 @@ class DiffusionTrainer:
             metrics.add_mean("train/clip_fraction", float(((ratio - 1).abs() > cfg.eps_clip).float().sum()), total)
             metrics.add_mean("train/ratio", float(ratio.detach().sum()), total)
             if ref_mean is not None:
-                std = (self.sched.sigma(self.sched.times()[c]) *
-                       torch.sqrt(self.sched.times()[c] - self.sched.times()[c + 1])).view(-1, 1, 1, 1)
                 kl = gaussian_kl(mean, ref_mean[r, c], std)
                 loss = loss + cfg.kl_coef * kl.sum() / total
                 metrics.add_mean("train/kl", float(kl.detach().sum()), total)
