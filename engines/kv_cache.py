@@ -34,6 +34,7 @@ class RowPool:
         self.max_seq_len = max_seq_len
         self._r0 = 0
         self._index: dict[tuple[int, int], torch.Tensor] = {}
+        self._shapes = sorted({(c.shape[1], c.shape[3]) for c in (*self.k, *self.v)})  # (heads, dim)
         self._read = 0
 
     def bytes_per_token(self) -> int:
@@ -46,11 +47,7 @@ class RowPool:
         self._r0 = r0
         # one scatter index per distinct cache shape: [n, heads, T, dim] positions along dim 2
         at = pos.clamp(max=self.max_seq_len)[:, None, :, None]
-        self._index = {}
-        for c in (*self.k, *self.v):
-            key = (c.shape[1], c.shape[3])
-            if key not in self._index:
-                self._index[key] = at.expand(n, key[0], t, key[1])
+        self._index = {(h, d): at.expand(n, h, t, d) for h, d in self._shapes}
         self._read = read_len
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
