@@ -113,6 +113,12 @@ class Backbone(nn.Module):
         self.rotary = Rotary(spec.rope_spec)
 
 
+# H200, 0.5B dense (bench/results/trainer_h200_s4.txt): 4k-token packs of 768-token sequences
+# train at 0.87x with varlen (launches and a host sync outweigh a small mask); 16k-token packs
+# of 2k-token sequences at 1.73x (the [groups*T, T] bias is 3.6 GB there). Between the two:
+VARLEN_AUTO_MIN_TOKENS = 8192
+
+
 class CausalLM(nn.Module):
     """A Llama / Qwen2 / Qwen3 / Qwen3-MoE / GLM-4.5 (glm4_moe) / DeepSeek-V3 / gpt-oss decoder
     LM built from a `ModelSpec`."""
@@ -190,7 +196,7 @@ class CausalLM(nn.Module):
                 raise ModelInputError(f"cu_seqlens needs a packed batch with B=1, got B={b}")
             if attention_mask is not None:
                 raise ModelInputError("pass either cu_seqlens or attention_mask, not both")
-            if self._varlen(input_ids.device):
+            if self._varlen(input_ids.device, t):
                 packed = PackedSeqs.of(cu_seqlens)
             else:
                 attention_mask = packed_causal_mask(cu_seqlens.to(input_ids.device), t)
@@ -245,13 +251,15 @@ class CausalLM(nn.Module):
             )
         return CausalLMOutput(logits=logits, routed_experts=out_ids, hidden=hidden)
 
-    def _varlen(self, device: torch.device) -> bool:
+    def _varlen(self, device: torch.device, t: int = VARLEN_AUTO_MIN_TOKENS) -> bool:
         """Packed rows through per-sequence attention (models/varlen.py) instead of a mask:
-        `packed_attention` = varlen | masked | auto (varlen on CUDA, where it reaches the flash
-        kernels; masked on CPU, where short packs are cheaper as one call). Only the plain
-        attention layer takes it; sliding windows and the other attention kinds use the mask."""
+        `packed_attention` = varlen | masked | auto (varlen on CUDA for packs of at least
+        VARLEN_AUTO_MIN_TOKENS, where it reaches the flash kernels and the mask would be large;
+        masked otherwise). Only the plain attention layer takes it; sliding windows and the
+        other attention kinds use the mask."""
         mode = self.packed_attention
-        if mode == "masked" or (mode == "auto" and device.type != "cuda") or self.spec.sliding_layers:
+        auto_masked = mode == "auto" and (device.type != "cuda" or t < VARLEN_AUTO_MIN_TOKENS)
+        if mode == "masked" or auto_masked or self.spec.sliding_layers:
             return False
         return all(type(getattr(layer, "self_attn", None)) is Attention for layer in self.model.layers)
 

@@ -200,7 +200,7 @@ class TrainerConfig:
         "attention over a packed micro-batch: varlen = one causal attention call per sequence (flash "
         "kernels on CUDA; memory and work follow the sequences' lengths), masked = one call over the "
         "whole pack with a block-diagonal mask (quadratic in micro_batch_tokens), auto = varlen on "
-        "CUDA, masked on CPU; layers with sliding windows, sinks, MLA or linear attention use the mask",
+        "CUDA for packs of >= 8192 tokens (H200: 1.73x at 16k-token packs, 0.87x at 4k), else masked; layers with sliding windows, sinks, MLA or linear attention use the mask",
     )
     mini_batches: int = opt(
         1,
