@@ -71,3 +71,15 @@ def test_token_file_must_be_private(tmp_path) -> None:
         read_token(str(p))
     os.chmod(p, 0o600)
     assert read_token(str(p)) == "t" * 32
+
+
+async def test_concurrent_multi_turn_clients_lose_and_duplicate_no_turn(tmp_path) -> None:
+    from miles.bench.session_load import run_load
+
+    front = await start_front(tmp_path)
+    try:
+        res = await run_load(front.url, 32, turns=3, max_tokens=3)
+    finally:
+        await front.stop()
+    assert res["errors"] == 0, res["first_errors"]
+    assert res["turns"] == res["expected_turns"] == 96
