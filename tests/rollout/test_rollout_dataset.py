@@ -158,3 +158,18 @@ def test_data_check_command(data: Path, tmp_path: Path, capsys: pytest.CaptureFi
     other.write_text('[rollout]\nenv = "miles.rollout.envs.arithmetic:make_env"\n')
     assert main(["data", "check", str(data), "--config", str(other)]) == 2
     assert "not the dataset env" in capsys.readouterr().err
+
+
+def test_the_shipped_example_is_the_generator_output_and_checks_clean(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "wp.jsonl"
+    subprocess.run([sys.executable, str(root / "examples/data/make_word_problems.py"), "--out", str(out)],
+                   check=True, capture_output=True, timeout=60)
+    shipped = root / "examples/data/word_problems.jsonl"
+    assert out.read_text() == shipped.read_text()
+    assert main(["data", "check", str(shipped), "--config", str(root / "examples/dataset.toml")]) == 0
+    assert "400 rows OK" in capsys.readouterr().out
