@@ -85,7 +85,8 @@ def plot(runs: dict[str, list[dict[str, Any]]], path: Path, title: str) -> None:
         hi = [max(c[i] for c in curves) for i in range(n)]
         for ax, key in zip(axes, ["samples", "wall_s"], strict=True):
             x = [statistics.fmean(r[key][i] for r in rs) for i in range(n)]
-            ax.plot(x, mean, color=color, label=f"{mode} (mean of {len(rs)} seeds)")
+            ax.plot(x, mean, color=color, label=f"{mode} (mean of {len(rs)} seeds)" if len(rs) > 1 else
+                    f"{mode} (1 seed)")
             ax.fill_between(x, lo, hi, color=color, alpha=0.2)
     axes[0].set_xlabel("trained samples")
     axes[1].set_xlabel("wall time: sum of step times (s)")
