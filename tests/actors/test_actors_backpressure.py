@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import pytest
@@ -121,3 +122,38 @@ async def test_ask_to_a_peer_that_never_reads_fails_within_its_deadline() -> Non
     finally:
         await host.stop()
         sink.close(0)
+
+
+async def test_oversized_frame_is_dropped_before_it_is_read(procs) -> None:
+    """MAXMSGSIZE: a frame above max_frame_bytes closes that peer's connection, unread; others go on."""
+    from miles.transport import codec
+
+    host = Host(TransportConfig(max_frame_bytes=1 * MIB))
+    await host.start()
+    from miles.actors.runtime.directory import Directory
+
+    await host.add(Directory(), "directory")
+    ctx = zmq.Context.instance()
+    rogue = ctx.socket(zmq.DEALER)
+    rogue.setsockopt(zmq.LINGER, 0)
+    rogue.connect(host.address)
+    try:
+        base = _rss_bytes(os.getpid())
+        frames = codec.encode(codec.TELL, None, "directory", Soak(b"z" * (64 * MIB)), None, "rogue")
+        rogue.send_multipart(frames)
+        await asyncio.sleep(1.0)
+        # The 64 MiB frame was refused as its header arrived: nothing of it reached the host.
+        assert host.protocol_errors == 0
+        client = Host(TransportConfig(), host.address)
+        await client.start()
+        try:
+            from miles.actors.runtime.messages import ListActors
+
+            assert (await client._directory_ask(ListActors(), timeout=5)).names == []
+        finally:
+            await client.stop()
+        del frames
+        assert _rss_bytes(os.getpid()) - base < 64 * MIB  # the sender's copy is the only one
+    finally:
+        rogue.close(0)
+        await host.stop()
