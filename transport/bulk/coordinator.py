@@ -1,33 +1,31 @@
-"""Sharded weight-sync coordinator: every trainer rank sends its own bytes; no rank holds the model.
+"""Weight-sync coordinators: the protocol between the trainer and the engines, without sockets.
 
-A plain class, readable and testable without sockets: it talks to engines through an
-`EngineLink` (the actor wire in miles: actors/sync.py) and to the other trainer ranks
-through a `RankGroup` (transport/bulk/rank_group.py). Every rank runs one; rank 0 also
-drives the engines' control steps.
+Two coordinators, both plain classes typed against `EngineLink` (the control path to the
+engines; the actor wire in miles, actors/sync.py) and a bulk channel (transport/bulk/):
 
-Per version v (every rank calls `push(v, export)`; each phase ends in one all_gather of
-every rank's outcome, so a failure anywhere takes every rank down the same path):
+- `GatheredCoordinator` (here): one process holds the whole model (trainer rank 0 after the
+  gather, or a flat export buffer) and pushes it to every engine.
+- `ShardedCoordinator` (transport/bulk/sharded.py): every trainer rank sends its own slices.
 
-1. rank 0 pauses the engines (sync.pause_mode) and decides whether the channel is (re)opened
-   (the engine set changed) and whether the plan is (re)sent;
-2. open: every rank opens its sender, rank 0 hands every engine the ranks' connect infos;
-   rank 0 sends the engines the flat plan (the whole model's HF layout) once per plan;
-3. send: every rank moves its buckets (transport/bulk/shard_plan.py) to every live engine,
-   up to sync.pipeline_depth in flight, each (rank, engine) pair in order;
-4. commit on rank 0 when every rank delivered every bucket, else abort v on every engine;
-5. resume; every N versions, verify the engines' per-tensor checksums.
+Protocol per version v: pause (configured mode) -> stage every bucket on every engine
+-> commit(v) everywhere -> resume -> optional checksum check. Buckets travel on the
+bulk channel named by `sync.transport`; the control calls (open, per-bucket header,
+commit) always travel over the link. Every step has a deadline. A live engine that fails
+or times out aborts v everywhere with a `SyncError` naming the step and the peer; an
+engine the directory declares dead is dropped from this sync, reported, and caught up when
+it comes back.
 
-Guarantees kept from the gathered path: fixed-size buckets, atomic commit (engines swap only
-a complete version), a deadline per engine step, abort everywhere on any failure (a channel,
-a peer, a rank's own error), a dead engine dropped and reported, checksum verification.
+They live in `transport/` (not `actors/`) because they need nothing of the actor runtime:
+the link is a Protocol, so the protocol can be read, and tested, on its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -36,11 +34,20 @@ import xxhash
 
 from miles.core.errors import ActorDeadError, MilesError, SyncError
 from miles.core.logging import get_logger
-from miles.transport.bulk.rank_group import RankGroup
-from miles.transport.bulk.shard_channels import SHARDED_TAG, ShardSender
-from miles.transport.bulk.shard_plan import ShardBucket, ShardExport
+from miles.core.schema.sync import SyncConfig
+from miles.transport.bulk.base import BulkSender, make_sender
+from miles.transport.bulk.buckets import Bucket, iter_buckets
+from miles.transport.bulk.flat import FlatWeights
 
-log = get_logger("miles.sync.sharded")
+log = get_logger("miles.sync")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+Call = Callable[[str], Awaitable[Any]]  # one step on one engine, by name
+
+
+def tensor_checksum(t: torch.Tensor) -> str:
+    """xxh64 of a tensor's raw bytes: what engines report (models/hf_io.py computes the same;
+    `transport/` may not import `models/`)."""
+    return xxhash.xxh64(t.detach().contiguous().to("cpu").view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 @dataclass
@@ -66,312 +73,302 @@ class SyncReport:
 
 
 class EngineLink(Protocol):
-    """The control path to one engine by name. Each call has the step deadline; an engine that is
-    gone raises ActorDeadError, any other failure a MilesError."""
+    """The control path to engines, by name (in miles the actor wire: actors/sync.py ActorEngineLink).
+    Each call has the step deadline; an engine that is gone raises ActorDeadError, any other
+    failure a MilesError."""
 
     async def pause(self, engine: str, mode: str) -> None: ...
     async def resume(self, engine: str) -> None: ...
     async def open(self, engine: str, tag: str, info: dict[str, Any], bucket_bytes: int) -> None: ...
     async def plan(self, engine: str, plan: dict[str, Any]) -> bool | str: ...
-    async def range(self, engine: str, version: int, digest: str, lo: int, hi: int,
-                    header: dict[str, Any]) -> int: ...
+    async def stage(self, engine: str, version: int, names: list[str], tensors: list[torch.Tensor]) -> int:
+        """Stage one bucket whose tensors ride with the call (zmq)."""
+        ...
+
+    async def recv(self, engine: str, version: int, header: dict[str, Any]) -> int:
+        """Receive one bucket described by `header` on the open bulk channel and stage it."""
+        ...
+
+    async def range(self, engine: str, version: int, digest: str, lo: int, hi: int, header: dict[str, Any],
+                    data: torch.Tensor | None = None) -> int:
+        """Land bytes of the flat plan `digest`: inline `data`, or on the channel as `header` says."""
+        ...
     async def commit(self, engine: str, version: int) -> None: ...
     async def abort(self, engine: str, version: int) -> None: ...
     async def checksums(self, engine: str) -> dict[str, str]: ...
     async def close(self, engine: str) -> None: ...
 
 
-@dataclass
-class ShardedOptions:
-    bucket_bytes: int
-    pipeline_depth: int = 2
-    pause_mode: str = "none"
-    verify_every: int = 0
+async def each(step: str, names: list[str], call: Call, dead: list[str]) -> list[Any]:
+    """`call` on every engine at once: a dead one joins `dead` (and answers None), any other
+    failure raises SyncError naming the step and the engine."""
 
-
-class _Failed(SyncError):
-    pass
-
-
-class ShardedCoordinator:
-    """One trainer rank's side of a sharded sync to `engines` (every rank has the same list)."""
-
-    def __init__(self, link: EngineLink, group: RankGroup, sender: ShardSender, engines: list[str],
-                 opts: ShardedOptions) -> None:
-        self.link, self.group, self.sender, self.opts = link, group, sender, opts
-        self.engines = list(engines)
-        self.rank = group.rank
-        self._open_for: list[str] | None = None
-        self._plan_for: tuple[str, tuple[str, ...]] | None = None
-        self._buckets: tuple[Any, list[ShardBucket]] = (None, [])
-        self.versions: dict[str, int] = {}
-
-    # ------------------------------------------------------------------ helpers
-    async def _each(self, step: str, names: list[str], call: Callable[[str], Awaitable[Any]],
-                    dead: list[str]) -> list[Any]:
-        """`call` on every engine at once; a dead one joins `dead`, any other failure raises SyncError."""
-
-        async def one(name: str) -> Any:
-            try:
-                return await call(name)
-            except ActorDeadError:
-                if name not in dead:
-                    dead.append(name)
-                return None
-            except MilesError as exc:
-                raise SyncError(f"{step} failed on engine {name!r}: {type(exc).__name__}: {exc}") from exc
-
-        return await asyncio.gather(*(one(n) for n in names))
-
-    async def _phase(self, name: str, local: Callable[[], Awaitable[Any]] | None, dead: list[str]) -> list[Any]:
-        """Run this rank's part of a phase, then agree with every rank on its outcome: every rank's
-        result in rank order, or _Failed on every rank when any of them failed."""
-        err = res = None
+    async def one(name: str) -> Any:
         try:
-            if local is not None:
-                res = await local()
-        except Exception as exc:  # noqa: BLE001 - reported to every rank, which all abort with it
-            err = f"rank {self.rank}: {type(exc).__name__}: {exc}"
-        got = await self.group.all_gather({"err": err, "dead": dead, "res": res})
-        for g in got:
-            dead.extend(d for d in g["dead"] if d not in dead)
-        errs = [g["err"] for g in got if g["err"]]
-        if errs:
-            raise _Failed(f"{name}: " + "; ".join(errs))
-        return [g["res"] for g in got]
+            return await call(name)
+        except ActorDeadError:
+            if name not in dead:  # several buckets in flight can each see the same death
+                dead.append(name)
+            return None
+        except MilesError as exc:
+            raise SyncError(f"{step} failed on engine {name!r}: {type(exc).__name__}: {exc}") from exc
+
+    return await asyncio.gather(*(one(n) for n in names))
+
+
+async def _both(asks: asyncio.Future[Any], tx: asyncio.Future[Any]) -> None:
+    """One bucket: the receivers' asks and this side's transmit; the first failure wins.
+
+    The transmit is shared with the next bucket's chain, so it is awaited, never cancelled
+    here (the coordinator cancels the chain on failure); the asks are this bucket's alone and
+    are cancelled with it, so no reply is awaited for a version being dropped.
+    """
+    try:
+        done, _ = await asyncio.wait([asks, tx], return_when=asyncio.FIRST_EXCEPTION)
+        for f in done:
+            if not f.cancelled() and f.exception() is not None:
+                raise f.exception()  # type: ignore[misc]
+        await asks
+        await asyncio.shield(tx)
+    except BaseException:
+        asks.cancel()
+        raise
+
+
+class GatheredCoordinator:
+    """Pushes weight versions held by one process (trainer rank 0) to engines over `sender`."""
+
+    def __init__(self, link: EngineLink, sender: BulkSender, cfg: SyncConfig, engines: list[str],
+                 device: str | torch.device = "cpu") -> None:
+        self.link = link
+        self.cfg = cfg
+        self.engines = list(engines)
+        self.device = torch.device(device)
+        self.sender = sender
+        self._open_for: list[str] | None = None  # engines whose receivers are connected to the sender
+        self._plan_for: tuple[Any, ...] | None = None  # (flat plan digest, engines) that hold that plan
+        self._plan_ok = False
+        self._declined: list[str] = []
+        self._ranges: tuple[Any, list[tuple[int, int]]] = (None, [])  # flat byte ranges per (plan, bucket size)
+        self.versions: dict[str, int] = {}  # last version each engine committed through this coordinator
+
+    async def _all(self, step: str, names: list[str], call: Call, dead: list[str]) -> list[Any]:
+        return await each(step, names, call, dead)
 
     def _forget(self) -> None:
+        """The engine set or a channel changed: reconnect, and resend the flat plan, next push."""
         self._open_for, self._plan_for = None, None
 
-    # ------------------------------------------------------------------ the protocol
-    async def push(self, version: int, export: ShardExport) -> SyncReport:
-        """Push `version` from every rank's `export` (a collective: every rank calls it)."""
-        rep = SyncReport(version, self.sender.tag)
-        t0 = time.perf_counter()
-        dead: list[str] = []
-        live = list(self.engines)
-        paused = False
-        verify = self.opts.verify_every > 0 and version % self.opts.verify_every == 0
-        plan = export.plan
+    async def _open(self, live: list[str], dead: list[str]) -> None:
+        """(Re)connect the channel when the engine set changed; once per run otherwise."""
+        if self.sender.inline or self._open_for == live:
+            return
+        self._open_for = None
+        infos = dict(zip(live, await self.sender.open(live), strict=True))
+        tag, nbytes = self.sender.tag, self.sender.bucket_bytes
+        await self._together(self._all(f"open {tag} channel", live,
+                                       lambda n: self.link.open(n, tag, infos[n], nbytes), dead),
+                             getattr(self.sender, "connected", None))
+        self._open_for = list(live)
+
+    @staticmethod
+    async def _together(asks: Any, local: Callable[[], Any] | None) -> None:
+        """Run the engines' side and this side of one step at once; the first failure wins."""
+        tasks = [asyncio.ensure_future(asks)]
+        if local is not None:
+            tasks.append(asyncio.ensure_future(local()))
         try:
-            async def begin() -> dict[str, Any]:
-                if self.opts.pause_mode != "none":
-                    await self._each("pause", live, lambda n: self.link.pause(n, self.opts.pause_mode), dead)
-                now = [n for n in live if n not in dead]
-                shared = await self.sender.setup(now) if self._open_for != now else None
-                return {"live": now, "shared": shared}
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
 
-            paused = self.rank == 0 and self.opts.pause_mode != "none"
-            ctl = (await self._phase("pause", begin if self.rank == 0 else None, dead))[0]
-            live = [n for n in ctl["live"] if n not in dead]
+    def _bucket_msgs(self, version: int, buckets: Iterable[Bucket]) -> Iterator[tuple[int, Callable[[int], Call]]]:
+        """(bytes, call maker) per bucket of tensors; the maker prepares bucket `seq` on the channel
+        and gives the per-engine call that stages it."""
+        snd, link = self.sender, self.link
+        for bucket in buckets:
+            def make(seq: int, b: Bucket = bucket) -> Call:
+                header = snd.prepare(version, seq, b)
+                if snd.inline:
+                    return lambda n: link.stage(n, version, b.names, b.tensors)
+                return lambda n: link.recv(n, version, header)
+            yield bucket.nbytes, make
+
+    def _flat_msgs(self, version: int, weights: FlatWeights) -> Iterator[tuple[int, Callable[[int], Call]]]:
+        """(bytes, call maker) per byte range of a flat export: no per-tensor work."""
+        snd, plan, link = self.sender, weights.plan, self.link
+        host = snd.inline and weights.buffer.device.type != "cpu"  # zmq carries host memory
+        key = (plan.digest, snd.bucket_bytes)
+        if self._ranges[0] != key:
+            self._ranges = (key, plan.ranges(snd.bucket_bytes))
+        for lo, hi in self._ranges[1]:
+            def make(seq: int, lo: int = lo, hi: int = hi) -> Call:
+                header = snd.prepare_flat(version, seq, lo, hi, weights)
+                data = weights.buffer[lo:hi] if snd.inline else None
+                data = data.to("cpu") if host and data is not None else data
+                return lambda n: link.range(n, version, plan.digest, lo, hi, header, data)
+            yield hi - lo, make
+
+    async def _send_plan(self, weights: FlatWeights, live: list[str], rep: SyncReport) -> bool:
+        """Give the engines the flat plan (once per plan and engine set); whether all take it.
+
+        An engine answers True, or the reason it declines (None: it died meanwhile). A decline
+        sends every later version tensor by tensor, converted: a slow path the user is told
+        about, with the engines' reasons, and that `sync/plan_declined` counts."""
+        key = (weights.plan.digest, tuple(live))
+        if self._plan_for != key:
+            wire = weights.plan.to_wire()
+            took = await self._all("flat plan", live, lambda n: self.link.plan(n, wire), rep.dead)
+            why = {n: str(t) for n, t in zip(live, took, strict=True) if t is not True and t is not None}
+            self._plan_for, self._plan_ok, self._declined = key, not why, sorted(why)
+            if why:
+                log.warning("flat_plan_declined", engines=why, consequence="weights go tensor by tensor, converted "
+                            "on the engine; set sync.dtype to the engine's dtype ('engine') to keep the fast path")
+            else:
+                log.info("flat_plan_sent", engines=live, tensors=len(weights.plan.names), bytes=weights.plan.nbytes)
+        rep.declined = list(self._declined)
+        return self._plan_ok
+
+    async def _send_buckets(self, version: int, msgs: Iterable[tuple[int, Callable[[int], Call]]], live: list[str],
+                            rep: SyncReport, depth: int = 0) -> list[Any]:
+        """Move every bucket, keeping up to `sync.pipeline_depth` of them in flight.
+
+        Bucket i+1 is packed and its header sent while bucket i is still on the wire or being
+        staged, so neither the per-bucket reply round trip nor the pack copy sits between two
+        transfers. Transmits are chained (a channel moves buckets in order); receivers take
+        headers in order (their handler runs one at a time). Returns the messages of a
+        non-streaming channel, whose receivers read after `finish`. `depth` overrides the
+        pipeline depth (0: `sync.pipeline_depth`).
+        """
+        snd = self.sender
+        depth = depth or self.cfg.pipeline_depth
+        inflight: deque[asyncio.Future[Any]] = deque()
+        chain: asyncio.Future[Any] | None = None
+        deferred: list[Any] = []
+
+        async def after(prev: asyncio.Future[Any] | None) -> None:
+            if prev is not None:
+                await prev
+            await snd.transmit()
+
+        try:
+            for seq, (nbytes, make) in enumerate(msgs):
+                while len(inflight) >= depth:
+                    await inflight.popleft()  # frees the sender buffer bucket `seq` will use
+                now = [n for n in live if n not in rep.dead]
+                step = f"stage v{version} bucket {seq} ({snd.tag})"
+                msg = make(seq)
+                if snd.inline:
+                    inflight.append(asyncio.ensure_future(self._all(step, now, msg, rep.dead)))
+                    await asyncio.sleep(0)
+                elif snd.streaming:
+                    chain = asyncio.ensure_future(after(chain))
+                    asks = asyncio.ensure_future(self._all(step, now, msg, rep.dead))
+                    inflight.append(asyncio.ensure_future(_both(asks, chain)))
+                    await asyncio.sleep(0)  # let the asks go out now, not after the whole window is built
+                else:
+                    await snd.transmit()
+                    deferred.append(msg)
+                rep.bytes += nbytes
+                rep.buckets += 1
+            while inflight:
+                await inflight.popleft()
+        except BaseException:
+            pending = [*inflight, *([chain] if chain is not None else [])]
+            for f in pending:
+                f.cancel()
+            if pending:  # bounded: a channel call that ignores cancellation must not hang the abort
+                await asyncio.wait(pending, timeout=self.cfg.step_timeout_s)
+            raise
+        return deferred
+
+    async def push(self, version: int, named: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
+        rep = SyncReport(version, self.sender.tag)
+        live = [n for n in self.engines]
+        t0 = time.perf_counter()
+        dtype = _DTYPES.get(self.cfg.dtype)
+        sums: dict[str, str] = {}
+        verify = self.cfg.verify_every > 0 and version % self.cfg.verify_every == 0
+        paused = False
+        snd = self.sender
+        try:
+            if self.cfg.pause_mode != "none":
+                await self._all("pause", live, lambda n: self.link.pause(n, self.cfg.pause_mode), rep.dead)
+                paused = True
+            live = [n for n in live if n not in rep.dead]
             rep.pause_s = time.perf_counter() - t0
-            if ctl["shared"] is not None:
-                await self._open(live, ctl["shared"], dead)
-            live = [n for n in live if n not in dead]
+            await self._open(live, rep.dead)
 
-            async def send_plan() -> None:
-                if self._plan_for == (plan.digest, tuple(live)):
-                    return
-                wire = plan.engines[0].plan.to_wire()
-                took = await self._each("flat plan", live, lambda n: self.link.plan(n, wire), dead)
-                why = {n: str(t) for n, t in zip(live, took, strict=True) if t is not True and t is not None}
-                if why:
-                    raise SyncError(f"engines declined the sharded plan (a sharded sync lands byte ranges only; "
-                                    f"set sync.dtype to the engines' dtype): {why}")
-                self._plan_for = (plan.digest, tuple(live))
+            host_only = self.cfg.transport in ("zmq", "disk_delta") or (
+                self.cfg.transport == "ucx" and self.device.type == "cpu")
+            flat = named if isinstance(named, FlatWeights) and snd.flat and (
+                dtype is None or all(d == self.cfg.dtype for d in named.plan.dtypes)) else None
 
-            await self._phase("plan", send_plan if self.rank == 0 else None, dead)
-            live = [n for n in live if n not in dead]
+            def converted() -> Iterable[tuple[str, torch.Tensor]]:
+                for n, t in named:
+                    t = t.to(dtype) if dtype is not None else t
+                    if host_only and t.device.type != "cpu":
+                        t = t.to("cpu")  # these channels carry host memory; GPU paths use NCCL/IPC
+                    if verify:  # whole tensors, before any chunking, as the engine holds them
+                        sums[n] = tensor_checksum(t)
+                    yield n, t
 
-            sent = await self._phase("send", lambda: self._send(version, export, live, dead), dead)
-            rep.bytes = sum(s["bytes"] for s in sent)
-            rep.buckets = sum(s["buckets"] for s in sent)
-            live = [n for n in live if n not in dead]
+            if flat is not None and await self._send_plan(flat, live, rep):
+                if verify:
+                    sums.update((n, tensor_checksum(t)) for n, t in flat)
+                msgs, depth = self._flat_msgs(version, flat), snd.flat_window
+            else:
+                msgs, depth = self._bucket_msgs(version, iter_buckets(converted(), self.cfg.bucket_mib << 20)), 0
+            deferred = await self._send_buckets(version, msgs, live, rep, depth)
+            await snd.finish(version)
+            for seq, msg in enumerate(deferred):  # non-streaming: receivers read after finish
+                live = [n for n in live if n not in rep.dead]
+                await self._all(f"stage v{version} bucket {seq} ({snd.tag})", live, msg, rep.dead)
+            live = [n for n in live if n not in rep.dead]
             t_staged = time.perf_counter()
             rep.transfer_s = t_staged - t0 - rep.pause_s
-
-            async def commit() -> None:
-                await self._each(f"commit v{version}", live, lambda n: self.link.commit(n, version), dead)
-
-            await self._phase("commit", commit if self.rank == 0 else None, dead)
-            rep.committed = [n for n in live if n not in dead]
+            await self._all(f"commit v{version}", live, lambda n: self.link.commit(n, version), rep.dead)
+            rep.committed = [n for n in live if n not in rep.dead]
             rep.commit_s = time.perf_counter() - t_staged
+            await snd.committed(version)
             for n in rep.committed:
                 self.versions[n] = version
-        except BaseException as exc:
-            self._forget()
-            if self.rank == 0:
-                names = [n for n in live if n not in dead]
-                try:
-                    await self._each(f"abort v{version}", names, lambda n: self.link.abort(n, version), [])
-                except SyncError as aexc:
-                    log.error("abort_version_failed", version=version, error=str(aexc))
-            if isinstance(exc, _Failed):
-                raise SyncError(f"sharded sync of v{version} aborted: {exc}") from None
+        except BaseException:
+            # Any failure (a channel, a peer, or the trainer's own export raising midway) drops
+            # v everywhere: an engine left with v half-staged would refuse every later version.
+            self._forget()  # a failed channel is rebuilt on the next push
+            await snd.abort(version)
+            await self._abort(version, [n for n in live if n not in rep.dead])
             raise
         finally:
             t_resume = time.perf_counter()
             if paused:
                 try:
-                    await self._each("resume", [n for n in live if n not in dead], self.link.resume, dead)
-                except SyncError as rexc:
-                    log.error("resume_failed", error=str(rexc))
+                    await self._all("resume", [n for n in live if n not in rep.dead],
+                                    self.link.resume, rep.dead)
+                except SyncError as exc:
+                    log.error("resume_failed", error=str(exc))
             rep.resume_s = time.perf_counter() - t_resume
-        rep.dead = list(dead)
         rep.seconds = time.perf_counter() - t0
         if verify:
-            rep.verified = await self.verify(export, rep.committed)
-        if dead:
+            rep.verified = await self.verify(rep.committed, sums)
+        if rep.dead:
             self._forget()
-            log.warning("sync_engines_dead", version=version, dead=dead)
+            log.warning("sync_engines_dead", version=version, dead=rep.dead)
         return rep
 
-    async def _open(self, live: list[str], shared: dict[str, Any], dead: list[str]) -> None:
-        """Every rank opens its sender; rank 0 gives each engine every rank's connect info."""
-        self._open_for = None
-        infos = await self._phase("open", lambda: self.sender.open(live, shared), dead)
+    async def catch_up(self, engine: str, version: int, named: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
+        """Bring one (restarted or lagging) engine to `version` with a full copy over the zmq path.
 
-        async def connect() -> None:
-            if self.rank != 0:
-                await self.sender.connected()
-                return
-
-            def info(i: int) -> dict[str, Any]:
-                return {"channel": self.sender.tag, "index": i, "timeout_s": self.sender.timeout_s,
-                        "sources": [infos[r][i] for r in range(self.group.size)]}
-
-            asks = asyncio.ensure_future(self._each(
-                f"open sharded {self.sender.tag} channel", live,
-                lambda n: self.link.open(n, SHARDED_TAG, info(live.index(n)), self.opts.bucket_bytes), dead))
-            mine = asyncio.ensure_future(self.sender.connected())
-            try:
-                await asyncio.gather(asks, mine)
-            except BaseException:
-                for t in (asks, mine):
-                    t.cancel()
-                await asyncio.gather(asks, mine, return_exceptions=True)
-                raise
-
-        await self._phase("connect", connect, dead)
-        self._open_for = list(live)
-
-    async def _send(self, version: int, export: ShardExport, live: list[str], dead: list[str]) -> dict[str, int]:
-        """This rank's buckets to every live engine: up to pipeline_depth buckets in flight, each
-        (rank, engine) pair's transfers chained in order (an engine lands the buckets it is told
-        of in header order; chaining per pair, not per bucket, leaves no wait cycle between ranks)."""
-        plan = export.plan
-        key = (plan.digest, self.opts.bucket_bytes)
-        if self._buckets[0] != key:
-            self._buckets = (key, plan.buckets(self.rank, 0, self.opts.bucket_bytes))
-        buckets = self._buckets[1]
-        chains: dict[str, asyncio.Future[Any] | None] = {}
-        inflight: deque[asyncio.Future[Any]] = deque()
-        digest = plan.engines[0].plan.digest
-        total = 0
-
-        async def move(prev: asyncio.Future[Any] | None, i: int, seq: int, data: torch.Tensor) -> None:
-            if prev is not None:
-                await prev
-            await self.sender.send(i, seq, data)
-
-        async def both(ask: asyncio.Future[Any], tx: asyncio.Future[Any]) -> None:
-            try:
-                await asyncio.gather(ask, asyncio.shield(tx))
-            except BaseException:
-                ask.cancel()
-                raise
-
-        try:
-            for seq, b in enumerate(buckets):
-                while len(inflight) >= self.opts.pipeline_depth:
-                    await inflight.popleft()
-                data = self._bucket_bytes(export, b)
-                header = {**self.sender.header(seq, data), "ranges": b.ranges}
-                lo, hi = b.runs[0][1], b.runs[-1][1] + b.runs[-1][2]
-                per = []
-                for name in [n for n in live if n not in dead]:
-                    i = live.index(name)
-                    tx = asyncio.ensure_future(move(chains.get(name), i, seq, data))
-                    chains[name] = tx
-                    ask = asyncio.ensure_future(self._each(
-                        f"stage v{version} bucket {seq} of rank {self.rank} ({self.sender.tag})", [name],
-                        lambda n, h=header, a=lo, z=hi: self.link.range(n, version, digest, a, z, h), dead))
-                    per.append(both(ask, tx))
-                inflight.append(asyncio.ensure_future(asyncio.gather(*per)))
-                total += b.nbytes
-                await asyncio.sleep(0)  # the headers go out now, not after the window is built
-            while inflight:
-                await inflight.popleft()
-        except BaseException:
-            pending = [*inflight, *(c for c in chains.values() if c is not None)]
-            for f in pending:
-                f.cancel()
-            if pending:
-                await asyncio.wait(pending, timeout=self.sender.timeout_s)
-            raise
-        return {"bytes": total, "buckets": len(buckets)}
-
-    def _bucket_bytes(self, export: ShardExport, b: ShardBucket) -> torch.Tensor:
-        """The bucket's bytes: a view of the send buffer (whole-model engines), else packed."""
-        span = b.contiguous_src()
-        if span is not None:
-            return export.buffer[span[0]:span[1]]  # type: ignore[no-any-return]
-        return torch.cat([export.buffer[s:s + n] for s, _, n in b.runs])
-
-    # ------------------------------------------------------------------ verify, catch-up, close
-    async def verify(self, export: ShardExport, engines: list[str]) -> bool:
-        """Compare each engine's per-tensor xxh64 with the trainer's (a collective).
-
-        No rank holds a whole tensor, so rank 0 hashes each tensor by streaming its slices
-        in row order: its own from its buffer, the others' received from their owners one
-        piece at a time (at most one bucket). Only verify versions pay this."""
-        plan = export.plan
-        order = sorted((p.dst, p.rank, p.src, p.nbytes, p.hf_name) for ps in plan.pieces for p in ps if p.group == 0)
-        want: dict[str, str] = {}
-        chunk = self.opts.bucket_bytes
-        buf = export.buffer
-        scratch = torch.empty(min(chunk, max((o[3] for o in order), default=1)), dtype=torch.uint8, device=buf.device)
-        hashers: dict[str, Any] = {}
-        for _, owner, src, n, name in order:
-            for off in range(0, n, chunk):
-                k = min(chunk, n - off)
-                if owner == self.rank == 0:
-                    piece = buf[src + off:src + off + k]
-                elif self.rank == 0:
-                    piece = scratch[:k]
-                    await self.group.recv(piece, owner)
-                elif owner == self.rank:
-                    await self.group.send(buf[src + off:src + off + k].contiguous(), 0)
-                    continue
-                else:
-                    continue
-                hashers.setdefault(name, xxhash.xxh64()).update(piece.cpu().numpy().tobytes())
-        want = {n: h.hexdigest() for n, h in hashers.items()}
-        err = None
-        if self.rank == 0:
-            dead: list[str] = []
-            got = await self._each("checksum", engines, self.link.checksums, dead)
-            for name, sums in zip(engines, got, strict=True):
-                bad = [k for k, v in want.items() if sums is not None and sums.get(k) != v]
-                if bad:
-                    err = f"checksum mismatch on engine {name!r} for {len(bad)} tensor(s), e.g. {bad[:3]}"
-                    break
-        outcome = await self.group.all_gather(err)
-        errs = [e for e in outcome if e]
-        if errs:
-            raise SyncError(errs[0])
-        return True
-
-    async def catch_up(self, engine: str, version: int, export: ShardExport, sender: ShardSender) -> SyncReport:
-        """Bring one (restarted or lagging) engine to `version`: every rank sends it its shard over
-        `sender` (a collective). The engine joins this coordinator's set; the channel is rebuilt
-        on the next push so it gets a receiver too."""
-        sub = ShardedCoordinator(self.link, self.group, sender, [engine],
-                                 ShardedOptions(self.opts.bucket_bytes, self.opts.pipeline_depth, "none", 0))
-        try:
-            rep = await sub.push(version, export)
-        finally:
-            await sub.close()
+        The engine joins this coordinator's set; the bulk channel is rebuilt on the next push
+        so it gets a receiver too. Delta channels need no change: the engine now holds the
+        version their next delta is based on.
+        """
+        cfg = dataclasses.replace(self.cfg, transport="zmq", delta_dir="", pause_mode="none")
+        rep = await GatheredCoordinator(self.link, make_sender(cfg), cfg, [engine]).push(version, named)
         if engine not in rep.committed:
             raise SyncError(f"catch-up of engine {engine!r} to v{version} failed: it is dead")
         if engine not in self.engines:
@@ -381,12 +378,31 @@ class ShardedCoordinator:
         return rep
 
     async def close(self) -> None:
-        """Tear the channel down: the engines' receivers first (rank 0), then every rank's sender."""
-        if self._open_for and self.rank == 0:
+        """Tear the channel down on both sides (engines first, so none waits on a gone sender)."""
+        if self._open_for:
+            dead: list[str] = []
             try:
-                await self._each("close channel", self._open_for, self.link.close, [])
+                await self._all("close channel", self._open_for, self.link.close, dead)
             except SyncError as exc:
                 log.warning("channel_close_failed", error=str(exc))
         self._open_for = None
-        await self.group.all_gather(None)  # no sender goes before the engines let go of it
         await self.sender.close()
+
+    async def _abort(self, version: int, names: list[str]) -> None:
+        dead: list[str] = []
+        try:
+            await self._all(f"abort v{version}", names, lambda n: self.link.abort(n, version), dead)
+        except SyncError as exc:
+            log.error("abort_version_failed", version=version, error=str(exc))
+
+    async def verify(self, engines: list[str], expected: dict[str, str]) -> bool:
+        """Compare each engine's per-tensor xxh64 with the trainer's; raise SyncError on mismatch."""
+        dead: list[str] = []
+        got = await self._all("checksum", engines, self.link.checksums, dead)
+        for name, sums in zip(engines, got, strict=True):
+            if sums is None:
+                continue
+            bad = [k for k, v in expected.items() if sums.get(k) != v]
+            if bad:
+                raise SyncError(f"checksum mismatch on engine {name!r} for {len(bad)} tensor(s), e.g. {bad[:3]}")
+        return True

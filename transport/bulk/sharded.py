@@ -1,0 +1,343 @@
+"""Sharded weight-sync coordinator (the gathered one and the contracts: coordinator.py): every trainer rank sends its own bytes; no rank holds the model.
+
+A plain class, readable and testable without sockets: it talks to engines through an
+`EngineLink` (the actor wire in miles: actors/sync.py) and to the other trainer ranks
+through a `RankGroup` (transport/bulk/rank_group.py). Every rank runs one; rank 0 also
+drives the engines' control steps.
+
+Per version v (every rank calls `push(v, export)`; each phase ends in one all_gather of
+every rank's outcome, so a failure anywhere takes every rank down the same path):
+
+1. rank 0 pauses the engines (sync.pause_mode) and decides whether the channel is (re)opened
+   (the engine set changed) and whether the plan is (re)sent;
+2. open: every rank opens its sender, rank 0 hands every engine the ranks' connect infos;
+   rank 0 sends the engines the flat plan (the whole model's HF layout) once per plan;
+3. send: every rank moves its buckets (transport/bulk/shard_plan.py) to every live engine,
+   up to sync.pipeline_depth in flight, each (rank, engine) pair in order;
+4. commit on rank 0 when every rank delivered every bucket, else abort v on every engine;
+5. resume; every N versions, verify the engines' per-tensor checksums.
+
+Guarantees kept from the gathered path: fixed-size buckets, atomic commit (engines swap only
+a complete version), a deadline per engine step, abort everywhere on any failure (a channel,
+a peer, a rank's own error), a dead engine dropped and reported, checksum verification.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import xxhash
+
+from miles.core.errors import SyncError
+from miles.core.logging import get_logger
+from miles.transport.bulk.coordinator import EngineLink, SyncReport, each
+from miles.transport.bulk.rank_group import RankGroup
+from miles.transport.bulk.shard_channels import SHARDED_TAG, ShardSender
+from miles.transport.bulk.shard_plan import ShardBucket, ShardExport
+
+log = get_logger("miles.sync.sharded")
+
+
+@dataclass
+class ShardedOptions:
+    bucket_bytes: int
+    pipeline_depth: int = 2
+    pause_mode: str = "none"
+    verify_every: int = 0
+
+
+class _Failed(SyncError):
+    pass
+
+
+class ShardedCoordinator:
+    """One trainer rank's side of a sharded sync to `engines` (every rank has the same list)."""
+
+    def __init__(self, link: EngineLink, group: RankGroup, sender: ShardSender, engines: list[str],
+                 opts: ShardedOptions) -> None:
+        self.link, self.group, self.sender, self.opts = link, group, sender, opts
+        self.engines = list(engines)
+        self.rank = group.rank
+        self._open_for: list[str] | None = None
+        self._plan_for: tuple[str, tuple[str, ...]] | None = None
+        self._buckets: tuple[Any, list[ShardBucket]] = (None, [])
+        self.versions: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ helpers
+    async def _each(self, step: str, names: list[str], call: Callable[[str], Awaitable[Any]],
+                    dead: list[str]) -> list[Any]:
+        return await each(step, names, call, dead)
+
+    async def _phase(self, name: str, local: Callable[[], Awaitable[Any]] | None, dead: list[str]) -> list[Any]:
+        """Run this rank's part of a phase, then agree with every rank on its outcome: every rank's
+        result in rank order, or _Failed on every rank when any of them failed."""
+        err = res = None
+        try:
+            if local is not None:
+                res = await local()
+        except Exception as exc:  # noqa: BLE001 - reported to every rank, which all abort with it
+            err = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+        got = await self.group.all_gather({"err": err, "dead": dead, "res": res})
+        for g in got:
+            dead.extend(d for d in g["dead"] if d not in dead)
+        errs = [g["err"] for g in got if g["err"]]
+        if errs:
+            raise _Failed(f"{name}: " + "; ".join(errs))
+        return [g["res"] for g in got]
+
+    def _forget(self) -> None:
+        self._open_for, self._plan_for = None, None
+
+    # ------------------------------------------------------------------ the protocol
+    async def push(self, version: int, export: ShardExport) -> SyncReport:
+        """Push `version` from every rank's `export` (a collective: every rank calls it)."""
+        rep = SyncReport(version, self.sender.tag)
+        t0 = time.perf_counter()
+        dead: list[str] = []
+        live = list(self.engines)
+        paused = False
+        verify = self.opts.verify_every > 0 and version % self.opts.verify_every == 0
+        plan = export.plan
+        try:
+            async def begin() -> dict[str, Any]:
+                if self.opts.pause_mode != "none":
+                    await self._each("pause", live, lambda n: self.link.pause(n, self.opts.pause_mode), dead)
+                now = [n for n in live if n not in dead]
+                shared = await self.sender.setup(now) if self._open_for != now else None
+                return {"live": now, "shared": shared}
+
+            paused = self.rank == 0 and self.opts.pause_mode != "none"
+            ctl = (await self._phase("pause", begin if self.rank == 0 else None, dead))[0]
+            live = [n for n in ctl["live"] if n not in dead]
+            rep.pause_s = time.perf_counter() - t0
+            if ctl["shared"] is not None:
+                await self._open(live, ctl["shared"], dead)
+            live = [n for n in live if n not in dead]
+
+            async def send_plan() -> None:
+                if self._plan_for == (plan.digest, tuple(live)):
+                    return
+                wire = plan.engines[0].plan.to_wire()
+                took = await self._each("flat plan", live, lambda n: self.link.plan(n, wire), dead)
+                why = {n: str(t) for n, t in zip(live, took, strict=True) if t is not True and t is not None}
+                if why:
+                    raise SyncError(f"engines declined the sharded plan (a sharded sync lands byte ranges only; "
+                                    f"set sync.dtype to the engines' dtype): {why}")
+                self._plan_for = (plan.digest, tuple(live))
+
+            await self._phase("plan", send_plan if self.rank == 0 else None, dead)
+            live = [n for n in live if n not in dead]
+
+            sent = await self._phase("send", lambda: self._send(version, export, live, dead), dead)
+            rep.bytes = sum(s["bytes"] for s in sent)
+            rep.buckets = sum(s["buckets"] for s in sent)
+            live = [n for n in live if n not in dead]
+            t_staged = time.perf_counter()
+            rep.transfer_s = t_staged - t0 - rep.pause_s
+
+            async def commit() -> None:
+                await self._each(f"commit v{version}", live, lambda n: self.link.commit(n, version), dead)
+
+            await self._phase("commit", commit if self.rank == 0 else None, dead)
+            rep.committed = [n for n in live if n not in dead]
+            rep.commit_s = time.perf_counter() - t_staged
+            for n in rep.committed:
+                self.versions[n] = version
+        except BaseException as exc:
+            self._forget()
+            if self.rank == 0:
+                names = [n for n in live if n not in dead]
+                try:
+                    await self._each(f"abort v{version}", names, lambda n: self.link.abort(n, version), [])
+                except SyncError as aexc:
+                    log.error("abort_version_failed", version=version, error=str(aexc))
+            if isinstance(exc, _Failed):
+                raise SyncError(f"sharded sync of v{version} aborted: {exc}") from None
+            raise
+        finally:
+            t_resume = time.perf_counter()
+            if paused:
+                try:
+                    await self._each("resume", [n for n in live if n not in dead], self.link.resume, dead)
+                except SyncError as rexc:
+                    log.error("resume_failed", error=str(rexc))
+            rep.resume_s = time.perf_counter() - t_resume
+        rep.dead = list(dead)
+        rep.seconds = time.perf_counter() - t0
+        if verify:
+            rep.verified = await self.verify(export, rep.committed)
+        if dead:
+            self._forget()
+            log.warning("sync_engines_dead", version=version, dead=dead)
+        return rep
+
+    async def _open(self, live: list[str], shared: dict[str, Any], dead: list[str]) -> None:
+        """Every rank opens its sender; rank 0 gives each engine every rank's connect info."""
+        self._open_for = None
+        infos = await self._phase("open", lambda: self.sender.open(live, shared), dead)
+
+        async def connect() -> None:
+            if self.rank != 0:
+                await self.sender.connected()
+                return
+
+            def info(i: int) -> dict[str, Any]:
+                return {"channel": self.sender.tag, "index": i, "timeout_s": self.sender.timeout_s,
+                        "sources": [infos[r][i] for r in range(self.group.size)]}
+
+            asks = asyncio.ensure_future(self._each(
+                f"open sharded {self.sender.tag} channel", live,
+                lambda n: self.link.open(n, SHARDED_TAG, info(live.index(n)), self.opts.bucket_bytes), dead))
+            mine = asyncio.ensure_future(self.sender.connected())
+            try:
+                await asyncio.gather(asks, mine)
+            except BaseException:
+                for t in (asks, mine):
+                    t.cancel()
+                await asyncio.gather(asks, mine, return_exceptions=True)
+                raise
+
+        await self._phase("connect", connect, dead)
+        self._open_for = list(live)
+
+    async def _send(self, version: int, export: ShardExport, live: list[str], dead: list[str]) -> dict[str, int]:
+        """This rank's buckets to every live engine: up to pipeline_depth buckets in flight, each
+        (rank, engine) pair's transfers chained in order (an engine lands the buckets it is told
+        of in header order; chaining per pair, not per bucket, leaves no wait cycle between ranks)."""
+        plan = export.plan
+        key = (plan.digest, self.opts.bucket_bytes)
+        if self._buckets[0] != key:
+            self._buckets = (key, plan.buckets(self.rank, 0, self.opts.bucket_bytes))
+        buckets = self._buckets[1]
+        chains: dict[str, asyncio.Future[Any] | None] = {}
+        inflight: deque[asyncio.Future[Any]] = deque()
+        digest = plan.engines[0].plan.digest
+        total = 0
+
+        async def move(prev: asyncio.Future[Any] | None, i: int, seq: int, data: torch.Tensor) -> None:
+            if prev is not None:
+                await prev
+            await self.sender.send(i, seq, data)
+
+        async def both(ask: asyncio.Future[Any], tx: asyncio.Future[Any]) -> None:
+            try:
+                await asyncio.gather(ask, asyncio.shield(tx))
+            except BaseException:
+                ask.cancel()
+                raise
+
+        try:
+            for seq, b in enumerate(buckets):
+                while len(inflight) >= self.opts.pipeline_depth:
+                    await inflight.popleft()
+                data = self._bucket_bytes(export, b)
+                header = {**self.sender.header(seq, data), "ranges": b.ranges}
+                lo, hi = b.runs[0][1], b.runs[-1][1] + b.runs[-1][2]
+                per = []
+                for name in [n for n in live if n not in dead]:
+                    i = live.index(name)
+                    tx = asyncio.ensure_future(move(chains.get(name), i, seq, data))
+                    chains[name] = tx
+                    ask = asyncio.ensure_future(self._each(
+                        f"stage v{version} bucket {seq} of rank {self.rank} ({self.sender.tag})", [name],
+                        lambda n, h=header, a=lo, z=hi: self.link.range(n, version, digest, a, z, h), dead))
+                    per.append(both(ask, tx))
+                inflight.append(asyncio.ensure_future(asyncio.gather(*per)))
+                total += b.nbytes
+                await asyncio.sleep(0)  # the headers go out now, not after the window is built
+            while inflight:
+                await inflight.popleft()
+        except BaseException:
+            pending = [*inflight, *(c for c in chains.values() if c is not None)]
+            for f in pending:
+                f.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=self.sender.timeout_s)
+            raise
+        return {"bytes": total, "buckets": len(buckets)}
+
+    def _bucket_bytes(self, export: ShardExport, b: ShardBucket) -> torch.Tensor:
+        """The bucket's bytes: a view of the send buffer (whole-model engines), else packed."""
+        span = b.contiguous_src()
+        if span is not None:
+            return export.buffer[span[0]:span[1]]  # type: ignore[no-any-return]
+        return torch.cat([export.buffer[s:s + n] for s, _, n in b.runs])
+
+    # ------------------------------------------------------------------ verify, catch-up, close
+    async def verify(self, export: ShardExport, engines: list[str]) -> bool:
+        """Compare each engine's per-tensor xxh64 with the trainer's (a collective).
+
+        No rank holds a whole tensor, so rank 0 hashes each tensor by streaming its slices
+        in row order: its own from its buffer, the others' received from their owners one
+        piece at a time (at most one bucket). Only verify versions pay this."""
+        plan = export.plan
+        order = sorted((p.dst, p.rank, p.src, p.nbytes, p.hf_name) for ps in plan.pieces for p in ps if p.group == 0)
+        want: dict[str, str] = {}
+        chunk = self.opts.bucket_bytes
+        buf = export.buffer
+        scratch = torch.empty(min(chunk, max((o[3] for o in order), default=1)), dtype=torch.uint8, device=buf.device)
+        hashers: dict[str, Any] = {}
+        for _, owner, src, n, name in order:
+            for off in range(0, n, chunk):
+                k = min(chunk, n - off)
+                if owner == self.rank == 0:
+                    piece = buf[src + off:src + off + k]
+                elif self.rank == 0:
+                    piece = scratch[:k]
+                    await self.group.recv(piece, owner)
+                elif owner == self.rank:
+                    await self.group.send(buf[src + off:src + off + k].contiguous(), 0)
+                    continue
+                else:
+                    continue
+                hashers.setdefault(name, xxhash.xxh64()).update(piece.cpu().numpy().tobytes())
+        want = {n: h.hexdigest() for n, h in hashers.items()}
+        err = None
+        if self.rank == 0:
+            dead: list[str] = []
+            got = await self._each("checksum", engines, self.link.checksums, dead)
+            for name, sums in zip(engines, got, strict=True):
+                bad = [k for k, v in want.items() if sums is not None and sums.get(k) != v]
+                if bad:
+                    err = f"checksum mismatch on engine {name!r} for {len(bad)} tensor(s), e.g. {bad[:3]}"
+                    break
+        outcome = await self.group.all_gather(err)
+        errs = [e for e in outcome if e]
+        if errs:
+            raise SyncError(errs[0])
+        return True
+
+    async def catch_up(self, engine: str, version: int, export: ShardExport, sender: ShardSender) -> SyncReport:
+        """Bring one (restarted or lagging) engine to `version`: every rank sends it its shard over
+        `sender` (a collective). The engine joins this coordinator's set; the channel is rebuilt
+        on the next push so it gets a receiver too."""
+        sub = ShardedCoordinator(self.link, self.group, sender, [engine],
+                                 ShardedOptions(self.opts.bucket_bytes, self.opts.pipeline_depth, "none", 0))
+        try:
+            rep = await sub.push(version, export)
+        finally:
+            await sub.close()
+        if engine not in rep.committed:
+            raise SyncError(f"catch-up of engine {engine!r} to v{version} failed: it is dead")
+        if engine not in self.engines:
+            self.engines.append(engine)
+        self.versions[engine] = version
+        self._forget()
+        return rep
+
+    async def close(self) -> None:
+        """Tear the channel down: the engines' receivers first (rank 0), then every rank's sender."""
+        if self._open_for and self.rank == 0:
+            try:
+                await self._each("close channel", self._open_for, self.link.close, [])
+            except SyncError as exc:
+                log.warning("channel_close_failed", error=str(exc))
+        self._open_for = None
+        await self.group.all_gather(None)  # no sender goes before the engines let go of it
+        await self.sender.close()
