@@ -131,7 +131,7 @@ class ActorEngineLink:
 
 
 class ShardedWeightSync:
-    """Every trainer rank's shell of a sharded sync (`sync.sharded`): each rank sends its own
+    """Every trainer rank's shell of a sharded sync: each rank sends its own
     slices (trainer `export_sharded_state`) straight to every engine; the protocol is
     `ShardedCoordinator`. Every rank constructs one and calls `push` / `catch_up` / `close`
     together (they are collectives over `group`, default: the trainer's torch.distributed group).

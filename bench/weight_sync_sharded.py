@@ -8,6 +8,7 @@ architecture). Per transport, each round times one update both ways, back to bac
   sharded   every rank casts its own slices into its send buffer (export_sharded_state) and
             sends them to every engine itself (ShardedWeightSync: transfer plan, no gather)
 
+The two modes run one after the other per transport (an engine holds one bulk receiver).
 Time = export + push, from a barrier of the 4 ranks to the commit on both engines, on rank 0.
 GB/s = model bytes / time (each engine receives the whole model either way). Also reported:
 the largest extra memory one rank holds for the sync (gathered: rank 0's flat buffer = the
@@ -89,32 +90,31 @@ async def rank_main(rank: int, hidden: int, layers: int, directory: str, transpo
         for transport in transports:
             scfg = SyncConfig(transport=transport, bucket_mib=bucket_mib, step_timeout_s=120,  # type: ignore[arg-type]
                               pause_mode="none")
-            gathered = WeightSync(host, scfg, ENGINES) if rank == 0 else None
-            sharded = ShardedWeightSync(host, scfg, ENGINES)
             times: dict[str, list[float]] = {"gathered": [], "sharded": []}
             nbytes = {"gathered": 0, "sharded": 0}
-            try:
-                for r in range(rounds + 1):  # round 0: warm-up (buffers, channels, plans)
-                    for mode in ("gathered", "sharded"):
+            # One mode after the other: an engine holds one bulk receiver, so the two coordinators
+            # cannot keep channels open side by side (each would reopen it every version).
+            for mode in ("gathered", "sharded"):
+                sync: Any = (WeightSync(host, scfg, ENGINES) if rank == 0 else None) if mode == "gathered" else \
+                    ShardedWeightSync(host, scfg, ENGINES)
+                try:
+                    for r in range(rounds + 1):  # round 0: warm-up (buffers, channels, plans)
                         version += 1
                         await asyncio.to_thread(dist.barrier)
                         t0 = time.perf_counter()
                         if mode == "gathered":
                             state = await asyncio.to_thread(trainer.export_sync_state, True)
-                            if gathered is not None:
-                                rep = await gathered.push(version, state)
-                                nbytes[mode] = rep.bytes
+                            if sync is not None:
+                                nbytes[mode] = (await sync.push(version, state)).bytes
                         else:
-                            ex = trainer.export_sharded_state()
-                            rep = await sharded.push(version, ex)
-                            nbytes[mode] = rep.bytes
+                            nbytes[mode] = (await sync.push(version, trainer.export_sharded_state())).bytes
                         dt = time.perf_counter() - t0
                         if r > 0:
                             times[mode].append(dt)
-            finally:
-                if gathered is not None:
-                    await gathered.close()
-                await sharded.close()
+                finally:
+                    if sync is not None:
+                        await sync.close()
+                await asyncio.to_thread(dist.barrier)  # the engines let go of this mode's channel
             shard = trainer._shard_export.export.buffer.numel() if trainer._shard_export.export else 0
             flat = trainer._flat_export.weights.plan.nbytes if trainer._flat_export.weights else 0
             rows.append({"transport": transport, "times": times, "bytes": nbytes, "shard_bytes": shard,

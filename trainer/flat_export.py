@@ -6,7 +6,7 @@ side per version. The buffer is allocated at the first export, in HF order and t
 dtype, and refilled in place by every later one (one copy per tensor, as the gather
 produces it); a different tensor list (names, shapes) builds it afresh.
 
-`ShardExportBuffer` is the sharded export (sync.sharded): each rank keeps only its own
+`ShardExportBuffer` is the sharded export (ShardedWeightSync): each rank keeps only its own
 slices, in the order of the transfer plan (transport/bulk/shard_plan.py), and sends them.
 """
 

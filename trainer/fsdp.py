@@ -513,7 +513,7 @@ class FSDPTrainer:
 
     def export_sharded_state(self, dtype: torch.dtype | None = None) -> ShardExport:
         """This rank's own slices of every HF weight, cast to `dtype`, in the transfer plan's order
-        (trainer/flat_export.py): what a sharded sync (sync.sharded) sends from every rank.
+        (trainer/flat_export.py): what a sharded sync (ShardedWeightSync) sends from every rank.
 
         Not a collective and no gather: no rank holds a tensor it does not own, and the extra
         memory is this rank's shard in `dtype`."""

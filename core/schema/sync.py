@@ -41,11 +41,6 @@ class SyncConfig:
         "goes once; no per-tensor work per version; one extra copy of the weights on rank 0); auto = on "
         "for every transport but disk_delta"
     )
-    sharded: bool = opt(
-        False, "every trainer rank sends its own FSDP shard straight to every engine, following a transfer "
-        "plan computed once (transport/bulk/shard_plan.py); no rank gathers the model (extra memory per rank: "
-        "its shard in sync.dtype + one bucket). zmq, ucx and broadcast (send/recv per rank-engine pair)"
-    )
     advertise_addr: str = opt(
         "", "address engines reach trainer rank 0 at (broadcast store, ucx listener); '' = the actor host's"
     )
@@ -85,7 +80,5 @@ class SyncConfig:
         if self.catchup_source == "export_buffer" and not self.flat:
             raise ConfigError("sync.catchup_source='export_buffer' needs a flat export (sync.flat_export = "
                               "'on', or 'auto' with a transport other than disk_delta)")
-        if self.sharded and self.transport not in ("zmq", "ucx", "broadcast"):
-            raise ConfigError(f"sync.sharded needs sync.transport zmq, ucx or broadcast, not {self.transport!r}")
         if self.transport == "disk_delta" and not self.delta_dir:
             raise ConfigError("sync.transport='disk_delta' needs sync.delta_dir (a directory shared with engines)")

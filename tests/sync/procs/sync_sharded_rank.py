@@ -94,7 +94,7 @@ async def run(trainer: FSDPTrainer, directory: str, out: Path, transports: list[
     rec["gathered_total"] = gathered.total
     try:
         for transport in transports:
-            cfg = SyncConfig(transport=transport, sharded=True, step_timeout_s=30, pause_mode="none",  # type: ignore[arg-type]
+            cfg = SyncConfig(transport=transport, step_timeout_s=30, pause_mode="none",  # type: ignore[arg-type]
                              verify_every=VERSIONS)
             sync = ShardedWeightSync(host, cfg, ["e0", "e1"], bucket_bytes=BUCKET)
             try:
