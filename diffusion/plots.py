@@ -46,7 +46,9 @@ def write_diffusion_plots(run_dir: str | Path, rows: list[dict[str, Any]], eval_
                 label="eval reward (64 fixed seeds)")
     ax.set_xlabel("step (weight version)")
     ax.set_ylabel("reward")
-    ax.set_ylim(0, 1)
+    vals = [r["rollout/reward_mean"] for r in rows] + [v for _, v in eval_rewards]
+    if vals and min(vals) >= 0 and max(vals) <= 1:
+        ax.set_ylim(0, 1)
     ax.set_title(title or "diffusion GRPO")
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
