@@ -22,9 +22,9 @@ SMALL = {
 
 # Long-tailed per-prompt budgets (rollout/envs/long_tail.py): groups finish far out of order,
 # so batches are often collected piecemeal while other groups still generate.
-LONG_TAIL = {
-    "rollout.env": "miles.rollout.envs.long_tail:make_env", "rollout.env_args.median_tokens": "4",
-    "rollout.env_args.sigma": "1.0", "rollout.env_args.max_tokens": "24",
+LONG_TAIL = {  # env_args replaced whole: the quick start's own (arithmetic's) do not fit long_tail
+    "rollout.env": "miles.rollout.envs.long_tail:make_env",
+    "rollout.env_args": "{median_tokens = 4, sigma = 1.0, max_tokens = 24}",
 }
 
 
