@@ -141,7 +141,7 @@ def real_part(steps: int, keep: str = "") -> dict[str, dict[str, Any]]:
 
 
 def efficiency_part(steps: int, seeds: int, keep: str = "", out: Path = EFFICIENCY_OUT) -> dict[str, Any]:
-    print(f"\n== sample efficiency: quick start (examples/quickstart.toml, {steps} of its 120 steps), sync vs "
+    print(f"\n== sample efficiency: quick start (examples/quickstart.toml, {steps} steps), sync vs "
           f"fully_async (schedule deadline), seeds 0..{seeds - 1}; engine on core {PIN['engine']}, trainer+rollout "
           f"on core {PIN['trainer']}")
     # the old default once (seed 0): what the quick start wasted before (the issue: 57% stale)
@@ -161,8 +161,9 @@ def efficiency_part(steps: int, seeds: int, keep: str = "", out: Path = EFFICIEN
                   f"wall {r['wall_s'][-1]:.0f} s, stale share {r['stale_share']:.1%}, len ratio "
                   f"{r['len_ratio']:.2f}", flush=True)
     summary = async_efficiency.compare(runs)
-    title = (f"quick start on CPU (2 cores, shared): sync vs fully_async (deadline, max_staleness 2), "
-             f"{steps} steps x 64 samples, {seeds} seeds")
+    b = cfg.buffer
+    title = (f"quick start on CPU (2 cores, shared): sync vs fully_async (deadline, max_staleness {b.max_staleness}), "
+             f"{steps} steps x {b.batch_groups * cfg.rollout.n_samples_per_prompt} samples, {seeds} seeds")
     async_efficiency.save(runs, summary, out, title)
     print(f"{'mode':34s} {'final reward per seed':>30s} {'steps to ' + str(summary['target_reward']):>18s} "
           f"{'wall s total':>16s} {'stale share':>20s}")
@@ -211,7 +212,7 @@ def main() -> None:
     ap.add_argument("--keep", default="", help="write the real runs' directories here (kept)")
     ap.add_argument("--parts", default="real,sim,efficiency", help="comma-separated: real, sim, efficiency")
     ap.add_argument("--steps", type=int, default=30, help="steps of each throughput run")
-    ap.add_argument("--efficiency-steps", type=int, default=120, help="steps of each quick-start run (of 120)")
+    ap.add_argument("--efficiency-steps", type=int, default=200, help="steps of each quick-start run (its own: 200)")
     ap.add_argument("--seeds", type=int, default=3, help="seeds per mode in the efficiency part")
     a = ap.parse_args()
     parts = set(a.parts.split(","))
