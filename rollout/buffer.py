@@ -285,10 +285,6 @@ class RolloutBuffer:
         items += [Outstanding(int(g.metadata["seq"]), int(g.metadata["deadline"]), g) for g in self._waiting]
         return plan(items, n_groups, version, self.batch_groups, self.stride)
 
-    def waiting_for(self, n_groups: int, trainer_version: int) -> int:
-        """Unfinished groups a batch at this version must wait for ('deadline'; 0 for 'arrival')."""
-        return self._plan(n_groups, trainer_version)[1] if self.schedule == "deadline" else 0
-
     def collect(self, n_groups: int, trainer_version: int) -> list[Group]:
         """Take up to `n_groups` finished groups for the batch of `trainer_version`.
 
