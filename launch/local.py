@@ -78,7 +78,8 @@ def role_threads(role: str, roles: list[tuple[str, int]]) -> dict[str, str]:
     if "OMP_NUM_THREADS" in os.environ:
         return {}
     compute = sum(1 for r, _ in roles if r != "rollout")
-    n = 1 if role == "rollout" else max(1, (os.cpu_count() or 1) // max(compute, 1))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    n = 1 if role == "rollout" else max(1, cores // max(compute, 1))
     return {"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n)}
 
 
