@@ -34,7 +34,7 @@ async def _client(directory: str, **kw: object) -> Host:
     return h
 
 
-async def test_flood_of_a_stalled_actor_stays_within_its_mailbox_bound(procs) -> None:
+async def test_flood_of_a_stalled_actor_stays_within_its_mailbox_bound(procs, tmp_path) -> None:
     mailbox = 8
     proc, directory = procs.spawn([FLOOD, "--mailbox", str(mailbox)])
     host = await _client(directory, hwm=4)
@@ -42,7 +42,8 @@ async def test_flood_of_a_stalled_actor_stays_within_its_mailbox_bound(procs) ->
         ref = host.ref("flood")
         assert await ref.ask(Soaked(), timeout=10) == [0, 0]
         base = _rss_bytes(proc.pid)
-        await ref.ask(Hold(6.0), timeout=10)
+        gate = tmp_path / "release"
+        await ref.ask(Hold(60.0, str(gate)), timeout=10)  # stalled until the gate file appears
         sent = refused = 0
         payload = b"x" * MIB
         for _ in range(256):  # 256 MiB offered to a consumer that is stalled
@@ -57,6 +58,7 @@ async def test_flood_of_a_stalled_actor_stays_within_its_mailbox_bound(procs) ->
         # What the receiver may hold: read-ahead + ZeroMQ's receive queue + the mailbox, each
         # `mailbox` messages, plus the one in the handler and the one being put.
         bound = (3 * mailbox + 2) * MIB
+        gate.touch()
         assert refused >= 3, f"all {sent} MiB accepted: the stalled receiver never pushed back"
         assert grown <= 2 * bound, f"receiver RSS grew {grown / MIB:.0f} MiB (bound {bound / MIB:.0f} MiB)"
         # Every accepted tell is delivered once the consumer catches up: pushed back, not dropped.

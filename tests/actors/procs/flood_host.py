@@ -24,6 +24,7 @@ from miles.transport.schema import message
 @dataclass
 class Hold:
     seconds: float
+    gate: str = ""  # a file path: the hold ends early once it exists
 
 
 @message("t.Soak")
@@ -47,17 +48,20 @@ class Slow1:
 class FloodActor(Actor):
     def __init__(self) -> None:
         self.until = 0.0
+        self.gate = ""
         self.soaked = 0
         self.soaked_bytes = 0
 
     @handler(Hold)
     def hold(self, msg: Hold) -> None:
         self.until = time.monotonic() + msg.seconds
+        self.gate = msg.gate
 
     @handler(Soak)
     async def soak(self, msg: Soak) -> None:
-        # Stalls until the hold expires: the consumer that never keeps up.
-        await asyncio.sleep(max(0.0, self.until - time.monotonic()))
+        # Stalls until the hold expires or its gate file appears: the consumer that never keeps up.
+        while time.monotonic() < self.until and not (self.gate and os.path.exists(self.gate)):
+            await asyncio.sleep(0.05)
         self.soaked += 1
         self.soaked_bytes += len(msg.data)
 
