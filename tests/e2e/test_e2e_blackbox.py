@@ -16,12 +16,15 @@ AGENT = ["--set", "rollout.env=miles.rollout.envs.openai_agent:make_env", "--set
 
 def test_openai_client_agent_trains(tmp_path: Path) -> None:
     run = tmp_path / "run"
+    # Under CURVE with the launcher's key set: every role authenticates to every other.
     p = start_run(run, tmp_path / "cache", *AGENT, "--set", "run.steps=2", "--set", "engine.max_seq_len=1024",
                   "--set", "rollout.max_new_tokens=16", "--set", "buffer.batch_groups=2",
-                  "--set", "rollout.n_samples_per_prompt=2")
+                  "--set", "rollout.n_samples_per_prompt=2", "--set", "transport.curve=true")
     assert wait(p, 280) == 0, (tmp_path / "run.launcher.log").read_text()[-3000:]
     assert [r["step"] for r in metrics(run)] == [1, 2]
     assert check_ledger(run)["buffer"]["ledger"]["entries"]
+    secrets = list((run / "keys").rglob("*.key_secret"))
+    assert secrets and all(s.stat().st_mode & 0o077 == 0 for s in secrets)
 
 
 def test_hopeless_generation_stops_with_the_cause(tmp_path: Path) -> None:
