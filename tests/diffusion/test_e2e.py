@@ -39,7 +39,10 @@ def _cfg(run_dir: Path, ckpt: str, *extra: str) -> DiffusionConfig:
 
 
 async def test_fully_async_run_accounts_for_every_prompt(tmp_path: Path, base_ckpt: str) -> None:
-    cfg = _cfg(tmp_path / "run", base_ckpt, "buffer.mode=fully_async")
+    # weights travel on the disk_delta bulk channel here (XOR deltas against the engine's live
+    # version), on zmq in the deterministic test; checksums are compared every version
+    cfg = _cfg(tmp_path / "run", base_ckpt, "buffer.mode=fully_async", "sync.transport=disk_delta",
+               f"sync.delta_dir={tmp_path / 'deltas'}")
     res = await DiffusionRecipe(cfg).run()
     assert len(res.rows) == 3
     led = res.ledger
@@ -52,6 +55,7 @@ async def test_fully_async_run_accounts_for_every_prompt(tmp_path: Path, base_ck
     loaded = load_weights(tmp_path / "run" / "final.safetensors")
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in res.final_state.items())
     assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 3
+    assert last["sync/bytes"] > 0
 
 
 async def test_deterministic_runs_give_bit_identical_weights(tmp_path: Path, base_ckpt: str) -> None:
