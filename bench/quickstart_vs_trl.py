@@ -55,6 +55,8 @@ def trl_worker(a: argparse.Namespace) -> None:
     from miles.rollout.envs.arithmetic import make_env
     from miles.rollout.types import Sample
 
+    if a.trl_threads:
+        torch.set_num_threads(a.trl_threads)
     torch.manual_seed(a.seed)
     env = make_env(**json.loads(a.env_args))
     items = [env.prompts.item(i) for i in range(a.steps * a.prompts)]
@@ -144,8 +146,10 @@ def run_trl(py: str, model: str, a: argparse.Namespace, env_args: dict[str, Any]
     p = subprocess.run([py, __file__, "--trl-worker", "--model", model, "--steps", str(a.steps),
                         "--prompts", str(prompts), "--samples", str(samples),
                         "--max-new-tokens", str(new_tokens), "--lr", str(lr), "--seed", str(a.seed),
-                        "--env-args", json.dumps(env_args)],
-                       capture_output=True, text=True, env={**os.environ, "BENCH_T0": repr(t0)})
+                        "--env-args", json.dumps(env_args), "--trl-threads", str(a.trl_threads)],
+                       capture_output=True, text=True, env={**os.environ, "BENCH_T0": repr(t0),
+                                                            **({"OMP_NUM_THREADS": str(a.trl_threads)}
+                                                               if a.trl_threads else {})})
     wall, cpu = time.time() - t0, _cpu_children() - cpu0
     if p.returncode != 0:
         raise SystemExit(f"TRL run failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
@@ -194,6 +198,8 @@ def main() -> None:
     ap.add_argument("--trl-python", default="", help="python of a virtualenv with trl (default: the one "
                     f"--make-trl-venv creates, {TRL_VENV})")
     ap.add_argument("--make-trl-venv", action="store_true")
+    ap.add_argument("--trl-threads", type=int, default=0,
+                    help="torch threads for TRL (default: torch's, one per core, as a user runs it)")
     ap.add_argument("--out", default=str(RESULT))
     a = ap.parse_args()
     if a.trl_worker:
@@ -229,6 +235,7 @@ def main() -> None:
             ("reward_last_quarter", "reward, last quarter", ".3f")]
     lines = [f"quickstart vs TRL {TRL_VERSION} GRPOTrainer, {a.steps} steps, {shape[0]} prompts x {shape[1]} "
              f"samples, {shape[2]} new tokens, lr {cfg.trainer.optim.lr}, {os.cpu_count()} cores, "
+             f"TRL threads {a.trl_threads or 'default'}, "
              f"load avg at end {os.getloadavg()[0]:.1f}",
              f"{'':32s} {'miles':>10s} {'TRL':>10s} {'miles/TRL':>10s}"]
     for k, name, fmt in keys:
