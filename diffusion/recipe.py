@@ -33,7 +33,7 @@ from miles.actors.runtime.host import DIRECTORY_NAME, Host
 from miles.actors.runtime.process import dump_tasks
 from miles.actors.sync import WeightSync
 from miles.core.config import dump_json
-from miles.core.errors import ConfigError
+from miles.core.errors import ConfigError, EngineError
 from miles.core.logging import get_logger
 from miles.core.schema.transport import TransportConfig
 from miles.diffusion.actor import Denoise, DiffusionEngineActor
@@ -154,6 +154,7 @@ class DiffusionRecipe:
             self._changed.set()
             self._dispatch(new)
             return
+        self.failed = []  # the limit below counts consecutive failures
         images = torch.from_numpy(np.stack([r["latents"][-1] for r in res]))
         rewards = await asyncio.to_thread(self.reward, images, torch.tensor([r["condition"] for r in res]))
         new = []
@@ -190,7 +191,8 @@ class DiffusionRecipe:
             if len(got) >= want:
                 return got
             if self.failed and len(self.failed) > 10 * want:
-                raise ConfigError(f"diffusion recipe: generation keeps failing: {self.failed[-1]}")
+                raise EngineError(f"diffusion recipe: {len(self.failed)} generation requests failed in a row; "
+                                  f"last: {self.failed[-1]}")
             if self.lockstep:
                 if not self._deferred:
                     raise ConfigError(f"diffusion recipe (lock-step): the buffer starts no work but {want} groups "
