@@ -24,6 +24,7 @@ from miles.core.errors import MilesError, TrainerError
 from miles.core.logging import get_logger
 from miles.core.schema import MilesConfig
 from miles.models.config import ModelSpec
+from miles.models.fp8_layout import fp8_block
 from miles.trainer.backends import check_lora_launch, data_parallel, make_trainer
 from miles.trainer.batch import TrainBatch, TrainSample, shard_batch
 
@@ -47,7 +48,7 @@ def samples_from_wire(groups: list[dict[str, Any]]) -> TrainBatch:
 class TrainerActor(Actor):
     def __init__(self, cfg: MilesConfig, spec: ModelSpec, rank: int, world: int, engines: list[str],
                  init_checkpoint: str, done: asyncio.Event, sink: Any = None, resume_from: str = "") -> None:
-        self.cfg, self.rank, self.world = cfg, rank, world
+        self.cfg, self.rank, self.world, self.spec = cfg, rank, world, spec
         check_lora_launch(cfg)
         self.trainer = make_trainer(cfg.trainer, spec, rank, world, init_checkpoint=init_checkpoint,
                                     seed=cfg.run.seed, asynchronous=cfg.buffer.mode != "sync")
@@ -64,6 +65,7 @@ class TrainerActor(Actor):
         # parameters may be mid-update in a step); made when the loop starts.
         self.publisher: WeightPublisher | None = None
         self.run_dir = Path(cfg.run.dir)
+        self.wire_cfg = cfg.sync  # what the channel is told (FP8: tensors as the publisher gives them)
         self._eval_task: asyncio.Task[None] | None = None
         self._eval_done: list[dict[str, Any]] = []
         self.eval_skipped = 0
@@ -133,7 +135,7 @@ class TrainerActor(Actor):
                 m = await self.ref("rollout").ask(RunEval(step, version), timeout=ec.timeout_s)
             elif ec.mode == "snapshot":
                 assert self.publisher is not None
-                snap = WeightSync(self.host, dataclasses.replace(self.cfg.sync, transport="zmq",
+                snap = WeightSync(self.host, dataclasses.replace(self.wire_cfg, transport="zmq",
                                                                  pause_mode="none"), ["eval-engine"])
                 async with self.publisher.lock:  # the export buffer is not refilled meanwhile
                     got = await self.publisher.source()
@@ -175,8 +177,7 @@ class TrainerActor(Actor):
                 batch, rollout_metrics = await self._pull()
             with ph("train"):
                 metrics = await asyncio.to_thread(self.trainer.train_step, batch)
-            self.trainer.weight_version += 1
-            version, step = self.trainer.weight_version, self.trainer.step
+            version, step = self.trainer.weight_version, self.trainer.step  # train_step made a new version
             metrics.update(await self._hand_off(version))
             ph.add("sync", metrics.get("perf/sync_s", metrics["perf/export_s"]))
             if self.cfg.trainer.memory.offload_when_idle:
@@ -189,8 +190,12 @@ class TrainerActor(Actor):
         await self._finish()
 
     def _make_publisher(self) -> WeightPublisher:
-        sync = WeightSync(self.host, self.cfg.sync, self.engines, self.trainer.device) if self.rank == 0 else None
-        pub = WeightPublisher(self.cfg.sync, self.trainer, sync)
+        fp8 = self.spec if fp8_block(self.spec) else None
+        # FP8 codes travel as given: the publisher casts, the channel must not (docs/fp8.md)
+        wire = dataclasses.replace(self.cfg.sync, dtype="same", flat_export="off") if fp8 else self.cfg.sync
+        self.wire_cfg = wire
+        sync = WeightSync(self.host, wire, self.engines, self.trainer.device) if self.rank == 0 else None
+        pub = WeightPublisher(self.cfg.sync, self.trainer, sync, fp8_spec=fp8)
         if sync is not None:
             self._watch = asyncio.create_task(self._watch_engines(pub), name="engine-watch")
         return pub

@@ -29,6 +29,9 @@ from miles.actors.sync import SyncReport, WeightSync
 from miles.core.errors import MilesError
 from miles.core.logging import get_logger
 from miles.core.schema.sync import SyncConfig
+from miles.models.config import ModelSpec
+from miles.models.fp8_layout import fp8_block
+from miles.models.fp8_linear import fp8_export
 from miles.transport.bulk.flat import FlatWeights
 
 log = get_logger("miles.trainer")
@@ -62,9 +65,14 @@ def _host_copy(w: FlatWeights, reuse: torch.Tensor | None) -> FlatWeights:
 class WeightPublisher:
     """Exports a trainer's weights and, on rank 0, pushes them and catches engines up."""
 
-    def __init__(self, cfg: SyncConfig, exporter: Exporter, sync: WeightSync | None) -> None:
+    def __init__(self, cfg: SyncConfig, exporter: Exporter, sync: WeightSync | None,
+                 fp8_spec: ModelSpec | None = None) -> None:
         self.cfg = cfg
         self.exporter = exporter
+        # Under the FP8 contract (docs/fp8.md) the export goes tensor by tensor, cast to the wire
+        # dtype here and then to codes + scales; `sync` must then move tensors as given
+        # (sync.dtype = 'same': a cast would destroy the codes).
+        self.fp8_spec = fp8_spec if fp8_spec is not None and fp8_block(fp8_spec) else None
         self.sync = sync  # None on ranks other than 0: they only take part in the gather
         self.lock = asyncio.Lock()  # export + push vs catch-up: both read the export buffer
         self.last_version = -1
@@ -76,7 +84,14 @@ class WeightPublisher:
     # ------------------------------------------------------------------ export + push
     def _export_blocking(self) -> Named | FlatWeights:
         dt = self.cfg.wire_dtype()
-        state = self.exporter.export_sync_state(flat=self.cfg.flat, dtype=None if dt is None else getattr(torch, dt))
+        dtype = None if dt is None else getattr(torch, dt)
+        if self.fp8_spec is not None:
+            named = self.exporter.export_sync_state(flat=False)
+            assert not isinstance(named, FlatWeights)
+            cast = ((n, t.to(dtype) if dtype is not None else t) for n, t in named)
+            state: Named | FlatWeights = fp8_export(cast, self.fp8_spec)
+        else:
+            state = self.exporter.export_sync_state(flat=self.cfg.flat, dtype=dtype)
         if self.sync is None and not isinstance(state, FlatWeights):
             for _ in state:  # other ranks drain the gather collective, in this thread too
                 pass

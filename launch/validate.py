@@ -53,3 +53,8 @@ def validate_launch(cfg: MilesConfig) -> None:
                               "pip install 'miles[wandb]' (or leave run.wandb_project empty)")
     if cfg.eval.mode != "none" and cfg.eval.every_steps < 1:
         raise ConfigError(f"eval.every_steps must be >= 1, got {cfg.eval.every_steps}")
+    from miles.models.fp8_checks import fp8_launch_errors
+
+    fp8 = fp8_launch_errors(cfg)
+    if fp8:
+        raise ConfigError("; ".join(fp8))

@@ -25,6 +25,11 @@ def test_quickstart_writes_every_output(tmp_path: Path) -> None:
     assert wait(p, 280) == 0, (tmp_path / "run.launcher.log").read_text()[-3000:]
     rows = metrics(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["version"] for r in rows] == [1, 2, 3, 4]  # one weight version per step, no gaps
+    phases = ("perf/wait_rollout_s", "perf/train_s", "perf/sync_s", "perf/other_s")
+    for r in rows:  # the step's phases cover it
+        assert abs(sum(r[k] for k in phases) - r["perf/step_time_s"]) < 0.05 * r["perf/step_time_s"] + 1e-3, r
+        assert r["sync/plan_declined"] == 0 and r["sync/bytes"] > 0
     for r in rows:
         missing = [k for k in REQUIRED if k not in r]
         assert not missing, f"step {r['step']} lacks {missing}"
