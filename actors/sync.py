@@ -138,14 +138,15 @@ class ShardedWeightSync:
     """
 
     def __init__(self, host: Host, cfg: SyncConfig, engines: list[str], device: str | torch.device = "cpu",
-                 group: RankGroup | None = None, bucket_bytes: int | None = None) -> None:
+                 group: RankGroup | None = None, bucket_bytes: int | None = None, delta: bool = False) -> None:
         self.host, self.cfg = host, cfg
         self.device = torch.device(device)
         self.group = group if group is not None else TorchRankGroup("cuda" if self.device.type == "cuda" else "cpu")
         self.advertise = _advertise(host, cfg)
         self.link = ActorEngineLink(host, cfg.step_timeout_s)
+        # delta: only changed words when that moves fewer bytes (transport/bulk/shard_delta.py; +1 shard)
         self.opts = ShardedOptions(bucket_bytes or cfg.bucket_mib << 20, cfg.pipeline_depth, cfg.pause_mode,
-                                   cfg.verify_every)
+                                   cfg.verify_every, delta)
         self.coordinator = ShardedCoordinator(self.link, self.group, self._sender(cfg.transport), engines, self.opts)
 
     def _sender(self, tag: str) -> Any:

@@ -215,3 +215,54 @@ async def test_a_dead_engine_is_dropped_and_reported_by_every_rank() -> None:
         assert not isinstance(rep, BaseException), rep
         assert rep.committed == ["e0"] and rep.dead == ["e1"]
     assert torch.equal(link.engines["e0"].live, whole) and link.engines["e1"].version == 0
+
+
+def exports_of(model: torch.nn.Module, bufs: list[ShardExportBuffer]) -> tuple[list[ShardExport], torch.Tensor]:
+    from miles.models.hf_io import hf_tensor_views
+
+    out = []
+    for r, buf in enumerate(bufs):
+        params = [(n, p.data[slice(*fsdp_rows(p.shape[0], r, WORLD))], tuple(p.shape)) for n, p in model.named_parameters()]
+        out.append(buf.fill(model.spec, params, r, WORLD))
+    return out, FlatWeights.copy_of(hf_tensor_views(model).items()).buffer
+
+
+async def test_delta_sends_only_changed_words_and_falls_back_to_full() -> None:
+    link = MemLink()
+    hub = Hub(WORLD)
+    coords = [ShardedCoordinator(link, LocalRankGroup(hub, r), ZmqShardSender(r, WORLD, 10.0), ENGINES,
+                                 ShardedOptions(4096, 2, "none", 1, delta=True)) for r in range(WORLD)]
+    model = build_model(ModelSpec.from_hf(tiny_config("qwen3", vocab_size=96)), seed=10).requires_grad_(False)
+    bufs = [ShardExportBuffer() for _ in range(WORLD)]
+    params = list(model.parameters())
+    g = torch.Generator().manual_seed(0)
+    sent = []
+    for version in (1, 2, 3):
+        if version == 2:  # a sparse update: ~1 % of the elements change
+            for p in params:
+                mask = torch.rand(p.shape, generator=g) < 0.01
+                p.add_(mask * 0.01)
+        if version == 3:  # a dense one: every element changes, deltas would be larger
+            for p in params:
+                p.mul_(1.001)
+        exs, whole = exports_of(model, bufs)
+        reps = await push_all(coords, version, exs)
+        assert all(not isinstance(r, BaseException) for r in reps), reps
+        assert all(r.verified is True for r in reps)  # the engines' checksums match the trainer's
+        for e in link.engines.values():
+            assert torch.equal(e.live, whole)
+        sent.append((sum(r.bytes for r in reps), sum(r.full_bytes for r in reps)))
+    (b1, f1), (b2, f2), (b3, f3) = sent
+    assert b1 == f1  # no base yet: in full
+    assert b2 < f2 * 0.1  # ~1 % changed: (index + word) per change, far under the full bytes
+    assert b3 == f3  # everything changed: the full path
+    # an engine that lost its base (restarted) gets the full bytes again
+    link.engines["e1"].version = 0
+    for c in coords:
+        c.versions["e1"] = 0
+    for p in params:
+        p[..., :1].add_(0.5)
+    exs, whole = exports_of(model, bufs)
+    reps = await push_all(coords, 4, exs)
+    assert all(not isinstance(r, BaseException) and r.bytes == r.full_bytes for r in reps), reps
+    assert all(torch.equal(e.live, whole) for e in link.engines.values())

@@ -4,7 +4,8 @@ Every rank sends only its own slices (transfer plan, transport/bulk/shard_plan.p
 (when UCXX is installed), zmq and broadcast (send/recv per rank-engine pair). After each of
 5 versions per transport both engines hold exactly the trainer's model (checksums against
 the gathered model, computed outside the sync), and no rank's sync created more than its
-own shard plus one bucket (tracked allocations of every op on the syncing thread).
+own shard plus one bucket (tracked allocations of every op on the syncing thread). A fourth
+run sends deltas over broadcast after a sparse update (2 % of the elements change).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def test_four_fsdp_ranks_send_their_own_shards(procs, tmp_path: Path) -> None:
-    transports = [*(["ucx"] if importlib.util.find_spec("ucxx") else []), "zmq", "broadcast"]
+    transports = [*(["ucx"] if importlib.util.find_spec("ucxx") else []), "zmq", "broadcast", "broadcast-delta"]
     directory = start_engines(procs, extra=["--hidden", "128"])
     port = str(free_port())
     env = {"OMP_NUM_THREADS": "1", "UCX_WARN_UNUSED_ENV_VARS": "n", "UCX_TLS": "tcp,self"}
@@ -42,9 +43,13 @@ def test_four_fsdp_ranks_send_their_own_shards(procs, tmp_path: Path) -> None:
     assert [c["transport"] for c in checks] == [t for t in transports for _ in range(5)]
     assert all(c["exact"] == [True, True] for c in checks), checks
     model_bytes = sum(r["shard_bytes"] for r in recs)
-    for rep in reports:
+    for i, rep in enumerate(reports):
         assert rep["committed"] == ["e0", "e1"] and rep["dead"] == [], rep
-        assert rep["bytes"] == model_bytes and rep["buckets"] >= 2 * WORLD, rep
+        assert rep["full_bytes"] == model_bytes and rep["buckets"] >= 2 * WORLD, rep
+        if rep["transport"].endswith("-delta") and i % 5:  # 2 % of the words changed: deltas after the first
+            assert rep["bytes"] < model_bytes * 0.2, rep
+        else:
+            assert rep["bytes"] == model_bytes, rep
         if rep["version"] % 5 == 0:
             assert rep["verified"] is True, rep
     for r, rec in enumerate(recs):
@@ -53,4 +58,6 @@ def test_four_fsdp_ranks_send_their_own_shards(procs, tmp_path: Path) -> None:
         # everything the rank's export + push created, summed, fits its shard + one bucket
         assert rec["total_max"] <= bound, (r, rec["total_max"], bound)
         assert rec["largest"] <= bound, (r, rec["largest"], bound)
+        # a delta sync also keeps its base: one more shard
+        assert rec["total_max_delta"] <= bound + rec["shard_bytes"], (r, rec["total_max_delta"], bound)
         assert rec["gathered_total"] >= model_bytes > bound  # the tracker does see a gather's allocations

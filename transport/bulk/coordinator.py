@@ -66,6 +66,7 @@ class SyncReport:
     transfer_s: float = 0.0
     commit_s: float = 0.0
     resume_s: float = 0.0
+    full_bytes: int = 0  # sharded syncs: what the version is in full; `bytes` less with deltas
 
     @property
     def gbps(self) -> float:

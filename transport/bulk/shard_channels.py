@@ -32,6 +32,7 @@ import torch
 from miles.core.errors import SyncError
 from miles.core.logging import get_logger
 from miles.transport.bulk.base import BulkReceiver, LocalWeights
+from miles.transport.bulk.shard_delta import decode
 
 log = get_logger("miles.bulk.sharded")
 SHARDED_TAG = "sharded"  # the receiver tag engines open (BulkOpen.transport)
@@ -244,6 +245,7 @@ class ShardReceiver(BulkReceiver):
         self._store: Any = None
         dev = "cuda" if self.sources and self.sources[0].get("backend") == "nccl" else "cpu"
         self._buf = torch.empty(0, dtype=torch.uint8, device=dev)  # grown to a bucket on first need
+        self._full = torch.empty(0, dtype=torch.uint8, device=dev)  # a delta bucket rebuilt (delta syncs only)
 
     async def open(self) -> None:
         try:
@@ -293,25 +295,31 @@ class ShardReceiver(BulkReceiver):
         except (KeyError, TypeError, ValueError) as exc:
             raise SyncError(f"sharded bucket header is malformed: {exc}") from exc
         total = sum(hi - lo for lo, hi in ranges)
-        if any(not 0 <= lo < hi <= landing.plan.nbytes for lo, hi in ranges):
-            raise SyncError(f"sharded bucket from rank {src}: a range lies outside the plan's {landing.plan.nbytes} "
-                            "bytes")
+        delta = "delta" in header  # (indices, words) against the live version: shard_delta.py
+        wire = int(header.get("nbytes", total))
+        if any(not 0 <= lo < hi <= landing.plan.nbytes for lo, hi in ranges) or (wire != total and not delta):
+            raise SyncError(f"sharded bucket from rank {src}: its ranges do not fit the plan's {landing.plan.nbytes} "
+                            f"bytes or its {wire} bytes on the wire")
         if self.channel == "zmq":
             data = header.get("data")
-            if not isinstance(data, torch.Tensor) or data.numel() * data.element_size() != total:
-                raise SyncError(f"sharded zmq bucket from rank {src}: its data does not hold the {total} bytes "
-                                "its ranges name")
+            if not isinstance(data, torch.Tensor) or data.numel() * data.element_size() != wire:
+                raise SyncError(f"sharded zmq bucket from rank {src}: its data does not hold the {wire} bytes "
+                                "its header names")
             data = data.reshape(-1).view(torch.uint8)
         else:
             region = landing.region(local)
-            if len(ranges) == 1 and region is not None and region.device == self._buf.device:
+            if not delta and len(ranges) == 1 and region is not None and region.device == self._buf.device:
                 lo, hi = ranges[0]
                 await self._take(src, seq, region[lo:hi])  # straight into the staging slots
                 return landing.plan.done_in(lo, hi)  # type: ignore[no-any-return]
-            if self._buf.numel() < total:
-                self._buf = torch.empty(max(total, self.bucket_bytes), dtype=torch.uint8, device=self._buf.device)
-            data = self._buf[:total]
+            if self._buf.numel() < wire:
+                self._buf = torch.empty(max(wire, self.bucket_bytes), dtype=torch.uint8, device=self._buf.device)
+            data = self._buf[:wire]
             await self._take(src, seq, data)
+        if delta:
+            if self._full.numel() < total:
+                self._full = torch.empty(max(total, self.bucket_bytes), dtype=torch.uint8, device=self._buf.device)
+            data = decode(header, data, ranges, landing, local, self._full)
         names: list[str] = []
         pos = 0
         for lo, hi in ranges:

@@ -36,9 +36,11 @@ import xxhash
 
 from miles.core.errors import SyncError
 from miles.core.logging import get_logger
+from miles.transport.bulk.base import dtype_of
 from miles.transport.bulk.coordinator import EngineLink, SyncReport, each
 from miles.transport.bulk.rank_group import RankGroup
 from miles.transport.bulk.shard_channels import SHARDED_TAG, ShardSender
+from miles.transport.bulk.shard_delta import IDX_BYTES, encode
 from miles.transport.bulk.shard_plan import ShardBucket, ShardExport
 
 log = get_logger("miles.sync.sharded")
@@ -50,6 +52,7 @@ class ShardedOptions:
     pipeline_depth: int = 2
     pause_mode: str = "none"
     verify_every: int = 0
+    delta: bool = False  # send only changed words when fewer bytes (shard_delta.py); +1 shard of memory
 
 
 class _Failed(SyncError):
@@ -68,6 +71,8 @@ class ShardedCoordinator:
         self._plan_for: tuple[str, tuple[str, ...]] | None = None
         self._buckets: tuple[Any, list[ShardBucket]] = (None, [])
         self.versions: dict[str, int] = {}
+        self._prev: torch.Tensor | None = None  # delta base: this rank's send buffer at version `_base`
+        self._base = -1
 
     # ------------------------------------------------------------------ helpers
     async def _each(self, step: str, names: list[str], call: Callable[[str], Awaitable[Any]],
@@ -134,8 +139,13 @@ class ShardedCoordinator:
             await self._phase("plan", send_plan if self.rank == 0 else None, dead)
             live = [n for n in live if n not in dead]
 
-            sent = await self._phase("send", lambda: self._send(version, export, live, dead), dead)
+            # Deltas only against a version every live engine committed through this coordinator
+            # (a restarted engine, or a failed push, gets the full bytes); every rank decides alike.
+            base = self._base if self.opts.delta and self._prev is not None and live and all(
+                self.versions.get(n) == self._base for n in live) else None
+            sent = await self._phase("send", lambda: self._send(version, export, live, dead, base), dead)
             rep.bytes = sum(s["bytes"] for s in sent)
+            rep.full_bytes = sum(s["full"] for s in sent)
             rep.buckets = sum(s["buckets"] for s in sent)
             live = [n for n in live if n not in dead]
             t_staged = time.perf_counter()
@@ -149,8 +159,14 @@ class ShardedCoordinator:
             rep.commit_s = time.perf_counter() - t_staged
             for n in rep.committed:
                 self.versions[n] = version
+            if self.opts.delta:
+                if self._prev is None or self._prev.shape != export.buffer.shape:
+                    self._prev = torch.empty_like(export.buffer)
+                self._prev.copy_(export.buffer)
+                self._base = version
         except BaseException as exc:
             self._forget()
+            self._prev, self._base = None, -1  # the next version goes in full
             if self.rank == 0:
                 names = [n for n in live if n not in dead]
                 try:
@@ -206,7 +222,8 @@ class ShardedCoordinator:
         await self._phase("connect", connect, dead)
         self._open_for = list(live)
 
-    async def _send(self, version: int, export: ShardExport, live: list[str], dead: list[str]) -> dict[str, int]:
+    async def _send(self, version: int, export: ShardExport, live: list[str], dead: list[str],
+                    base: int | None = None) -> dict[str, int]:
         """This rank's buckets to every live engine: up to pipeline_depth buckets in flight, each
         (rank, engine) pair's transfers chained in order (an engine lands the buckets it is told
         of in header order; chaining per pair, not per bucket, leaves no wait cycle between ranks)."""
@@ -218,7 +235,8 @@ class ShardedCoordinator:
         chains: dict[str, asyncio.Future[Any] | None] = {}
         inflight: deque[asyncio.Future[Any]] = deque()
         digest = plan.engines[0].plan.digest
-        total = 0
+        word = dtype_of(plan.trainer.dtype).itemsize
+        total = wire = 0
 
         async def move(prev: asyncio.Future[Any] | None, i: int, seq: int, data: torch.Tensor) -> None:
             if prev is not None:
@@ -237,7 +255,15 @@ class ShardedCoordinator:
                 while len(inflight) >= self.opts.pipeline_depth:
                     await inflight.popleft()
                 data = self._bucket_bytes(export, b)
-                header = {**self.sender.header(seq, data), "ranges": b.ranges}
+                extra: dict[str, Any] = {}
+                span = b.contiguous_src()
+                if base is not None and span is not None and self._prev is not None and data.numel() % word == 0:
+                    enc = encode(data, self._prev[span[0]:span[1]], word)
+                    if enc is not None:
+                        extra = {"delta": {"base": base, "word": word, "n": enc.numel() // (IDX_BYTES + word)}}
+                        data = enc
+                header = {**self.sender.header(seq, data), "ranges": b.ranges, **extra}
+                wire += data.numel()
                 lo, hi = b.runs[0][1], b.runs[-1][1] + b.runs[-1][2]
                 per = []
                 for name in [n for n in live if n not in dead]:
@@ -260,7 +286,7 @@ class ShardedCoordinator:
             if pending:
                 await asyncio.wait(pending, timeout=self.sender.timeout_s)
             raise
-        return {"bytes": total, "buckets": len(buckets)}
+        return {"bytes": wire, "full": total, "buckets": len(buckets)}
 
     def _bucket_bytes(self, export: ShardExport, b: ShardBucket) -> torch.Tensor:
         """The bucket's bytes: a view of the send buffer (whole-model engines), else packed."""

@@ -73,18 +73,20 @@ def _storage(t: Any) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def update(trainer: FSDPTrainer, version: int) -> None:
-    """Change this rank's slice of every parameter (deterministic per rank and version)."""
+def update(trainer: FSDPTrainer, version: int, share: float = 1.0) -> None:
+    """Change `share` of the elements of this rank's slice of every parameter (deterministic per
+    rank and version)."""
     g = torch.Generator().manual_seed(1000 * version + trainer.rank)
     for p in trainer.policy.parameters():
         local = p.to_local() if isinstance(p, DTensor) else p
-        local.add_(torch.randn(local.shape, generator=g) * 0.01)
+        step = torch.randn(local.shape, generator=g) * 0.01
+        local.add_(step if share >= 1.0 else step * (torch.rand(local.shape, generator=g) < share))
 
 
 async def run(trainer: FSDPTrainer, directory: str, out: Path, transports: list[str]) -> dict[str, Any]:
     host = Host(TransportConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0), directory)
     await host.start()
-    rec: dict[str, Any] = {"largest": 0, "total_max": 0, "checks": [], "reports": []}
+    rec: dict[str, Any] = {"checks": [], "reports": []}
     version = 0
     # The tracker sees a gather: the old path's export, tracked the same way (a collective).
     gathered = AllocTracker()
@@ -93,30 +95,32 @@ async def run(trainer: FSDPTrainer, directory: str, out: Path, transports: list[
             pass
     rec["gathered_total"] = gathered.total
     try:
-        for transport in transports:
+        for name in transports:  # "<transport>-delta": a sparse update, sent as deltas after the first
+            transport, delta = name.removesuffix("-delta"), name.endswith("-delta")
             cfg = SyncConfig(transport=transport, step_timeout_s=30, pause_mode="none",  # type: ignore[arg-type]
                              verify_every=VERSIONS)
-            sync = ShardedWeightSync(host, cfg, ["e0", "e1"], bucket_bytes=BUCKET)
+            sync = ShardedWeightSync(host, cfg, ["e0", "e1"], bucket_bytes=BUCKET, delta=delta)
             try:
                 for _ in range(VERSIONS):
                     version += 1
-                    update(trainer, version)
+                    update(trainer, version, 0.02 if delta else 1.0)
                     tracker = AllocTracker()
                     with tracker:
                         ex = trainer.export_sharded_state()
                         rep = await sync.push(version, ex)
-                    rec["largest"] = max(rec["largest"], tracker.largest)
-                    rec["total_max"] = max(rec["total_max"], tracker.total)
+                    key = "_delta" if delta else ""  # a delta sync keeps one more shard: its base
+                    rec["largest" + key] = max(rec.get("largest" + key, 0), tracker.largest)
+                    rec["total_max" + key] = max(rec.get("total_max" + key, 0), tracker.total)
                     rec["shard_bytes"] = int(ex.buffer.numel())
                     # The independent check: the gathered model (old path, outside the tracker).
                     want = await asyncio.to_thread(lambda: {k: tensor_checksum(v) for k, v in trainer.export_hf_state()})
                     if trainer.rank == 0:
                         held = [await host.ref(e).ask(Checksums(), timeout=30) for e in ("e0", "e1")]
-                        rec["checks"].append({"transport": transport, "version": version,
+                        rec["checks"].append({"transport": name, "version": version,
                                               "exact": [h == want for h in held]})
-                        rec["reports"].append({"transport": transport, "version": version, "committed": rep.committed,
+                        rec["reports"].append({"transport": name, "version": version, "committed": rep.committed,
                                                "dead": rep.dead, "verified": rep.verified, "buckets": rep.buckets,
-                                               "bytes": rep.bytes})
+                                               "bytes": rep.bytes, "full_bytes": rep.full_bytes})
             finally:
                 await sync.close()
     finally:
