@@ -52,7 +52,8 @@ class SamplerConfig:
 class PrecisionConfig:
     deterministic: bool = opt(
         False, "bit-identical runs: deterministic torch algorithms, fixed seeds per prompt, and "
-        "generation and training in lock-step (the run behaves as buffer.mode='sync')")
+        "generation and training in lock-step (the run behaves as buffer.mode='sync', whose "
+        "buffer.capacity is one batch: batch_groups * n_samples)")
     engine_dtype: Literal["float32", "bfloat16"] = opt("float32", "dtype the rollout engine holds its weights in")
     trainer_dtype: Literal["float32", "bfloat16"] = opt(
         "float32", "compute dtype of the trainer's FSDP2 units (master weights and optimizer stay FP32)")
