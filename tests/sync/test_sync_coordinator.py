@@ -266,3 +266,29 @@ async def test_delta_sends_only_changed_words_and_falls_back_to_full() -> None:
     reps = await push_all(coords, 4, exs)
     assert all(not isinstance(r, BaseException) and r.bytes == r.full_bytes for r in reps), reps
     assert all(torch.equal(e.live, whole) for e in link.engines.values())
+
+
+async def test_a_restarted_engine_is_reconnected_and_sent_the_whole_version() -> None:
+    """Rank 0 alone learns of the restart (its engine watcher): the next push reopens the channel,
+    resends the plan and goes in full, every rank following rank 0's decision."""
+    link = MemLink()
+    hub = Hub(WORLD)
+    coords = [ShardedCoordinator(link, LocalRankGroup(hub, r), ZmqShardSender(r, WORLD, 10.0), ENGINES,
+                                 ShardedOptions(4096, 2, "none", 0, delta=True)) for r in range(WORLD)]
+    model = build_model(ModelSpec.from_hf(tiny_config("qwen3", vocab_size=96)), seed=10).requires_grad_(False)
+    bufs = [ShardExportBuffer() for _ in range(WORLD)]
+    for version in (1, 2):
+        with torch.no_grad():
+            next(model.parameters())[version].add_(1.0)
+        exs, whole = exports_of(model, bufs)
+        reps = await push_all(coords, version, exs)
+        assert all(not isinstance(r, BaseException) for r in reps), reps
+    assert reps[0].bytes < reps[0].full_bytes  # v2 went as a delta
+    link.engines["e1"] = MemEngine()  # e1 restarted: no receiver, no plan, initial weights
+    coords[0].forget_engine("e1")
+    with torch.no_grad():
+        next(model.parameters())[3].add_(1.0)
+    exs, whole = exports_of(model, bufs)
+    reps = await push_all(coords, 3, exs)
+    assert all(not isinstance(r, BaseException) and r.bytes == r.full_bytes for r in reps), reps
+    assert all(e.version == 3 and torch.equal(e.live, whole) for e in link.engines.values())

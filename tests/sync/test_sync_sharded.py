@@ -5,7 +5,8 @@ Every rank sends only its own slices (transfer plan, transport/bulk/shard_plan.p
 5 versions per transport both engines hold exactly the trainer's model (checksums against
 the gathered model, computed outside the sync), and no rank's sync created more than its
 own shard plus one bucket (tracked allocations of every op on the syncing thread). A fourth
-run sends deltas over broadcast after a sparse update (2 % of the elements change).
+run sends deltas over broadcast after a sparse update (2 % of the elements change); a last
+version goes through the trainer loop's hand-off (ShardedPublisher) with the engines paused.
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ def test_four_fsdp_ranks_send_their_own_shards(procs, tmp_path: Path) -> None:
             assert rep["bytes"] == model_bytes, rep
         if rep["version"] % 5 == 0:
             assert rep["verified"] is True, rep
+    pub = [rec["publisher"] for rec in recs]  # the trainer loop's hand-off, every rank, rank 0 announcing
+    assert pub[0]["exact"] == [True, True] and pub[0]["announced"] == [pub[0]["version"]], pub[0]
+    assert all(p["announced"] == [] and p["last_version"] == pub[0]["version"] for p in pub[1:]), pub
+    assert all(p["payload"] == model_bytes for p in pub)
     for r, rec in enumerate(recs):
         bound = rec["shard_bytes"] + rec["bucket_bytes"]
         assert rec["shard_bytes"] < model_bytes / 2  # a real shard, not the model

@@ -99,6 +99,12 @@ class ShardedCoordinator:
     def _forget(self) -> None:
         self._open_for, self._plan_for = None, None
 
+    def forget_engine(self, engine: str) -> None:
+        """`engine` came back without its weights (restarted): rank 0 reopens the channel and resends
+        the plan to every engine on the next push, which sends it the whole version (no delta)."""
+        self.versions.pop(engine, None)
+        self._forget()
+
     # ------------------------------------------------------------------ the protocol
     async def push(self, version: int, export: ShardExport) -> SyncReport:
         """Push `version` from every rank's `export` (a collective: every rank calls it)."""
@@ -115,7 +121,11 @@ class ShardedCoordinator:
                     await self._each("pause", live, lambda n: self.link.pause(n, self.opts.pause_mode), dead)
                 now = [n for n in live if n not in dead]
                 shared = await self.sender.setup(now) if self._open_for != now else None
-                return {"live": now, "shared": shared}
+                # Deltas only against a version every live engine committed through this coordinator
+                # (a restarted engine, or a failed push, gets the full bytes); rank 0 decides for all.
+                base = self._base if self.opts.delta and self._prev is not None and now and all(
+                    self.versions.get(n) == self._base for n in now) else None
+                return {"live": now, "shared": shared, "base": base}
 
             paused = self.rank == 0 and self.opts.pause_mode != "none"
             ctl = (await self._phase("pause", begin if self.rank == 0 else None, dead))[0]
@@ -139,10 +149,7 @@ class ShardedCoordinator:
             await self._phase("plan", send_plan if self.rank == 0 else None, dead)
             live = [n for n in live if n not in dead]
 
-            # Deltas only against a version every live engine committed through this coordinator
-            # (a restarted engine, or a failed push, gets the full bytes); every rank decides alike.
-            base = self._base if self.opts.delta and self._prev is not None and live and all(
-                self.versions.get(n) == self._base for n in live) else None
+            base = ctl["base"] if self._prev is not None else None
             sent = await self._phase("send", lambda: self._send(version, export, live, dead, base), dead)
             rep.bytes = sum(s["bytes"] for s in sent)
             rep.full_bytes = sum(s["full"] for s in sent)

@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_leaves
 
 from miles.actors.messages import Checksums
 from miles.actors.runtime.host import Host
+from miles.actors.shard_publisher import ShardedPublisher
 from miles.actors.sync import ShardedWeightSync
 from miles.core.schema.sync import SyncConfig
 from miles.core.schema.trainer import TrainerConfig
@@ -123,6 +124,26 @@ async def run(trainer: FSDPTrainer, directory: str, out: Path, transports: list[
                                                "bytes": rep.bytes, "full_bytes": rep.full_bytes})
             finally:
                 await sync.close()
+        # The trainer loop's hand-off (actors/shard_publisher.py) on every rank: export in a worker
+        # thread, push with the engines paused in place, rank 0 announces.
+        cfg = SyncConfig(transport="zmq", step_timeout_s=30, pause_mode="in_place", verify_every=1)
+        sync = ShardedWeightSync(host, cfg, ["e0", "e1"], bucket_bytes=BUCKET)
+        pub = ShardedPublisher(cfg, trainer, sync)
+        announced: list[int] = []
+        try:
+            version += 1
+            update(trainer, version)
+
+            async def announce() -> None:
+                announced.append(version)
+
+            metrics = await pub.hand_off(version, announce)
+            want = await asyncio.to_thread(lambda: {k: tensor_checksum(v) for k, v in trainer.export_hf_state()})
+            held = [await host.ref(e).ask(Checksums(), timeout=30) for e in ("e0", "e1")] if trainer.rank == 0 else []
+            rec["publisher"] = {"exact": [h == want for h in held], "announced": announced, "version": version,
+                                "payload": metrics["sync/payload_bytes"], "last_version": pub.last_version}
+        finally:
+            await sync.close()
     finally:
         await host.stop()
     return rec
