@@ -17,7 +17,8 @@ from typing import Any
 from miles.actors.evaluator import Evaluator, run_external
 from miles.actors.messages import DumpState, Health, PullBatch, RunEval, SetVersion
 from miles.actors.runtime.actor import Actor
-from miles.actors.sync import WeightSync
+from miles.actors.shard_publisher import ShardedPublisher
+from miles.actors.sync import ShardedWeightSync, WeightSync
 from miles.actors.weight_publisher import WeightPublisher
 from miles.core.clock import Phases
 from miles.core.errors import MilesError, TrainerError
@@ -63,7 +64,7 @@ class TrainerActor(Actor):
         self._watch: asyncio.Task[None] | None = None
         # Rank 0's publisher keeps what a restarted engine is caught up from (the live
         # parameters may be mid-update in a step); made when the loop starts.
-        self.publisher: WeightPublisher | None = None
+        self.publisher: WeightPublisher | ShardedPublisher | None = None
         self.run_dir = Path(cfg.run.dir)
         self.wire_cfg = cfg.sync  # what the channel is told (FP8: tensors as the publisher gives them)
         self._eval_task: asyncio.Task[None] | None = None
@@ -86,7 +87,7 @@ class TrainerActor(Actor):
             if t is not None and not t.done():
                 t.cancel()
 
-    async def _watch_engines(self, pub: WeightPublisher) -> None:
+    async def _watch_engines(self, pub: WeightPublisher | ShardedPublisher) -> None:
         """Catch up any engine that serves an older version than the last push (e.g. restarted)."""
         while True:
             await asyncio.sleep(1.0)
@@ -189,7 +190,14 @@ class TrainerActor(Actor):
             self._report(step, version, rollout_metrics, metrics, ph)
         await self._finish()
 
-    def _make_publisher(self) -> WeightPublisher:
+    def _make_publisher(self) -> WeightPublisher | ShardedPublisher:
+        if self.cfg.sync.sharded:  # every rank sends its own slices (a collective per push)
+            shard = ShardedWeightSync(self.host, self.cfg.sync, self.engines, self.trainer.device,
+                                      delta=self.cfg.sync.delta)
+            spub = ShardedPublisher(self.cfg.sync, self.trainer, shard)
+            if self.rank == 0:
+                self._watch = asyncio.create_task(self._watch_engines(spub), name="engine-watch")
+            return spub
         fp8 = self.spec if fp8_block(self.spec) else None
         # FP8 codes travel as given: the publisher casts, the channel must not (docs/fp8.md)
         wire = dataclasses.replace(self.cfg.sync, dtype="same", flat_export="off") if fp8 else self.cfg.sync

@@ -41,6 +41,15 @@ class SyncConfig:
         "goes once; no per-tensor work per version; one extra copy of the weights on rank 0); auto = on "
         "for every transport but disk_delta"
     )
+    sharded: bool = opt(
+        False, "every trainer rank sends its own FSDP slices straight to the engines (transport/bulk/"
+        "sharded.py): no rank gathers the model (extra memory per rank: its shard + one bucket); zmq, ucx or "
+        "broadcast; a restarted engine gets the whole version at the next push"
+    )
+    delta: bool = opt(
+        False, "sharded only: send a bucket as (index, word) pairs of the changed words when that is smaller "
+        "(below 50% changed for fp32, 33% for bf16); engines rebuild it from their live weights, checked"
+    )
     advertise_addr: str = opt(
         "", "address engines reach trainer rank 0 at (broadcast store, ucx listener); '' = the actor host's"
     )
@@ -77,6 +86,10 @@ class SyncConfig:
             raise ConfigError(f"sync.verify_every={self.verify_every} must be >= 0")
         if self.delta_keep < 1:
             raise ConfigError(f"sync.delta_keep={self.delta_keep} must be >= 1")
+        if self.sharded and self.transport not in ("zmq", "ucx", "broadcast"):
+            raise ConfigError(f"sync.sharded needs sync.transport = zmq, ucx or broadcast, got {self.transport!r}")
+        if self.delta and not self.sharded:
+            raise ConfigError("sync.delta needs sync.sharded = true (deltas ride the sharded path)")
         if self.catchup_source == "export_buffer" and not self.flat:
             raise ConfigError("sync.catchup_source='export_buffer' needs a flat export (sync.flat_export = "
                               "'on', or 'auto' with a transport other than disk_delta)")
