@@ -10,12 +10,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import tomllib
-import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, TypeVar, get_args, get_origin
+from typing import Any, TypeVar, get_args, get_origin
 
 from miles.core.errors import ConfigError
+from miles.core.typecheck import convert
 
 T = TypeVar("T")
 
@@ -40,70 +40,18 @@ def _deep_copy(v: Any) -> Any:
     return json.loads(json.dumps(v))
 
 
-def _type_name(tp: Any) -> str:
-    if get_origin(tp) is Literal:
-        return " | ".join(repr(a) for a in get_args(tp))
-    return getattr(tp, "__name__", str(tp))
-
-
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
 def _coerce(tp: Any, value: Any, path: str) -> Any:
-    """Check `value` against type `tp`; return it converted (int->float only)."""
-    origin = get_origin(tp)
+    """Check `value` against type `tp` and convert it (int->float only): sections are built here
+    (unknown keys are errors); every other value goes through the one type checker."""
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a table (section), got {type(value).__name__}")
         return _build(tp, value, path)
-    if origin is Literal:
-        choices = get_args(tp)
-        if value not in choices:
-            raise ConfigError(f"{path}: {value!r} is not one of {', '.join(map(repr, choices))}")
-        return value
-    if origin in (typing.Union, types.UnionType):
-        args = get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(a, value, path)
-            except ConfigError as exc:
-                errors.append(str(exc))
-        raise ConfigError(f"{path}: {value!r} matches none of {_type_name(tp)} ({'; '.join(errors)})")
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{path}: expected a list, got {type(value).__name__}")
-        (item,) = get_args(tp) or (Any,)
-        return [_coerce(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{path}: expected a table, got {type(value).__name__}")
-        _, vt = get_args(tp) or (str, Any)
-        return {str(k): _coerce(vt, v, f"{path}.{k}") for k, v in value.items()}
-    if tp is Any:
-        return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{path}: expected true/false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{path}: expected a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{path}: expected a string, got {value!r}")
-        return value
-    raise ConfigError(f"{path}: unsupported field type {tp!r}")
+    return convert(value, tp, path, ConfigError)
 
 
 def _build(cls: type[T], data: dict[str, Any], path: str) -> T:

@@ -1,24 +1,24 @@
-"""Typed message records: registration and precompiled field validators.
+"""Typed message records: registration and validation through the one type checker.
 
 A message type is a dataclass registered with `@message`. Decoding a record
-checks field names and every value's type against the dataclass hints, so a
-handler only ever sees well-formed input.
+checks field names and every value's type against the dataclass hints
+(`core/typecheck.py`, the same rules as the config), so a handler only ever
+sees well-formed input.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import types
 import typing
 from collections.abc import Callable
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, get_args
 
-import numpy as np
+import msgspec
 
 from miles.core.errors import ProtocolError
+from miles.core.typecheck import convert
 
-MAX_DEPTH = 32
-Checker = Callable[[Any, str, int], Any]
+MAX_DEPTH = 32  # nesting allowed inside free-form (Any) fields
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -27,12 +27,17 @@ class MessageSpec:
     version: int
     cls: type
     fields: tuple[str, ...]
+    names: frozenset[str]
     required: frozenset[str]
-    checkers: dict[str, Checker]
+    free_form: tuple[str, ...]  # fields whose hint holds Any: their nesting depth is bounded
 
 
 _BY_NAME: dict[str, MessageSpec] = {}
 _BY_CLS: dict[type, MessageSpec] = {}
+
+
+def _holds_any(tp: Any) -> bool:
+    return tp is Any or tp is object or any(_holds_any(a) for a in get_args(tp))
 
 
 def message(name: str | None = None, version: int = 1) -> Callable[[type], type]:
@@ -45,6 +50,10 @@ def message(name: str | None = None, version: int = 1) -> Callable[[type], type]
         if spec_name in _BY_NAME and _BY_NAME[spec_name].cls is not cls:
             raise ValueError(f"message type {spec_name!r} registered twice")
         hints = typing.get_type_hints(cls)
+        try:
+            msgspec.inspect.type_info(cls)  # every field hint must be checkable: fail at import
+        except TypeError as exc:
+            raise TypeError(f"message {spec_name!r}: unsupported field type: {exc}") from exc
         flds = dataclasses.fields(cls)
         required = frozenset(
             f.name
@@ -56,8 +65,9 @@ def message(name: str | None = None, version: int = 1) -> Callable[[type], type]
             version,
             cls,
             tuple(f.name for f in flds),
+            frozenset(f.name for f in flds),
             required,
-            {f.name: _checker(hints[f.name]) for f in flds},
+            tuple(f.name for f in flds if _holds_any(hints[f.name])),
         )
         _BY_NAME[spec_name] = spec
         _BY_CLS[cls] = spec
@@ -84,132 +94,27 @@ def build(spec: MessageSpec, version: int, fields: Any, where: str = "") -> Any:
         raise ProtocolError(f"{where}: schema version {version!r}, this side speaks {spec.version}")
     if not isinstance(fields, dict):
         raise ProtocolError(f"{where}: fields must be a map, got {type(fields).__name__}")
-    unknown = [k for k in fields if k not in spec.checkers]
+    unknown = [k for k in fields if k not in spec.names]
     if unknown:
         raise ProtocolError(f"{where}: unknown field(s) {unknown!r}; valid: {list(spec.fields)}")
     missing = spec.required - fields.keys()
     if missing:
         raise ProtocolError(f"{where}: missing field(s) {sorted(missing)!r}")
-    kwargs = {k: spec.checkers[k](v, f"{where}.{k}", 0) for k, v in fields.items()}
-    return spec.cls(**kwargs)
+    obj = convert(fields, spec.cls, where, ProtocolError)
+    for f in spec.free_form:
+        _check_depth(getattr(obj, f), f"{where}.{f}")
+    return obj
 
 
-def _type_err(path: str, want: str, v: Any) -> ProtocolError:
-    return ProtocolError(f"{path}: expected {want}, got {type(v).__name__}")
-
-
-def _checker(tp: Any) -> Checker:  # noqa: C901 - one branch per supported hint shape
-    origin = get_origin(tp)
-    if tp is Any or tp is object:
-        return _check_any
-    if tp is type(None):
-        def c_none(v: Any, p: str, d: int) -> Any:
-            if v is not None:
-                raise _type_err(p, "nil", v)
-            return v
-        return c_none
-    if tp in (int, float, str, bool, bytes):
-        return _scalar_checker(tp)
-    if tp is np.ndarray:
-        def c_nd(v: Any, p: str, d: int) -> Any:
-            if not isinstance(v, np.ndarray):
-                raise _type_err(p, "array", v)
-            return v
-        return c_nd
-    if getattr(tp, "__module__", "").startswith("torch") and getattr(tp, "__name__", "") == "Tensor":
-        def c_tensor(v: Any, p: str, d: int) -> Any:
-            if type(v).__name__ != "Tensor":
-                raise _type_err(p, "tensor", v)
-            return v
-        return c_tensor
-    if dataclasses.is_dataclass(tp):
-        def c_rec(v: Any, p: str, d: int) -> Any:
-            if not isinstance(v, tp):
-                raise _type_err(p, tp.__name__, v)
-            return v
-        return c_rec
-    if origin is Literal:
-        choices = get_args(tp)
-        def c_lit(v: Any, p: str, d: int) -> Any:
-            if v not in choices:
-                raise ProtocolError(f"{p}: {v!r} is not one of {choices!r}")
-            return v
-        return c_lit
-    if origin in (typing.Union, types.UnionType):
-        subs = [_checker(a) for a in get_args(tp)]
-        def c_union(v: Any, p: str, d: int) -> Any:
-            for s in subs:
-                try:
-                    return s(v, p, d)
-                except ProtocolError:
-                    continue
-            raise ProtocolError(f"{p}: {type(v).__name__} matches none of {tp}")
-        return c_union
-    if origin in (list, tuple):
-        args = get_args(tp)
-        item = _checker(args[0]) if args else _check_any
-        def c_list(v: Any, p: str, d: int) -> Any:
-            if not isinstance(v, list | tuple):
-                raise _type_err(p, "list", v)
+def _check_depth(v: Any, path: str) -> None:
+    """Free-form values nest at most MAX_DEPTH deep (iterative: no input exhausts the stack)."""
+    stack = [(v, 0)]
+    while stack:
+        x, d = stack.pop()
+        if isinstance(x, list | tuple | dict):
             if d >= MAX_DEPTH:
-                raise ProtocolError(f"{p}: nested deeper than {MAX_DEPTH}")
-            return [item(x, p, d + 1) for x in v]
-        return c_list
-    if origin is dict:
-        args = get_args(tp)
-        val = _checker(args[1]) if args else _check_any
-        def c_dict(v: Any, p: str, d: int) -> Any:
-            if not isinstance(v, dict):
-                raise _type_err(p, "map", v)
-            if d >= MAX_DEPTH:
-                raise ProtocolError(f"{p}: nested deeper than {MAX_DEPTH}")
-            out = {}
-            for k, x in v.items():
-                if not isinstance(k, str | int):
-                    raise ProtocolError(f"{p}: map key {k!r} is not a string or integer")
-                out[k] = val(x, f"{p}.{k}", d + 1)
-            return out
-        return c_dict
-    raise TypeError(f"unsupported message field type {tp!r}")
-
-
-def _scalar_checker(tp: type) -> Checker:
-    if tp is float:
-        def c_float(v: Any, p: str, d: int) -> Any:
-            if isinstance(v, bool) or not isinstance(v, int | float):
-                raise _type_err(p, "float", v)
-            return float(v)
-        return c_float
-    if tp is int:
-        def c_int(v: Any, p: str, d: int) -> Any:
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise _type_err(p, "int", v)
-            return v
-        return c_int
-    if tp is bytes:
-        def c_bytes(v: Any, p: str, d: int) -> Any:
-            if not isinstance(v, bytes | bytearray | memoryview):
-                raise _type_err(p, "bytes", v)
-            return bytes(v)
-        return c_bytes
-
-    def c_exact(v: Any, p: str, d: int) -> Any:
-        if not isinstance(v, tp):
-            raise _type_err(p, tp.__name__, v)
-        return v
-    return c_exact
-
-
-def _check_any(v: Any, p: str, d: int) -> Any:
-    if d >= MAX_DEPTH:
-        raise ProtocolError(f"{p}: nested deeper than {MAX_DEPTH}")
-    if isinstance(v, list):
-        for x in v:
-            _check_any(x, p, d + 1)
-    elif isinstance(v, dict):
-        for x in v.values():
-            _check_any(x, p, d + 1)
-    return v
+                raise ProtocolError(f"{path}: nested deeper than {MAX_DEPTH}")
+            stack.extend((y, d + 1) for y in (x.values() if isinstance(x, dict) else x))
 
 
 def spec_for_class(cls: type) -> MessageSpec | None:

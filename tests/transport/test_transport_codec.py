@@ -70,7 +70,7 @@ def test_batch() -> None:
         (lambda h: h.__setitem__(1, 42), "kind"),
         (lambda h: h.__setitem__(4, "no.such"), "unknown message type"),
         (lambda h: h.__setitem__(5, 3), "schema version"),
-        (lambda h: h[7].__setitem__("x", "str"), "expected int"),
+        (lambda h: h[7].__setitem__("x", "str"), "expected an integer"),
         (lambda h: h[7].__setitem__("bogus", 1), "unknown field"),
         (lambda h: h[7].pop("x"), "missing field"),
         (lambda h: h.__setitem__(2, None), "must carry an id"),
