@@ -11,7 +11,6 @@ the sum of step times. Curves are saved as one PNG and the raw per-step rows as 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -24,11 +23,13 @@ REPO = Path(__file__).resolve().parent.parent
 SMOOTH = 5  # steps of the moving average drawn and used for "steps to reach"
 
 
-def quickstart_config(run_dir: Path, mode: str, seed: int, steps: int, schedule: str = "deadline") -> MilesConfig:
+def quickstart_config(run_dir: Path, mode: str, seed: int, steps: int, schedule: str = "deadline",
+                      extra: list[str] | None = None) -> MilesConfig:
+    """The quick start with this run's settings; `extra` are further KEY=VALUE overrides."""
     sets = {"run.dir": str(run_dir), "run.steps": str(steps), "run.seed": str(seed), "run.progress": "false",
             "run.log_level": "error", "buffer.mode": mode, "buffer.schedule": schedule}
-    cfg = load_config(MilesConfig, REPO / "examples" / "quickstart.toml", [f"{k}={v}" for k, v in sets.items()])
-    return dataclasses.replace(cfg)
+    return load_config(MilesConfig, REPO / "examples" / "quickstart.toml",
+                       [f"{k}={v}" for k, v in sets.items()] + list(extra or []))
 
 
 def run_summary(rows: list[dict[str, Any]], cfg: MilesConfig) -> dict[str, Any]:

@@ -140,20 +140,22 @@ def real_part(steps: int, keep: str = "") -> dict[str, dict[str, Any]]:
     return out
 
 
-def efficiency_part(steps: int, seeds: int, keep: str = "", out: Path = EFFICIENCY_OUT) -> dict[str, Any]:
+def efficiency_part(steps: int, seeds: int, keep: str = "", out: Path = EFFICIENCY_OUT,
+                    extra: list[str] | None = None, with_old: bool = True) -> dict[str, Any]:
     print(f"\n== sample efficiency: quick start (examples/quickstart.toml, {steps} steps), sync vs "
           f"fully_async (schedule deadline), seeds 0..{seeds - 1}; engine on core {PIN['engine']}, trainer+rollout "
           f"on core {PIN['trainer']}")
     # the old default once (seed 0): what the quick start wasted before (the issue: 57% stale)
     plan = [(m, sched, seed) for seed in range(seeds) for m, sched in (("sync", "deadline"), ("fully_async", "deadline"))]
-    plan.append(("fully_async arrival (old default)", "arrival", 0))
+    if with_old:
+        plan.append(("fully_async arrival (old default)", "arrival", 0))
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m, _, _ in plan}
     with tempfile.TemporaryDirectory(prefix="miles-async-eff-") as tmp_dir:
         tmp = Path(keep or tmp_dir)
         for name, schedule, seed in plan:
             mode = "sync" if name == "sync" else "fully_async"
             cfg = async_efficiency.quickstart_config(tmp / f"{name.split()[0]}-{schedule}-s{seed}", mode, seed, steps,
-                                                     schedule)
+                                                     schedule, extra)
             rows, _ = launch_and_read(cfg, PinnedLauncher, f"{name} seed {seed}")
             runs[name].append(async_efficiency.run_summary(rows, cfg))
             r = runs[name][-1]
@@ -214,6 +216,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30, help="steps of each throughput run")
     ap.add_argument("--efficiency-steps", type=int, default=200, help="steps of each quick-start run (its own: 200)")
     ap.add_argument("--seeds", type=int, default=3, help="seeds per mode in the efficiency part")
+    ap.add_argument("--set", dest="sets", action="append", default=[],
+                    help="KEY=VALUE for every efficiency run (e.g. buffer.max_staleness=1)")
+    ap.add_argument("--out", default="", help="efficiency results (.json/.png) here instead of the default")
     a = ap.parse_args()
     parts = set(a.parts.split(","))
     if parts - {"real", "sim", "efficiency"}:
@@ -239,9 +244,11 @@ def main() -> None:
             print(f"sim {name}: vs sync by engines {sp}; len ratio {lr}")
         result["sim"] = sim
     if "efficiency" in parts:
+        out = Path(a.out) if a.out else EFFICIENCY_OUT.with_name(EFFICIENCY_OUT.name + "_quick") if a.quick else (
+            EFFICIENCY_OUT)
         result["efficiency"] = efficiency_part(
             5 if a.quick else a.efficiency_steps, 1 if a.quick else a.seeds, a.keep and str(Path(a.keep) / "efficiency"),
-            EFFICIENCY_OUT.with_name(EFFICIENCY_OUT.name + "_quick") if a.quick else EFFICIENCY_OUT)
+            out, a.sets, with_old=not a.sets)
     print(json.dumps(result))
 
 
