@@ -179,7 +179,8 @@ def make_trl_venv(path: Path) -> str:
         subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
         pip = [str(path / "bin" / "pip"), "install", "-q"]
         subprocess.run([*pip, "torch==2.13.0"], check=True)  # the CPU build, before trl pulls one
-        subprocess.run([*pip, f"trl=={TRL_VERSION}"], check=True)
+        # trl, and what importing miles' env and reward needs beyond trl's own dependencies
+        subprocess.run([*pip, f"trl=={TRL_VERSION}", "msgspec"], check=True)
     return str(py)
 
 
