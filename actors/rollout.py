@@ -56,9 +56,10 @@ def load_env(cfg: MilesConfig) -> Any:
 class _FrontedClient(LocalSessionClient):
     """In-process session client whose sessions are also reachable over the HTTP front."""
 
-    def __init__(self, store: Any, engine: Any, url: str) -> None:
+    def __init__(self, store: Any, engine: Any, url: str, token: str = "") -> None:
         super().__init__(store, engine)
         self.url = url
+        self.api_key = token  # the front's bearer token: what an OpenAI client sends as its api_key
 
     def base_url(self, session_id: str) -> str | None:
         return f"{self.url}/sessions/{session_id}/v1"
@@ -74,6 +75,7 @@ class RolloutActor(Actor):
         self._failures_in_a_row = 0
         self._last_failure = ""
         self.http_url = ""
+        self.http_token = ""
         self.tokenizer = tokenizer
         self._eval_hold = False  # shared eval mode: no new generation while the engines evaluate
         self.mode = bc.mode
@@ -115,11 +117,13 @@ class RolloutActor(Actor):
 
     async def on_start(self) -> None:
         if self.cfg.rollout.http_front:
-            from miles.actors.session_http import SessionHTTP
+            from miles.actors.session_http import SessionHTTP, read_token
             from miles.actors.session_service import SessionService
 
             service = SessionService(self.store, self._service_engine, sampling=self.sampling)
-            self.http = SessionHTTP(service, self.cfg.transport.interface, self.cfg.rollout.http_port)
+            self.http_token = read_token(self.cfg.rollout.http_token_file)
+            self.http = SessionHTTP(service, self.cfg.transport.interface, self.cfg.rollout.http_port,
+                                    token=self.http_token)
             self.http_url = await self.http.start()
             log.info("session_http_front", url=self.http_url)
         self._pump_task = asyncio.create_task(self._pump(), name="rollout-pump")
@@ -236,7 +240,7 @@ class RolloutActor(Actor):
             return await self._engine_call(key, ids, sampling)
 
         client = (LocalSessionClient(self.store, engine_fn) if self.http is None
-                  else _FrontedClient(self.store, engine_fn, self.http_url))
+                  else _FrontedClient(self.store, engine_fn, self.http_url, self.http_token))
         own = dict(work.prompt.get("sampling") or {})  # per-prompt sampling overrides
         if "max_new_tokens" in work.prompt:
             own["max_new_tokens"] = int(work.prompt["max_new_tokens"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from pathlib import Path
 from miles.actors.runtime.directory import Directory
 from miles.actors.runtime.host import DIRECTORY_NAME, Host
 from miles.core.config import dump_toml, to_dict
+from miles.core.files import atomic_write_bytes
 from miles.core.logging import get_logger
 from miles.core.schema import MilesConfig
 from miles.launch.console import Console
@@ -109,6 +111,11 @@ class LocalLauncher:
         (self.run_dir / "logs").mkdir(exist_ok=True)
         if self.cfg.transport.curve:  # a fresh key set per launch; every role reads its paths from the config
             apply_cluster_keys(self.cfg.transport, self.run_dir / "keys")
+            if self.cfg.rollout.http_front and not self.cfg.rollout.http_token_file:
+                # the HTTP front is authenticated too: a bearer token beside the keys (0600)
+                token = self.run_dir / "keys" / "http_token"
+                atomic_write_bytes(token, secrets.token_urlsafe(32).encode(), 0o600)
+                self.cfg.rollout.http_token_file = str(token)
         cfg_path = self.run_dir / "config.resolved.json"
         cfg_path.write_text(json.dumps(to_dict(self.cfg), indent=1))
         (self.run_dir / "config.resolved.toml").write_text(dump_toml(self.cfg, with_docs=True))

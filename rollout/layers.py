@@ -44,6 +44,12 @@ class AgentContext:
     def base_url(self) -> str | None:
         return self.client.base_url(self.session_id)
 
+    @property
+    def api_key(self) -> str:
+        """The bearer token an OpenAI client sends to `base_url` (a placeholder when the front
+        requires none: the client library insists on one)."""
+        return str(getattr(self.client, "api_key", "") or "miles-local")
+
 
 AgentFn = Callable[[AgentContext], Awaitable[dict[str, Any] | None]]
 

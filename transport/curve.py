@@ -19,25 +19,11 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 from miles.core.errors import ConfigError
+from miles.core.files import atomic_write_bytes
 
 ZAP_DOMAIN = "miles"
 _auth_lock = threading.Lock()
 _authenticators: dict[int, tuple[ThreadAuthenticator, str]] = {}
-
-
-def _write_private(path: Path, text: str, mode: int) -> None:
-    """Create `path` with `mode` at open time, then move it into place atomically."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    os.replace(tmp, path)
 
 
 def write_certificate(key_dir: str | Path, name: str) -> tuple[str, str]:
@@ -48,8 +34,9 @@ def write_certificate(key_dir: str | Path, name: str) -> tuple[str, str]:
     head = "#   ZeroMQ CURVE certificate written by miles\n"
     pub_text = f"{head}metadata\ncurve\n    public-key = \"{public.decode()}\"\n"
     sec_text = pub_text + f"    secret-key = \"{secret.decode()}\"\n"
-    _write_private(d / f"{name}.key_secret", sec_text, 0o600)
-    _write_private(d / f"{name}.key", pub_text, 0o644)
+    # created with their mode at open time (never readable by others), moved into place atomically
+    atomic_write_bytes(d / f"{name}.key_secret", sec_text.encode(), 0o600)
+    atomic_write_bytes(d / f"{name}.key", pub_text.encode(), 0o644)
     return str(d / f"{name}.key"), str(d / f"{name}.key_secret")
 
 

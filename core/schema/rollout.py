@@ -73,6 +73,11 @@ class RolloutConfig:
         "(e.g. miles.rollout.envs.openai_agent) reach their session at ctx.base_url"
     )
     http_port: int = opt(0, "port of that front; 0 = any free port (bound on transport.interface)")
+    http_token_file: str = opt(
+        "", "file holding the bearer token the HTTP front requires of every request but /health (mode 0600, "
+        ">= 16 characters); agents get it as ctx.api_key. '' = none, or with transport.curve = true the "
+        "launcher writes a fresh one beside the run's keys", "path"
+    )
     reward_errors: Literal["stop", "drop"] = opt(
         "stop", "what a reward-function exception does: the sample is dropped (counted by type, logged "
         "with the prompt id) and, with stop, the run ends after reward_max_errors_in_a_row in a row"

@@ -18,11 +18,12 @@ from miles.rollout.rewards import last_number_reward
 
 
 async def run_openai_tool_loop(base_url: str, messages: list[dict[str, Any]], max_turns: int = 8,
-                               model: str = "policy", **sampling: Any) -> dict[str, Any]:
+                               model: str = "policy", api_key: str = "miles-local",
+                               **sampling: Any) -> dict[str, Any]:
     """The agent proper: plain OpenAI client code, usable against any compatible server."""
     from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=base_url, api_key="miles-local")
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key)
     msgs = list(messages)
     content, finish, turns = "", "stop", 0
     try:
@@ -49,7 +50,8 @@ async def openai_agent(ctx: AgentContext) -> dict[str, Any]:
     if ctx.base_url is None:
         raise ConfigError("openai_agent needs the session server's HTTP front (its client has no base_url)")
     sampling = {k: v for k, v in ctx.sampling.items() if k in ("temperature", "top_p", "max_tokens")}
-    return await run_openai_tool_loop(ctx.base_url, ctx.prompt["messages"], ctx.max_turns, **sampling)
+    return await run_openai_tool_loop(ctx.base_url, ctx.prompt["messages"], ctx.max_turns, api_key=ctx.api_key,
+                                      **sampling)
 
 
 def make_env(seed: int = 0, max_operand: int = 99) -> Environment:

@@ -25,6 +25,9 @@ def test_openai_client_agent_trains(tmp_path: Path) -> None:
     assert check_ledger(run)["buffer"]["ledger"]["entries"]
     secrets = list((run / "keys").rglob("*.key_secret"))
     assert secrets and all(s.stat().st_mode & 0o077 == 0 for s in secrets)
+    # the HTTP front was authenticated too: the agent's OpenAI client sent the launcher's token
+    token = run / "keys" / "http_token"
+    assert token.stat().st_mode & 0o077 == 0 and len(token.read_text()) >= 16
 
 
 def test_hopeless_generation_stops_with_the_cause(tmp_path: Path) -> None:
