@@ -78,7 +78,8 @@ def case_sets(case: str, device: str) -> dict[str, Any]:
                              f'{40 if gpu else 8}, sigma = 1.0, min_tokens = 4, max_tokens = {max_tokens}, '
                              f'seed = 0, ignore_stop = true}}'),
         "buffer.mode": "sync" if case.endswith("sync") else "fully_async",
-        "buffer.batch_groups": groups, "buffer.capacity": 2 * groups, "buffer.max_staleness": 2,
+        # capacity counts trajectories in flight: two steps' worth, as many as the engine batches
+        "buffer.batch_groups": groups, "buffer.capacity": 2 * groups * n, "buffer.max_staleness": 2,
         "sync.transport": "cuda_ipc" if gpu else "zmq", "sync.bucket_mib": 512,
     }
     return sets
