@@ -19,7 +19,7 @@ for s in $SUITE; do
   case "$s" in
     e2e) step e2e_gpu_h200 330 python bench/e2e_gpu.py --device cuda --cases "${E2E_CASES:-dense,moe,moe-sync}" \
            --steps "${E2E_STEPS:-12}" --out "$OUT/e2e_gpu_h200.json" ${E2E_SETS:-} ;;
-    e2e-async) step e2e_async_h200 300 python bench/e2e_gpu.py --device cuda --cases moe,moe-sync \
+    e2e-async) step e2e_async_h200 210 python bench/e2e_gpu.py --device cuda --cases moe,moe-sync \
            --steps 16 --out "$OUT/e2e_async_h200.json" ${ASYNC_SETS:-} ;;
     async-mps)  # the same fully_async vs sync pair with the MPS daemon up (engine and trainer
       # kernels then run concurrently instead of time-slicing the GPU between the two processes)
@@ -29,7 +29,7 @@ for s in $SUITE; do
       echo quit | nvidia-cuda-mps-control ;;
     tests) step gpu_tests_h200 150 "${PYTEST[@]}" tests/sync/test_sync_publisher.py ${GPU_TESTS:-} ;;
     trainer) step trainer_h200 240 python bench/trainer.py --device cuda ;;
-    fp8) step fp8_gemm_h200 150 python bench/gpu/fp8_gemm.py --device cuda --out "$OUT/fp8_gemm_h200.json" ;;
+    fp8) step fp8_gemm_h200 200 python bench/gpu/fp8_gemm.py --device cuda --out "$OUT/fp8_gemm_h200.json" ;;
     *) echo "unknown suite step $s" >&2 ;;
   esac
 done
