@@ -20,6 +20,7 @@ from miles.core.errors import MilesError
 _WANT = {"int": "an integer", "float": "a number", "bool": "true/false", "str": "a string",
          "bytes": "bytes", "array": "a list", "object": "a table (map)", "null": "nothing (null)"}
 _EXPECTED = re.compile(r"^Expected `([^`]+)`, got `([^`]+)`$")
+_ENUM = re.compile(r"^Invalid enum value (.+)$")
 _AT = re.compile(r" - at `(?:\$([^`]*)|key)`(?: in `\$([^`]*)`)?$")
 
 
@@ -35,9 +36,22 @@ def _words(msg: str, tp: Any, value: Any) -> str:
     if m:
         want = " | ".join(_WANT.get(w.strip(), w.strip()) for w in m.group(1).split("|"))
         return f"expected {want}, got {m.group(2)}"
-    if msg.startswith("Invalid enum value") and get_origin(tp) is Literal:
-        return f"{value!r} is not one of {', '.join(map(repr, get_args(tp)))}"
+    bad = _ENUM.match(msg)
+    choices = _literals(tp)
+    if bad and choices:  # also inside list[Literal[...]] / dict[str, Literal[...]] / optionals
+        return f"{bad.group(1)} is not one of {', '.join(map(repr, choices))}"
     return msg[:1].lower() + msg[1:]
+
+
+def _literals(tp: Any) -> tuple[Any, ...]:
+    """The choices of the first Literal in a type hint (itself or an element type)."""
+    if get_origin(tp) is Literal:
+        return get_args(tp)
+    for arg in get_args(tp):
+        found = _literals(arg)
+        if found:
+            return found
+    return ()
 
 
 def convert(value: Any, tp: Any, path: str, error: type[MilesError]) -> Any:

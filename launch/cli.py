@@ -37,13 +37,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg, resume = _resume_config(args.resume, args.set)
     else:
         cfg = _load(args)
+    from miles.launch.validate import validate_launch
+
+    validate_launch(cfg)  # before anything is written: a refused run leaves no run directory
     # auto: events as JSON to run_dir/logs/launcher.log, warnings and errors as one line each here
     log_file = Path(cfg.run.dir) / "logs" / "launcher.log" if cfg.run.log_json == "auto" else None
     configure_logging(cfg.run.log_level, None if cfg.run.log_json == "auto" else cfg.run.log_json == "json",
                       file=log_file, run=cfg.run.name, role="launcher")
-    from miles.launch.validate import validate_launch
-
-    validate_launch(cfg)
     if not resume:
         cfg = with_initial_checkpoint(cfg)
     rc = asyncio.run(LocalLauncher(cfg, resume_from=resume).run())

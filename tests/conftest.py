@@ -66,3 +66,14 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
         yield pool
     finally:
         pool.stop_all()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_logging() -> Iterator[None]:
+    """Each test logs at info level to its own captured stderr. An in-process CLI call or bench
+    in an earlier test configures structlog with that test's stderr (closed afterwards) and its
+    own level; without this, later tests' log calls fail or are filtered out."""
+    from miles.core.logging import configure_logging
+
+    configure_logging("info")
+    yield

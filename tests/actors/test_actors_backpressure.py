@@ -84,7 +84,7 @@ async def test_refusing_handler_answers_mailbox_full(procs) -> None:
         full = [r for r in results if isinstance(r, MailboxFull)]
         assert len(ok) + len(full) == 10, results
         assert full and "is full" in str(full[0])
-        assert len(ok) >= 3  # one running, two queued
+        assert len(ok) >= 2  # the mailbox's 2 (running or queued); how many more finish first is timing
         # The host kept reading while refusing: it still answers.
         assert await ref.ask(Soaked(), timeout=5) == [0, 0]
     finally:

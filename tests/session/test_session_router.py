@@ -64,7 +64,11 @@ async def test_least_loaded_placement_and_affinity_over_load(tmp_path) -> None:
         assert first["engine"] == "engine-0"  # both idle: the first registered engine
         # engine-0 busy with a long request: a new session goes to engine-1
         busy = asyncio.create_task(router.ask(_gen([7] * 300, None, 400), timeout=60))
-        await asyncio.sleep(0.2)
+        for _ in range(100):  # until the router counts it in flight (not a fixed sleep: CI is loaded)
+            st = await router.ask(RouterStats(), timeout=5)
+            if st["engines"]["engine-0"]["in_flight_requests"]:
+                break
+            await asyncio.sleep(0.05)
         new = await router.ask(_gen([9] * 10, "b", 4), timeout=30)
         assert new["engine"] == "engine-1"
         # affinity beats load: session "a" stays on the busy engine-0 and reuses its KV there
