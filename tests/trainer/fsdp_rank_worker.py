@@ -10,6 +10,7 @@ import json
 import os
 import sys
 
+import torch.distributed as dist
 from safetensors.torch import save_file
 
 from miles.core.schema.trainer import TrainerConfig
@@ -41,6 +42,15 @@ def main() -> None:
         save_file(state, os.path.join(out, "weights.safetensors"))
         with open(os.path.join(out, "metrics.json"), "w") as f:
             json.dump(metrics, f)
+    # Shut the gloo group down, then leave without interpreter teardown: torch's background
+    # threads can abort a 2-rank process at exit ("terminate called without an active
+    # exception", 1 run in ~5 here) after every output above is written and closed.
+    trainer.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
