@@ -136,6 +136,24 @@ async def _both(asks: asyncio.Future[Any], tx: asyncio.Future[Any]) -> None:
         raise
 
 
+class _Adopting(Protocol):
+    engines: list[str]
+    versions: dict[str, int]
+
+    def _forget(self) -> None: ...
+
+
+def adopt(coord: _Adopting, engine: str, version: int, rep: SyncReport) -> None:
+    """After a catch-up push: the engine joins the coordinator's set at `version`, and the
+    channel is rebuilt on the next push so it gets a receiver too (both coordinators)."""
+    if engine not in rep.committed:
+        raise SyncError(f"catch-up of engine {engine!r} to v{version} failed: it is dead")
+    if engine not in coord.engines:
+        coord.engines.append(engine)
+    coord.versions[engine] = version
+    coord._forget()
+
+
 class GatheredCoordinator:
     """Pushes weight versions held by one process (trainer rank 0) to engines over `sender`."""
 
@@ -370,12 +388,7 @@ class GatheredCoordinator:
         """
         cfg = dataclasses.replace(self.cfg, transport="zmq", delta_dir="", pause_mode="none")
         rep = await GatheredCoordinator(self.link, make_sender(cfg), cfg, [engine]).push(version, named)
-        if engine not in rep.committed:
-            raise SyncError(f"catch-up of engine {engine!r} to v{version} failed: it is dead")
-        if engine not in self.engines:
-            self.engines.append(engine)
-        self.versions[engine] = version
-        self._forget()
+        adopt(self, engine, version, rep)
         return rep
 
     async def close(self) -> None:

@@ -37,7 +37,7 @@ import xxhash
 from miles.core.errors import SyncError
 from miles.core.logging import get_logger
 from miles.transport.bulk.base import dtype_of
-from miles.transport.bulk.coordinator import EngineLink, SyncReport, each
+from miles.transport.bulk.coordinator import EngineLink, SyncReport, adopt, each
 from miles.transport.bulk.rank_group import RankGroup
 from miles.transport.bulk.shard_channels import SHARDED_TAG, ShardSender
 from miles.transport.bulk.shard_delta import IDX_BYTES, encode
@@ -356,12 +356,7 @@ class ShardedCoordinator:
             rep = await sub.push(version, export)
         finally:
             await sub.close()
-        if engine not in rep.committed:
-            raise SyncError(f"catch-up of engine {engine!r} to v{version} failed: it is dead")
-        if engine not in self.engines:
-            self.engines.append(engine)
-        self.versions[engine] = version
-        self._forget()
+        adopt(self, engine, version, rep)
         return rep
 
     async def close(self) -> None:
