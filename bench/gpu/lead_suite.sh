@@ -30,6 +30,9 @@ for s in $SUITE; do
     tests) step gpu_tests_h200 150 "${PYTEST[@]}" tests/sync/test_sync_publisher.py ${GPU_TESTS:-} ;;
     trainer) step trainer_h200 240 python bench/trainer.py --device cuda ;;
     fp8) step fp8_gemm_h200 200 python bench/gpu/fp8_gemm.py --device cuda --out "$OUT/fp8_gemm_h200.json" ;;
+    mla) step mla_decode_h200 150 python bench/mla_decode.py --device cuda --layers 4 --batch 32 --prompt 512 \
+           --new 128 ;;
+    models) step models_gpu_tests_h200 200 "${PYTEST[@]}" tests/models ;;
     *) echo "unknown suite step $s" >&2 ;;
   esac
 done
