@@ -61,6 +61,12 @@ class RowPool:
         for t in (*self.k, *self.v):
             t[dst, :, :length] = t[src, :, :length]
 
+    def share(self, src: int, dst: int, count: int, length: int) -> None:
+        """Rows dst..dst+count-1 get a copy of row src's first `length` positions (one prefix
+        fanned out to the rows that share it: one broadcast copy per cache tensor)."""
+        for t in (*self.k, *self.v):
+            t[dst : dst + count, :, :length] = t[src : src + 1, :, :length]
+
     def export(self, row: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         return [t[row, :, :length].clone() for t in self.k], [t[row, :, :length].clone() for t in self.v]
 
@@ -88,6 +94,9 @@ class SessionStore:
 
     def __len__(self) -> int:
         return len(self._items)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._items
 
     def take(self, key: str) -> SessionKV | None:
         item = self._items.pop(key, None)

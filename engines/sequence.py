@@ -23,6 +23,9 @@ class Sequence:
     cached: int = 0  # prompt tokens restored from the session store
     kv_len: int = 0  # tokens whose KV sits in this sequence's row
     row: int = -1
+    # admitted with the same tokens as `share_from`: this row copies its KV and first logits
+    # instead of prefilling (engine.share_prompts); None = prefills itself
+    share_from: Sequence | None = None
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)

@@ -55,6 +55,37 @@ class Stepper:
         return out
 
     def _prefill(self, seqs: list[Sequence]) -> StepOut:
+        """Prefill the leaders (rows first..first+n-1); every follower (same tokens, admitted
+        with its leader, rows after the leaders) copies the leader's KV, routing and logits,
+        so it holds exactly what its own prefill would have computed."""
+        lead = [s for s in seqs if s.share_from is None]
+        want = any(s.req.return_routed_experts for s in seqs)
+        logits, routed = self._prefill_forward(lead, want)
+        if len(lead) == len(seqs):
+            return self._choose(seqs, logits)
+        at = {id(s): i for i, s in enumerate(lead)}
+        pick = torch.tensor([at[id(s.share_from or s)] for s in seqs], device=logits.device)
+        i = len(lead)
+        while i < len(seqs):  # runs of followers of one leader sit in consecutive rows
+            src = seqs[i].share_from
+            assert src is not None
+            j = i
+            while j < len(seqs) and seqs[j].share_from is src:
+                j += 1
+            self.pool.share(src.row, seqs[i].row, j - i, src.kv_len)
+            for f in seqs[i:j]:
+                f.kv_len = src.kv_len
+                f.share_from = None  # shared once, at admission; the row is its own from here
+                if f.req.return_routed_experts and routed is not None:
+                    f.routed.append(routed[at[id(src)], : src.kv_len])
+            i = j
+        return self._choose(seqs, logits.index_select(0, pick))
+
+    def _prefill_forward(
+        self, seqs: list[Sequence], want: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Prefill rows seqs[0].row.. (contiguous) -> (logits [n, V] at each last token,
+        routed experts [n, T, L, k] or None)."""
         dev, scratch = self.device, self.pool.max_seq_len
         n = len(seqs)
         new_lens = [len(s.tokens) - s.kv_len for s in seqs]
@@ -70,7 +101,6 @@ class Stepper:
         write = torch.where(real, pos, torch.full_like(pos, scratch))
         read = max(len(s.tokens) for s in seqs)
         self.pool.bind(seqs[0].row, write, read)
-        want = any(s.req.return_routed_experts for s in seqs)
         res = self.model(
             ids,
             pos,
@@ -83,7 +113,8 @@ class Stepper:
             if s.req.return_routed_experts and res.routed_experts is not None:
                 s.routed.append(res.routed_experts[i, : new_lens[i]])
             s.kv_len = len(s.tokens)
-        return self._choose(seqs, res.logits[:, 0])
+        assert res.logits is not None
+        return res.logits[:, 0], res.routed_experts
 
     def _decode(self, seqs: list[Sequence]) -> StepOut:
         want = any(s.req.return_routed_experts for s in seqs)

@@ -87,6 +87,7 @@ class TorchEngine(Engine):
         self._task: asyncio.Task[None] | None = None
         self._last_error = ""
         self._totals = RequestTotals()
+        self._shared_tokens = 0  # prompt tokens copied from a group leader instead of prefilled
 
     @classmethod
     def from_config(
@@ -253,6 +254,7 @@ class TorchEngine(Engine):
             "running": len(self._running),
             "queued": len(self._queue),
             "cached_tokens": self.sessions.tokens,
+            "shared_prompt_tokens": self._shared_tokens,
             "cached_sessions": len(self.sessions),
             "evictions": self.sessions.evictions,
             "version": self.version,
@@ -324,17 +326,45 @@ class TorchEngine(Engine):
                 self._finalize(seq, "abort")
 
     def _admit(self) -> list[Sequence]:
-        new: list[Sequence] = []
-        while self._queue and len(self._running) < self.cfg.max_batch_size:
-            seq = self._queue.popleft()
+        taken: list[Sequence] = []
+        while self._queue and len(self._running) + len(taken) < self.cfg.max_batch_size:
+            taken.append(self._queue.popleft())
+        new = self._share_groups(taken)
+        for seq in new:
             seq.row = len(self._running)
             self._running.append(seq)
-            self._restore_session(seq)
+            if seq.share_from is None:
+                self._restore_session(seq)
+            else:
+                self._shared_tokens += seq.n_prompt
             self._totals.prompt += seq.n_prompt
             self._totals.cached += seq.cached
             self._totals.requests += 1
-            new.append(seq)
         return new
+
+    def _share_groups(self, taken: list[Sequence]) -> list[Sequence]:
+        """Admission order: one leader per distinct token list first (they take contiguous rows
+        and prefill), then each leader's followers together (they copy the leader's KV and its
+        logits; see `Stepper._prefill`). A request with a stored session restores that instead."""
+        if not self.cfg.share_prompts or len(taken) < 2:
+            return taken
+        leaders: dict[tuple[int, ...], Sequence] = {}
+        followers: dict[int, list[Sequence]] = {}  # id(leader) -> its followers
+        order: list[Sequence] = []
+        for seq in taken:
+            key = seq.req.session_key
+            if key is not None and key in self.sessions:
+                order.append(seq)
+                continue
+            ids = tuple(seq.tokens)
+            lead = leaders.get(ids)
+            if lead is None:
+                leaders[ids] = seq
+                order.append(seq)
+            else:
+                seq.share_from = lead
+                followers.setdefault(id(lead), []).append(seq)
+        return order + [f for lead in order for f in followers.get(id(lead), [])]
 
     def _restore_session(self, seq: Sequence) -> None:
         key = seq.req.session_key

@@ -30,6 +30,11 @@ class EngineConfig:
         "trainer.true_on_policy; dense and MoE; slower)",
     )
     cuda_graphs: bool = opt(True, "torch engine on CUDA: replay decode steps as CUDA graphs per batch-size bucket")
+    share_prompts: bool = opt(
+        True,
+        "torch engine: requests admitted together with identical token ids (a GRPO group's n samples) "
+        "prefill once; the others copy its KV and first-token logits (results unchanged)",
+    )
     fp8_gemm: bool = opt(
         True,
         "torch engine on CUDA under model.fp8 (docs/fp8.md): real FP8 GEMMs with activations quantized per token "

@@ -1,0 +1,114 @@
+"""Shared prompt prefill (engine.share_prompts): a group's samples equal the unshared engine's.
+
+Bit for bit under batch-invariant kernels, where a row's numbers cannot depend on which rows
+share its forward; in the default mode sharing changes the prefill's batch composition, which
+moves logprobs by float rounding only (as any other batching does), and the ids stay equal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from miles.core.schema.engine import EngineConfig
+from miles.engines.base import GenerateRequest, GenerateResult, SamplingParams
+from miles.engines.torch_engine import TorchEngine
+from miles.models.decoder import CausalLM
+
+from .conftest import tiny_model
+
+pytestmark = pytest.mark.timeout(60)
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [1, 2, 3], [40, 41, 42, 43, 44, 45]]
+
+
+def group_requests(n: int, temperature: float, routed: bool) -> list[GenerateRequest]:
+    """n samples of every prompt, interleaved as a rollout would send them; sample i of a
+    group has seed 100 * g + i, and (routed) only odd samples ask for routing, so some
+    followers want routing that their leader does not."""
+    reqs = []
+    for i in range(n):
+        for g, p in enumerate(PROMPTS):
+            sp = SamplingParams(temperature=temperature, max_new_tokens=7 + g, seed=100 * g + i)
+            reqs.append(GenerateRequest(input_ids=list(p), sampling=sp, return_routed_experts=routed and i % 2 == 1))
+    return reqs
+
+
+async def run(
+    model: CausalLM, reqs: list[GenerateRequest], share: bool, rows: int, invariant: bool = True
+) -> tuple[list[GenerateResult], int]:
+    cfg = EngineConfig(max_batch_size=rows, max_seq_len=64, share_prompts=share)
+    eng = TorchEngine(model, cfg, batch_invariant=invariant)
+    try:
+        out = await asyncio.gather(*(eng.generate(r) for r in reqs))
+        return list(out), int(eng.stats()["shared_prompt_tokens"])
+    finally:
+        await eng.close()
+
+
+def assert_same(a: list[GenerateResult], b: list[GenerateResult], exact: bool = True) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert x.output_ids == y.output_ids
+        if exact:
+            assert x.logprobs == y.logprobs  # bit for bit, not approximately
+        else:
+            assert np.allclose(x.logprobs, y.logprobs, rtol=0, atol=1e-5)
+        assert x.prompt_tokens == y.prompt_tokens and x.cached_tokens == y.cached_tokens
+        if x.routed_experts is None:
+            assert y.routed_experts is None
+        else:
+            assert y.routed_experts is not None and np.array_equal(x.routed_experts, y.routed_experts)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+async def test_shared_prompt_groups_equal_unshared(arch: str, temperature: float) -> None:
+    model = tiny_model(arch, num_hidden_layers=3) if arch == "qwen3" else tiny_model(
+        arch, num_hidden_layers=3, mlp_only_layers=[1])
+    reqs = group_requests(4, temperature, routed=arch == "qwen3_moe")
+    shared, n_shared = await run(model, reqs, share=True, rows=16)
+    plain, n_plain = await run(model, reqs, share=False, rows=16)
+    assert n_shared == 3 * sum(len(p) for p in PROMPTS) and n_plain == 0  # 3 followers per prompt
+    assert_same(shared, plain)
+    if arch == "qwen3_moe":  # every asking sample carries its prompt's routing, followers included
+        for r, q in zip(shared, reqs, strict=True):
+            assert (r.routed_experts is not None) == q.return_routed_experts
+            if r.routed_experts is not None:
+                assert r.routed_experts.shape[0] == r.prompt_tokens + len(r.output_ids)
+    if temperature > 0:  # seeded per request: samples of one prompt differ from each other
+        assert len({tuple(r.output_ids) for r in shared[::3]}) > 1
+
+
+async def test_groups_split_by_a_full_batch_still_match(dense_model: CausalLM) -> None:
+    """Five rows for twelve requests: groups are cut across admissions and rows are reused."""
+    reqs = group_requests(4, 1.0, routed=False)
+    shared, n_shared = await run(dense_model, reqs, share=True, rows=5)
+    plain, _ = await run(dense_model, reqs, share=False, rows=5)
+    assert n_shared > 0
+    assert_same(shared, plain)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+async def test_default_kernels_keep_ids_and_logprobs_to_rounding(dense_model: CausalLM, temperature: float) -> None:
+    reqs = group_requests(4, temperature, routed=False)
+    shared, n_shared = await run(dense_model, reqs, share=True, rows=16, invariant=False)
+    plain, _ = await run(dense_model, reqs, share=False, rows=16, invariant=False)
+    assert n_shared > 0
+    assert_same(shared, plain, exact=False)
+
+
+async def test_stored_session_is_restored_not_shared(dense_model: CausalLM) -> None:
+    eng = TorchEngine(dense_model, EngineConfig(max_batch_size=8, max_seq_len=64))
+    try:
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=4)
+        first = await eng.generate(GenerateRequest(input_ids=PROMPTS[0], sampling=greedy, session_key="s"))
+        turn2 = PROMPTS[0] + first.output_ids + [3]
+        reqs = [GenerateRequest(input_ids=list(turn2), sampling=greedy, session_key=k) for k in ("s", None, None)]
+        res = await asyncio.gather(*(eng.generate(r) for r in reqs))
+        assert res[0].cached_tokens == len(turn2) - 1  # the session's KV, not a copy of a leader's
+        assert eng.stats()["shared_prompt_tokens"] == len(turn2)  # the third copies the second
+        assert res[0].output_ids == res[1].output_ids == res[2].output_ids
+    finally:
+        await eng.close()
