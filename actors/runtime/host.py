@@ -43,6 +43,7 @@ from miles.core.logging import get_logger
 from miles.core.schema.transport import TransportConfig
 from miles.transport import codec
 from miles.transport.curve import make_curve_client, make_curve_server
+from miles.transport.faults import FaultHook
 from miles.transport.schema import spec_for_class
 from miles.transport.sockets import (
     LoopSocket,
@@ -90,6 +91,9 @@ class Host:
         self._last_tick = time.monotonic()  # the loop's last sign of life (lag monitor)
         self._beat_stop = threading.Event()
         self._beat_thread: threading.Thread | None = None
+        # Fault injection for soak tests (transport.faults): None unless configured, and then
+        # each send below is one `is None` test away from what it is without it.
+        self.faults = FaultHook.from_config(self.cfg.faults)
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -268,8 +272,9 @@ class Host:
         timer = loop.call_later(timeout, _expire, fut, name, address, timeout, type(msg).__name__)
         try:
             # The deadline covers the send: a peer whose queue stays full fails the ask in time.
-            await self._dealer(address).send(frames, time.monotonic() + timeout,
-                                             f"{type(msg).__name__} to {name!r} at {address}")
+            if self.faults is None or await self.faults.admit(codec.ASK, _wire_name(msg)):
+                await self._dealer(address).send(frames, time.monotonic() + timeout,
+                                                 f"{type(msg).__name__} to {name!r} at {address}")
             return await fut
         except PeerTimeout:
             if fut.done() and not fut.cancelled():
@@ -286,7 +291,8 @@ class Host:
         await self._check_alive(name)
         loc = await self._lookup(name, 0.0, t)
         frames = codec.encode(codec.TELL, None, name, msg, None, self.host_id)
-        await self._dealer(loc.address).send(frames, deadline, f"{type(msg).__name__} to {name!r}")
+        if self.faults is None or await self.faults.admit(codec.TELL, _wire_name(msg)):
+            await self._dealer(loc.address).send(frames, deadline, f"{type(msg).__name__} to {name!r}")
 
     async def tell_many(self, name: str, msgs: list[Any], timeout: float | None = None) -> None:
         t = timeout if timeout is not None else self.cfg.default_deadline_s
@@ -294,7 +300,8 @@ class Host:
         await self._check_alive(name)
         loc = await self._lookup(name, 0.0, t)
         frames = codec.encode_batch(name, msgs, self.host_id)
-        await self._dealer(loc.address).send(frames, deadline, f"{len(msgs)} records to {name!r}")
+        if self.faults is None or await self.faults.admit(codec.BATCH, _wire_name(msgs[0]) if msgs else ""):
+            await self._dealer(loc.address).send(frames, deadline, f"{len(msgs)} records to {name!r}")
 
     async def publish(self, topic: str, msg: Any) -> None:
         """Broadcast `msg` to every subscriber of `topic` on this host's PUB socket."""
@@ -421,12 +428,14 @@ class Host:
             result = box.method(env.body)
             if asyncio.iscoroutine(result):
                 result = await result
-            if env.kind == codec.ASK:
+            if env.kind == codec.ASK and (self.faults is None
+                                          or await self.faults.admit(codec.REPLY, env.type_name)):
                 await self._rfast.send([ident, *codec.encode(codec.REPLY, env.msg_id, "", result)])
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - every handler error goes back to the caller
-            if env.kind == codec.ASK:
+            if env.kind == codec.ASK and (self.faults is None
+                                          or await self.faults.admit(codec.ERROR, env.type_name)):
                 await self._rfast.send([ident, *codec.encode_error(env.msg_id, name, exc)])
             else:
                 log.error("tell_handler_failed", actor=name, msg=type(env.body).__name__,
@@ -490,6 +499,12 @@ class Host:
 
     async def _rejoin(self, notice: DeathNotice) -> None:
         await rejoin(self, notice)
+
+def _wire_name(msg: Any) -> str:
+    """A message's registered wire name (e.g. engine.Generate): what transport.faults.drop_types names."""
+    spec = spec_for_class(type(msg))
+    return spec.name if spec is not None else type(msg).__name__
+
 
 def _expire(fut: asyncio.Future[Any], name: str, address: str, timeout: float, what: str) -> None:
     if not fut.done():

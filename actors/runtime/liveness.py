@@ -52,6 +52,8 @@ def heartbeat_thread(host: Host, address: str) -> None:
             if not names:
                 continue
             beat = Heartbeat(host.host_id, names, max(host.loop_lag_ms, stalled_s * 1e3))
+            if host.faults is not None and host.faults.draw(codec.TELL, "rt.Heartbeat", may_delay=False) is None:
+                continue  # injected loss (no delays here: a late beat is the next beat)
             try:
                 sock.send_multipart(codec.encode(codec.TELL, None, DIRECTORY_NAME, beat, None, host.host_id),
                                     zmq.NOBLOCK, copy=False)

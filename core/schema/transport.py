@@ -5,7 +5,30 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from miles.core.config import opt
+from miles.core.config import opt, section
+from miles.core.errors import ConfigError
+
+
+@dataclass
+class FaultConfig:
+    """Fault injection for soak and chaos tests (transport/faults.py); all off by default."""
+
+    drop_rate: float = opt(0.0, "fraction of outgoing actor messages dropped (never sent), among the "
+                           "types in drop_types; tests only, 0 = off", "fraction")
+    drop_types: list[str] = opt([], "wire names of the message types that may be dropped (e.g. "
+                                "engine.Generate; a reply counts as its request's type); empty = every type", "")
+    delay_rate: float = opt(0.0, "fraction of outgoing actor messages (any type) delayed before "
+                            "sending; tests only, 0 = off", "fraction")
+    delay_ms: float = opt(0.0, "largest injected delay; a delayed message waits uniform(0, delay_ms)", "ms")
+    seed: int = opt(0, "seed of the fault draws (mixed with the process id: each process its own stream)", "")
+
+    def __post_init__(self) -> None:
+        for name in ("drop_rate", "delay_rate"):
+            v = getattr(self, name)
+            if not 0.0 <= v <= 1.0:
+                raise ConfigError(f"transport.faults.{name}={v} must be in [0, 1]")
+        if self.delay_ms < 0:
+            raise ConfigError(f"transport.faults.delay_ms={self.delay_ms} must be >= 0")
 
 
 @dataclass
@@ -32,3 +55,4 @@ class TransportConfig:
                                "with curve_server_key: any other client key is refused", "path")
     curve: bool = opt(False, "the launcher writes a fresh key set under <run.dir>/keys (0600) and fills "
                       "the four curve_* paths", "")
+    faults: FaultConfig = section(FaultConfig, "fault injection (drop, delay) for soak and chaos tests; off by default")
