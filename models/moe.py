@@ -16,6 +16,7 @@ from torch import nn
 
 from miles.models.config import ModelSpec
 from miles.models.errors import ModelInputError
+from miles.models.grouped_moe import grouped_mm_supported, grouped_swiglu_experts
 from miles.models.invariant import invariant_active
 from miles.models.layers import MLP
 
@@ -38,6 +39,9 @@ def compact_expert_ids(ids: torch.Tensor, num_experts: int) -> np.ndarray:
 # below it, running every expert densely on every token (and zero-weighting the
 # unselected ones) is cheaper than looping over the active experts.
 _LOOP_OVERHEAD_MACS = {"cpu": 3e5, "cuda": 2e9}
+# The fused path's fixed cost (sort, plan, gathers: ~15 small kernels, ~50 us on an H200),
+# in multiply-adds of the dense path's wasted work: below it, dense is cheaper (decode).
+_GROUPED_MM_OVERHEAD_MACS = 2e10
 
 
 class Experts(nn.Module):
@@ -46,6 +50,9 @@ class Experts(nn.Module):
     def __init__(self, num: int, hidden: int, inter: int) -> None:
         super().__init__()
         self.inter = inter
+        # auto | loop | grouped_mm | dense: which dispatch runs (`forward`); the others are for
+        # tests and benches. grouped_mm needs torch._grouped_mm's operands (bf16, aligned).
+        self.impl = "auto"
         self.gate_up_proj = nn.Parameter(torch.empty(num, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num, hidden, inter))
 
@@ -56,10 +63,22 @@ class Experts(nn.Module):
             return torch.zeros_like(x)
         if invariant_active():
             return self._invariant(x, ids, weights)
+        impl = self.impl
+        if impl == "loop":
+            return self._grouped(x, ids, weights)
+        if impl == "grouped_mm":
+            return grouped_swiglu_experts(x, ids, weights, self.gate_up_proj, self.down_proj)
         e, two_i, h = self.gate_up_proj.shape
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            return self._dense(x, ids, weights)  # the loop needs per-expert counts on the host
         extra_macs = n * (e - k) * (two_i + self.inter) * h
+        fused = x.is_cuda and grouped_mm_supported(x, self.gate_up_proj, self.down_proj)
+        if impl == "dense" or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            # (graph capture: the loop needs per-expert counts on the host; a decode batch
+            # is small enough that dense wins anyway)
+            return self._dense(x, ids, weights)
+        if fused:
+            if extra_macs <= _GROUPED_MM_OVERHEAD_MACS:
+                return self._dense(x, ids, weights)
+            return grouped_swiglu_experts(x, ids, weights, self.gate_up_proj, self.down_proj)
         if extra_macs <= e * _LOOP_OVERHEAD_MACS.get(x.device.type, 3e5):
             return self._dense(x, ids, weights)
         return self._grouped(x, ids, weights)
@@ -100,7 +119,9 @@ class Experts(nn.Module):
         return out
 
     def _grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Tokens sorted by expert, one matmul pair per active expert (prefill, training)."""
+        """Tokens sorted by expert (one gather), one matmul pair per active expert's segment:
+        the CPU path (exact in fp32; torch's CPU grouped GEMM is a loop too and its backward
+        takes no broadcast gradients), and CUDA's where the fused one does not apply."""
         k = ids.shape[1]
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
