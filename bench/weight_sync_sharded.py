@@ -168,7 +168,12 @@ def main() -> None:
     shape = ["--hidden", str(a.hidden), "--layers", str(a.layers), "--rounds", str(a.rounds),
              "--transports", a.transports, "--bucket-mib", str(a.bucket_mib)]
     children: list[subprocess.Popen[bytes]] = []
-    env = {"OMP_NUM_THREADS": "1", "UCX_TLS": "tcp,self"}
+    # UCX over TCP by default, as between hosts; MILES_BENCH_UCX_TLS picks others (tcp,sm,self: data
+    # through shared memory between the processes of this host; "" leaves UCX its own choice).
+    env = {"OMP_NUM_THREADS": "1"}
+    tls = os.environ.get("MILES_BENCH_UCX_TLS", "tcp,self")
+    if tls:
+        env["UCX_TLS"] = tls
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         try:
