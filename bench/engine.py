@@ -1,24 +1,39 @@
-"""Benchmark: decode throughput of the torch engine vs transformers `generate`, same model and batch.
+"""Benchmark: generation throughput of the torch engine vs transformers `generate`, same model and batch.
 
-CPU (default): tiny dense and MoE configs. `--device cuda`: a ~0.5B dense config and a
-small MoE config, random bf16 weights; the engine replays decode steps as CUDA graphs
-(captured during the warm-up run). Both sides decode greedily exactly
-`--new` tokens for `--batch` prompts of `--prompt` tokens (no early stop; on cuda the MoE
-model decodes half as many). After one warm-up run each, HF and engine runs are
-interleaved (order alternating) for `--repeats` rounds, fewer when the warm-up shows that
-they would overrun `--budget-s` per model, so load from other processes hits both alike; the speedup is the
-median of the per-round ratios, tokens/s the medians of each side. Last line: one JSON
-object with `{cpu|gpu}_{dense|moe}_speedup_vs_hf` and the tokens/s behind them.
+Cases (`--cases`; every case decodes greedily exactly `new` tokens per request, no early stop):
+
+  cuda  b32 / b128   32 or 128 prompts of 128 tokens, 128 new (decode-heavy)
+        group8x8     8 prompts x 8 samples (a GRPO group each), 1024-token prompts, 64 new
+        b256         256 prompts of 128 tokens, 512 new
+  cpu   b8           8 prompts of 32 tokens, 64 new (the CPU bench of earlier runs)
+        group2x4     2 prompts x 4 samples, 256-token prompts, 16 new
+
+Models (`--models`): cpu tiny dense / MoE; cuda a Qwen2.5-0.5B-shaped dense and a Qwen3-MoE
+(64 experts top-8, hidden 1024, 12 layers), random weights (fp32 on cpu, bf16 on cuda). The
+engine replays decode steps as CUDA graphs (captured in the warm-up run) and prefills a group's
+shared prompt once (`engine.share_prompts`); grouped cases also run it with sharing off.
+The baseline is transformers `generate`: on cuda with `cache_implementation="static"`, which
+torch.compiles the decode forward (compiled in its warm-up run), only for the `--hf` cases
+(compiling is slow); on cpu with its defaults, for every case.
+
+Tokens/s = generated tokens / wall time of the whole batch (prefill included), the median of
+`--repeats` timed runs after one warm-up; HF and engine runs alternate so load from other
+processes hits both alike. The SGLang column is not measured here: it is the SGLang 0.5.17
+server (CUDA graphs on) of issue 21's H200 run, same models and lengths. Last line: one JSON
+object; the cpu b8 case keeps the keys of earlier runs (`cpu_{dense|moe}_engine_tok_s`, ...).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import statistics
+import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,11 +43,12 @@ from miles.core.schema.engine import EngineConfig
 from miles.engines.base import GenerateRequest, SamplingParams
 from miles.engines.torch_engine import TorchEngine
 from miles.models.config import ModelSpec
+from miles.models.decoder import CausalLM
 from miles.models.hf_io import save_model
 from miles.models.presets import tiny_config
 from miles.models.registry import build_model
 
-CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
+MODELS: dict[str, dict[str, dict[str, Any]]] = {
     "cpu": {
         "dense": tiny_config("qwen3", vocab_size=2048, hidden_size=128, intermediate_size=384,
                              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32),
@@ -51,6 +67,38 @@ CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
+@dataclass(frozen=True)
+class Case:
+    prompts: int  # distinct prompts
+    samples: int  # requests per prompt (a GRPO group's n)
+    prompt: int  # tokens per prompt
+    new: int  # tokens generated per request
+
+    @property
+    def batch(self) -> int:
+        return self.prompts * self.samples
+
+
+CASES: dict[str, dict[str, Case]] = {
+    "cpu": {"b8": Case(8, 1, 32, 64), "group2x4": Case(2, 4, 256, 16)},
+    "cuda": {
+        "b32": Case(32, 1, 128, 128),
+        "b128": Case(128, 1, 128, 128),
+        "group8x8": Case(8, 8, 1024, 64),
+        "b256": Case(256, 1, 128, 512),
+    },
+}
+
+# tok/s of SGLang 0.5.17 (CUDA graphs on) in issue 21's H200 run: not measured by this script
+SGLANG_ISSUE21: dict[tuple[str, str], float] = {
+    ("dense", "b32"): 17300.0,
+    ("dense", "b128"): 53600.0,
+    ("dense", "group8x8"): 15400.0,
+    ("moe", "b32"): 22100.0,
+    ("moe", "b128"): 60400.0,
+}
+
+
 def timed(fn: Any) -> float:
     t0 = time.perf_counter()
     fn()
@@ -59,90 +107,184 @@ def timed(fn: Any) -> float:
     return time.perf_counter() - t0
 
 
-def interleaved(repeats: int, a: Any, b: Any, budget_s: float) -> tuple[list[float], list[float]]:
-    """Warm both up, then `repeats` rounds of one timed run each, alternating which goes first
-    (at least one round; fewer than `repeats` when the warm-up says they overrun the budget)."""
-    warm = timed(a) + timed(b)
+def rounds(repeats: int, fns: list[Any], budget_s: float) -> list[list[float]]:
+    """Warm every fn up, then `repeats` rounds of one timed run each, the order rotating per
+    round (at least one round; fewer when the warm-up says they would overrun the budget)."""
+    warm = sum(timed(f) for f in fns)
     if budget_s < float("inf"):
         repeats = max(1, min(repeats, int(budget_s / max(warm, 1e-9))))
-    ta, tb = [], []
+    times: list[list[float]] = [[] for _ in fns]
     for r in range(repeats):
-        if r % 2 == 0:
-            ta.append(timed(a))
-            tb.append(timed(b))
-        else:
-            tb.append(timed(b))
-            ta.append(timed(a))
-    return ta, tb
+        for k in range(len(fns)):
+            i = (k + r) % len(fns)
+            times[i].append(timed(fns[i]))
+    return times
 
 
-def bench_one(
-    cfg: dict[str, Any], device: str, dtype: torch.dtype, args: argparse.Namespace, new: int
-) -> dict[str, float]:
-    model = build_model(ModelSpec.from_hf(cfg), dtype=dtype, device=device, seed=0)
+def prompts_for(case: Case, vocab: int) -> torch.Tensor:
+    """[batch, prompt] token ids; the samples of one prompt are consecutive rows, as a rollout
+    sends a group's n requests."""
     g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(0, cfg["vocab_size"], (args.batch, args.prompt), generator=g)
-    with tempfile.TemporaryDirectory() as d:
-        save_model(model, d)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=dtype).to(device).eval()
+    distinct = torch.randint(0, vocab, (case.prompts, case.prompt), generator=g)
+    return distinct.repeat_interleave(case.samples, dim=0)
 
-    def run_hf() -> None:
+
+class EngineRun:
+    """One engine sized for the case; `__call__` generates the whole batch once."""
+
+    def __init__(self, model: CausalLM, device: str, case: Case, prompts: torch.Tensor, share: bool) -> None:
+        cfg = EngineConfig(device=device, max_batch_size=case.batch, max_seq_len=case.prompt + case.new + 8,
+                           kv_budget_tokens=0, share_prompts=share)
+        self.engine = TorchEngine(model, cfg)
+        self.loop = asyncio.new_event_loop()
+        self.ids = [p.tolist() for p in prompts]
+        self.sp = SamplingParams(temperature=0.0, max_new_tokens=case.new)
+
+    async def _all(self) -> None:
+        await asyncio.gather(*(self.engine.generate(GenerateRequest(input_ids=p, sampling=self.sp))
+                               for p in self.ids))
+
+    def __call__(self) -> None:
+        self.loop.run_until_complete(self._all())
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.engine.close())
+        self.loop.close()
+
+
+def hf_runner(hf: Any, prompts: torch.Tensor, new: int, static: bool) -> Any:
+    ids = prompts.to(hf.device)
+    mask = torch.ones_like(ids)  # every prompt token is real (0 is a token id here, not padding)
+    extra = {"cache_implementation": "static"} if static else {}
+
+    def run() -> None:
         with torch.no_grad():
-            hf.generate(prompts.to(device), max_new_tokens=new, min_new_tokens=new,
-                        do_sample=False, pad_token_id=0, eos_token_id=None)
+            hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                        pad_token_id=0, eos_token_id=None, **extra)
 
-    engine = TorchEngine(model, EngineConfig(device=device, max_batch_size=args.batch,
-                                             max_seq_len=args.prompt + new + 8, kv_budget_tokens=0))
-    loop = asyncio.new_event_loop()
+    return run
 
-    async def gen_all() -> None:
-        sp = SamplingParams(temperature=0.0, max_new_tokens=new)
-        await asyncio.gather(*(engine.generate(GenerateRequest(input_ids=p.tolist(), sampling=sp))
-                               for p in prompts))
 
-    def run_engine() -> None:
-        loop.run_until_complete(gen_all())
+def hf_baseline(hf: Any, prompts: torch.Tensor, new: int, gpu: bool) -> Any | None:
+    """The HF run for one case, run once (on cuda: compiled for this batch from scratch, as a
+    user running one shape would); None, after saying why, when it cannot run here."""
+    if gpu:
+        torch._dynamo.reset()  # a fresh static compile per case, not a dynamic-shape recompile
+    run = hf_runner(hf, prompts, new, static=gpu)
+    try:
+        t = timed(run)
+    except Exception as exc:  # noqa: BLE001 - the baseline failing must not lose the engine's numbers
+        print(f"# hf baseline failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        return None
+    print(f"# hf first run (compile included on cuda): {t:.1f} s", flush=True)
+    return run
 
-    t_hf, t_en = interleaved(args.repeats, run_hf, run_engine, args.budget_s)
-    loop.run_until_complete(engine.close())
-    loop.close()
-    n = args.batch * new
-    return {
-        "hf_tok_s": n / statistics.median(t_hf),
-        "engine_tok_s": n / statistics.median(t_en),
-        "speedup": statistics.median(h / e for h, e in zip(t_hf, t_en, strict=True)),
-    }
+
+def bench_model(kind: str, args: argparse.Namespace, out: dict[str, Any]) -> None:
+    gpu = args.device == "cuda"
+    dtype = torch.bfloat16 if gpu else torch.float32
+    cfg = MODELS[args.device][kind]
+    model = build_model(ModelSpec.from_hf(cfg), dtype=dtype, device=args.device, seed=0)
+    hf = None
+    if any(args.hf_all or f"{kind}:{c}" in args.hf for c in args.cases):
+        with tempfile.TemporaryDirectory() as d:
+            save_model(model, d)
+            hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=dtype).to(args.device).eval()
+    for name in args.cases:
+        case = CASES[args.device][name]
+        prompts = prompts_for(case, cfg["vocab_size"])
+        runs: dict[str, Any] = {"engine": EngineRun(model, args.device, case, prompts, share=True)}
+        if case.samples > 1 and not args.no_unshared:
+            runs["engine_unshared"] = EngineRun(model, args.device, case, prompts, share=False)
+        if hf is not None and (args.hf_all or f"{kind}:{name}" in args.hf):
+            runs["hf"] = hf_baseline(hf, prompts, case.new, gpu)
+            if runs["hf"] is None:
+                del runs["hf"]
+        times = rounds(args.repeats, list(runs.values()), args.budget_s)
+        tok = {k: case.batch * case.new / statistics.median(t) for k, t in zip(runs, times, strict=True)}
+        for r in runs.values():
+            if isinstance(r, EngineRun):
+                r.close()
+        del runs
+        gc.collect()
+        if gpu:
+            torch.cuda.empty_cache()
+        report(kind, name, case, tok, times, out, args.device)
+
+
+def report(
+    kind: str, name: str, case: Case, tok: dict[str, float], times: list[list[float]],
+    out: dict[str, Any], device: str,
+) -> None:
+    sgl = SGLANG_ISSUE21.get((kind, name)) if device == "cuda" else None
+    en = tok["engine"]
+
+    def cell(v: float | None, w: int, d: int = 1) -> str:
+        return f"{v:>{w}.{d}f}" if v is not None else f"{'-':>{w}}"
+
+    print(f"{kind:<6}{name:<10}{case.batch:>6}{case.prompt:>7}{case.new:>5}{cell(en, 13)}"
+          f"{cell(tok.get('engine_unshared'), 13)}{cell(tok.get('hf'), 12)}"
+          f"{cell(en / tok['hf'] if 'hf' in tok else None, 9, 2)}{cell(sgl, 12)}"
+          f"{cell(en / sgl if sgl else None, 9, 2)}{len(times[0]):>5}", flush=True)
+    key = f"{'gpu' if device == 'cuda' else 'cpu'}_{kind}_{name}"
+    out[f"{key}_engine_tok_s"] = round(en, 1)
+    if "engine_unshared" in tok:
+        out[f"{key}_engine_unshared_tok_s"] = round(tok["engine_unshared"], 1)
+        out[f"{key}_share_speedup"] = round(en / tok["engine_unshared"], 3)
+    if "hf" in tok:
+        out[f"{key}_hf_tok_s"] = round(tok["hf"], 1)
+        out[f"{key}_speedup_vs_hf"] = round(en / tok["hf"], 3)
+    if sgl:
+        out[f"{key}_vs_sglang_issue21"] = round(en / sgl, 3)
+    if device == "cpu" and name == "b8":  # the keys of earlier CPU runs (bench/results/engine_cpu.txt)
+        out[f"cpu_{kind}_engine_tok_s"] = round(en, 1)
+        if "hf" in tok:
+            out[f"cpu_{kind}_hf_tok_s"] = round(tok["hf"], 1)
+            out[f"cpu_{kind}_speedup_vs_hf"] = round(en / tok["hf"], 3)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--batch", type=int, default=None)
-    ap.add_argument("--prompt", type=int, default=None)
-    ap.add_argument("--new", type=int, default=None)
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--models", default="dense,moe", help="comma list of dense, moe")
+    ap.add_argument("--cases", default=None, help="comma list (default: every case of the device)")
+    ap.add_argument("--hf", default=None,
+                    help="comma list of model:case run with the HF baseline too, or 'all' "
+                         "(cpu default: all; cuda default: dense:b32,dense:b128, each compiles ~1 min)")
+    ap.add_argument("--no-unshared", action="store_true", help="grouped cases: skip the share_prompts=false run")
+    ap.add_argument("--repeats", type=int, default=None, help="timed runs per side (cpu: 7; cuda: 3)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads for both sides")
     ap.add_argument("--budget-s", type=float, default=None,
-                    help="timed rounds per model stop at about this many seconds (cpu: no limit; cuda: 35)")
+                    help="timed rounds per case stop at about this many seconds (cpu: no limit; cuda: 20)")
+    ap.add_argument("--out", default="", help="also write the JSON object to this file")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)  # the CPU box is shared; more threads only add noise
     gpu = args.device == "cuda"
-    args.batch = args.batch or (32 if gpu else 8)
-    args.prompt = args.prompt or (128 if gpu else 32)
-    args.new = args.new or (128 if gpu else 64)
-    args.budget_s = args.budget_s or (35.0 if gpu else float("inf"))
-    dtype = torch.bfloat16 if gpu else torch.float32
-    prefix = "gpu" if gpu else "cpu"
-    out: dict[str, Any] = {"device": args.device, "batch": args.batch, "prompt": args.prompt, "new": args.new}
-    print(f"{'model':<8}{'hf tok/s':>12}{'engine tok/s':>15}{'speedup':>10}")
-    for kind, cfg in CONFIGS[args.device].items():
-        # HF's MoE generate loops over experts with host syncs every step: keep it in budget
-        new = args.new // 2 if gpu and kind == "moe" else args.new
-        r = bench_one(cfg, args.device, dtype, args, new)
-        print(f"{kind:<8}{r['hf_tok_s']:>12.1f}{r['engine_tok_s']:>15.1f}{r['speedup']:>9.2f}x")
-        out[f"{prefix}_{kind}_speedup_vs_hf"] = round(r["speedup"], 3)
-        out[f"{prefix}_{kind}_engine_tok_s"] = round(r["engine_tok_s"], 1)
-        out[f"{prefix}_{kind}_hf_tok_s"] = round(r["hf_tok_s"], 1)
+    args.cases = args.cases.split(",") if args.cases else list(CASES[args.device])
+    bad = [c for c in args.cases if c not in CASES[args.device]]
+    if bad:
+        sys.exit(f"--cases: unknown {bad} for {args.device}; choose from {list(CASES[args.device])}")
+    models = args.models.split(",")
+    if any(m not in MODELS[args.device] for m in models):
+        sys.exit(f"--models: choose from {list(MODELS[args.device])}, got {models}")
+    hf = args.hf if args.hf is not None else ("dense:b32,dense:b128" if gpu else "all")
+    args.hf_all = hf == "all"
+    args.hf = set(hf.split(",")) if hf and not args.hf_all else set()
+    args.repeats = args.repeats or (3 if gpu else 7)
+    args.budget_s = args.budget_s or (20.0 if gpu else float("inf"))
+    out: dict[str, Any] = {"device": args.device, "cases": {n: vars(CASES[args.device][n]) for n in args.cases}}
+    base = "HF static+compile" if gpu else "HF eager"
+    print(f"# tok/s; engine_unshared: share_prompts=false; hf: {base}; "
+          "sglang: SGLang 0.5.17, issue 21's run (not this run)")
+    print(f"{'model':<6}{'case':<10}{'batch':>6}{'prompt':>7}{'new':>5}{'engine':>13}{'unshared':>13}"
+          f"{'hf':>12}{'en/hf':>9}{'sglang':>12}{'en/sgl':>9}{'runs':>5}", flush=True)
+    t0 = time.perf_counter()
+    for kind in models:
+        bench_model(kind, args, out)
+    out["wall_s"] = round(time.perf_counter() - t0, 1)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
     print(json.dumps(out))
 
 
