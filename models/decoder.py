@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from miles.models.chunked_logprobs import chunked_head_logprobs
 from miles.models.config import ModelSpec
 from miles.models.errors import ModelInputError
 from miles.models.gpt_oss import SinkAttention, TopkSoftmaxMoE
@@ -28,12 +29,15 @@ from miles.models.varlen import PackedSeqs
 @dataclass
 class CausalLMOutput:
     """logits: [B, T, V]; [B, 1, V] with `logits_at`; [M, V] with `logits_index`; None when
-    `compute_logits=False`. routed_experts: [B, T, L_moe, k] int64 or None.
-    hidden: [B, T, H] final hidden state (after the last norm) when `return_hidden`."""
+    `compute_logits=False` or `target_ids`. routed_experts: [B, T, L_moe, k] int64 or None.
+    hidden: [B, T, H] final hidden state (after the last norm) when `return_hidden`.
+    logprobs / entropy: [M] fp32 from the chunked head when `target_ids` is given."""
 
     logits: torch.Tensor | None
     routed_experts: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
 
 
 def _check_head_args(b: int, logits_at: torch.Tensor | None, logits_index: torch.Tensor | None) -> None:
@@ -162,6 +166,9 @@ class CausalLM(nn.Module):
         logits_index: torch.Tensor | None = None,
         return_hidden: bool = False,
         compute_logits: bool = True,
+        target_ids: torch.Tensor | None = None,
+        temperature: float = 1.0,
+        return_entropy: bool = False,
     ) -> CausalLMOutput:
         """Run the LM.
 
@@ -185,6 +192,10 @@ class CausalLM(nn.Module):
         return_hidden: also return the final hidden state [B, T, H] (after the last norm);
             `logits_from_hidden` turns (a selection of) it into logits.
         compute_logits: False skips the LM head (logits = None), e.g. to chunk it yourself.
+        target_ids: LongTensor [M] with `logits_index` (or [B*T] without): instead of logits,
+            the per-token logprobs of these tokens under softmax(logits / temperature)
+            (`out.logprobs`, and `out.entropy` with `return_entropy`), computed by the chunked
+            head (models/chunked_logprobs.py) without materialising [M, V] logits.
         """
         spec = self.spec
         if input_ids.dim() != 2:
@@ -221,6 +232,13 @@ class CausalLM(nn.Module):
                     f"routed_experts holds expert id {int(routed_experts.max())} >= num_experts={spec.num_experts}"
                 )
         _check_head_args(b, logits_at, logits_index)
+        if target_ids is not None:
+            m = logits_index.numel() if logits_index is not None else b * t
+            if logits_at is not None or tuple(target_ids.shape) != (m,):
+                raise ModelInputError(
+                    f"target_ids must be [M]=({m},) matching logits_index (not logits_at), "
+                    f"got shape {tuple(target_ids.shape)}"
+                )
         h = self.model.embed_tokens(input_ids)
         bias: torch.Tensor | PackedSeqs | None = packed
         window_bias = None
@@ -240,7 +258,16 @@ class CausalLM(nn.Module):
             h, ids = layer(h, cos, sin, window_bias if layer.sliding else bias, kv_cache, given, position_ids)
             if return_routed_experts and ids is not None:
                 used.append(ids)
-        logits, hidden = self._head(h, logits_at, logits_index, return_hidden, compute_logits)
+        if target_ids is not None:
+            flat = h.reshape(b * t, -1)
+            sel = flat[logits_index.to(h.device)] if logits_index is not None else flat
+            logp, ent = chunked_head_logprobs(self.model.norm(sel), self._head_weight(),
+                                              target_ids.to(h.device), temperature, return_entropy)
+            hidden = self.model.norm(h) if return_hidden else None
+            logits = None
+        else:
+            logits, hidden = self._head(h, logits_at, logits_index, return_hidden, compute_logits)
+            logp = ent = None
         out_ids = None
         if return_routed_experts:
             k = spec.num_experts_per_tok
@@ -249,7 +276,7 @@ class CausalLM(nn.Module):
                 if used
                 else torch.zeros(b, t, 0, k, dtype=torch.long, device=input_ids.device)
             )
-        return CausalLMOutput(logits=logits, routed_experts=out_ids, hidden=hidden)
+        return CausalLMOutput(logits=logits, routed_experts=out_ids, hidden=hidden, logprobs=logp, entropy=ent)
 
     def _varlen(self, device: torch.device, t: int = VARLEN_AUTO_MIN_TOKENS) -> bool:
         """Packed rows through per-sequence attention (models/varlen.py) instead of a mask:
@@ -288,9 +315,11 @@ class CausalLM(nn.Module):
             h = self.model.norm(h)
         return self._project(h), hidden
 
+    def _head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def _project(self, h: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return h @ weight.t()
+        return h @ self._head_weight().t()
 
     def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [..., V] from final (already normed) hidden states [..., H], e.g. `out.hidden`

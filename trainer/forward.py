@@ -1,7 +1,9 @@
 """One packed forward pass of the policy: response-token logprobs, entropy, routing overlap.
 
-Logprobs use `miles.models.logprobs.token_logprobs`, the same definition the engine
-reports, so engine and trainer numbers are comparable token for token. With replay on,
+Logprobs use the definition of `miles.models.logprobs.token_logprobs`, the one the engine
+reports, so engine and trainer numbers are comparable token for token; they come from the
+model's chunked head (models/chunked_logprobs.py: response positions only, no [N, V]
+logits), equal to the unfused path within fp32 rounding. With replay on,
 the micro-batch's recorded expert ids drive every MoE layer (R3); a `RouterProbe` can
 also watch each router's live choice to measure how far live routing has drifted from
 the recorded one.
@@ -24,7 +26,7 @@ from miles.trainer.packing import MicroBatch
 class ForwardOut:
     logp: torch.Tensor  # [M] fp32
     entropy: torch.Tensor | None  # [M] fp32
-    logits: torch.Tensor  # [1, N, V] (for value heads and fillers)
+    logits: torch.Tensor | None  # [1, N, V] for fillers (num_seqs == 0); None from the fused head
 
 
 def moe_gates(model: nn.Module) -> list[nn.Module]:
@@ -81,9 +83,26 @@ def packed_forward(
     temperature: float,
     replay: bool,
     with_entropy: bool,
+    fused_head: bool = True,
 ) -> ForwardOut:
-    """Forward one micro-batch (B = 1, sequences packed) on the micro-batch's device."""
+    """Forward one micro-batch (B = 1, sequences packed) on the micro-batch's device.
+
+    Real micro-batches go through the chunked head (logprobs and entropy at the response
+    positions only, no [N, V] logits); a filler (no sequences) returns its full logits, whose
+    zero-weighted sum gives every parameter a gradient on this rank."""
     routes = mb.routed_experts.unsqueeze(0) if replay and mb.routed_experts is not None else None
+    if mb.num_seqs and fused_head:
+        out = model(
+            mb.input_ids.unsqueeze(0),
+            mb.position_ids.unsqueeze(0),
+            cu_seqlens=mb.cu_seqlens,
+            routed_experts=routes,
+            logits_index=mb.resp_pos,
+            target_ids=mb.resp_targets,
+            temperature=temperature,
+            return_entropy=with_entropy,
+        )
+        return ForwardOut(logp=out.logprobs, entropy=out.entropy, logits=None)
     out = model(
         mb.input_ids.unsqueeze(0),
         mb.position_ids.unsqueeze(0),

@@ -1,0 +1,110 @@
+"""Per-token logprobs (and entropy) straight from hidden states, through the LM head in chunks.
+
+The unfused path materialises logits [M, V] and then fp32 copies of them for log_softmax,
+the gather and the entropy (for a 152k vocabulary and 16k tokens, ~10 GB per fp32 copy,
+each read and written several times, forward and backward). Here the head GEMM runs over
+chunks of tokens; each chunk's logits are reduced at once to logsumexp, the target logit
+and the entropy, in fp32. Definitions are `miles.models.logprobs`' (logprob under
+softmax(logits / temperature), temperature <= 0 counting as 1) and the trainer's entropy
+of that distribution; both equal the unfused path within fp32 rounding.
+
+Backward is one custom autograd Function: per chunk, d/dz of logp_t = onehot_t - p and of
+H = -sum p log p is -p * (log p + H), so
+    grad_z = g_lp * onehot_t - p * (g_lp + g_ent * (log p + H)),
+and grad_hidden, grad_weight follow from grad_z / temperature by two GEMMs. The chunk's
+logits (in the compute dtype: bf16 on GPU, exactly what the forward reduced) are kept for
+the backward when all of them fit `SAVE_LOGITS_BYTES`, else recomputed (one more GEMM).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+CHUNK_ELEMS = 1 << 28  # logits elements per chunk: ~1 GB of fp32 working set per temporary
+SAVE_LOGITS_BYTES = 8 << 30  # keep the compute-dtype logits for backward up to this size
+
+
+def _chunks(m: int, vocab: int) -> list[tuple[int, int]]:
+    step = max(1, CHUNK_ELEMS // max(vocab, 1))
+    return [(a, min(a + step, m)) for a in range(0, m, step)]
+
+
+def _stats(z: torch.Tensor, tgt: torch.Tensor, entropy: bool) -> tuple[torch.Tensor, ...]:
+    """z [C, V] fp32 scaled logits -> (logp of tgt, lse, entropy or empty)."""
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z.gather(-1, tgt.unsqueeze(-1)).squeeze(-1) - lse
+    if not entropy:
+        return logp, lse, z.new_empty(0)
+    logp_full = z - lse.unsqueeze(-1)
+    ent = -(logp_full.exp() * logp_full).sum(-1)  # the unfused form (no lse - E[z] cancellation)
+    return logp, lse, ent
+
+
+class _ChunkedHead(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+        temperature: float, entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        m, v = hidden.shape[0], weight.shape[0]
+        save = m * v * hidden.element_size() <= SAVE_LOGITS_BYTES
+        logp = torch.empty(m, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(logp)
+        ent = torch.empty_like(logp) if entropy else logp.new_empty(0)
+        kept: list[torch.Tensor] = []
+        for a, b in _chunks(m, v):
+            raw = hidden[a:b] @ weight.t()
+            lp, ls, en = _stats(raw.float() / temperature, targets[a:b], entropy)
+            logp[a:b], lse[a:b] = lp, ls
+            if entropy:
+                ent[a:b] = en
+            if save:
+                kept.append(raw)
+        ctx.temperature, ctx.entropy, ctx.kept = temperature, entropy, kept
+        ctx.save_for_backward(hidden, weight, targets, lse, ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, g_logp: torch.Tensor, g_ent: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, targets, lse, ent = ctx.saved_tensors
+        t, kept = ctx.temperature, ctx.kept
+        m, v = hidden.shape[0], weight.shape[0]
+        grad_h = torch.empty_like(hidden)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for j, (a, b) in enumerate(_chunks(m, v)):
+            raw = kept[j] if kept else hidden[a:b] @ weight.t()
+            z = raw.float() / t
+            logp_full = z - lse[a:b].unsqueeze(-1)
+            p = torch.exp(logp_full)
+            coef = g_logp[a:b].unsqueeze(-1)
+            if ctx.entropy:
+                coef = coef + g_ent[a:b].unsqueeze(-1) * (logp_full + ent[a:b].unsqueeze(-1))
+            gz = -p * coef
+            gz.scatter_add_(-1, targets[a:b].unsqueeze(-1), g_logp[a:b].unsqueeze(-1))
+            gl = (gz / t).to(hidden.dtype)
+            grad_h[a:b] = gl @ weight
+            if grad_w.dtype == weight.dtype:
+                grad_w.addmm_(gl.t(), hidden[a:b])
+            else:
+                grad_w += (gl.t() @ hidden[a:b]).float()
+        ctx.kept = []
+        return grad_h, grad_w.to(weight.dtype), None, None, None
+
+
+def chunked_head_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """hidden [M, H] (final, normed), weight [V, H] (the LM head), targets [M] ->
+    (logprobs [M] fp32, entropy [M] fp32 or None) under softmax(hidden @ weight.T / temperature).
+    """
+    t = float(temperature) if temperature > 0 else 1.0
+    logp, ent = _ChunkedHead.apply(hidden, weight, targets.long(), t, entropy)
+    return logp, (ent if entropy else None)

@@ -1,0 +1,116 @@
+"""The chunked LM-head logprobs (models/chunked_logprobs.py) equal the unfused path
+(logits -> token_logprobs / entropy_from_logits) within fp32 rounding, values and gradients,
+and the trainer's packed forward gives the same logprobs, entropy and gradients either way."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from miles.models import chunked_logprobs as ch
+from miles.models.config import ModelSpec
+from miles.models.errors import ModelInputError
+from miles.models.logprobs import token_logprobs
+from miles.models.presets import tiny_config
+from miles.models.registry import build_model
+from miles.trainer.batch import TrainSample
+from miles.trainer.forward import packed_forward
+from miles.trainer.kl import entropy_from_logits
+from miles.trainer.packing import pack
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _unfused(h: torch.Tensor, w: torch.Tensor, tgt: torch.Tensor, temp: float) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = h @ w.t()
+    return token_logprobs(logits, tgt, temp), entropy_from_logits(logits, temp if temp > 0 else 1.0)
+
+
+@pytest.mark.parametrize(("temp", "chunk_elems", "save_bytes"), [
+    (1.0, 7 * 50, 1 << 30),  # 7 tokens a chunk, logits kept for backward
+    (0.7, 5 * 50, 0),  # recomputed in backward
+    (0.0, 1 << 28, 1 << 30),  # greedy counts as 1; one chunk
+])
+def test_chunked_head_equals_unfused_values_and_grads(
+    monkeypatch: pytest.MonkeyPatch, temp: float, chunk_elems: int, save_bytes: int
+) -> None:
+    monkeypatch.setattr(ch, "CHUNK_ELEMS", chunk_elems)
+    monkeypatch.setattr(ch, "SAVE_LOGITS_BYTES", save_bytes)
+    g = torch.Generator().manual_seed(0)
+    m, hdim, v = 23, 16, 50
+    h0 = torch.randn(m, hdim, generator=g) * 2
+    w0 = torch.randn(v, hdim, generator=g)
+    tgt = torch.randint(0, v, (m,), generator=g)
+    c_lp, c_ent = torch.randn(m, generator=g), torch.randn(m, generator=g)
+    out = {}
+    for name in ("fused", "unfused"):
+        h, w = h0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        if name == "fused":
+            lp, ent = ch.chunked_head_logprobs(h, w, tgt, temp, entropy=True)
+            assert ent is not None
+        else:
+            lp, ent = _unfused(h, w, tgt, temp)
+        ((lp * c_lp).sum() + (ent * c_ent).sum()).backward()
+        out[name] = (lp.detach(), ent.detach(), h.grad, w.grad)
+    for a, b, what in zip(out["fused"], out["unfused"], ("logp", "entropy", "grad h", "grad w"), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=what)
+
+
+def test_chunked_head_without_entropy_and_logp_only_grads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ch, "CHUNK_ELEMS", 4 * 30)
+    g = torch.Generator().manual_seed(1)
+    h0, w0 = torch.randn(9, 8, generator=g), torch.randn(30, 8, generator=g)
+    tgt = torch.randint(0, 30, (9,), generator=g)
+    h, w = h0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+    lp, ent = ch.chunked_head_logprobs(h, w, tgt, 1.3)
+    assert ent is None
+    lp.sum().backward()
+    h2, w2 = h0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+    token_logprobs(h2 @ w2.t(), tgt, 1.3).sum().backward()
+    torch.testing.assert_close(lp, token_logprobs(h0 @ w0.t(), tgt, 1.3), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h.grad, h2.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad, w2.grad, rtol=1e-5, atol=1e-5)
+
+
+def _samples(spec: ModelSpec, n: int, seed: int) -> list[TrainSample]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        p, r = int(rng.integers(2, 7)), int(rng.integers(1, 8))
+        out.append(TrainSample(
+            prompt_ids=rng.integers(0, spec.vocab_size, p), response_ids=rng.integers(0, spec.vocab_size, r),
+            reward=1.0, group_index=i, rollout_logprobs=np.zeros(r, np.float32),
+        ))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_packed_forward_fused_head_equals_unfused(arch: str) -> None:
+    """The trainer's forward: logprobs, entropy and every parameter's gradient agree."""
+    model = build_model(ModelSpec.from_hf(tiny_config(arch, vocab_size=96, initializer_range=0.2)), seed=2)
+    samples = _samples(model.spec, 5, seed=3)
+    mb = pack(samples, list(range(5)))
+    weights = torch.linspace(-1, 1, mb.resp_targets.numel())
+    out = {}
+    for fused in (True, False):
+        model.zero_grad()
+        fo = packed_forward(model, mb, temperature=0.8, replay=False, with_entropy=True, fused_head=fused)
+        assert (fo.logits is None) == fused and fo.entropy is not None
+        ((fo.logp * weights).sum() + 0.1 * (fo.entropy * weights).sum()).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        out[fused] = (fo.logp.detach(), fo.entropy.detach(), grads)
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[True][1], out[False][1], rtol=1e-5, atol=1e-5)
+    assert out[True][2].keys() == out[False][2].keys()
+    for n, g in out[False][2].items():
+        torch.testing.assert_close(out[True][2][n], g, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_target_ids_shape_is_checked() -> None:
+    model = build_model(ModelSpec.from_hf(tiny_config("qwen3", vocab_size=32)), seed=0)
+    ids = torch.zeros(1, 5, dtype=torch.long)
+    with pytest.raises(ModelInputError, match="target_ids must be"):
+        model(ids, logits_index=torch.tensor([0, 1]), target_ids=torch.zeros(3, dtype=torch.long))
+    out = model(ids, target_ids=torch.zeros(5, dtype=torch.long))
+    assert out.logits is None and out.logprobs is not None and out.logprobs.shape == (5,)
