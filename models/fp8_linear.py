@@ -7,16 +7,16 @@ engine's FP8 weights, both computing with the same `Ŵ` (models/fp8.py).
 - Engine (`to_fp8_weights`): the weight parameter holds the float8_e4m3fn codes and a
   `weight_scale_inv` parameter the fp32 block scales, both synced and swapped like any
   weight. On the CPU, and in batch-invariant mode, the forward dequantizes them into the
-  compute dtype: the trainer's Ŵ bit for bit. On CUDA it runs real FP8 GEMMs
-  (`torch.nn.functional.scaled_mm`, activations quantized per token and 128-column block,
-  weights per 128x128 block) when the shapes allow it; activations are then rounded to
-  FP8 too, so CUDA logprobs differ from the trainer's by that activation rounding.
+  compute dtype: the trainer's Ŵ bit for bit. On CUDA it runs FP8 GEMMs when the shapes
+  allow it (models/fp8_gemm.py): with activations rounded to FP8 per token and 128 columns
+  (`engine.fp8_gemm`, fast; logprobs then differ from the trainer's by that rounding), or with
+  Ŵ rebuilt inside the kernel in the activation dtype (exact weights, half the bytes).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +24,8 @@ from torch import nn
 
 from miles.core.logging import get_logger
 from miles.models.config import ModelSpec
-from miles.models.fp8 import E4M3_MAX, FP8, SCALE_SUFFIX
+from miles.models.fp8 import FP8, SCALE_SUFFIX
+from miles.models.fp8_gemm import GEMM_BLOCK, cuda_linear
 from miles.models.fp8_layout import (
     Fp8Plan,
     dequantize_rows,
@@ -36,9 +37,6 @@ from miles.models.invariant import invariant_active
 
 log = get_logger("miles.models.fp8")
 _PLAN = "fp8_plan"
-_GEMM_BLOCK = 128  # the block cuBLAS's blockwise FP8 kernels take (1x128 activations, 128x128 weights)
-_HAS_SCALED_MM = hasattr(F, "scaled_mm")  # the recipe-explicit API (torch >= 2.10); else dequantized weights
-_gemm_broken: list[str] = []  # set once the device's scaled_mm refuses blockwise scaling
 
 
 class _FakeQuantSTE(torch.autograd.Function):
@@ -65,12 +63,11 @@ def project(x: torch.Tensor, mod: nn.Linear) -> torch.Tensor:
         return F.linear(x, w, mod.bias)
     if w.dtype == FP8:
         scale = getattr(mod, "weight" + SCALE_SUFFIX)
-        if x.is_cuda and getattr(mod, "fp8_gemm", True) and not invariant_active() and _gemm_ok(x, w, plan):
-            try:
-                return _scaled_gemm(x, w, scale, mod.bias)
-            except Exception as exc:  # noqa: BLE001 - e.g. no blockwise kernels on this GPU / torch build
-                _gemm_broken.append(f"{type(exc).__name__}: {exc}")
-                log.warning("fp8_gemm_unavailable", error=_gemm_broken[-1], fallback="dequantized weights")
+        if x.is_cuda and not invariant_active() and _gemm_ok(x, w, plan):
+            lead, k = x.shape[:-1], x.shape[-1]
+            y = cuda_linear(x.reshape(-1, k), w, scale, mod.bias, act_fp8=getattr(mod, "fp8_gemm", True))
+            if y is not None:
+                return y.view(*lead, w.shape[0])
         w_hat = _cached_dequant(mod, w, scale, plan, x.dtype) if not x.is_cuda else dequantize_rows(
             w, scale, plan, x.dtype)
         return F.linear(x, w_hat, mod.bias)
@@ -100,61 +97,10 @@ def _cached_dequant(mod: nn.Module, codes: torch.Tensor, scale: torch.Tensor, pl
 
 
 def _gemm_ok(x: torch.Tensor, w: torch.Tensor, plan: Fp8Plan) -> bool:
-    n, k = w.shape
-    return (not _gemm_broken and _HAS_SCALED_MM and plan.block == (_GEMM_BLOCK, _GEMM_BLOCK) and plan.block_aligned
-            and k % _GEMM_BLOCK == 0 and n % 16 == 0 and x.dtype in (torch.bfloat16, torch.float16))
-
-
-def quantize_activations(x2: torch.Tensor, block: int = _GEMM_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (fp8 codes [M, K], fp32 scales [M, K/block]): one scale per token and block."""
-    m, k = x2.shape
-    xb = x2.float().view(m, k // block, block)
-    amax = xb.abs().amax(dim=-1)
-    s = amax / torch.full_like(amax, E4M3_MAX)
-    s = torch.where(s > 0, s, torch.ones_like(s))
-    q = (xb / s.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
-    return q.view(m, k), s
-
-
-_compiled: list[Callable[..., tuple[torch.Tensor, torch.Tensor]]] = []
-
-
-def _act_quant(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_activations` fused into one kernel by torch.compile on CUDA (eagerly it is ~8
-    small kernels per linear, as long as the decode GEMM itself); eager when compile fails."""
-    if not _compiled:
-        try:
-            fn = torch.compile(quantize_activations, dynamic=True)
-            fn(x2)
-            _compiled.append(fn)
-        except Exception as exc:  # noqa: BLE001 - e.g. no triton: the eager ops give the same values
-            log.warning("fp8_activation_quant_not_compiled", error=f"{type(exc).__name__}: {exc}")
-            _compiled.append(quantize_activations)
-    return _compiled[0](x2)
-
-
-def blockwise_mm(xq: torch.Tensor, xs: torch.Tensor, codes: torch.Tensor, ws: torch.Tensor,
-                 dtype: torch.dtype) -> torch.Tensor:
-    """xq [M, K] fp8 (scales xs, 1x128) @ codes [N, K].T (scales ws [L4, N/128], 128x128) -> [M, N]
-    through `F.scaled_mm` with explicit scaling recipes (cuBLAS blockwise kernels)."""
-    return F.scaled_mm(xq, codes.t(), xs, F.ScalingType.BlockWise1x128, ws, F.ScalingType.BlockWise128x128,
-                       output_dtype=dtype)
-
-
-def _scaled_gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    lead, k = x.shape[:-1], x.shape[-1]
-    xq, xs = _act_quant(x.reshape(-1, k))
-    # cuBLAS layouts: activation scales outer-dim-major [M, K/128]; weight scales [L4, N/128],
-    # K-block-major, with the K-blocks padded to a multiple of 4
-    xs = xs.t().contiguous().t()
-    ws = scale.float()
-    pad = (-ws.shape[1]) % 4
-    if pad:
-        ws = F.pad(ws, (0, pad))
-    out = blockwise_mm(xq, xs, codes, ws.t(), x.dtype)
-    if bias is not None:
-        out = out + bias
-    return out.view(*lead, codes.shape[0])
+    """Shapes the CUDA FP8 kernels take: 128x128 blocks whose scale grid is one grid over the
+    fused rows (every segment whole row blocks), K a multiple of 128, bf16/fp16 activations."""
+    return (plan.block == (GEMM_BLOCK, GEMM_BLOCK) and plan.block_aligned and w.shape[1] % GEMM_BLOCK == 0
+            and w.shape[0] % 16 == 0 and x.dtype in (torch.bfloat16, torch.float16))
 
 
 def _linear_plans(model: nn.Module, block: tuple[int, int]) -> list[tuple[nn.Linear, Fp8Plan]]:

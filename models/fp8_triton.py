@@ -1,0 +1,133 @@
+"""Triton kernels for the FP8 contract's linear layers on CUDA: one kernel per projection.
+
+Imported only on CUDA, by `models/fp8_linear.py` (the CPU path never needs triton).
+
+`y = x @ Ŵ.T` with `Ŵ = s · code` (fp32 scale per 128x128 weight block), two variants:
+
+- `quant_x=True` (W8A8): the activation tile is quantized inside the kernel, per token and
+  128 columns (`amax / 448`, round to E4M3), and multiplied on the FP8 tensor cores; each
+  K-block's partial product is scaled by `x_scale[token] · w_scale[block]`. The separate
+  quantization kernels (amax, divide, cast, scale re-layout: about as long as the decode GEMM
+  itself at batch 256) disappear; the activation codes are those of
+  `fp8_linear.quantize_activations`.
+- `quant_x=False` (W8A16): the weight tile is dequantized in registers to `Ŵ` in the
+  activation dtype (the same fp32 product and cast as `fp8.dequantize_blockwise`, so the same
+  values the trainer computes with) and multiplied on the bf16 tensor cores: the contract's
+  weights exactly, at half the weight bytes of bf16.
+
+Tile shapes are chosen per (variant, M bucket, N, K) by timing a few candidates once, outside
+CUDA graph capture (the engine warms every decode bucket up before capturing it).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_K = 128  # = the weight block: one scale per K-step
+
+
+@triton.jit
+def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
+                       QUANT_X: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)  # fastest: the CTAs sharing one weight tile run together (L2 reuse)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < N
+    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
+    w_ptrs = w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]  # [BLOCK_K, BLOCK_N], K-major
+    s_ptrs = s_ptr + (rn // BLOCK_K) * stride_sn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, K // BLOCK_K):
+        x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+        w = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
+        ws = tl.load(s_ptrs + kb, mask=n_ok, other=1.0)
+        if QUANT_X:
+            xf = x.to(tl.float32)
+            xs = tl.max(tl.abs(xf), axis=1) / 448.0
+            xs = tl.where(xs > 0, xs, 1.0)
+            xq = tl.minimum(tl.maximum(xf / xs[:, None], -448.0), 448.0).to(tl.float8e4nv)
+            acc += tl.dot(xq, w) * (xs[:, None] * ws[None, :])
+        else:
+            wd = (w.to(tl.float32) * ws[None, :]).to(x.dtype)
+            acc = tl.dot(x, wd, acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+Config = tuple[int, int, int, int]  # BLOCK_M, BLOCK_N, num_warps, num_stages
+_chosen: dict[tuple[bool, int, int, int], Config] = {}
+
+
+def _m_bucket(m: int) -> int:
+    return max(16, 1 << (m - 1).bit_length())
+
+
+def _candidates(m: int) -> list[Config]:
+    bm = min(_m_bucket(m), 64)
+    out = [(bm, 32, 4, 4), (bm, 64, 4, 4), (bm, 128, 4, 3)]
+    if m >= 128:
+        out.append((128, 128, 8, 3))
+    return out
+
+
+def _default(m: int, n: int) -> Config:
+    """Untimed choice (while a CUDA graph is being captured): enough CTAs to fill the GPU."""
+    for c in reversed(_candidates(m)[:3]):
+        if triton.cdiv(m, c[0]) * triton.cdiv(n, c[1]) >= 96:
+            return c
+    return _candidates(m)[0]
+
+
+def _launch(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+            y: torch.Tensor, quant_x: bool, cfg: Config) -> None:
+    m, k = x.shape
+    n = codes.shape[0]
+    bm, bn, warps, stages = cfg
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    _fp8_linear_kernel[grid](x, codes, scale, bias if bias is not None else y, y, m, n, k,
+                             x.stride(0), codes.stride(0), scale.stride(0), y.stride(0),
+                             QUANT_X=quant_x, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
+                             BLOCK_K=BLOCK_K, num_warps=warps, num_stages=stages)
+
+
+def _time(fn: object, reps: int = 20) -> float:
+    for _ in range(3):
+        fn()  # type: ignore[operator]
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        fn()  # type: ignore[operator]
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / reps
+
+
+def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+               quant_x: bool) -> torch.Tensor:
+    """x [M, K] (bf16/fp16) @ Ŵ.T -> [M, N] in x's dtype. codes [N, K] float8_e4m3fn, scale
+    [ceil(N/128), K/128] fp32 (K % 128 == 0)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    n = codes.shape[0]
+    y = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    key = (quant_x, _m_bucket(m), n, k)
+    cfg = _chosen.get(key)
+    if cfg is None:
+        if torch.cuda.is_current_stream_capturing():
+            cfg = _default(m, n)
+        else:
+            timed = {c: _time(lambda c=c: _launch(x, codes, scale, bias, y, quant_x, c)) for c in _candidates(m)}
+            cfg = _chosen[key] = min(timed, key=timed.__getitem__)
+    _launch(x, codes, scale, bias, y, quant_x, cfg)
+    return y
