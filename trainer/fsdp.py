@@ -86,7 +86,12 @@ def check_trainer_config(cfg: TrainerConfig, asynchronous: bool, world: int) -> 
 
 
 class FSDPTrainer:
-    """One FSDP2 rank. `model_spec` is the policy architecture (`ModelSpec.from_hf`)."""
+    """One FSDP2 rank. `model_spec` is the policy architecture (`ModelSpec.from_hf`).
+
+    A single rank computing in fp32 keeps plain modules (trainer/sharding.py: the same numbers
+    without FSDP2's per-unit hooks); `wrap_single_rank = True` (a subclass) wraps it anyway."""
+
+    wrap_single_rank = False
 
     def __init__(
         self,
@@ -109,6 +114,7 @@ class FSDPTrainer:
         ensure_process_group(rank, world, self.device)
         self.dtype = compute_dtype(cfg.param_dtype, self.device)
         mesh = make_mesh(self.device, world)
+        plain = not self.wrap_single_rank
         policy = build_policy(model_spec, init_checkpoint, seed)
         policy.packed_attention = cfg.packed_attention
         self.lora = cfg.lora.rank > 0
@@ -116,12 +122,12 @@ class FSDPTrainer:
             apply_lora(policy, cfg.lora, seed)
         self.replay = cfg.routing_replay and model_spec.is_moe
         self.probe = RouterProbe(policy) if model_spec.is_moe else None
-        shard(policy, [policy], mesh, self.device, self.dtype)
+        shard(policy, [policy], mesh, self.device, self.dtype, plain_single_rank=plain)
         parts: dict[str, nn.Module] = {"policy": policy}
         self.critic: ValueModel | None = None
         if cfg.advantage.estimator == "ppo":
             self.critic = ValueModel(model_spec, seed=seed + 1)
-            shard(self.critic, [self.critic.lm], mesh, self.device, self.dtype)
+            shard(self.critic, [self.critic.lm], mesh, self.device, self.dtype, plain_single_rank=plain)
             parts["critic"] = self.critic
         # an unsharded container of the sharded roots, for one optimizer and one checkpoint
         self.trainable = nn.ModuleDict(parts)
@@ -130,11 +136,11 @@ class FSDPTrainer:
         if cfg.loss.kl_coef:
             ref = build_policy(model_spec, ref_checkpoint or init_checkpoint, seed)
             ref.requires_grad_(False)
-            self.ref = shard(ref, [ref], mesh, self.device, self.dtype)
+            self.ref = shard(ref, [ref], mesh, self.device, self.dtype, plain_single_rank=plain)
         self.teacher: nn.Module | None = None
         if cfg.distill.teacher_checkpoint:
             teacher = load_teacher(cfg.distill, model_spec)
-            self.teacher = shard(teacher, [teacher], mesh, self.device, self.dtype)
+            self.teacher = shard(teacher, [teacher], mesh, self.device, self.dtype, plain_single_rank=plain)
         self.opt = build_optimizer(self.trainable.parameters(), cfg, self.device, rank)
         self.coll = Collectives(self.device)
         self.step = 0
