@@ -26,6 +26,8 @@ class Sequence:
     # admitted with the same tokens as `share_from`: this row copies its KV and first logits
     # instead of prefilling (engine.share_prompts); None = prefills itself
     share_from: Sequence | None = None
+    prompt_key: tuple[int, ...] | None = None  # tokens at admission, when prompt sharing is on
+    prompt_version: int = -1  # weight version its prompt KV was computed under
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)

@@ -59,6 +59,7 @@ class Stepper:
         with its leader, rows after the leaders) copies the leader's KV, routing and logits,
         so it holds exactly what its own prefill would have computed."""
         lead = [s for s in seqs if s.share_from is None]
+        fed_from = {id(s): s.kv_len for s in lead}  # a leader may start past a copied prefix
         want = any(s.req.return_routed_experts for s in seqs)
         logits, routed = self._prefill_forward(lead, want)
         if len(lead) == len(seqs):
@@ -77,7 +78,9 @@ class Stepper:
                 f.kv_len = src.kv_len
                 f.share_from = None  # shared once, at admission; the row is its own from here
                 if f.req.return_routed_experts and routed is not None:
-                    f.routed.append(routed[at[id(src)], : src.kv_len])
+                    # the leader's copied prefix (if any) plus what this prefill fed
+                    f.routed_prefix = src.routed_prefix
+                    f.routed.append(routed[at[id(src)], : src.kv_len - fed_from[id(src)]])
             i = j
         return self._choose(seqs, logits.index_select(0, pick))
 

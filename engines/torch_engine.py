@@ -32,6 +32,7 @@ from miles.engines.base import (
 )
 from miles.engines.kv_cache import RowPool, SessionKV, SessionStore, common_prefix
 from miles.engines.lora import AdapterMerge
+from miles.engines.prompt_share import PromptShare
 from miles.engines.sampling import make_generator
 from miles.engines.sequence import Sequence
 from miles.engines.stepper import StepOut, Stepper
@@ -87,7 +88,7 @@ class TorchEngine(Engine):
         self._task: asyncio.Task[None] | None = None
         self._last_error = ""
         self._totals = RequestTotals()
-        self._shared_tokens = 0  # prompt tokens copied from a group leader instead of prefilled
+        self.share = PromptShare(self.cfg.share_prompts)
 
     @classmethod
     def from_config(
@@ -254,7 +255,7 @@ class TorchEngine(Engine):
             "running": len(self._running),
             "queued": len(self._queue),
             "cached_tokens": self.sessions.tokens,
-            "shared_prompt_tokens": self._shared_tokens,
+            "shared_prompt_tokens": self.share.tokens,
             "cached_sessions": len(self.sessions),
             "evictions": self.sessions.evictions,
             "version": self.version,
@@ -276,6 +277,7 @@ class TorchEngine(Engine):
             if not seq.future.done():
                 seq.future.set_exception(EngineError("engine closed"))
         self._running, self._queue = [], deque()
+        self.share.clear()
 
     # ---- scheduler ----------------------------------------------------------------
     def _ensure_loop(self) -> None:
@@ -329,42 +331,41 @@ class TorchEngine(Engine):
         taken: list[Sequence] = []
         while self._queue and len(self._running) + len(taken) < self.cfg.max_batch_size:
             taken.append(self._queue.popleft())
-        new = self._share_groups(taken)
+        new = self.share.order(taken, self._has_session)
+        # leaders whose followers want routing: their copied prefix must carry it
+        routed_for = {id(s.share_from) for s in new if s.share_from is not None and s.req.return_routed_experts}
         for seq in new:
             seq.row = len(self._running)
             self._running.append(seq)
             if seq.share_from is None:
                 self._restore_session(seq)
-            else:
-                self._shared_tokens += seq.n_prompt
+                if seq.kv_len == 0:
+                    self._copy_running_prompt(seq, seq.req.return_routed_experts or id(seq) in routed_for)
+            self.share.register(seq, self.version)
             self._totals.prompt += seq.n_prompt
             self._totals.cached += seq.cached
             self._totals.requests += 1
         return new
 
-    def _share_groups(self, taken: list[Sequence]) -> list[Sequence]:
-        """Admission order: one leader per distinct token list first (they take contiguous rows
-        and prefill), then each leader's followers together (they copy the leader's KV and its
-        logits; see `Stepper._prefill`). A request with a stored session restores that instead."""
-        if not self.cfg.share_prompts or len(taken) < 2:
-            return taken
-        leaders: dict[tuple[int, ...], Sequence] = {}
-        followers: dict[int, list[Sequence]] = {}  # id(leader) -> its followers
-        order: list[Sequence] = []
-        for seq in taken:
-            key = seq.req.session_key
-            if key is not None and key in self.sessions:
-                order.append(seq)
-                continue
-            ids = tuple(seq.tokens)
-            lead = leaders.get(ids)
-            if lead is None:
-                leaders[ids] = seq
-                order.append(seq)
-            else:
-                seq.share_from = lead
-                followers.setdefault(id(lead), []).append(seq)
-        return order + [f for lead in order for f in followers.get(id(lead), [])]
+    def _has_session(self, seq: Sequence) -> bool:
+        key = seq.req.session_key
+        return key is not None and key in self.sessions
+
+    def _copy_running_prompt(self, seq: Sequence, routed: bool) -> None:
+        """A running row holds seq's prompt (a group's earlier sample): copy all but its last
+        token, which seq's prefill feeds (engines/prompt_share.py). `routed`: seq or one of its
+        followers reports routing, so the source must have it and seq keeps the prefix's."""
+        src = self.share.source(seq, self.version, routed)
+        if src is None:
+            return
+        n = len(seq.tokens) - 1
+        self.pool.share(src.row, seq.row, 1, n)
+        seq.kv_len = n
+        if routed:
+            routed = src.routed_array(self.spec)
+            assert routed is not None
+            seq.routed_prefix = routed[:n]
+        self.share.tokens += n
 
     def _restore_session(self, seq: Sequence) -> None:
         key = seq.req.session_key
@@ -429,6 +430,7 @@ class TorchEngine(Engine):
         self.sessions.put(key, SessionKV(ids=seq.tokens[: seq.kv_len], k=k, v=v, routed=routed))
 
     def _release_row(self, seq: Sequence) -> None:
+        self.share.release(seq)
         row, last = seq.row, self._running[-1]
         if last is not seq:  # keep rows compact: the last sequence moves into the hole
             self.pool.move(last.row, row, last.kv_len)
@@ -445,3 +447,4 @@ class TorchEngine(Engine):
                 seq.future.set_exception(EngineError(f"engine step failed: {self._last_error}"))
             seq.row = -1
         self._running = []
+        self.share.clear()

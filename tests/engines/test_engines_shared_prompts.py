@@ -112,3 +112,59 @@ async def test_stored_session_is_restored_not_shared(dense_model: CausalLM) -> N
         assert res[0].output_ids == res[1].output_ids == res[2].output_ids
     finally:
         await eng.close()
+
+
+async def until_running(eng: TorchEngine, n: int) -> None:
+    for _ in range(2000):
+        if eng.health()["running"] >= n:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"engine never had {n} running requests")
+
+
+async def late_group(
+    model: CausalLM, share: bool, routed: tuple[bool, bool], commit_between: bool = False
+) -> tuple[list[GenerateResult], int]:
+    """Sample 0 of a group runs alone; samples 1-3 arrive while it is running (held back by an
+    in-place pause, so they are admitted together in the next iteration, while it still runs)."""
+    eng = TorchEngine(model, EngineConfig(max_batch_size=8, max_seq_len=64, share_prompts=share),
+                      batch_invariant=True)
+    try:
+        def r(i: int) -> GenerateRequest:
+            sp = SamplingParams(temperature=1.0, max_new_tokens=20 if i == 0 else 6, seed=i)
+            return GenerateRequest(input_ids=list(PROMPTS[0]), sampling=sp, return_routed_experts=routed[i > 0])
+
+        first = asyncio.ensure_future(eng.generate(r(0)))
+        await until_running(eng, 1)
+        await eng.pause("in_place")
+        if commit_between:  # the same weights as version 1: the running row's KV is of version 0
+            await eng.stage(1, eng.state_dict_hf())
+            await eng.commit(1)
+        rest = [asyncio.ensure_future(eng.generate(r(i))) for i in (1, 2, 3)]
+        await asyncio.sleep(0.01)
+        await eng.resume()
+        out = [await first, *[await t for t in rest]]
+        return out, int(eng.stats()["shared_prompt_tokens"])
+    finally:
+        await eng.close()
+
+
+@pytest.mark.parametrize("routed", [(False, False), (True, True), (False, True)])
+async def test_later_samples_copy_a_running_rows_prompt(moe_model: CausalLM, routed: tuple[bool, bool]) -> None:
+    shared, n_shared = await late_group(moe_model, True, routed)
+    plain, n_plain = await late_group(moe_model, False, routed)
+    # the newcomers' leader copies all but the last prompt token from the running row, the
+    # other two copy the whole prompt from it; only from a source that recorded routing when
+    # they ask for routing
+    n = len(PROMPTS[0])
+    late = 0 if routed == (False, True) else n - 1
+    assert n_shared == late + 2 * n and n_plain == 0
+    assert_same(shared, plain)
+    assert all(r.cached_tokens == 0 for r in shared)  # sharing is not a session hit
+
+
+async def test_no_sharing_across_a_weight_commit(dense_model: CausalLM) -> None:
+    shared, n_shared = await late_group(dense_model, True, (False, False), commit_between=True)
+    plain, _ = await late_group(dense_model, False, (False, False), commit_between=True)
+    assert n_shared == 2 * len(PROMPTS[0])  # the newcomers share among themselves, not the old row
+    assert_same(shared, plain)
