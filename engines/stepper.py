@@ -16,7 +16,7 @@ from miles.engines.kv_cache import RowPool
 from miles.engines.sampling import choose_tokens
 from miles.engines.sequence import Sequence
 from miles.models.decoder import CausalLM
-from miles.models.invariant import BatchInvariant
+from miles.models.invariant import BatchInvariant, triton_kernels
 from miles.models.masks import cached_causal_mask
 
 log = get_logger("miles.engine")
@@ -39,8 +39,11 @@ class Stepper:
         self.device = device
         # true on-policy: logits independent of the batch, equal to the trainer's per-sequence forward
         self.batch_invariant = batch_invariant
-        # the batch-invariant mode is a Python-level op override: it cannot be captured
-        use_graphs = cuda_graphs and device.type == "cuda" and not batch_invariant
+        # the batch-invariant mode is a Python-level op override. Captured, it records the Triton
+        # kernels it dispatches to (models/invariant_triton.py); the MoE invariant dispatch reads
+        # expert counts on the host and cannot be captured, nor can the CPU-side tiled fallback.
+        use_graphs = cuda_graphs and device.type == "cuda" and (
+            not batch_invariant or (triton_kernels() is not None and not model.spec.is_moe))
         self.graphs = DecodeGraphs(model, pool) if use_graphs else None
 
     @torch.inference_mode()

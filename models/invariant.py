@@ -29,8 +29,10 @@ cast per forward by FSDP mixed precision) agree bit for bit, as in fp32.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -101,6 +103,24 @@ def invariant_attention(
     return out
 
 
+@functools.cache
+def triton_kernels() -> ModuleType | None:
+    """`models/invariant_triton.py` where Triton imports (CUDA torch), else None."""
+    try:
+        from miles.models import invariant_triton
+    except ImportError:
+        return None
+    return invariant_triton
+
+
+def _on_cuda(*ts: object) -> ModuleType | None:
+    """The Triton kernels when every tensor argument is on CUDA (one launch per op instead of
+    the tiled path's launch per tile and per head)."""
+    if all(not isinstance(t, torch.Tensor) or t.is_cuda for t in ts):
+        return triton_kernels()
+    return None
+
+
 _state = threading.local()
 
 
@@ -136,16 +156,23 @@ class BatchInvariant(TorchFunctionMode):
         if func is F.linear:
             x, w = args[0], args[1]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if (kernels := _on_cuda(x, w, bias)) is not None:
+                return kernels.invariant_linear(x, w, bias)
             return tiled_linear(x, w, bias, self.rows)
         if func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__):
             x, w = args[0], args[1]
             if isinstance(w, torch.Tensor) and w.dim() == 2 and x.dim() >= 2:
+                if (kernels := _on_cuda(x, w)) is not None:
+                    return kernels.invariant_linear(x, w.t(), None)
                 return tiled_linear(x, w.t(), None, self.rows)
         if func is F.scaled_dot_product_attention:
             names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
             a = dict(zip(names, args, strict=False)) | kwargs
             if a.get("dropout_p", 0.0):
                 raise ValueError("batch-invariant attention does not support dropout")
+            if (kernels := _on_cuda(a["query"], a["key"], a["value"], a.get("attn_mask"))) is not None:
+                return kernels.invariant_attention(a["query"], a["key"], a["value"], a.get("attn_mask"),
+                                                   bool(a.get("is_causal", False)), a.get("scale"))
             return invariant_attention(
                 a["query"],
                 a["key"],
