@@ -2,9 +2,15 @@
 
 CPU (default): a tiny MoE model, one rank (gloo). R3 overhead = fractional step-time
 increase of replay over live routing on the same batch (goal <= 5%).
---device cuda: a ~0.5B dense and a small MoE config in bf16, a realistic step (default 8 x 4
-sequences of ~768 tokens, ~25k tokens; packed micro-batches of 4k tokens), packed attention
-masked (one call over the pack, block-diagonal bias) vs varlen (one flash call per sequence).
+--device cuda: a ~0.5B dense and a small MoE config in bf16, one optimizer step over a fixed
+token budget (default 32k tokens: groups of 4 sequences of `--seqs` tokens each, a quarter
+prompt, the rest response), packed into micro-batches of `--micro-tokens` (default 16k),
+for every sequence length in `--seqs` (default 1024,2048,4096). MoE runs with live routing
+and with R3 replay (the same batch; R3 overhead = step-time ratio - 1). Packed attention is
+the trainer's default ("auto": varlen at these pack sizes). The head is the chunked fused
+one and MoE experts the grouped GEMM (models/chunked_logprobs.py, models/grouped_moe.py);
+`--baseline` adds, at the first length, the unfused head (dense) and the per-expert loop
+(MoE) for comparison, `--profile` a CUDA-time table of one step per model.
 MFU, counted the standard way: 6 x non-embedding active parameters per token (the LM head
 GEMM included, the embedding lookup not) plus causal attention (12 x layers x heads x
 head_dim x mean context), over the peak measured by a bf16
@@ -16,20 +22,25 @@ The last line is one JSON object.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import statistics
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import torch
 
 from miles.core.schema.trainer import TrainerConfig
+from miles.models.chunked_logprobs import chunked_head_logprobs
 from miles.models.config import ModelSpec
 from miles.models.decoder import CausalLM
 from miles.models.logprobs import token_logprobs
-from miles.models.moe import compact_expert_ids
+from miles.models.moe import Experts, compact_expert_ids
 from miles.models.presets import tiny_config
 from miles.models.registry import build_model
+from miles.trainer import fsdp as fsdp_mod
 from miles.trainer.batch import TrainBatch, TrainSample
 from miles.trainer.fsdp import FSDPTrainer
 from miles.trainer.synthetic import engine_batch
@@ -58,6 +69,12 @@ CUDA_MODELS = {
         num_experts_per_tok=4,
         moe_intermediate_size=512,
     ),
+}
+
+
+SMOKE_MODELS = {
+    "dense_0.5b": dict(arch="qwen2", vocab_size=256),
+    "moe_small": dict(arch="qwen3_moe", vocab_size=256, hidden_size=64, moe_intermediate_size=32),
 }
 
 
@@ -112,30 +129,37 @@ def _trainer(spec: ModelSpec, mode: tuple[bool, str], device: str, args: argpars
     return FSDPTrainer(cfg, spec, 0, 1, seed=0)
 
 
-def _timed(t: FSDPTrainer, batch: TrainBatch, device: str) -> float:
-    if device == "cuda":
+def _sync() -> None:
+    if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def _timed(t: FSDPTrainer, batch: TrainBatch) -> float:
+    _sync()
     t0 = time.perf_counter()
     t.train_step(batch)
-    if device == "cuda":
-        torch.cuda.synchronize()
+    _sync()
     return time.perf_counter() - t0
 
 
 @torch.no_grad()
 def _device_batch(model: CausalLM, groups: int, group_size: int, seq: int, seed: int = 0) -> TrainBatch:
     """Like `engine_batch`, scored on the model's own device (the CPU is far too slow for ~32k
-    tokens of a 0.5B model): prompts of seq/4 and responses of seq/2 random tokens."""
+    tokens of a 0.5B model): prompts of seq/4 and responses of the rest, random tokens."""
     spec, dev = model.spec, next(model.parameters()).device
     rng = np.random.default_rng(seed)
-    p_len, r_len = seq // 4, seq // 2
+    p_len = seq // 4
+    r_len = seq - p_len
     samples = []
     for g in range(groups):
         prompt = rng.integers(0, spec.vocab_size, p_len)
         resp = rng.integers(0, spec.vocab_size, (group_size, r_len))
         ids = torch.from_numpy(np.concatenate([np.tile(prompt, (group_size, 1)), resp], axis=1)).to(dev)
-        out = model(ids, return_routed_experts=spec.is_moe)
-        lp = token_logprobs(out.logits[:, p_len - 1 : -1], ids[:, p_len:], 1.0).float().cpu()
+        pos = (torch.arange(group_size, device=dev)[:, None] * seq + torch.arange(p_len - 1, seq - 1, device=dev))
+        out = model(ids, return_routed_experts=spec.is_moe, logits_index=pos.reshape(-1),
+                    target_ids=ids[:, p_len:].reshape(-1))
+        assert out.logprobs is not None
+        lp = out.logprobs.view(group_size, r_len).float().cpu()
         for i in range(group_size):
             routes = None
             if out.routed_experts is not None:
@@ -148,56 +172,198 @@ def _device_batch(model: CausalLM, groups: int, group_size: int, seq: int, seed:
 
 
 def _compare(
-    spec: ModelSpec, device: str, args: argparse.Namespace, modes: tuple[tuple[bool, str], ...]
+    spec: ModelSpec, args: argparse.Namespace, modes: tuple[tuple[bool, str], ...]
 ) -> tuple[dict[tuple[bool, str], float], int]:
-    """Median step time per routing mode; steps alternate between modes so that load from
+    """CPU: median step time per routing mode; steps alternate between modes so that load from
     other processes affects both alike."""
-    if device == "cpu":
-        batch = engine_batch(
-            build_model(spec, seed=0),
-            groups=args.groups,
-            group_size=args.group_size,
-            prompt_len=(args.seq // 4, args.seq // 4 + 1),
-            response_len=(args.seq // 2, args.seq // 2 + 1),
-        )
-    else:
-        eng = build_model(spec, seed=0, dtype=torch.bfloat16, device=device)
-        batch = _device_batch(eng, args.groups, args.group_size, args.seq)
-        del eng
-        torch.cuda.empty_cache()
-    trainers = {m: _trainer(spec, m, device, args) for m in modes}
+    batch = engine_batch(
+        build_model(spec, seed=0),
+        groups=args.groups,
+        group_size=args.group_size,
+        prompt_len=(args.seq // 4, args.seq // 4 + 1),
+        response_len=(args.seq // 2, args.seq // 2 + 1),
+    )
+    trainers = {m: _trainer(spec, m, "cpu", args) for m in modes}
     for t in trainers.values():
         t.train_step(batch)  # warm-up
     times: dict[tuple[bool, str], list[float]] = {m: [] for m in modes}
     for _ in range(args.steps):
         for m, t in trainers.items():
-            times[m].append(_timed(t, batch, device))
+            times[m].append(_timed(t, batch))
     for t in trainers.values():
         t.close()
     return {m: statistics.median(v) for m, v in times.items()}, batch.num_tokens
 
 
+def _set_experts(t: FSDPTrainer, impl: str) -> None:
+    for m in t.policy.modules():
+        if isinstance(m, Experts):
+            m.impl = impl
+
+
+@contextlib.contextmanager
+def _unfused_head() -> Iterator[None]:
+    """The trainer's forward as before the chunked head: logits [N, V] at every position, then
+    fp32 log_softmax / entropy on the response rows (a bench-only swap of the function)."""
+    orig = fsdp_mod.packed_forward
+    fsdp_mod.packed_forward = functools.partial(orig, fused_head=False)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        fsdp_mod.packed_forward = orig  # type: ignore[assignment]
+
+
+def _steps(trainers: dict[str, FSDPTrainer], batch: TrainBatch, steps: int) -> dict[str, float]:
+    """Median step time per trainer after one warm-up step each at this batch's shapes; steps
+    alternate between trainers so that any drift affects all alike."""
+    for t in trainers.values():
+        t.train_step(batch)
+    times: dict[str, list[float]] = {k: [] for k in trainers}
+    for _ in range(steps):
+        for k, t in trainers.items():
+            times[k].append(_timed(t, batch))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _profile(t: FSDPTrainer, batch: TrainBatch, label: str) -> None:
+    """One step under the profiler: the ops with the most CUDA time (self), to see what limits."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        t.train_step(batch)
+        _sync()
+    print(f"## profile: {label} (one step, top ops by self CUDA time)")
+    avg = prof.key_averages()
+    try:
+        print(avg.table(sort_by="self_device_time_total", row_limit=22, max_name_column_width=60))
+    except (AttributeError, KeyError, ValueError):
+        print(avg.table(sort_by="self_cuda_time_total", row_limit=22, max_name_column_width=60))
+
+
+def _checks(result: dict[str, float], dev: str, small: bool) -> None:
+    """On this GPU, in bf16: the grouped-GEMM experts against the per-expert loop (forward and
+    gradients) and the chunked head against the unfused logprobs, as relative max errors."""
+    g = torch.Generator().manual_seed(0)
+    e, h, i, n, k = (8, 64, 32, 128, 2) if small else (32, 1024, 512, 4096, 4)
+    ex = Experts(e, h, i).to(dev)
+    with torch.no_grad():
+        ex.gate_up_proj.normal_(0, 0.02)
+        ex.down_proj.normal_(0, 0.02)
+    ex = ex.to(torch.bfloat16)
+    ids = torch.randint(0, e, (n, k), generator=g).to(dev)
+    x0 = torch.randn(n, h, generator=g).to(dev, torch.bfloat16)
+    w0 = torch.rand(n, k, generator=g).to(dev, torch.bfloat16)
+    got = {}
+    for impl in ("loop", "grouped_mm"):
+        ex.impl = impl
+        ex.zero_grad()
+        x = x0.clone().requires_grad_(True)
+        y = ex(x, ids, w0)
+        (y.float() * torch.linspace(-1, 1, y.numel(), device=dev).view_as(y)).sum().backward()
+        got[impl] = (y.detach().float(), x.grad.float(), ex.gate_up_proj.grad.float(), ex.down_proj.grad.float())
+    for name, a, b in zip(("out", "grad_x", "grad_gate_up", "grad_down"), got["grouped_mm"], got["loop"], strict=True):
+        result[f"check_grouped_mm_vs_loop_{name}_rel"] = float((a - b).abs().max() / b.abs().max())
+    m, hd, v = (64, 32, 1000) if small else (2048, 896, 151936)
+    hid = (torch.randn(m, hd, generator=g) * 2).to(dev, torch.bfloat16)
+    wt = (torch.randn(v, hd, generator=g) * 0.05).to(dev, torch.bfloat16)
+    tgt = torch.randint(0, v, (m,), generator=g).to(dev)
+    fused, ent = chunked_head_logprobs(hid, wt, tgt, 1.0, entropy=True)
+    logits = hid @ wt.t()
+    ref = token_logprobs(logits, tgt, 1.0)
+    lse_ent = -(torch.log_softmax(logits.float(), -1).exp() * torch.log_softmax(logits.float(), -1)).sum(-1)
+    assert ent is not None
+    result["check_chunked_head_logp_maxabs"] = float((fused - ref).abs().max())
+    result["check_chunked_head_entropy_maxabs"] = float((ent - lse_ent).abs().max())
+    print("checks: " + ", ".join(f"{kk}={vv:.2e}" for kk, vv in result.items() if kk.startswith("check_")))
+
+
+def _cuda_model(name: str, spec: ModelSpec, args: argparse.Namespace, peak: float,
+                result: dict[str, float], rows: list[tuple]) -> None:
+    dev = "cpu" if args.smoke else "cuda"
+    eng = build_model(spec, seed=0, dtype=torch.bfloat16, device=dev)
+    batches = {}
+    for seq in args.seqs:
+        groups = max(1, args.step_tokens // (args.group_size * seq))
+        batches[seq] = _device_batch(eng, groups, args.group_size, seq)
+    del eng
+    _empty_cache()
+    modes = {"live": False, "r3": True} if spec.is_moe else {"live": False}
+    trainers = {tag: _trainer(spec, (replay, "auto"), dev, args) for tag, replay in modes.items()}
+
+    def record(tag: str, seq: int, dt: float, n: int) -> None:
+        mfu = n * _flops_per_token_std(spec, seq) / dt / (peak * 1e12)
+        key = f"{name}_s{seq}_{tag}"
+        rows.append((name, f"s{seq} {tag}", n / dt, dt, mfu))
+        result[f"{key}_tokens_per_s"] = n / dt
+        result[f"{key}_mfu"] = mfu
+
+    for seq, batch in batches.items():
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        times = _steps(trainers, batch, args.steps)
+        if torch.cuda.is_available():
+            result[f"{name}_s{seq}_peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        for tag, dt in times.items():
+            record(tag, seq, dt, batch.num_tokens)
+        if "r3" in times:
+            result[f"{name}_s{seq}_r3_overhead"] = times["r3"] / times["live"] - 1.0
+    first = args.seqs[0]
+    if args.baseline:
+        live = {"live": trainers["live"]}
+        if spec.is_moe:
+            _set_experts(trainers["live"], "loop")
+            record("live_loop_experts", first, _steps(live, batches[first], args.steps)["live"],
+                   batches[first].num_tokens)
+            _set_experts(trainers["live"], "auto")
+        else:
+            with _unfused_head():
+                record("live_unfused_head", first, _steps(live, batches[first], args.steps)["live"],
+                       batches[first].num_tokens)
+    if args.profile:
+        last = args.seqs[-1]
+        _profile(trainers["r3" if spec.is_moe else "live"], batches[last], f"{name} s{last}")
+    for t in trainers.values():
+        t.close()
+    del trainers
+    _empty_cache()
+
+
+def _empty_cache() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--steps", type=int, default=None, help="timed steps per mode (cpu 8, cuda 4)")
-    ap.add_argument("--groups", type=int, default=None, help="cpu 4, cuda 8")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per mode (cpu 8, cuda 3)")
+    ap.add_argument("--groups", type=int, default=4, help="cpu: groups per batch")
     ap.add_argument("--group-size", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (cpu 64, cuda 1024)")
-    ap.add_argument("--micro-tokens", type=int, default=None, help="cpu 512, cuda 4096")
+    ap.add_argument("--seq", type=int, default=64, help="cpu: tokens per sequence")
+    ap.add_argument("--seqs", default="1024,2048,4096", help="cuda: tokens per sequence, one run each")
+    ap.add_argument("--step-tokens", type=int, default=32768, help="cuda: tokens per optimizer step")
+    ap.add_argument("--micro-tokens", type=int, default=None, help="cpu 512, cuda 16384")
+    ap.add_argument("--models", default=",".join(CUDA_MODELS), help="cuda: which models")
+    ap.add_argument("--baseline", action="store_true", help="cuda: also the unfused head / expert loop")
+    ap.add_argument("--profile", action="store_true", help="cuda: a CUDA-time table of one step per model")
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="0 = measure a bf16 GEMM")
+    ap.add_argument("--smoke", action="store_true",
+                    help="run the --device cuda flow on the CPU with tiny models (a test of the script)")
     args = ap.parse_args()
+    if args.smoke:
+        args.device, args.peak_tflops = "cuda", args.peak_tflops or 1.0
     gpu = args.device == "cuda"
-    args.steps = args.steps or (4 if gpu else 8)
-    args.groups = args.groups or (8 if gpu else 4)
-    args.seq = args.seq or (1024 if gpu else 64)
-    args.micro_tokens = args.micro_tokens or (4096 if gpu else 512)
+    args.steps = args.steps or (3 if gpu else 8)
+    args.micro_tokens = args.micro_tokens or (16384 if gpu else 512)
+    args.seqs = [int(x) for x in args.seqs.split(",")]
     result: dict[str, float] = {}
-    rows = []
+    rows: list[tuple] = []
     if args.device == "cpu":
         torch.set_num_threads(max(1, torch.get_num_threads()))
         spec = _spec("qwen3_moe", vocab_size=512, hidden_size=128, num_hidden_layers=2)
-        times, n = _compare(spec, "cpu", args, ((False, "auto"), (True, "auto")))
+        times, n = _compare(spec, args, ((False, "auto"), (True, "auto")))
         live, r3 = times[(False, "auto")], times[(True, "auto")]
         rows.append(("cpu tiny-moe", "live", n / live, live))
         rows.append(("cpu tiny-moe", "R3", n / r3, r3))
@@ -208,25 +374,14 @@ def main() -> None:
         peak = args.peak_tflops or measured_peak_tflops()
         result["peak_tflops_measured_gemm"] = peak
         print(f"peak: {peak:.0f} TFLOP/s (bf16 8192^3 GEMM{', given' if args.peak_tflops else ', measured'})")
-        for name, kw in CUDA_MODELS.items():
-            kw = dict(kw)
-            spec = _spec(str(kw.pop("arch")), **kw)
-            modes = (((False, "masked"), (False, "varlen"), (True, "varlen")) if spec.is_moe
-                     else ((False, "masked"), (False, "varlen")))
-            times, n = _compare(spec, "cuda", args, modes)
-            seq = args.seq * 3 // 4  # prompt seq/4 + response seq/2
-            for mode in modes:
-                dt = times[mode]
-                tag = f"{'r3' if mode[0] else 'live'}_{mode[1]}"
-                rows.append((name, tag, n / dt, dt, n * _flops_per_token_std(spec, seq) / dt / (peak * 1e12)))
-                result[f"{name}_{tag}_tokens_per_s"] = n / dt
-                result[f"{name}_{tag}_mfu"] = n * _flops_per_token_std(spec, seq) / dt / (peak * 1e12)
-                result[f"{name}_{tag}_mfu_old"] = n * _flops_per_token(spec) / dt / (780.0 * 1e12)
-            if (True, "varlen") in times:
-                result[f"{name}_r3_overhead"] = times[(True, "varlen")] / times[(False, "varlen")] - 1.0
-    print(f"{'model':<16}{'mode':<16}{'tokens/s':>12}{'step s':>10}{'MFU':>8}")
+        _checks(result, "cpu" if args.smoke else "cuda", small=args.smoke)
+        models = SMOKE_MODELS if args.smoke else CUDA_MODELS
+        for name in args.models.split(","):
+            kw = dict(models[name])
+            _cuda_model(name, _spec(str(kw.pop("arch")), **kw), args, peak, result, rows)
+    print(f"{'model':<16}{'mode':<26}{'tokens/s':>12}{'step s':>10}{'MFU':>8}")
     for name, mode, tps, dt, *mfu in rows:
-        print(f"{name:<16}{mode:<16}{tps:>12.1f}{dt:>10.3f}" + (f"{mfu[0]:>8.3f}" if mfu else ""))
+        print(f"{name:<16}{mode:<26}{tps:>12.1f}{dt:>10.3f}" + (f"{mfu[0]:>8.3f}" if mfu else ""))
     print(json.dumps(result))
 
 

@@ -44,6 +44,8 @@ def grouped_mm_supported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Ten
         and x.dtype == gate_up.dtype == down.dtype == torch.bfloat16
         and x.shape[-1] % ALIGN == 0
         and down.shape[-1] % ALIGN == 0
+        and gate_up.data_ptr() % 16 == 0  # base addresses too (views into a flat buffer may not be)
+        and down.data_ptr() % 16 == 0
     )
 
 
