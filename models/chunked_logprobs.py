@@ -46,10 +46,10 @@ class _ChunkedHead(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-        temperature: float, entropy: bool,
+        temperature: float, entropy: bool, grad: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         m, v = hidden.shape[0], weight.shape[0]
-        save = m * v * hidden.element_size() <= SAVE_LOGITS_BYTES
+        save = grad and m * v * hidden.element_size() <= SAVE_LOGITS_BYTES
         logp = torch.empty(m, dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(logp)
         ent = torch.empty_like(logp) if entropy else logp.new_empty(0)
@@ -92,7 +92,7 @@ class _ChunkedHead(torch.autograd.Function):
             else:
                 grad_w += (gl.t() @ hidden[a:b]).float()
         ctx.kept = []
-        return grad_h, grad_w.to(weight.dtype), None, None, None
+        return grad_h, grad_w.to(weight.dtype), None, None, None, None
 
 
 def chunked_head_logprobs(
@@ -106,5 +106,6 @@ def chunked_head_logprobs(
     (logprobs [M] fp32, entropy [M] fp32 or None) under softmax(hidden @ weight.T / temperature).
     """
     t = float(temperature) if temperature > 0 else 1.0
-    logp, ent = _ChunkedHead.apply(hidden, weight, targets.long(), t, entropy)
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    logp, ent = _ChunkedHead.apply(hidden, weight, targets.long(), t, entropy, grad)
     return logp, (ent if entropy else None)
