@@ -131,22 +131,28 @@ def cuda_linear(x2: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias
             _refuse(kind, f"{type(exc).__name__}: {exc}")
             continue
         key = (kind, codes.shape[0], codes.shape[1])
-        if key not in _validated and not torch.cuda.is_current_stream_capturing():
+        if key not in _validated and not (x2.is_cuda and torch.cuda.is_current_stream_capturing()):
             err = rel_error(y, x2, codes, scale, bias)
-            if not err <= _TOLERANCE[kind]:  # NaN refused too
-                _refuse(kind, f"result differs from the dequantized weights' by {err:.3g} (relative)")
-                continue
-            _validated.add(key)
+            if err is not None:
+                if not err <= _TOLERANCE[kind]:  # NaN refused too
+                    _refuse(kind, f"result differs from the dequantized weights' by {err:.3g} (relative)")
+                    continue
+                _validated.add(key)
         return y
     return None
 
 
 def rel_error(y: torch.Tensor, x2: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-              bias: torch.Tensor | None) -> float:
-    """|y - x @ Ŵ.T| / |x @ Ŵ.T| (Frobenius, fp32 reference)."""
+              bias: torch.Tensor | None) -> float | None:
+    """|y - x @ Ŵ.T| / |x @ Ŵ.T| (Frobenius, fp32 reference) over the rows whose reference is
+    finite and not all zero (a warm-up's padding rows may be anything); None without such rows."""
     ref = F.linear(x2.float(), dequantize_blockwise(codes, scale, (GEMM_BLOCK, GEMM_BLOCK), torch.float32),
                    None if bias is None else bias.float())
-    return float((y.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+    rows = torch.isfinite(ref).all(-1) & (ref != 0).any(-1)
+    if not bool(rows.any()):
+        return None
+    ref = ref[rows]
+    return float((y.float()[rows] - ref).norm() / ref.norm())
 
 
 def _refuse(kind: str, why: str) -> None:

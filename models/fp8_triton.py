@@ -127,7 +127,15 @@ def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: 
         if torch.cuda.is_current_stream_capturing():
             cfg = _default(m, n)
         else:
-            timed = {c: _time(lambda c=c: _launch(x, codes, scale, bias, y, quant_x, c)) for c in _candidates(m)}
+            timed: dict[Config, float] = {}
+            errors: list[str] = []
+            for c in _candidates(m):
+                try:
+                    timed[c] = _time(lambda c=c: _launch(x, codes, scale, bias, y, quant_x, c))
+                except Exception as exc:  # noqa: BLE001 - e.g. a tile too large for shared memory: skip it
+                    errors.append(f"{c}: {type(exc).__name__}: {exc}")
+            if not timed:
+                raise RuntimeError("no tile configuration of the FP8 Triton kernel ran: " + "; ".join(errors))
             cfg = _chosen[key] = min(timed, key=timed.__getitem__)
     _launch(x, codes, scale, bias, y, quant_x, cfg)
     return y

@@ -232,6 +232,32 @@ def test_scale_layouts_cublas_takes(m: int) -> None:
         assert torch.equal(w4[:kb].t(), ws) and not w4[kb:].any()
 
 
+def test_a_kernel_that_fails_or_computes_wrong_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from miles.models import fp8_gemm
+    from miles.models.fp8_layout import Fp8Plan, quantize_rows
+
+    codes, scale = quantize_rows(torch.randn(256, 512, generator=torch.Generator().manual_seed(3)) * 0.02,
+                                 Fp8Plan((128, 128), (256,)))
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(4)).bfloat16()
+    monkeypatch.setattr(fp8_gemm, "broken", {})
+    monkeypatch.setattr(fp8_gemm, "_validated", set())
+    monkeypatch.setattr(fp8_gemm, "_has_triton", [True])
+
+    def faulty(kind: str, x2: torch.Tensor, *_: torch.Tensor | None) -> torch.Tensor:
+        """Injected kernels: one raises, one is 20% off (a layout bug, not FP8 rounding), one is right."""
+        if kind == "triton_a8":
+            raise RuntimeError("no kernel image for this device")
+        y = F.linear(x2.float(), dequantize_blockwise(codes, scale))
+        return (y * 1.2 if kind == "cublas_a8" else y).bfloat16()
+
+    monkeypatch.setattr(fp8_gemm, "run", faulty)
+    assert fp8_gemm.cuda_linear(x, codes, scale, None, act_fp8=True) is None  # both refused: dequantized path
+    assert set(fp8_gemm.broken) == {"triton_a8", "cublas_a8"}
+    assert "RuntimeError" in fp8_gemm.broken["triton_a8"] and "relative" in fp8_gemm.broken["cublas_a8"]
+    y = fp8_gemm.cuda_linear(x, codes, scale, None, act_fp8=False)  # a correct kernel is checked once, kept
+    assert y is not None and ("triton_a16", 256, 512) in fp8_gemm._validated and "triton_a16" not in fp8_gemm.broken
+
+
 def _fp8_linear(n: int, k: int, rows: tuple[int, ...], seed: int = 0):  # type: ignore[no-untyped-def]
     from torch import nn
 
