@@ -1,10 +1,12 @@
 """Benchmark: generation throughput of the torch engine vs transformers `generate`, same model and batch.
 
-Cases (`--cases`; every case decodes greedily exactly `new` tokens per request, no early stop):
+Cases (`--cases`; every case generates exactly `new` tokens per request, no early stop, greedy
+unless said):
 
   cuda  b32 / b128   32 or 128 prompts of 128 tokens, 128 new (decode-heavy)
         group8x8     8 prompts x 8 samples (a GRPO group each), 1024-token prompts, 64 new
         b256         256 prompts of 128 tokens, 512 new
+        group8x8_t1  group8x8 sampled at temperature 1, seeded per request (as RL samples)
   cpu   b8           8 prompts of 32 tokens, 64 new (the CPU bench of earlier runs)
         group2x4     2 prompts x 4 samples, 256-token prompts, 16 new
 
@@ -73,6 +75,7 @@ class Case:
     samples: int  # requests per prompt (a GRPO group's n)
     prompt: int  # tokens per prompt
     new: int  # tokens generated per request
+    temperature: float = 0.0  # 0 = greedy; > 0: seeded per request (seed = row index), as in RL
 
     @property
     def batch(self) -> int:
@@ -86,6 +89,7 @@ CASES: dict[str, dict[str, Case]] = {
         "b128": Case(128, 1, 128, 128),
         "group8x8": Case(8, 8, 1024, 64),
         "b256": Case(256, 1, 128, 512),
+        "group8x8_t1": Case(8, 8, 1024, 64, temperature=1.0),
     },
 }
 
@@ -138,11 +142,12 @@ class EngineRun:
         self.engine = TorchEngine(model, cfg)
         self.loop = asyncio.new_event_loop()
         self.ids = [p.tolist() for p in prompts]
-        self.sp = SamplingParams(temperature=0.0, max_new_tokens=case.new)
+        self.sps = [SamplingParams(temperature=case.temperature, max_new_tokens=case.new, seed=i)
+                    for i in range(case.batch)]
 
     async def _all(self) -> None:
-        await asyncio.gather(*(self.engine.generate(GenerateRequest(input_ids=p, sampling=self.sp))
-                               for p in self.ids))
+        await asyncio.gather(*(self.engine.generate(GenerateRequest(input_ids=p, sampling=sp))
+                               for p, sp in zip(self.ids, self.sps, strict=True)))
 
     def __call__(self) -> None:
         self.loop.run_until_complete(self._all())
@@ -152,31 +157,35 @@ class EngineRun:
         self.loop.close()
 
 
-def hf_runner(hf: Any, prompts: torch.Tensor, new: int, static: bool) -> Any:
+def hf_runner(hf: Any, prompts: torch.Tensor, case: Case, static: bool) -> Any:
     ids = prompts.to(hf.device)
     mask = torch.ones_like(ids)  # every prompt token is real (0 is a token id here, not padding)
-    extra = {"cache_implementation": "static"} if static else {}
+    extra: dict[str, Any] = {"cache_implementation": "static"} if static else {}
+    if case.temperature > 0:
+        extra.update(do_sample=True, temperature=case.temperature, top_k=0, top_p=1.0)
+    else:
+        extra.update(do_sample=False)
 
     def run() -> None:
         with torch.no_grad():
-            hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+            hf.generate(ids, attention_mask=mask, max_new_tokens=case.new, min_new_tokens=case.new,
                         pad_token_id=0, eos_token_id=None, **extra)
 
     return run
 
 
-def hf_baseline(hf: Any, prompts: torch.Tensor, new: int, gpu: bool) -> Any | None:
+def hf_baseline(hf: Any, prompts: torch.Tensor, case: Case, gpu: bool) -> Any | None:
     """The HF run for one case, run once (on cuda: compiled for this batch from scratch, as a
     user running one shape would); None, after saying why, when it cannot run here."""
     if gpu:
         torch._dynamo.reset()  # a fresh static compile per case, not a dynamic-shape recompile
-    run = hf_runner(hf, prompts, new, static=gpu)
+    run = hf_runner(hf, prompts, case, static=gpu)
     try:
         t = timed(run)
     except Exception as exc:  # noqa: BLE001 - the baseline failing must not lose the engine's numbers
         print(f"# hf baseline failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
         return None
-    print(f"# hf first run (compile included on cuda): {t:.1f} s", flush=True)
+    print(f"# hf first run (on cuda: compile included): {t:.1f} s", flush=True)
     return run
 
 
@@ -197,7 +206,7 @@ def bench_model(kind: str, args: argparse.Namespace, out: dict[str, Any]) -> Non
         if case.samples > 1 and not args.no_unshared:
             runs["engine_unshared"] = EngineRun(model, args.device, case, prompts, share=False)
         if hf is not None and (args.hf_all or f"{kind}:{name}" in args.hf):
-            runs["hf"] = hf_baseline(hf, prompts, case.new, gpu)
+            runs["hf"] = hf_baseline(hf, prompts, case, gpu)
             if runs["hf"] is None:
                 del runs["hf"]
         times = rounds(args.repeats, list(runs.values()), args.budget_s)
