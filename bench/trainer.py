@@ -9,8 +9,11 @@ for every sequence length in `--seqs` (default 1024,2048,4096). MoE runs with li
 and with R3 replay (the same batch; R3 overhead = step-time ratio - 1). Packed attention is
 the trainer's default ("auto": varlen at these pack sizes). The head is the chunked fused
 one and MoE experts the grouped GEMM (models/chunked_logprobs.py, models/grouped_moe.py);
-`--baseline` adds, at the first length, the unfused head (dense) and the per-expert loop
-(MoE) for comparison, `--profile` a CUDA-time table of one step per model.
+Attention over a pack is one flash varlen call (models/flash_varlen.py) when torch has it and
+it agrees with the per-sequence loop on this GPU (checked first; else the loop).
+`--baseline` adds, at the first length, the unfused head and the per-sequence attention loop
+(dense) and the per-expert loop (MoE) for comparison, `--profile` a CUDA-time table of one
+step per model.
 MFU, counted the standard way: 6 x non-embedding active parameters per token (the LM head
 GEMM included, the embedding lookup not) plus causal attention (12 x layers x heads x
 head_dim x mean context), over the peak measured by a bf16
@@ -33,6 +36,7 @@ import numpy as np
 import torch
 
 from miles.core.schema.trainer import TrainerConfig
+from miles.models import flash_varlen
 from miles.models.chunked_logprobs import chunked_head_logprobs
 from miles.models.config import ModelSpec
 from miles.models.decoder import CausalLM
@@ -40,6 +44,7 @@ from miles.models.logprobs import token_logprobs
 from miles.models.moe import Experts, compact_expert_ids
 from miles.models.presets import tiny_config
 from miles.models.registry import build_model
+from miles.models.varlen import PackedSeqs, packed_causal_attention
 from miles.trainer import fsdp as fsdp_mod
 from miles.trainer.batch import TrainBatch, TrainSample
 from miles.trainer.fsdp import FSDPTrainer
@@ -276,7 +281,36 @@ def _checks(result: dict[str, float], dev: str, small: bool) -> None:
     assert ent is not None
     result["check_chunked_head_logp_maxabs"] = float((fused - ref).abs().max())
     result["check_chunked_head_entropy_maxabs"] = float((ent - lse_ent).abs().max())
+    if dev == "cuda":
+        _check_flash_varlen(result, g)
     print("checks: " + ", ".join(f"{kk}={vv:.2e}" for kk, vv in result.items() if kk.startswith("check_")))
+
+
+def _check_flash_varlen(result: dict[str, float], g: torch.Generator) -> None:
+    """The one-call flash varlen attention against the per-sequence loop (forward, grads). If
+    it is unavailable, raises, or disagrees, the runs below use the loop (and say so)."""
+    lens = [1000, 24, 2048, 1024]
+    t, seqs = sum(lens), PackedSeqs.of(torch.tensor([0, *np.cumsum(lens).tolist()]))
+    q0 = torch.randn(1, 14, t, 64, generator=g).to("cuda", torch.bfloat16)
+    k0 = torch.randn(1, 2, t, 64, generator=g).to("cuda", torch.bfloat16)
+    v0 = torch.randn(1, 2, t, 64, generator=g).to("cuda", torch.bfloat16)
+    ok = False
+    try:
+        used = flash_varlen.flash_packed_attention(q0, k0, v0, seqs.bounds, 0.125) is not None
+        got = {}
+        for on in (True, False):
+            flash_varlen.ENABLED = on
+            q, k, v = (x.clone().requires_grad_(True) for x in (q0, k0, v0))
+            out = packed_causal_attention(q, k, v, seqs, 0.125)
+            (out.float() * torch.linspace(-1, 1, out.numel(), device="cuda").view_as(out)).sum().backward()
+            got[on] = [out.detach().float(), q.grad.float(), k.grad.float(), v.grad.float()]
+        errs = [float((a - b).abs().max() / b.abs().max()) for a, b in zip(got[True], got[False], strict=True)]
+        result["check_flash_varlen_vs_loop_rel"] = max(errs)
+        ok = used and max(errs) < 2e-2
+    except Exception as exc:  # noqa: BLE001 - any failure of the optional kernel means: use the loop
+        print(f"flash varlen attention failed, using the per-sequence loop: {exc!r}")
+    flash_varlen.ENABLED = ok
+    result["flash_varlen_used"] = float(ok)
 
 
 def _cuda_model(name: str, spec: ModelSpec, args: argparse.Namespace, peak: float,
@@ -321,6 +355,11 @@ def _cuda_model(name: str, spec: ModelSpec, args: argparse.Namespace, peak: floa
             with _unfused_head():
                 record("live_unfused_head", first, _steps(live, batches[first], args.steps)["live"],
                        batches[first].num_tokens)
+            if flash_varlen.ENABLED:
+                flash_varlen.ENABLED = False
+                record("live_loop_attention", first, _steps(live, batches[first], args.steps)["live"],
+                       batches[first].num_tokens)
+                flash_varlen.ENABLED = True
     if args.profile:
         last = args.seqs[-1]
         _profile(trainers["r3" if spec.is_moe else "live"], batches[last], f"{name} s{last}")

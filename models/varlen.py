@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from miles.models.flash_varlen import flash_packed_attention
+
 
 @dataclass(frozen=True)
 class PackedSeqs:
@@ -32,7 +34,11 @@ class PackedSeqs:
 
 def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: PackedSeqs,
                             scale: float) -> torch.Tensor:
-    """q [1, heads, T, d], k and v [1, kv_heads, T, d] -> [1, heads, T, d], causal within each sequence."""
+    """q [1, heads, T, d], k and v [1, kv_heads, T, d] -> [1, heads, T, d], causal within each sequence.
+    On CUDA one flash varlen call over the row where torch has it (models/flash_varlen.py)."""
+    fused = flash_packed_attention(q, k, v, seqs.bounds, scale)
+    if fused is not None:
+        return fused
     gqa = q.shape[1] != k.shape[1]
     outs = [F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True,
                                            scale=scale, enable_gqa=gqa) for a, b in seqs.bounds]
