@@ -299,6 +299,9 @@ class RolloutActor(Actor):
 
     @handler(PullBatch, concurrency=16)
     async def pull_batch(self, msg: PullBatch) -> dict[str, Any]:
+        # The trainer pulls a version's batch only after announcing that version (SetVersion, a
+        # tell): take the version from here too, so a lost announcement cannot stall sync mode.
+        self.set_version(SetVersion(msg.trainer_version))
         async with self._pull_lock:
             if msg.step not in self._batches:
                 self._batches = {msg.step: await self._collect_batch(msg)}  # same batch for every rank
