@@ -33,6 +33,9 @@ for s in $SUITE; do
     mla) step mla_decode_h200 150 python bench/mla_decode.py --device cuda --layers 4 --batch 32 --prompt 512 \
            --new 128 ;;
     models) step models_gpu_tests_h200 200 "${PYTEST[@]}" tests/models ;;
+    tonp) step true_on_policy_gpu_tests_h200 240 "${PYTEST[@]}" tests/models/test_models_invariant_triton.py \
+            tests/recipes/test_recipes_true_on_policy.py tests/models/test_models_deepseek_v3_glm4_moe.py
+          step true_on_policy_h200 240 python bench/true_on_policy.py --device cuda --archs qwen3,qwen3_moe ;;
     *) echo "unknown suite step $s" >&2 ;;
   esac
 done
