@@ -5,7 +5,7 @@ Kernels (`KINDS`), for `y = x @ Ŵ.T`, `Ŵ` the contract's weights (128x128 bloc
 - `triton_a8`: activations quantized per token and 128 columns inside the GEMM, FP8 tensor
   cores (models/fp8_triton.py); one kernel per projection.
 - `cublas_a8`: the same math through `F.scaled_mm` (cuBLAS blockwise 1x128 x 128x128 scaling),
-  activations quantized by a separate (torch.compile'd) kernel: the fallback of `triton_a8`.
+  activations quantized by a separate kernel first: the fallback of `triton_a8`.
 - `triton_a16`: `Ŵ` rebuilt in registers in the activation dtype, bf16/fp16 tensor cores:
   the trainer's weight values exactly (activations not rounded), half the weight bytes.
 
@@ -92,6 +92,17 @@ def _act_quant(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _compiled[0](x2)
 
 
+def cublas_act_quant(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activation codes and `outer_major` scales for `blockwise_mm`: one Triton kernel where
+    triton exists (scales written in that layout), else compiled torch ops and a re-layout."""
+    if x2.is_cuda and has_triton():
+        from miles.models.fp8_triton import quantize_activations as triton_quant
+
+        return triton_quant(x2)
+    xq, xs = _act_quant(x2)
+    return xq, outer_major(xs)
+
+
 def blockwise_mm(xq: torch.Tensor, xs: torch.Tensor, codes: torch.Tensor, ws: torch.Tensor,
                  dtype: torch.dtype) -> torch.Tensor:
     """xq [M, K] fp8 (scales xs `outer_major`) @ codes [N, K].T (scales ws `cublas_weight_scales`)."""
@@ -103,8 +114,8 @@ def run(kind: str, x2: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
         bias: torch.Tensor | None) -> torch.Tensor:
     """One kernel, no fallback: x2 [M, K] (bf16/fp16) -> [M, N]."""
     if kind == "cublas_a8":
-        xq, xs = _act_quant(x2)
-        out = blockwise_mm(xq, outer_major(xs), codes, cublas_weight_scales(scale), x2.dtype)
+        xq, xs = cublas_act_quant(x2)
+        out = blockwise_mm(xq, xs, codes, cublas_weight_scales(scale), x2.dtype)
         return out + bias if bias is not None else out
     if kind in ("triton_a8", "triton_a16"):
         from miles.models.fp8_triton import fp8_linear

@@ -8,7 +8,7 @@
    size (decode batch 256 is the goal's; smaller ones are memory-bound context), timed inside a
    CUDA graph (as the engine replays decode steps), medians of `--repeats` replays, us per call:
    bf16 `F.linear`; the Triton kernels `triton_a8` (activation quantization fused, FP8 tensor
-   cores) and `triton_a16` (Ŵ rebuilt in registers, bf16 tensor cores); `cublas_a8` (compiled
+   cores) and `triton_a16` (Ŵ rebuilt in registers, bf16 tensor cores); `cublas_a8` (a one-kernel
    activation quantization + `F.scaled_mm` blockwise) with its two parts alone (`quant`, `mm`);
    `dequant` (Ŵ materialised + `F.linear`). Goal: FP8 >= 1.5x bf16 at batch 256. On the CPU only
    the dequantized path runs (correctness, no speed claim).
@@ -205,7 +205,7 @@ def gemm(device: str, batches: list[int], reps: int, layers: list[str]) -> list[
                 if cuda and fp8_gemm.usable("cublas_a8"):  # its two halves alone
                     xq, xs = fp8_gemm.quantize_activations(x)
                     xs, ws = fp8_gemm.outer_major(xs), fp8_gemm.cublas_weight_scales(scale)
-                    row["quant_us"] = _time_graph(lambda x=x: fp8_gemm._act_quant(x), device, reps) * 1e6
+                    row["quant_us"] = _time_graph(lambda x=x: fp8_gemm.cublas_act_quant(x), device, reps) * 1e6
                     row["mm_us"] = _time_graph(
                         lambda xq=xq, xs=xs, ws=ws, c=codes: fp8_gemm.blockwise_mm(xq, xs, c, ws, dt), device, reps) * 1e6
                 rows.append(row)

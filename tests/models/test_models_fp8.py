@@ -281,7 +281,9 @@ def test_cuda_fp8_gemm_kernels_match_the_contract(kind: str) -> None:
 
     lin, plan = _fp8_linear(3072, 1024, (2048, 512, 512))
     g = torch.Generator().manual_seed(1)
-    for m in (1, 7, 256):  # decode batch 1 is where cuBLAS's scale strides broke
+    # decode batch 1 is where cuBLAS's scale strides broke; the engine's decode buckets are powers of two,
+    # the Triton kernels mask any M
+    for m in (1, 8, 256) + ((7, 300) if kind.startswith("triton") else ()):
         x = torch.randn(m, 1024, generator=g).to("cuda", torch.bfloat16)
         y = run(kind, x, lin.weight, lin.weight_scale_inv, None)
         w_hat = dequantize_blockwise(lin.weight, lin.weight_scale_inv, (128, 128), torch.float32)
