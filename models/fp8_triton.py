@@ -119,6 +119,8 @@ def _candidates(m: int, quant_x: bool) -> list[Config]:
     tiles = [(bm, 32, 4, 4), (bm, 64, 4, 4), (bm, 128, 4, 3)]
     if m >= 128:
         tiles.append((128, 128, 8, 3))
+    elif bm < 64:  # in case the small-M tiles (no wgmma at M < 64) do not build on this GPU
+        tiles.append((64, 64, 4, 4))
     return [(*t, pre) for pre in ((False, True) if quant_x else (False,)) for t in tiles]
 
 
