@@ -15,7 +15,7 @@
 3. End to end: engine decode tokens/s, bf16 vs `model.fp8` with `engine.fp8_gemm` true
    (triton_a8) and false (triton_a16); same model and prompts, greedy, rounds interleaved.
 4. Sync bytes per version vs bf16, whole model and the quantized tensors alone, for the bench
-   model and Qwen3-1.7B/8B shapes (goal <= 0.55x; the bf16 embeddings / LM head raise it).
+   model and Qwen3-1.7B/8B/32B shapes (goal <= 0.55x; the bf16 embeddings / LM head raise it).
 
 The train/rollout logprob gap is bench/gpu/fp8_logprob_gap.py.
 Last line: one JSON object. `--out FILE` also writes it there.
@@ -58,11 +58,13 @@ LAYERS = {  # Qwen3-0.6B-, 1.7B- and 8B-shaped decoder layers: hidden, heads, kv
     "h2048": (2048, 16, 8, 128, 6144),
     "h4096": (4096, 32, 8, 128, 12288),
 }
-REAL = {  # for sync bytes: Qwen3-1.7B and Qwen3-8B shapes (vocab 151936)
+REAL = {  # for sync bytes: Qwen3-1.7B, 8B and 32B shapes (vocab 151936)
     "qwen3_1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
     "qwen3_8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+    "qwen3_32b": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+                      num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
 }
 
 
