@@ -40,10 +40,9 @@ class Stepper:
         # true on-policy: logits independent of the batch, equal to the trainer's per-sequence forward
         self.batch_invariant = batch_invariant
         # the batch-invariant mode is a Python-level op override. Captured, it records the Triton
-        # kernels it dispatches to (models/invariant_triton.py); the MoE invariant dispatch reads
-        # expert counts on the host and cannot be captured, nor can the CPU-side tiled fallback.
-        use_graphs = cuda_graphs and device.type == "cuda" and (
-            not batch_invariant or (triton_kernels() is not None and not model.spec.is_moe))
+        # kernels it dispatches to (models/invariant_triton.py, no host syncs); an expert kind
+        # without an invariant kernel fails its capture, and decode stays eager (DecodeGraphs.failed).
+        use_graphs = cuda_graphs and device.type == "cuda" and (not batch_invariant or triton_kernels() is not None)
         self.graphs = DecodeGraphs(model, pool) if use_graphs else None
 
     @torch.inference_mode()

@@ -220,3 +220,102 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_
         raise ValueError(f"invariant_attention: {k.shape[1]} key heads do not divide {h} query heads")
     bias = _as_bias(attn_mask, b, h, t, k.shape[2])
     return _InvariantAttention.apply(q, k, v, bias, bool(is_causal), d**-0.5 if scale is None else float(scale))
+
+
+@triton.jit(do_not_specialize=["R"])
+def _grouped_kernel(x_ptr, w_ptr, o_ptr, tile_e_ptr, tile_r0_ptr, off_ptr, R, E, N, K,
+                    sxm, sxk, swe, swn, swk, som, son,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+    pid_t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(tile_e_ptr + pid_t)
+    live = e < E
+    e = tl.minimum(e, E - 1)
+    r0 = tl.load(tile_r0_ptr + pid_t)
+    r_end = tl.where(live, tl.load(off_ptr + e + 1), r0)  # a tile past the last expert does nothing
+    rm = r0 + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    rows = rm[:, None] < r_end
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + rk
+        a = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :] * sxk, mask=rows & (kk[None, :] < K), other=0.0)
+        b = tl.load(w_ptr + e * swe + rn[None, :] * swn + kk[:, None] * swk,
+                    mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+        if IEEE:
+            acc += tl.dot(a, b, input_precision="ieee")
+        else:
+            acc += tl.dot(a, b)
+    tl.store(o_ptr + rm[:, None] * som + rn[None, :] * son, acc.to(o_ptr.dtype.element_ty),
+             mask=rows & (rn[None, :] < N))
+
+
+def _tiles(counts: torch.Tensor, offsets: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each BM-row tile's expert and first row, on the device (no host sync, so decode graphs
+    capture it). The grid is the static bound ceil(R / BM) + E; tiles past the end get expert E."""
+    per = (counts + LIN_BLOCK_M - 1) // LIN_BLOCK_M
+    cum = torch.cumsum(per, 0)
+    idx = torch.arange(triton.cdiv(rows, LIN_BLOCK_M) + counts.numel(), device=counts.device)
+    e = torch.searchsorted(cum, idx, right=True)
+    ec = e.clamp(max=counts.numel() - 1)
+    r0 = offsets[ec] + (idx - (cum[ec] - per[ec])) * LIN_BLOCK_M
+    return e.to(torch.int32), r0.to(torch.int32)
+
+
+def _grouped_fwd(xs: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    r, k = xs.shape
+    e, n = w.shape[0], w.shape[1]
+    out = torch.empty(r, n, dtype=xs.dtype, device=xs.device)
+    if r == 0:
+        return out
+    offsets = torch.cat((counts.new_zeros(1), torch.cumsum(counts, 0))).to(torch.int32)
+    tile_e, tile_r0 = _tiles(counts, offsets, r)
+    grid = (tile_e.numel(), triton.cdiv(n, LIN_BLOCK_N))
+    _grouped_kernel[grid](xs, w, out, tile_e, tile_r0, offsets, r, e, n, k, xs.stride(0), xs.stride(1),
+                          w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
+                          BM=LIN_BLOCK_M, BN=LIN_BLOCK_N, BK=LIN_BLOCK_K, IEEE=xs.dtype == torch.float32)
+    return out
+
+
+class _InvariantGrouped(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, xs: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(xs, w, counts)
+        return _grouped_fwd(xs, w, counts)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        xs, w, counts = ctx.saved_tensors
+        gx = torch.zeros_like(xs) if ctx.needs_input_grad[0] else None
+        gw = torch.zeros_like(w) if ctx.needs_input_grad[1] else None
+        start = 0
+        for e, c in enumerate(counts.tolist()):  # backward is not on the invariant contract
+            if c:
+                g = grad[start : start + c]
+                if gx is not None:
+                    gx[start : start + c] = g @ w[e]
+                if gw is not None:
+                    gw[e] = g.t() @ xs[start : start + c]
+                start += c
+        return gx, gw, None
+
+
+def invariant_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                      down: torch.Tensor, inter: int) -> torch.Tensor:
+    """SwiGLU experts (gate_up [E, 2I, H], down [E, H, I]) on tokens x [N, H] routed to ids [N, k]
+    with weights [N, k]: rows sorted by expert, one grouped Triton GEMM per projection, each
+    token's k outputs summed in slot order. A token's bits do not depend on the other tokens."""
+    n, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=gate_up.shape[0])
+    xs = x[order // k]
+    gu = _InvariantGrouped.apply(xs, gate_up, counts)
+    h = F.silu(gu[:, :inter]) * gu[:, inter:]
+    y = _InvariantGrouped.apply(h, down, counts)[torch.argsort(order)].view(n, k, -1)
+    w = weights.to(x.dtype)
+    out = y[:, 0] * w[:, :1]
+    for j in range(1, k):
+        out = out + y[:, j] * w[:, j : j + 1]
+    return out

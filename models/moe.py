@@ -17,7 +17,7 @@ from torch import nn
 from miles.models.config import ModelSpec
 from miles.models.errors import ModelInputError
 from miles.models.grouped_moe import grouped_mm_supported, grouped_swiglu_experts
-from miles.models.invariant import invariant_active
+from miles.models.invariant import invariant_active, triton_kernels
 from miles.models.layers import MLP
 
 
@@ -96,7 +96,10 @@ class Experts(nn.Module):
     def _invariant(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """True on-policy dispatch: one path whatever N (no dense/grouped switch), expert
         matmuls through F.linear (tiled under `BatchInvariant`), and each token's k expert
-        outputs summed in its own slot order, elementwise, so no reduction spans tokens."""
+        outputs summed in its own slot order, elementwise, so no reduction spans tokens.
+        On CUDA: grouped Triton GEMMs with fixed tiles, no host sync (models/invariant_triton.py)."""
+        if x.is_cuda and (kernels := triton_kernels()) is not None:
+            return kernels.invariant_experts(x, ids, weights, self.gate_up_proj, self.down_proj, self.inter)
         n, k = ids.shape
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)

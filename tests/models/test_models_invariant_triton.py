@@ -66,3 +66,24 @@ def test_attention_gradients_match_sdpa(kernels) -> None:  # type: ignore[no-unt
     F.scaled_dot_product_attention(q, k, v, is_causal=True).square().sum().backward()
     for a, x in zip(grads, (q, k, v), strict=True):
         assert torch.allclose(a, x.grad, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_experts_rows_do_not_depend_on_the_batch(kernels, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    g = torch.Generator(device="cuda").manual_seed(3)
+    e, h, i, n, k = 16, 256, 128, 300, 4
+    gate_up = torch.randn(e, 2 * i, h, device="cuda", dtype=dtype, generator=g) * 0.05
+    down = torch.randn(e, h, i, device="cuda", dtype=dtype, generator=g) * 0.05
+    x = torch.randn(n, h, device="cuda", dtype=dtype, generator=g)
+    ids = torch.stack([torch.randperm(e, device="cuda", generator=g)[:k] for _ in range(n)])
+    w = torch.rand(n, k, device="cuda", generator=g)
+    full = kernels.invariant_experts(x, ids, w, gate_up, down, i)
+    ref = torch.zeros(n, h, device="cuda", dtype=torch.float64)
+    for j in range(k):  # per-slot dense reference in float64
+        gu = torch.einsum("nh,nih->ni", x.double(), gate_up[ids[:, j]].double())
+        act = F.silu(gu[:, :i]) * gu[:, i:]
+        ref += w[:, j : j + 1].double() * torch.einsum("ni,nhi->nh", act, down[ids[:, j]].double())
+    assert (full.double() - ref).abs().max().item() < (1e-4 if dtype == torch.float32 else 0.05)
+    for s, m in ((0, 1), (5, 7), (100, 64)):
+        assert torch.equal(kernels.invariant_experts(x[s : s + m], ids[s : s + m], w[s : s + m], gate_up, down, i),
+                           full[s : s + m])
