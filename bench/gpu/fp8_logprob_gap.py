@@ -55,11 +55,11 @@ MODES: dict[str, tuple[bool, bool, bool, tuple[str, ...]]] = {
 }
 
 
-def _model(spec: ModelSpec, dtype: torch.dtype, device: str, norm_scale: float) -> CausalLM:
-    model = build_model(spec, dtype=dtype, device=device, seed=0)
-    with torch.no_grad():
-        model.model.norm.weight.mul_(norm_scale)
-    return model
+def _model(spec: ModelSpec, dtype: torch.dtype, device: str, state: dict[str, torch.Tensor]) -> CausalLM:
+    """`spec`'s model (FP8 or not) on the shared weights `state` (one random init for all modes)."""
+    model = build_model(spec, dtype=dtype)
+    model.load_state_dict(state)
+    return model.to(device)
 
 
 def gap(cfg: dict[str, Any], device: str, modes: list[str], prompts: int, new: int,
@@ -69,6 +69,10 @@ def gap(cfg: dict[str, Any], device: str, modes: list[str], prompts: int, new: i
     fp8 = with_fp8(plain, BLOCK)
     g = torch.Generator().manual_seed(1)
     ps = [torch.randint(0, cfg["vocab_size"], (16,), generator=g).tolist() for _ in range(prompts)]
+    init = build_model(plain, dtype=dt, seed=0)
+    with torch.no_grad():
+        init.model.norm.weight.mul_(norm_scale)
+    state = init.state_dict()
     out: dict[str, dict[str, Any]] = {}
     loop = asyncio.new_event_loop()
     for mode in modes:
@@ -77,10 +81,10 @@ def gap(cfg: dict[str, Any], device: str, modes: list[str], prompts: int, new: i
         for kind in disabled:
             fp8_gemm.broken.setdefault(kind, "disabled by the bench")
         try:
-            engine = TorchEngine(_model(fp8 if eng_fp8 else plain, dt, device, norm_scale),
+            engine = TorchEngine(_model(fp8 if eng_fp8 else plain, dt, device, state),
                                  EngineConfig(device=device, max_batch_size=prompts, max_seq_len=16 + new + 8,
                                               fp8_gemm=gemm_on))
-            trainer = _model(fp8 if tr_fp8 else plain, dt, device, norm_scale)
+            trainer = _model(fp8 if tr_fp8 else plain, dt, device, state)
 
             async def go(engine: TorchEngine = engine) -> list[Any]:
                 return list(await asyncio.gather(*(engine.generate(GenerateRequest(
