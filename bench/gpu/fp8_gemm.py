@@ -251,9 +251,15 @@ def engine_tok_s(cfg: dict[str, Any], device: str, batch: int, new: int, repeats
     prompts = torch.randint(0, cfg["vocab_size"], (batch, 16), generator=torch.Generator().manual_seed(0))
     loop = asyncio.new_event_loop()
     variants = {"base": (spec, True), "fp8_a8": (with_fp8(spec, BLOCK), True), "fp8_a16": (with_fp8(spec, BLOCK), False)}
-    engines = {name: TorchEngine(build_model(s, dtype=dt, device=device, seed=0),
-                                 EngineConfig(device=device, max_batch_size=batch, max_seq_len=16 + new + 8,
-                                              kv_budget_tokens=0, fp8_gemm=gemm_on))
+    state = build_model(spec, dtype=dt, seed=0).state_dict()  # one random init for the three
+
+    def model(s: ModelSpec) -> CausalLM:
+        m = build_model(s, dtype=dt)
+        m.load_state_dict(state)
+        return m.to(device)
+
+    engines = {name: TorchEngine(model(s), EngineConfig(device=device, max_batch_size=batch, max_seq_len=16 + new + 8,
+                                                        kv_budget_tokens=0, fp8_gemm=gemm_on))
                for name, (s, gemm_on) in variants.items()}
 
     def run(eng: TorchEngine) -> float:
