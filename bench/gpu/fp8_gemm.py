@@ -210,27 +210,39 @@ def gemm(device: str, batches: list[int], reps: int, layers: list[str]) -> list[
                     row["quant_us"] = _time_graph(lambda x=x: fp8_gemm.cublas_act_quant(x), device, reps) * 1e6
                     row["mm_us"] = _time_graph(
                         lambda xq=xq, xs=xs, ws=ws, c=codes: fp8_gemm.blockwise_mm(xq, xs, c, ws, dt), device, reps) * 1e6
+                _speedups(row)
                 rows.append(row)
+                _print_row(row)
     for tag in layers:
         for m in batches:
             part = [r for r in rows if r["layer"] == tag and r["M"] == m]
             tot = {key: sum(r[key] for r in part) for key in part[0] if key.endswith("_us")
                    and all(key in r for r in part)}
-            rows.append({"layer": tag, "proj": "all4", "M": m, "N": 0, "K": 0, **tot})
-    for r in rows:
-        r["speedup"] = {key[:-3]: r["base_us"] / r[key] for key in r if key.endswith("_us") and key != "base_us"}
+            row = {"layer": tag, "proj": "all4", "M": m, "N": 0, "K": 0, **tot}
+            _speedups(row)
+            rows.append(row)
+            _print_row(row)
     return rows
 
 
-def _print_gemm(rows: list[dict[str, Any]], base: str) -> None:
-    cols = ["base", "triton_a8", "triton_a16", "cublas_a8", "quant", "mm", "dequant"]
+def _speedups(r: dict[str, Any]) -> None:
+    r["speedup"] = {key[:-3]: r["base_us"] / r[key] for key in r if key.endswith("_us") and key != "base_us"}
+
+
+_COLS = ["base", "triton_a8", "triton_a16", "cublas_a8", "quant", "mm", "dequant"]
+
+
+def _print_header(base: str) -> None:
     print(f"{'layer':6} {'proj':8} {'M':>4} {'N':>6} {'K':>5} " + " ".join(
-        f"{(base if c == 'base' else c) + ' us':>13}" for c in cols) + "   speedup a8/a16/cublas")
-    for r in rows:
-        sp = r["speedup"]
-        print(f"{r['layer']:6} {r['proj']:8} {r['M']:>4} {r['N']:>6} {r['K']:>5} " + " ".join(
-            f"{r.get(c + '_us', float('nan')):>13.1f}" for c in cols)
-            + "   " + "/".join(f"{sp.get(c, float('nan')):.2f}" for c in ("triton_a8", "triton_a16", "cublas_a8")))
+        f"{(base if c == 'base' else c) + ' us':>13}" for c in _COLS) + "   speedup a8/a16/cublas", flush=True)
+
+
+def _print_row(r: dict[str, Any]) -> None:
+    sp = r["speedup"]
+    print(f"{r['layer']:6} {r['proj']:8} {r['M']:>4} {r['N']:>6} {r['K']:>5} " + " ".join(
+        f"{r.get(c + '_us', float('nan')):>13.1f}" for c in _COLS)
+        + "   " + "/".join(f"{sp.get(c, float('nan')):.2f}" for c in ("triton_a8", "triton_a16", "cublas_a8")),
+        flush=True)
 
 
 @torch.no_grad()
@@ -342,8 +354,8 @@ def main() -> None:
         res["exactness"] = exactness(a.device, {"quickstart_qwen3_moe": quick, "e2e": e2e_cfg})
         print("quantizer exactness:", json.dumps(res["exactness"]), flush=True)
     if "gemm" in parts:
+        _print_header(base)
         rows = gemm(a.device, batches, reps, layers)
-        _print_gemm(rows, base)
         res["gemm"] = rows
         res["gemm_speedup_all4"] = {f"{r['layer']}_M{r['M']}": r["speedup"] for r in rows if r["proj"] == "all4"}
         res["kernels_refused"] = dict(fp8_gemm.broken)
