@@ -226,7 +226,7 @@ class RolloutActor(Actor):
         try:
             r: dict[str, Any] = await self.ref(engine).ask(
                 Generate(input_ids, sampling, None, self.cfg.trainer.routing_replay),
-                timeout=self.cfg.transport.default_deadline_s * 4,
+                timeout=self.cfg.rollout.generate_timeout_s or self.cfg.transport.default_deadline_s * 4,
             )
             cached = int(r["cached_tokens"])
         finally:

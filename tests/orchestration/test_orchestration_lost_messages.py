@@ -1,8 +1,11 @@
-"""A run whose every `rollout.SetVersion` is lost (transport.faults) still finishes, in sync mode too.
+"""Runs that lose messages (transport.faults) still finish, with every loss accounted for.
 
-Sync mode opens a version's groups only once the rollout side knows that version; it learned it
-only from SetVersion, a tell, so one lost announcement stalled generation until the trainer's
-pull deadline. The trainer's PullBatch carries its version: the rollout side now takes it from there.
+- Every `rollout.SetVersion` lost, in sync mode: sync opens a version's groups only once the
+  rollout side knows that version. It learned it only from SetVersion, a tell, so one lost
+  announcement stalled generation until the trainer's pull deadline; PullBatch carries the
+  version too, and the rollout side now takes it from there.
+- 5% of `engine.Generate` requests and replies lost: each fails its trajectory at
+  `rollout.generate_timeout_s`, the group is dropped with its reason and its prompt retried.
 """
 
 from __future__ import annotations
@@ -12,18 +15,41 @@ from pathlib import Path
 
 import pytest
 
-from .run_helpers import metrics, train
+from .run_helpers import metrics, rollout_state, train
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("miles-cache")
+
+
+def _events(run: Path, role: str, event: str) -> list[dict[str, object]]:
+    lines = (run / "logs" / f"{role}-0.log").read_text().splitlines()
+    return [json.loads(ln) for ln in lines if f'"{event}"' in ln]
 
 
 @pytest.mark.timeout(150)
-def test_sync_run_finishes_with_every_set_version_lost(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_sync_run_finishes_with_every_set_version_lost(tmp_path: Path, cache: Path) -> None:
     run = tmp_path / "run"
-    train(run, tmp_path_factory.mktemp("miles-cache"), {
-        "buffer.mode": "sync", "run.log_level": "info",
-        "transport.faults.drop_rate": "1.0", "transport.faults.drop_types": '["rollout.SetVersion"]'}, timeout=100)
+    train(run, cache, {"buffer.mode": "sync", "run.log_level": "info", "transport.faults.drop_rate": "1.0",
+                       "transport.faults.drop_types": '["rollout.SetVersion"]'}, timeout=100)
     rows = metrics(run)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["rollout/fully_async/max_staleness"] == 0 for r in rows)  # sync's bound still holds
-    lines = (run / "logs" / "trainer-0.log").read_text().splitlines()
-    drops = [json.loads(ln) for ln in lines if '"message_dropped"' in ln]
+    drops = _events(run, "trainer", "message_dropped")
     assert len(drops) >= 3 and {d["message"] for d in drops} == {"tell:rollout.SetVersion"}
+
+
+@pytest.mark.timeout(150)
+def test_lost_generate_requests_fail_their_trajectories_at_the_deadline(tmp_path: Path, cache: Path) -> None:
+    run = tmp_path / "run"
+    train(run, cache, {"run.steps": "4", "run.log_level": "info", "rollout.generate_timeout_s": "2",
+                       "transport.faults.drop_rate": "0.05", "transport.faults.drop_types": '["engine.Generate"]',
+                       "transport.faults.seed": "1"}, timeout=120)
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4]
+    lost = len(_events(run, "rollout", "message_dropped")) + len(_events(run, "engine", "message_dropped"))
+    timed_out = [e for e in _events(run, "rollout", "trajectory_failed") if "within 2s (request Generate)" in str(e)]
+    assert lost >= 1 and len(timed_out) >= 1
+    entries = rollout_state(run)["buffer"]["ledger"]["entries"]
+    failed = [e for e in entries if any("failed" in r for r in e.get("reasons", []))]
+    assert failed, "a group with a lost Generate is dropped with its reason"
