@@ -13,7 +13,8 @@ Attention over a pack is one flash varlen call (models/flash_varlen.py) when tor
 it agrees with the per-sequence loop on this GPU (checked first; else the loop).
 `--baseline` adds, at the first length, the unfused head and the per-sequence attention loop
 (dense) and the per-expert loop (MoE) for comparison, `--profile` a CUDA-time table of one
-step per model.
+step per model, `--compile` the same with `CausalLM.compile_blocks()` (fused norms, residuals
+and dense SwiGLU; compile time reported apart).
 MFU, counted the standard way: 6 x non-embedding active parameters per token (the LM head
 GEMM included, the embedding lookup not) plus causal attention (12 x layers x heads x
 head_dim x mean context), over the peak measured by a bf16
@@ -363,6 +364,16 @@ def _cuda_model(name: str, spec: ModelSpec, args: argparse.Namespace, peak: floa
     if args.profile:
         last = args.seqs[-1]
         _profile(trainers["r3" if spec.is_moe else "live"], batches[last], f"{name} s{last}")
+    if args.compile:  # last: compiling changes the trainer's model for good
+        trainers["live"].policy.compile_blocks()
+        t0 = time.perf_counter()
+        try:
+            dt = _steps({"live": trainers["live"]}, batches[first], args.steps)["live"]
+            record("live_compiled", first, dt, batches[first].num_tokens)
+            result[f"{name}_compile_warmup_s"] = time.perf_counter() - t0 - dt * args.steps
+        except Exception as exc:  # noqa: BLE001 - report and go on: the other numbers stand
+            print(f"{name}: compiled blocks failed: {exc!r}")
+            result[f"{name}_compile_failed"] = 1.0
     for t in trainers.values():
         t.close()
     del trainers
@@ -387,6 +398,8 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(CUDA_MODELS), help="cuda: which models")
     ap.add_argument("--baseline", action="store_true", help="cuda: also the unfused head / expert loop")
     ap.add_argument("--profile", action="store_true", help="cuda: a CUDA-time table of one step per model")
+    ap.add_argument("--compile", action="store_true",
+                    help="cuda: then also with CausalLM.compile_blocks() (first length, live routing)")
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="0 = measure a bf16 GEMM")
     ap.add_argument("--smoke", action="store_true",
                     help="run the --device cuda flow on the CPU with tiny models (a test of the script)")

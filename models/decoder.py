@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from miles.models.chunked_logprobs import chunked_head_logprobs
+from miles.models.compiled_block import CompiledOps, compiled_ops
 from miles.models.config import ModelSpec
 from miles.models.errors import ModelInputError
 from miles.models.gpt_oss import SinkAttention, TopkSoftmaxMoE
@@ -49,6 +50,11 @@ def _check_head_args(b: int, logits_at: torch.Tensor | None, logits_index: torch
         raise ModelInputError(f"logits_index must be 1-D [M], got shape {tuple(logits_index.shape)}")
 
 
+def _fp8_planned(mlp: MLP) -> bool:
+    """Whether an FP8 plan (models/fp8_linear.py `project`) runs this MLP's linears."""
+    return any(getattr(m, "fp8_plan", None) is not None for m in (mlp.gate_up_proj, mlp.down_proj))
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, layer: int) -> None:
         super().__init__()
@@ -76,6 +82,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm: nn.Module = norm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm: nn.Module = norm(spec.hidden_size, spec.rms_norm_eps)
         self._norm = zc_rms_norm if zc else rms_norm
+        self.ops: CompiledOps | None = None  # set by `CausalLM.compile_blocks`
 
     def forward(
         self,
@@ -93,17 +100,26 @@ class DecoderLayer(nn.Module):
         one unit per block: its pre-forward hook gathers exactly this block's weights.
         """
         ln1, ln2, norm = self.input_layernorm, self.post_attention_layernorm, self._norm
-        x = norm(h, ln1.weight, ln1.eps)
+        ops = self.ops
+        x = (ops.norm if ops is not None else norm)(h, ln1.weight, ln1.eps)
         if self.linear:
             assert position_ids is not None
-            h = h + self.linear_attn(x, position_ids, kv_cache)
+            a = self.linear_attn(x, position_ids, kv_cache)
         else:
-            h = h + self.self_attn(x, cos, sin, bias, kv_cache)
-        x = norm(h, ln2.weight, ln2.eps)
+            a = self.self_attn(x, cos, sin, bias, kv_cache)
+        if ops is not None:
+            h, x = ops.add_norm(h, a, ln2.weight, ln2.eps)
+        else:
+            h = h + a
+            x = norm(h, ln2.weight, ln2.eps)
         if self.is_moe:
             y, ids = self.mlp(x, given_ids)
             return h + y, ids
-        return h + self.mlp(x), None
+        mlp = self.mlp
+        if ops is not None and type(mlp) is MLP and not _fp8_planned(mlp):
+            gu, down = mlp.gate_up_proj, mlp.down_proj
+            return ops.swiglu_residual(h, x, gu.weight, gu.bias, down.weight, down.bias), None
+        return h + mlp(x), None
 
 
 class Backbone(nn.Module):
@@ -277,6 +293,14 @@ class CausalLM(nn.Module):
                 else torch.zeros(b, t, 0, k, dtype=torch.long, device=input_ids.device)
             )
         return CausalLMOutput(logits=logits, routed_experts=out_ids, hidden=hidden, logprobs=logp, entropy=ent)
+
+    def compile_blocks(self, backend: str = "inductor") -> None:
+        """Run each block's norms, residual adds and dense SwiGLU MLP as `torch.compile`d
+        fused kernels (models/compiled_block.py); attention and MoE dispatch stay eager.
+        Numerics are the same ops, fused: equal up to floating-point rounding. Only on CUDA
+        does it pay (Triton kernels); the first forward compiles (tens of seconds)."""
+        for layer in self.model.layers:
+            layer.ops = compiled_ops(layer._norm, backend)
 
     def _varlen(self, device: torch.device, t: int = VARLEN_AUTO_MIN_TOKENS) -> bool:
         """Packed rows through per-sequence attention (models/varlen.py) instead of a mask:

@@ -16,6 +16,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+import structlog
 import torch
 
 ENABLED = True
@@ -74,5 +75,15 @@ def flash_packed_attention(
     else:
         kw["is_causal"] = True
     cu, longest = _cu(bounds, q.device)
-    out = fn(qt, kt, vt, cu, cu, longest, longest, **kw)
+    try:
+        out = fn(qt, kt, vt, cu, cu, longest, longest, **kw)
+    except (RuntimeError, TypeError, ValueError) as exc:  # a build or GPU without the kernel
+        _disable(exc)
+        return None
     return out.transpose(0, 1).unsqueeze(0)
+
+
+def _disable(exc: BaseException) -> None:
+    global ENABLED
+    ENABLED = False
+    structlog.get_logger().warning("flash_varlen_unavailable", error=repr(exc), fallback="per-sequence SDPA")
