@@ -10,7 +10,8 @@
    bf16 `F.linear`; the Triton kernels `triton_a8` (activation quantization fused, FP8 tensor
    cores) and `triton_a16` (Ŵ rebuilt in registers, bf16 tensor cores); `cublas_a8` (a one-kernel
    activation quantization + `F.scaled_mm` blockwise) with its two parts alone (`quant`, `mm`);
-   `dequant` (Ŵ materialised + `F.linear`). Goal: FP8 >= 1.5x bf16 at batch 256. On the CPU only
+   `dequant` (Ŵ materialised + `F.linear`); `ideal_*`: datasheet lower bounds (bytes / 4.8 TB/s,
+   FLOPs / dense peak; no launch cost). Goal: FP8 >= 1.5x bf16 at batch 256. On the CPU only
    the dequantized path runs (correctness, no speed claim).
 3. End to end: engine decode tokens/s, bf16 vs `model.fp8` with `engine.fp8_gemm` true
    (triton_a8) and false (triton_a16); same model and prompts, greedy, rounds interleaved.
@@ -189,6 +190,7 @@ def gemm(device: str, batches: list[int], reps: int, layers: list[str]) -> list[
             for m in batches:
                 x = torch.randn(m, k, generator=g).to(device=device, dtype=dt)
                 row: dict[str, Any] = {"layer": tag, "proj": name, "M": m, "N": n, "K": k}
+                row.update(_ideal_us(m, n, k))
                 row["base_us"] = _time_graph(lambda x=x, w=w: F.linear(x, w), device, reps) * 1e6
                 row["dequant_us"] = _time_graph(
                     lambda x=x, c=codes, s=scale: F.linear(x, dequantize_blockwise(c, s, BLOCK, dt)), device, reps) * 1e6
@@ -225,11 +227,24 @@ def gemm(device: str, batches: list[int], reps: int, layers: list[str]) -> list[
     return rows
 
 
+# H200 SXM datasheet peaks (dense): HBM3e 4.8 TB/s, bf16 989 TFLOP/s, FP8 1979 TFLOP/s
+_HBM, _BF16_FLOPS, _FP8_FLOPS = 4.8e12, 989e12, 1979e12
+
+
+def _ideal_us(m: int, n: int, k: int) -> dict[str, float]:
+    """Lower bounds from the datasheet: max(bytes moved / bandwidth, FLOPs / peak), launch ignored."""
+    flops = 2 * m * n * k
+    bf16 = max((2 * n * k + 2 * m * k + 2 * m * n) / _HBM, flops / _BF16_FLOPS)
+    fp8 = max((n * k + 4 * (n // 128) * (k // 128) + 2 * m * k + 2 * m * n) / _HBM, flops / _FP8_FLOPS)
+    return {"ideal_bf16_us": bf16 * 1e6, "ideal_fp8_us": fp8 * 1e6}
+
+
 def _speedups(r: dict[str, Any]) -> None:
-    r["speedup"] = {key[:-3]: r["base_us"] / r[key] for key in r if key.endswith("_us") and key != "base_us"}
+    r["speedup"] = {key[:-3]: r["base_us"] / r[key] for key in r
+                    if key.endswith("_us") and key != "base_us" and not key.startswith("ideal")}
 
 
-_COLS = ["base", "triton_a8", "triton_a16", "cublas_a8", "quant", "mm", "dequant"]
+_COLS = ["base", "triton_a8", "triton_a16", "cublas_a8", "quant", "mm", "dequant", "ideal_bf16", "ideal_fp8"]
 
 
 def _print_header(base: str) -> None:
