@@ -136,9 +136,11 @@ def prompts_for(case: Case, vocab: int) -> torch.Tensor:
 class EngineRun:
     """One engine sized for the case; `__call__` generates the whole batch once."""
 
-    def __init__(self, model: CausalLM, device: str, case: Case, prompts: torch.Tensor, share: bool) -> None:
+    def __init__(
+        self, model: CausalLM, device: str, case: Case, prompts: torch.Tensor, share: bool, compiled: bool = False
+    ) -> None:
         cfg = EngineConfig(device=device, max_batch_size=case.batch, max_seq_len=case.prompt + case.new + 8,
-                           kv_budget_tokens=0, share_prompts=share)
+                           kv_budget_tokens=0, share_prompts=share, compile_decode=compiled)
         self.engine = TorchEngine(model, cfg)
         self.loop = asyncio.new_event_loop()
         self.ids = [p.tolist() for p in prompts]
@@ -221,21 +223,48 @@ def bench_model(kind: str, args: argparse.Namespace, out: dict[str, Any]) -> Non
         report(kind, name, case, tok, times, out, args.device)
 
 
+def bench_compiled(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    """The `--compile-cases` again with engine.compile_decode (after everything else: each
+    engine compiles its decode forward in its warm-up, about a minute on cuda)."""
+    by_model: dict[str, list[str]] = {}
+    for item in args.compile_cases:
+        kind, name = item.split(":")
+        by_model.setdefault(kind, []).append(name)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    for kind, names in by_model.items():
+        cfg = MODELS[args.device][kind]
+        model = build_model(ModelSpec.from_hf(cfg), dtype=dtype, device=args.device, seed=0)
+        for name in names:
+            case = CASES[args.device][name]
+            run = EngineRun(model, args.device, case, prompts_for(case, cfg["vocab_size"]), True, compiled=True)
+            t0 = time.perf_counter()
+            run()  # compile + capture
+            print(f"# {kind} {name}+compile: first run {time.perf_counter() - t0:.1f} s "
+                  f"(graphs failed: {run.engine.stepper.graphs.failed if run.engine.stepper.graphs else 'none'})",
+                  flush=True)
+            (times,) = rounds(args.repeats, [run], args.budget_s)
+            run.close()
+            report(kind, f"{name}+compile", case, {"engine": case.batch * case.new / statistics.median(times)},
+                   [times], out, args.device)
+        del model
+        gc.collect()
+
+
 def report(
     kind: str, name: str, case: Case, tok: dict[str, float], times: list[list[float]],
     out: dict[str, Any], device: str,
 ) -> None:
-    sgl = SGLANG_ISSUE21.get((kind, name)) if device == "cuda" else None
+    sgl = SGLANG_ISSUE21.get((kind, name.removesuffix("+compile"))) if device == "cuda" else None
     en = tok["engine"]
 
     def cell(v: float | None, w: int, d: int = 1) -> str:
         return f"{v:>{w}.{d}f}" if v is not None else f"{'-':>{w}}"
 
-    print(f"{kind:<6}{name:<10}{case.batch:>6}{case.prompt:>7}{case.new:>5}{cell(en, 13)}"
+    print(f"{kind:<6}{name:<16}{case.batch:>6}{case.prompt:>7}{case.new:>5}{cell(en, 13)}"
           f"{cell(tok.get('engine_unshared'), 13)}{cell(tok.get('hf'), 12)}"
           f"{cell(en / tok['hf'] if 'hf' in tok else None, 9, 2)}{cell(sgl, 12)}"
           f"{cell(en / sgl if sgl else None, 9, 2)}{len(times[0]):>5}", flush=True)
-    key = f"{'gpu' if device == 'cuda' else 'cpu'}_{kind}_{name}"
+    key = f"{'gpu' if device == 'cuda' else 'cpu'}_{kind}_{name.replace('+', '_')}"
     out[f"{key}_engine_tok_s"] = round(en, 1)
     if "engine_unshared" in tok:
         out[f"{key}_engine_unshared_tok_s"] = round(tok["engine_unshared"], 1)
@@ -260,6 +289,8 @@ def main() -> None:
     ap.add_argument("--hf", default=None,
                     help="comma list of model:case run with the HF baseline too, or 'all' "
                          "(cpu default: all; cuda default: dense:b32,dense:b128, each compiles ~1 min)")
+    ap.add_argument("--compile-cases", default="",
+                    help="comma list of model:case run once more, last, with engine.compile_decode (cuda)")
     ap.add_argument("--no-unshared", action="store_true", help="grouped cases: skip the share_prompts=false run")
     ap.add_argument("--repeats", type=int, default=None, help="timed runs per side (cpu: 7; cuda: 3)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads for both sides")
@@ -276,6 +307,11 @@ def main() -> None:
     models = args.models.split(",")
     if any(m not in MODELS[args.device] for m in models):
         sys.exit(f"--models: choose from {list(MODELS[args.device])}, got {models}")
+    args.compile_cases = [c for c in args.compile_cases.split(",") if c]
+    for item in args.compile_cases:
+        kind, _, name = item.partition(":")
+        if kind not in MODELS[args.device] or name not in CASES[args.device]:
+            sys.exit(f"--compile-cases: {item!r} is not model:case of {args.device}")
     hf = args.hf if args.hf is not None else ("dense:b32,dense:b128" if gpu else "all")
     args.hf_all = hf == "all"
     args.hf = set(hf.split(",")) if hf and not args.hf_all else set()
@@ -285,11 +321,12 @@ def main() -> None:
     base = "HF static+compile" if gpu else "HF eager"
     print(f"# tok/s; engine_unshared: share_prompts=false; hf: {base}; "
           "sglang: SGLang 0.5.17, issue 21's run (not this run)")
-    print(f"{'model':<6}{'case':<10}{'batch':>6}{'prompt':>7}{'new':>5}{'engine':>13}{'unshared':>13}"
+    print(f"{'model':<6}{'case':<16}{'batch':>6}{'prompt':>7}{'new':>5}{'engine':>13}{'unshared':>13}"
           f"{'hf':>12}{'en/hf':>9}{'sglang':>12}{'en/sgl':>9}{'runs':>5}", flush=True)
     t0 = time.perf_counter()
     for kind in models:
         bench_model(kind, args, out)
+    bench_compiled(args, out)
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     if args.out:
         with open(args.out, "w") as f:

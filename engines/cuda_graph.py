@@ -50,13 +50,18 @@ def _pow2_at_least(n: int) -> int:
 
 
 class DecodeGraphs:
-    def __init__(self, model: CausalLM, pool: RowPool, capture: bool = True) -> None:
+    def __init__(self, model: CausalLM, pool: RowPool, capture: bool = True, compiled: bool = False) -> None:
         self.model = model
         self.pool = pool
         self.rows = pool.k[0].shape[0]
         self.scratch = pool.max_seq_len
         # capture=False runs the same padded, bucketed forward eagerly (CPU tests of the layout)
         self.capture = capture
+        # compiled (engine.compile_decode): the captured forward is torch.compile'd first, so one
+        # graph replays fused kernels (norms, rotary, activations) instead of hundreds of small
+        # ones. Dynamic shapes: one compile serves every (batch, key length) bucket; it runs in
+        # a bucket's warm-up, outside the capture.
+        self._fwd = torch.compile(self._forward, dynamic=True) if compiled else self._forward
         self._graphs: dict[tuple[int, int, bool, tuple[int, int]], _Graph] = {}
         self._mempool: tuple[int, int] | None = None
         self.failed = False  # a capture failed: the engine falls back to eager decode for good
@@ -79,7 +84,7 @@ class DecodeGraphs:
         host[0, :n] = torch.tensor(ids)
         host[1, :n] = torch.tensor(lens)
         if not self.capture:
-            logits, routed = self._forward(host.to(self.pool.k[0].device), r, want_routed)
+            logits, routed = self._fwd(host.to(self.pool.k[0].device), r, want_routed)
             return logits[:n], None if routed is None else routed[:n]
         key = (b, r, want_routed, self._weights())
         g = self._graphs.get(key)
@@ -123,7 +128,7 @@ class DecodeGraphs:
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             for _ in range(2):  # warm-up outside the graph: lazy inits, autotuning, workspaces
-                self._forward(inputs, read, want_routed)
+                self._fwd(inputs, read, want_routed)
         torch.cuda.current_stream(dev).wait_stream(side)
         if self._mempool is None:
             self._mempool = torch.cuda.graph_pool_handle()
@@ -135,7 +140,7 @@ class DecodeGraphs:
         gc.disable()
         try:
             with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
-                logits, routed = self._forward(inputs, read, want_routed)
+                logits, routed = self._fwd(inputs, read, want_routed)
         finally:
             if gc_was_on:
                 gc.enable()

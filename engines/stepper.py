@@ -33,6 +33,7 @@ class Stepper:
         device: torch.device,
         batch_invariant: bool = False,
         cuda_graphs: bool = True,
+        compile_decode: bool = False,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -43,7 +44,7 @@ class Stepper:
         # kernels it dispatches to (models/invariant_triton.py, no host syncs); an expert kind
         # without an invariant kernel fails its capture, and decode stays eager (DecodeGraphs.failed).
         use_graphs = cuda_graphs and device.type == "cuda" and (not batch_invariant or triton_kernels() is not None)
-        self.graphs = DecodeGraphs(model, pool) if use_graphs else None
+        self.graphs = DecodeGraphs(model, pool, compiled=compile_decode) if use_graphs else None
 
     @torch.inference_mode()
     def step(self, decode: list[Sequence], prefill: list[Sequence]) -> StepOut:

@@ -72,7 +72,9 @@ class TorchEngine(Engine):
         self.device, self.dtype = p.device, p.dtype
         self.max_seq_len = min(self.cfg.max_seq_len, self.spec.max_position_embeddings)
         self.pool = RowPool(self.spec, self.cfg.max_batch_size, self.max_seq_len, self.dtype, self.device)
-        self.stepper = Stepper(model, self.pool, self.device, batch_invariant, self.cfg.cuda_graphs)
+        self.stepper = Stepper(
+            model, self.pool, self.device, batch_invariant, self.cfg.cuda_graphs, self.cfg.compile_decode
+        )
         self.sessions = SessionStore(self.cfg.kv_budget_tokens)
         self.stager = WeightStager(hf_tensor_views(model), self.fp8_block)
         self.adapters = AdapterMerge(model)  # LoRA runs sync adapters only (engines/lora.py)
