@@ -44,9 +44,9 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, BLOCK_M: tl.constexp
     m_ok = rm < M
     x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :], mask=m_ok[:, None], other=0.0)
     xf = x.to(tl.float32)
-    xs = tl.max(tl.abs(xf), axis=1) / 448.0
+    xs = tl.math.div_rn(tl.max(tl.abs(xf), axis=1), 448.0)
     xs = tl.where(xs > 0, xs, 1.0)
-    xq = tl.minimum(tl.maximum(xf / xs[:, None], -448.0), 448.0).to(tl.float8e4nv)
+    xq = tl.minimum(tl.maximum(tl.math.div_rn(xf, xs[:, None]), -448.0), 448.0).to(tl.float8e4nv)
     tl.store(q_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], xq, mask=m_ok[:, None])
     tl.store(s_ptr + kb * M + rm, xs, mask=m_ok)
 
@@ -72,9 +72,9 @@ def _fp8_linear_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, strid
         ws = tl.load(s_ptrs + kb, mask=n_ok, other=1.0)
         if X_MODE == 1:  # A8_FUSED: quantize this activation tile here
             xf = x.to(tl.float32)
-            xs = tl.max(tl.abs(xf), axis=1) / 448.0
+            xs = tl.math.div_rn(tl.max(tl.abs(xf), axis=1), 448.0)
             xs = tl.where(xs > 0, xs, 1.0)
-            xq = tl.minimum(tl.maximum(xf / xs[:, None], -448.0), 448.0).to(tl.float8e4nv)
+            xq = tl.minimum(tl.maximum(tl.math.div_rn(xf, xs[:, None]), -448.0), 448.0).to(tl.float8e4nv)
             acc += tl.dot(xq, w) * (xs[:, None] * ws[None, :])
         elif X_MODE == 2:  # A8_PREQUANT: x holds codes, its scales stored [K/128, M]
             xs = tl.load(xs_ptr + kb * M + rm, mask=m_ok, other=1.0)

@@ -301,6 +301,22 @@ def test_cuda_fp8_gemm_kernels_match_the_contract(kind: str) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton activation quantizer)")
+def test_cuda_triton_activation_codes_equal_torchs() -> None:
+    pytest.importorskip("triton")
+    from miles.models.fp8_triton import quantize_activations as triton_quant
+
+    g = torch.Generator().manual_seed(6)
+    for m in (1, 5, 256):
+        x = (torch.randn(m, 1024, generator=g) * torch.logspace(-3, 2, 1024)).to("cuda", torch.bfloat16)
+        x[0, :128] = 0  # an all-zero block: scale 1
+        q, s = triton_quant(x)
+        q0, s0 = quantize_activations(x)
+        assert s.stride() == (1, m) and torch.equal(s, s0)
+        assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8))
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (blockwise FP8 GEMMs, sm90)")
 def test_cuda_project_uses_an_fp8_kernel() -> None:
     from miles.models.fp8_gemm import broken
