@@ -159,33 +159,41 @@ class EngineRun:
         self.loop.close()
 
 
-def hf_runner(hf: Any, prompts: torch.Tensor, case: Case, static: bool) -> Any:
-    ids = prompts.to(hf.device)
-    mask = torch.ones_like(ids)  # every prompt token is real (0 is a token id here, not padding)
-    extra: dict[str, Any] = {"cache_implementation": "static"} if static else {}
-    if case.temperature > 0:
-        extra.update(do_sample=True, temperature=case.temperature, top_k=0, top_p=1.0)
-    else:
-        extra.update(do_sample=False)
+class HFRun:
+    """transformers `generate` on one case; a failure is reported once and ends the baseline
+    for that case (`failed`), not the benchmark."""
 
-    def run() -> None:
-        with torch.no_grad():
-            hf.generate(ids, attention_mask=mask, max_new_tokens=case.new, min_new_tokens=case.new,
-                        pad_token_id=0, eos_token_id=None, **extra)
+    def __init__(self, hf: Any, prompts: torch.Tensor, case: Case, static: bool) -> None:
+        self.hf, self.case = hf, case
+        self.ids = prompts.to(hf.device)
+        self.mask = torch.ones_like(self.ids)  # every prompt token is real (0 is a token id, not padding)
+        self.extra: dict[str, Any] = {"cache_implementation": "static"} if static else {}
+        if case.temperature > 0:
+            self.extra.update(do_sample=True, temperature=case.temperature, top_k=0, top_p=1.0)
+        else:
+            self.extra.update(do_sample=False)
+        self.failed = ""
 
-    return run
+    def __call__(self) -> None:
+        if self.failed:
+            return
+        try:
+            with torch.no_grad():
+                self.hf.generate(self.ids, attention_mask=self.mask, max_new_tokens=self.case.new,
+                                 min_new_tokens=self.case.new, pad_token_id=0, eos_token_id=None, **self.extra)
+        except Exception as exc:  # noqa: BLE001 - the baseline failing must not lose the engine's numbers
+            self.failed = f"{type(exc).__name__}: {str(exc)[:300]}"
+            print(f"# hf baseline failed: {self.failed}", flush=True)
 
 
-def hf_baseline(hf: Any, prompts: torch.Tensor, case: Case, gpu: bool) -> Any | None:
+def hf_baseline(hf: Any, prompts: torch.Tensor, case: Case, gpu: bool) -> HFRun | None:
     """The HF run for one case, run once (on cuda: compiled for this batch from scratch, as a
-    user running one shape would); None, after saying why, when it cannot run here."""
+    user running one shape would); None when it cannot run here."""
     if gpu:
         torch._dynamo.reset()  # a fresh static compile per case, not a dynamic-shape recompile
-    run = hf_runner(hf, prompts, case, static=gpu)
-    try:
-        t = timed(run)
-    except Exception as exc:  # noqa: BLE001 - the baseline failing must not lose the engine's numbers
-        print(f"# hf baseline failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    run = HFRun(hf, prompts, case, static=gpu)
+    t = timed(run)
+    if run.failed:
         return None
     print(f"# hf first run (on cuda: compile included): {t:.1f} s", flush=True)
     return run
@@ -203,24 +211,41 @@ def bench_model(kind: str, args: argparse.Namespace, out: dict[str, Any]) -> Non
             hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=dtype).to(args.device).eval()
     for name in args.cases:
         case = CASES[args.device][name]
-        prompts = prompts_for(case, cfg["vocab_size"])
-        runs: dict[str, Any] = {"engine": EngineRun(model, args.device, case, prompts, share=True)}
-        if case.samples > 1 and not args.no_unshared:
-            runs["engine_unshared"] = EngineRun(model, args.device, case, prompts, share=False)
-        if hf is not None and (args.hf_all or f"{kind}:{name}" in args.hf):
-            runs["hf"] = hf_baseline(hf, prompts, case, gpu)
-            if runs["hf"] is None:
-                del runs["hf"]
-        times = rounds(args.repeats, list(runs.values()), args.budget_s)
-        tok = {k: case.batch * case.new / statistics.median(t) for k, t in zip(runs, times, strict=True)}
+        runs: dict[str, Any] = {}
+        try:
+            with_hf = hf if args.hf_all or f"{kind}:{name}" in args.hf else None
+            tok, times = bench_case(model, with_hf, case, cfg["vocab_size"], args, runs)
+        except Exception as exc:  # noqa: BLE001 - one case failing (e.g. out of memory) must not end the rest
+            print(f"# {kind} {name} failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            out[f"{kind}_{name}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            tok = {}
         for r in runs.values():
             if isinstance(r, EngineRun):
                 r.close()
-        del runs
+        runs.clear()
         gc.collect()
         if gpu:
             torch.cuda.empty_cache()
-        report(kind, name, case, tok, times, out, args.device)
+        if "engine" in tok:
+            report(kind, name, case, tok, times, out, args.device)
+
+
+def bench_case(
+    model: CausalLM, hf: Any, case: Case, vocab: int, args: argparse.Namespace, runs: dict[str, Any]
+) -> tuple[dict[str, float], list[list[float]]]:
+    """Fill `runs` (the caller closes them) and time them -> (tok/s per run, times per run)."""
+    prompts = prompts_for(case, vocab)
+    runs["engine"] = EngineRun(model, args.device, case, prompts, share=True)
+    if case.samples > 1 and not args.no_unshared:
+        runs["engine_unshared"] = EngineRun(model, args.device, case, prompts, share=False)
+    if hf is not None:
+        run = hf_baseline(hf, prompts, case, args.device == "cuda")
+        if run is not None:
+            runs["hf"] = run
+    times = rounds(args.repeats, list(runs.values()), args.budget_s)
+    tok = {k: case.batch * case.new / statistics.median(t) for k, t in zip(runs, times, strict=True)
+           if not (isinstance(runs[k], HFRun) and runs[k].failed)}
+    return tok, times
 
 
 def bench_compiled(args: argparse.Namespace, out: dict[str, Any]) -> None:
@@ -326,7 +351,11 @@ def main() -> None:
     t0 = time.perf_counter()
     for kind in models:
         bench_model(kind, args, out)
-    bench_compiled(args, out)
+    try:
+        bench_compiled(args, out)
+    except Exception as exc:  # noqa: BLE001 - an experimental variant must not cost the JSON line
+        print(f"# compiled cases failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        out["compiled_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     if args.out:
         with open(args.out, "w") as f:
