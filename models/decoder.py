@@ -18,6 +18,7 @@ from miles.models.compiled_block import CompiledOps, compiled_ops
 from miles.models.config import ModelSpec
 from miles.models.errors import ModelInputError
 from miles.models.gpt_oss import SinkAttention, TopkSoftmaxMoE
+from miles.models.invariant import invariant_active
 from miles.models.layers import MLP, Attention, KVCache, RMSNorm, grouped_bias, rms_norm
 from miles.models.masks import packed_causal_mask, packed_position_ids, sliding_window_mask
 from miles.models.mla import MLAttention
@@ -100,7 +101,7 @@ class DecoderLayer(nn.Module):
         one unit per block: its pre-forward hook gathers exactly this block's weights.
         """
         ln1, ln2, norm = self.input_layernorm, self.post_attention_layernorm, self._norm
-        ops = self.ops
+        ops = self.ops if not invariant_active() else None  # invariant kernels intercept eager ops
         x = (ops.norm if ops is not None else norm)(h, ln1.weight, ln1.eps)
         if self.linear:
             assert position_ids is not None

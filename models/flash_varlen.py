@@ -19,6 +19,8 @@ from typing import Any
 import structlog
 import torch
 
+from miles.models.invariant import invariant_active
+
 ENABLED = True
 
 
@@ -47,6 +49,7 @@ def flash_packed_attention(
     t, d = q.shape[2], q.shape[3]
     if (
         not ENABLED
+        or invariant_active()  # batch-invariant mode attends per sequence through its own kernel
         or api is None
         or not q.is_cuda
         or q.dtype not in (torch.bfloat16, torch.float16)

@@ -117,6 +117,8 @@ class FSDPTrainer:
         plain = not self.wrap_single_rank
         policy = build_policy(model_spec, init_checkpoint, seed)
         policy.packed_attention = cfg.packed_attention
+        if cfg.compile:
+            policy.compile_blocks()
         self.lora = cfg.lora.rank > 0
         if self.lora:  # adapters before sharding; only they are trainable
             apply_lora(policy, cfg.lora, seed)

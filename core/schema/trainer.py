@@ -202,6 +202,12 @@ class TrainerConfig:
         "whole pack with a block-diagonal mask (quadratic in micro_batch_tokens), auto = varlen on "
         "CUDA for packs of >= 8192 tokens (H200: 1.73x at 16k-token packs, 0.87x at 4k), else masked; layers with sliding windows, sinks, MLA or linear attention use the mask",
     )
+    compile: bool = opt(
+        False,
+        "torch.compile the policy's block pieces (fused norms, residual adds and dense SwiGLU: "
+        "CausalLM.compile_blocks); attention and MoE dispatch stay eager; the first step compiles "
+        "(tens of seconds); off by default until bench/trainer.py --compile shows it pays on the GPU",
+    )
     mini_batches: int = opt(
         1,
         "optimizer steps per train_step: the batch is split into this many mini-batches; "
