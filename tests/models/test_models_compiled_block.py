@@ -40,3 +40,18 @@ def test_compiled_blocks_equal_eager(arch: str) -> None:
     assert all(layer.ops is not None for layer in model.model.layers)
     for layer in model.model.layers:
         layer.ops = None
+
+
+def test_trainer_compile_option_compiles_the_policy_blocks() -> None:
+    from miles.core.schema.trainer import TrainerConfig
+    from miles.trainer.fsdp import FSDPTrainer
+
+    spec = ModelSpec.from_hf(tiny_config("qwen2", vocab_size=32))
+    cfg = TrainerConfig()
+    cfg.compile = True
+    t = FSDPTrainer(cfg, spec, 0, 1, seed=0)
+    try:
+        assert all(layer.ops is not None for layer in t.policy.model.layers)
+    finally:
+        t.close()
+    assert TrainerConfig().compile is False
