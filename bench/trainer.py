@@ -17,9 +17,10 @@ step per model, `--compile` the same with `CausalLM.compile_blocks()` (fused nor
 and dense SwiGLU; compile time reported apart).
 MFU, counted the standard way: 6 x non-embedding active parameters per token (the LM head
 GEMM included, the embedding lookup not) plus causal attention (12 x layers x heads x
-head_dim x mean context), over the peak measured by a bf16
-8192^3 GEMM on the same GPU (reported; --peak-tflops overrides). The older count (6 x all
-active parameters, embedding and LM head included, no attention) is kept as `mfu_old`.
+head_dim x mean context), over the peak measured by a bf16 8192^3 GEMM on the same GPU
+(reported; --peak-tflops overrides). The head counts only for the response tokens (the
+step needs no other logits, and the chunked head computes none); `*_mfu_head_all_tokens`
+counts it for every token, as pretraining MFU does (and as this bench did before).
 The last line is one JSON object.
 """
 
@@ -101,13 +102,14 @@ def _flops_per_token(spec: ModelSpec) -> float:
     return 6.0 * (layers * attn + mlp + 2 * h * spec.vocab_size)
 
 
-def _flops_per_token_std(spec: ModelSpec, seq: int) -> float:
-    """6 x non-embedding active parameters + causal attention (mean context (seq+1)/2)."""
+def _flops_per_token_std(spec: ModelSpec, seq: int, head_frac: float = 1.0) -> float:
+    """6 x non-embedding active parameters + causal attention (mean context (seq+1)/2). The LM
+    head is a GEMM (counted) over the `head_frac` of tokens whose logits the step needs (RL:
+    the response tokens; the chunked head computes no others); the embedding is a lookup (not)."""
     h = spec.hidden_size
     layer_params = _flops_per_token(spec) / 6.0 - 2 * h * spec.vocab_size  # without embedding and head
     attn = 12.0 * spec.num_layers * spec.num_heads * spec.head_dim * (seq + 1) / 2
-    # the LM head is a GEMM (counted); the embedding is a lookup (not)
-    return 6.0 * (layer_params + h * spec.vocab_size) + attn
+    return 6.0 * (layer_params + head_frac * h * spec.vocab_size) + attn
 
 
 def measured_peak_tflops(n: int = 8192, reps: int = 20) -> float:
@@ -328,11 +330,14 @@ def _cuda_model(name: str, spec: ModelSpec, args: argparse.Namespace, peak: floa
     trainers = {tag: _trainer(spec, (replay, "auto"), dev, args) for tag, replay in modes.items()}
 
     def record(tag: str, seq: int, dt: float, n: int) -> None:
-        mfu = n * _flops_per_token_std(spec, seq) / dt / (peak * 1e12)
+        batch = batches[seq]
+        frac = sum(s.response_ids.size for s in batch.samples) / batch.num_tokens
+        mfu = n * _flops_per_token_std(spec, seq, frac) / dt / (peak * 1e12)
         key = f"{name}_s{seq}_{tag}"
         rows.append((name, f"s{seq} {tag}", n / dt, dt, mfu))
         result[f"{key}_tokens_per_s"] = n / dt
         result[f"{key}_mfu"] = mfu
+        result[f"{key}_mfu_head_all_tokens"] = n * _flops_per_token_std(spec, seq) / dt / (peak * 1e12)
 
     for seq, batch in batches.items():
         if torch.cuda.is_available():
