@@ -168,3 +168,35 @@ async def test_no_sharing_across_a_weight_commit(dense_model: CausalLM) -> None:
     plain, _ = await late_group(dense_model, False, (False, False), commit_between=True)
     assert n_shared == 2 * len(PROMPTS[0])  # the newcomers share among themselves, not the old row
     assert_same(shared, plain)
+
+
+async def test_aborting_the_leader_or_retracting_the_group_keeps_rows_right(dense_model: CausalLM) -> None:
+    eng = TorchEngine(dense_model, EngineConfig(max_batch_size=8, max_seq_len=64), batch_invariant=True)
+    plain = TorchEngine(dense_model, EngineConfig(max_batch_size=8, max_seq_len=64, share_prompts=False),
+                        batch_invariant=True)
+    try:
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=40)
+        alone = await plain.generate(GenerateRequest(input_ids=list(PROMPTS[0]), sampling=greedy))
+        group = [GenerateRequest(input_ids=list(PROMPTS[0]), sampling=greedy) for _ in range(4)]
+        tasks = [asyncio.ensure_future(eng.generate(r)) for r in group]
+        while eng.stats()["generated_tokens"] < 8:
+            await asyncio.sleep(0.001)
+        assert await eng.abort(group[0].request_id)  # the leader: the followers' rows move, not break
+        res = [await t for t in tasks]
+        assert res[0].finish_reason == "abort"
+        for r in res[1:]:
+            assert r.output_ids == alone.output_ids and r.logprobs == alone.logprobs
+
+        tasks = [asyncio.ensure_future(eng.generate(r)) for r in group[:3]]
+        while eng.stats()["generated_tokens"] < len(alone.output_ids) * 3 + 12:
+            await asyncio.sleep(0.001)
+        out = await eng.pause("retract")
+        assert len(out) == 3 and all(r.retracted and r.finish_reason == "abort" for r in out)
+        await eng.resume()
+        part = out[0].output_ids
+        rest = SamplingParams(temperature=0.0, max_new_tokens=40 - len(part))
+        tail = await eng.generate(GenerateRequest(input_ids=PROMPTS[0] + part, sampling=rest))
+        assert part + tail.output_ids == alone.output_ids
+    finally:
+        await eng.close()
+        await plain.close()
