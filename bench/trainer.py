@@ -13,8 +13,8 @@ Attention over a pack is one flash varlen call (models/flash_varlen.py) when tor
 it agrees with the per-sequence loop on this GPU (checked first; else the loop).
 `--baseline` adds, at the first length, the unfused head and the per-sequence attention loop
 (dense) and the per-expert loop (MoE) for comparison, `--profile` a CUDA-time table of one
-step per model, `--compile` the same with `CausalLM.compile_blocks()` (fused norms, residuals
-and dense SwiGLU; compile time reported apart).
+step per model, `--compile` the same with `CausalLM.compile_blocks()` (fused norms, residuals,
+dense SwiGLU and the chunked head's softmax math; compile time reported apart).
 MFU, counted the standard way: 6 x non-embedding active parameters per token (the LM head
 GEMM included, the embedding lookup not) plus causal attention (12 x layers x heads x
 head_dim x mean context), over the peak measured by a bf16 8192^3 GEMM on the same GPU

@@ -18,6 +18,9 @@ the backward when all of them fit `SAVE_LOGITS_BYTES`, else recomputed (one more
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,8 +34,9 @@ def _chunks(m: int, vocab: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, m)) for a in range(0, m, step)]
 
 
-def _stats(z: torch.Tensor, tgt: torch.Tensor, entropy: bool) -> tuple[torch.Tensor, ...]:
-    """z [C, V] fp32 scaled logits -> (logp of tgt, lse, entropy or empty)."""
+def _stats(raw: torch.Tensor, tgt: torch.Tensor, t: float, entropy: bool) -> tuple[torch.Tensor, ...]:
+    """raw [C, V] logits of a chunk -> (logp of tgt, lse, entropy or empty), fp32, of raw / t."""
+    z = raw.float() / t
     lse = torch.logsumexp(z, dim=-1)
     logp = z.gather(-1, tgt.unsqueeze(-1)).squeeze(-1) - lse
     if not entropy:
@@ -42,11 +46,40 @@ def _stats(z: torch.Tensor, tgt: torch.Tensor, entropy: bool) -> tuple[torch.Ten
     return logp, lse, ent
 
 
+def _grad_logits(raw: torch.Tensor, tgt: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor,
+                 g_logp: torch.Tensor, g_ent: torch.Tensor, t: float, entropy: bool) -> torch.Tensor:
+    """d(loss)/d(raw logits) of a chunk, in raw's dtype (see the module doc)."""
+    logp_full = raw.float() / t - lse.unsqueeze(-1)
+    coef = g_logp.unsqueeze(-1)
+    if entropy:
+        coef = coef + g_ent.unsqueeze(-1) * (logp_full + ent.unsqueeze(-1))
+    gz = (-logp_full.exp() * coef).scatter_add(-1, tgt.unsqueeze(-1), g_logp.unsqueeze(-1))
+    return (gz / t).to(raw.dtype)
+
+
+@dataclass(frozen=True)
+class HeadOps:
+    """The per-chunk math: eager, or `torch.compile`d (`compiled_head_ops`) so that a chunk's
+    fp32 working set is a couple of fused passes over its logits instead of one per op."""
+
+    stats: Callable[..., tuple[torch.Tensor, ...]]
+    grad_logits: Callable[..., torch.Tensor]
+
+
+EAGER = HeadOps(_stats, _grad_logits)
+
+
+@functools.cache
+def compiled_head_ops(backend: str = "inductor") -> HeadOps:
+    return HeadOps(torch.compile(_stats, dynamic=True, backend=backend),
+                   torch.compile(_grad_logits, dynamic=True, backend=backend))
+
+
 class _ChunkedHead(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-        temperature: float, entropy: bool, grad: bool,
+        temperature: float, entropy: bool, grad: bool, ops: HeadOps,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         m, v = hidden.shape[0], weight.shape[0]
         save = grad and m * v * hidden.element_size() <= SAVE_LOGITS_BYTES
@@ -56,13 +89,13 @@ class _ChunkedHead(torch.autograd.Function):
         kept: list[torch.Tensor] = []
         for a, b in _chunks(m, v):
             raw = hidden[a:b] @ weight.t()
-            lp, ls, en = _stats(raw.float() / temperature, targets[a:b], entropy)
+            lp, ls, en = ops.stats(raw, targets[a:b], temperature, entropy)
             logp[a:b], lse[a:b] = lp, ls
             if entropy:
                 ent[a:b] = en
             if save:
                 kept.append(raw)
-        ctx.temperature, ctx.entropy, ctx.kept = temperature, entropy, kept
+        ctx.temperature, ctx.entropy, ctx.kept, ctx.ops = temperature, entropy, kept, ops
         ctx.save_for_backward(hidden, weight, targets, lse, ent)
         return logp, ent
 
@@ -71,28 +104,21 @@ class _ChunkedHead(torch.autograd.Function):
         ctx: Any, g_logp: torch.Tensor, g_ent: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, targets, lse, ent = ctx.saved_tensors
-        t, kept = ctx.temperature, ctx.kept
+        t, kept, ops = ctx.temperature, ctx.kept, ctx.ops
         m, v = hidden.shape[0], weight.shape[0]
         grad_h = torch.empty_like(hidden)
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for j, (a, b) in enumerate(_chunks(m, v)):
             raw = kept[j] if kept else hidden[a:b] @ weight.t()
-            z = raw.float() / t
-            logp_full = z - lse[a:b].unsqueeze(-1)
-            p = torch.exp(logp_full)
-            coef = g_logp[a:b].unsqueeze(-1)
-            if ctx.entropy:
-                coef = coef + g_ent[a:b].unsqueeze(-1) * (logp_full + ent[a:b].unsqueeze(-1))
-            gz = -p * coef
-            gz.scatter_add_(-1, targets[a:b].unsqueeze(-1), g_logp[a:b].unsqueeze(-1))
-            gl = (gz / t).to(hidden.dtype)
+            gl = ops.grad_logits(raw, targets[a:b], lse[a:b], ent[a:b] if ctx.entropy else ent,
+                                 g_logp[a:b], g_ent[a:b] if ctx.entropy else g_ent, t, ctx.entropy)
             grad_h[a:b] = gl @ weight
             if grad_w.dtype == weight.dtype:
                 grad_w.addmm_(gl.t(), hidden[a:b])
             else:
                 grad_w += (gl.t() @ hidden[a:b]).float()
         ctx.kept = []
-        return grad_h, grad_w.to(weight.dtype), None, None, None, None
+        return grad_h, grad_w.to(weight.dtype), None, None, None, None, None
 
 
 def chunked_head_logprobs(
@@ -101,11 +127,12 @@ def chunked_head_logprobs(
     targets: torch.Tensor,
     temperature: float = 1.0,
     entropy: bool = False,
+    ops: HeadOps = EAGER,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """hidden [M, H] (final, normed), weight [V, H] (the LM head), targets [M] ->
     (logprobs [M] fp32, entropy [M] fp32 or None) under softmax(hidden @ weight.T / temperature).
     """
     t = float(temperature) if temperature > 0 else 1.0
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    logp, ent = _ChunkedHead.apply(hidden, weight, targets.long(), t, entropy, grad)
+    logp, ent = _ChunkedHead.apply(hidden, weight, targets.long(), t, entropy, grad, ops)
     return logp, (ent if entropy else None)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from miles.models.chunked_logprobs import chunked_head_logprobs
+from miles.models.chunked_logprobs import EAGER, HeadOps, chunked_head_logprobs, compiled_head_ops
 from miles.models.compiled_block import CompiledOps, compiled_ops
 from miles.models.config import ModelSpec
 from miles.models.errors import ModelInputError
@@ -152,6 +152,7 @@ class CausalLM(nn.Module):
             None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         )
         self.packed_attention = "auto"  # how packed rows attend: varlen | masked | auto (`_varlen`)
+        self.head_ops: HeadOps = EAGER  # the chunked head's per-chunk math (`compile_blocks`)
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, std: float | None = None) -> None:
@@ -278,8 +279,9 @@ class CausalLM(nn.Module):
         if target_ids is not None:
             flat = h.reshape(b * t, -1)
             sel = flat[logits_index.to(h.device)] if logits_index is not None else flat
+            ops = self.head_ops if not invariant_active() else EAGER
             logp, ent = chunked_head_logprobs(self.model.norm(sel), self._head_weight(),
-                                              target_ids.to(h.device), temperature, return_entropy)
+                                              target_ids.to(h.device), temperature, return_entropy, ops)
             hidden = self.model.norm(h) if return_hidden else None
             logits = None
         else:
@@ -297,11 +299,13 @@ class CausalLM(nn.Module):
 
     def compile_blocks(self, backend: str = "inductor") -> None:
         """Run each block's norms, residual adds and dense SwiGLU MLP as `torch.compile`d
-        fused kernels (models/compiled_block.py); attention and MoE dispatch stay eager.
+        fused kernels (models/compiled_block.py), and the chunked head's per-chunk softmax math
+        (models/chunked_logprobs.py); attention and MoE dispatch stay eager.
         Numerics are the same ops, fused: equal up to floating-point rounding. Only on CUDA
         does it pay (Triton kernels); the first forward compiles (tens of seconds)."""
         for layer in self.model.layers:
             layer.ops = compiled_ops(layer._norm, backend)
+        self.head_ops = compiled_head_ops(backend)
 
     def _varlen(self, device: torch.device, t: int = VARLEN_AUTO_MIN_TOKENS) -> bool:
         """Packed rows through per-sequence attention (models/varlen.py) instead of a mask:

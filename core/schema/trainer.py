@@ -204,8 +204,8 @@ class TrainerConfig:
     )
     compile: bool = opt(
         False,
-        "torch.compile the policy's block pieces (fused norms, residual adds and dense SwiGLU: "
-        "CausalLM.compile_blocks); attention and MoE dispatch stay eager; the first step compiles "
+        "torch.compile the policy's block pieces (fused norms, residual adds and dense SwiGLU) and "
+        "the chunked LM head's softmax math (CausalLM.compile_blocks); attention and MoE dispatch stay eager; the first step compiles "
         "(tens of seconds); off by default until bench/trainer.py --compile shows it pays on the GPU",
     )
     mini_batches: int = opt(

@@ -114,3 +114,21 @@ def test_target_ids_shape_is_checked() -> None:
         model(ids, logits_index=torch.tensor([0, 1]), target_ids=torch.zeros(3, dtype=torch.long))
     out = model(ids, target_ids=torch.zeros(5, dtype=torch.long))
     assert out.logits is None and out.logprobs is not None and out.logprobs.shape == (5,)
+
+
+def test_compiled_head_ops_equal_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-chunk math through dynamo (eager backend: the wiring and graphs; inductor's
+    kernels are checked on the GPU by the bench), two chunk sizes, with entropy."""
+    monkeypatch.setattr(ch, "CHUNK_ELEMS", 6 * 40)
+    g = torch.Generator().manual_seed(4)
+    h0, w0 = torch.randn(15, 8, generator=g), torch.randn(40, 8, generator=g)
+    tgt = torch.randint(0, 40, (15,), generator=g)
+    out = []
+    for ops in (ch.EAGER, ch.compiled_head_ops("eager")):
+        h, w = h0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        lp, ent = ch.chunked_head_logprobs(h, w, tgt, 0.9, entropy=True, ops=ops)
+        assert ent is not None
+        (lp.sum() + 0.5 * ent.sum()).backward()
+        out.append((lp.detach(), ent.detach(), h.grad, w.grad))
+    for a, b in zip(*out, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
