@@ -43,7 +43,10 @@ class Stepper:
         # the batch-invariant mode is a Python-level op override. Captured, it records the Triton
         # kernels it dispatches to (models/invariant_triton.py, no host syncs); an expert kind
         # without an invariant kernel fails its capture, and decode stays eager (DecodeGraphs.failed).
-        use_graphs = cuda_graphs and device.type == "cuda" and (not batch_invariant or triton_kernels() is not None)
+        # Qwen3-Next's DeltaNet recurrence reduces with torch ops over the graph's padded batch, which
+        # the kernels do not cover: it decodes eagerly in this mode.
+        use_graphs = cuda_graphs and device.type == "cuda" and (
+            not batch_invariant or (triton_kernels() is not None and model.spec.model_type != "qwen3_next"))
         self.graphs = DecodeGraphs(model, pool, compiled=compile_decode) if use_graphs else None
 
     @torch.inference_mode()

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from miles.models.flash_varlen import flash_packed_attention
+from miles.models.invariant import invariant_active
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,8 @@ def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
                             scale: float) -> torch.Tensor:
     """q [1, heads, T, d], k and v [1, kv_heads, T, d] -> [1, heads, T, d], causal within each sequence.
     On CUDA one flash varlen call over the row where torch has it (models/flash_varlen.py)."""
-    fused = flash_packed_attention(q, k, v, seqs.bounds, scale)
+    # true on-policy: per-sequence SDPA calls, which `BatchInvariant` routes to its exact kernel
+    fused = None if invariant_active() else flash_packed_attention(q, k, v, seqs.bounds, scale)
     if fused is not None:
         return fused
     gqa = q.shape[1] != k.shape[1]
