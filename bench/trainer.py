@@ -233,9 +233,28 @@ def _steps(trainers: dict[str, FSDPTrainer], batch: TrainBatch, steps: int) -> d
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def _profile(t: FSDPTrainer, batch: TrainBatch, label: str) -> None:
-    """One step under the profiler: the ops with the most CUDA time (self), to see what limits."""
+def _profile(t: FSDPTrainer, batch: TrainBatch, label: str, result: dict[str, float]) -> None:
+    """One step under the profiler: the ops with the most CUDA time (self), to see what limits;
+    and, in a plain step, how long the clip + optimizer step takes (synchronised around it)."""
     from torch.profiler import ProfilerActivity, profile
+
+    inner = t._clip_and_step
+    spent: list[float] = []
+
+    def timed_step() -> float:
+        _sync()
+        t0 = time.perf_counter()
+        norm = inner()
+        _sync()
+        spent.append(time.perf_counter() - t0)
+        return norm
+
+    t._clip_and_step = timed_step  # type: ignore[method-assign]
+    total = _timed(t, batch)
+    del t._clip_and_step
+    result[f"{label.replace(' ', '_')}_optimizer_step_s"] = sum(spent)
+    result[f"{label.replace(' ', '_')}_step_s_with_optimizer_timed"] = total
+    print(f"## {label}: clip + optimizer step {sum(spent) * 1e3:.1f} ms of a {total * 1e3:.1f} ms step")
 
     _sync()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -368,7 +387,7 @@ def _cuda_model(name: str, spec: ModelSpec, args: argparse.Namespace, peak: floa
                 flash_varlen.ENABLED = True
     if args.profile:
         last = args.seqs[-1]
-        _profile(trainers["r3" if spec.is_moe else "live"], batches[last], f"{name} s{last}")
+        _profile(trainers["r3" if spec.is_moe else "live"], batches[last], f"{name} s{last}", result)
     if args.compile:  # last: compiling changes the trainer's model for good
         trainers["live"].policy.compile_blocks()
         t0 = time.perf_counter()
