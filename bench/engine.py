@@ -195,7 +195,8 @@ def hf_baseline(hf: Any, prompts: torch.Tensor, case: Case, gpu: bool) -> HFRun 
     t = timed(run)
     if run.failed:
         return None
-    print(f"# hf first run (on cuda: compile included): {t:.1f} s", flush=True)
+    if gpu:
+        print(f"# hf first run (static cache compile included): {t:.1f} s", flush=True)
     return run
 
 
