@@ -47,7 +47,9 @@ class Stepper:
         # the kernels do not cover: it decodes eagerly in this mode.
         use_graphs = cuda_graphs and device.type == "cuda" and (
             not batch_invariant or (triton_kernels() is not None and model.spec.model_type != "qwen3_next"))
-        self.graphs = DecodeGraphs(model, pool, compiled=compile_decode) if use_graphs else None
+        # compile_decode stays off under batch-invariant mode: its kernels intercept the eager ops
+        compiled = compile_decode and not batch_invariant
+        self.graphs = DecodeGraphs(model, pool, compiled=compiled) if use_graphs else None
 
     @torch.inference_mode()
     def step(self, decode: list[Sequence], prefill: list[Sequence]) -> StepOut:
