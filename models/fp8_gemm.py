@@ -5,12 +5,13 @@ Kernels (`KINDS`), for `y = x @ Ŵ.T`, `Ŵ` the contract's weights (128x128 bloc
 - `triton_a8`: activations quantized per token and 128 columns inside the GEMM, FP8 tensor
   cores (models/fp8_triton.py); one kernel per projection.
 - `cublas_a8`: the same math through `F.scaled_mm` (cuBLAS blockwise 1x128 x 128x128 scaling),
-  activations quantized by a separate kernel first: the fallback of `triton_a8`.
+  activations quantized by a separate kernel first (one Triton kernel where triton exists).
 - `triton_a16`: `Ŵ` rebuilt in registers in the activation dtype, bf16/fp16 tensor cores:
   the trainer's weight values exactly (activations not rounded), half the weight bytes.
 
-`engine.fp8_gemm = true` runs `triton_a8`, else `cublas_a8`; false runs `triton_a16`; where none
-applies (no triton, no sm90 kernels, shapes) the caller computes with the dequantized weights.
+`engine.fp8_gemm = true` runs the faster of `cublas_a8` and `triton_a8` for each shape (timed on
+first use); false runs `triton_a16`; where none applies (no triton, no sm90 kernels, shapes) the
+caller computes with the dequantized weights.
 A kernel that raises, or whose first result per shape disagrees with the dequantized reference,
 is logged once (`fp8_gemm_unavailable`) and not used again in this process.
 """
@@ -36,6 +37,40 @@ _validated: set[tuple[str, int, int]] = set()
 # cost ~4% (uniform random data, bench/gpu/fp8_gemm.py), bf16 output rounding ~0.3%
 _TOLERANCE = {"triton_a8": 0.1, "cublas_a8": 0.1, "triton_a16": 0.02}
 _has_triton: list[bool] = []
+# cuBLAS has no blockwise-scaled algorithm for some small M (CUBLAS_STATUS_NOT_SUPPORTED at M = 1 on
+# the H200, torch 2.11 / CUDA 13); M = 16 and 256 run: activations are padded with zero rows to a multiple
+_CUBLAS_ROWS = 16
+_pick: dict[tuple[bool, int, int, int], str] = {}  # (act_fp8, M bucket, N, K) -> the fastest kernel
+timings: dict[tuple[bool, int, int, int], dict[str, float]] = {}  # the same key -> us per kernel
+
+
+def graph_time(fn: Callable[[], None], reps: int = 10) -> float:
+    """ms per call, `reps` calls replayed as one CUDA graph (as the engine runs decode steps:
+    eager timing would measure Triton's per-launch CPU cost instead, and penalise the two-kernel
+    variant for it); eager if this cannot be captured."""
+    fn()  # build the kernel
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                fn()
+        run: Callable[[], None] = graph.replay
+        calls = reps
+    except Exception:  # noqa: BLE001 - timing only
+        run, calls = fn, 1
+    run()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(3):
+        run()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / (3 * calls)
 
 
 def has_triton() -> bool:
@@ -114,8 +149,12 @@ def run(kind: str, x2: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
         bias: torch.Tensor | None) -> torch.Tensor:
     """One kernel, no fallback: x2 [M, K] (bf16/fp16) -> [M, N]."""
     if kind == "cublas_a8":
-        xq, xs = cublas_act_quant(x2)
+        m = x2.shape[0]
+        pad = (-m) % _CUBLAS_ROWS
+        xq, xs = cublas_act_quant(F.pad(x2, (0, 0, 0, pad)) if pad else x2)
         out = blockwise_mm(xq, xs, codes, cublas_weight_scales(scale), x2.dtype)
+        if pad:
+            out = out[:m]
         return out + bias if bias is not None else out
     if kind in ("triton_a8", "triton_a16"):
         from miles.models.fp8_triton import fp8_linear
@@ -130,27 +169,56 @@ def usable(kind: str) -> bool:
     return has_triton() if kind.startswith("triton") else HAS_SCALED_MM
 
 
+def _m_bucket(m: int) -> int:
+    return max(16, 1 << (m - 1).bit_length())
+
+
 def cuda_linear(x2: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                 act_fp8: bool) -> torch.Tensor | None:
-    """The first usable kernel's result, or None (the caller computes with dequantized weights)."""
-    for kind in (("triton_a8", "cublas_a8") if act_fp8 else ("triton_a16",)):
-        if not usable(kind):
-            continue
-        try:
-            y = run(kind, x2, codes, scale, bias)
-        except Exception as exc:  # noqa: BLE001 - e.g. no sm90 kernels in this torch/GPU: try the next
-            _refuse(kind, f"{type(exc).__name__}: {exc}")
-            continue
-        key = (kind, codes.shape[0], codes.shape[1])
-        if key not in _validated and not (x2.is_cuda and torch.cuda.is_current_stream_capturing()):
-            err = rel_error(y, x2, codes, scale, bias)
-            if err is not None:
-                if not err <= _TOLERANCE[kind]:  # NaN refused too
-                    _refuse(kind, f"result differs from the dequantized weights' by {err:.3g} (relative)")
-                    continue
-                _validated.add(key)
-        return y
+    """The fastest usable kernel's result for this shape, or None (the caller computes with the
+    dequantized weights). The first call per (M bucket, N, K) outside a CUDA-graph capture runs
+    every usable kernel, checks it, times it (graph replays) and keeps the fastest."""
+    kinds = [k for k in (("cublas_a8", "triton_a8") if act_fp8 else ("triton_a16",)) if usable(k)]
+    key = (act_fp8, _m_bucket(x2.shape[0]), codes.shape[0], codes.shape[1])
+    capturing = x2.is_cuda and torch.cuda.is_current_stream_capturing()
+    if key not in _pick and not capturing and len(kinds) > 1:
+        timed = {}
+        for kind in kinds:
+            if _checked(kind, x2, codes, scale, bias) is not None:
+                timed[kind] = graph_time(lambda kind=kind: run(kind, x2, codes, scale, bias)) * 1e3
+        if timed:
+            _pick[key] = min(timed, key=timed.__getitem__)
+            timings[key] = {k: round(t, 2) for k, t in timed.items()}
+    if key in _pick and _pick[key] in kinds:
+        kinds.remove(_pick[key])
+        kinds.insert(0, _pick[key])
+    for kind in kinds:
+        y = _checked(kind, x2, codes, scale, bias, capturing)
+        if y is not None:
+            return y
     return None
+
+
+def _checked(kind: str, x2: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+             capturing: bool = False) -> torch.Tensor | None:
+    """`run(kind)`, or None with the kernel refused for good if it raises or (first result per
+    (N, K), outside a capture) disagrees with the dequantized weights."""
+    if not usable(kind):
+        return None
+    try:
+        y = run(kind, x2, codes, scale, bias)
+    except Exception as exc:  # noqa: BLE001 - e.g. no sm90 kernels in this torch/GPU: try the next
+        _refuse(kind, f"{type(exc).__name__}: {exc}")
+        return None
+    key = (kind, codes.shape[0], codes.shape[1])
+    if key not in _validated and not capturing:
+        err = rel_error(y, x2, codes, scale, bias)
+        if err is not None:
+            if not err <= _TOLERANCE[kind]:  # NaN refused too
+                _refuse(kind, f"result differs from the dequantized weights' by {err:.3g} (relative)")
+                return None
+            _validated.add(key)
+    return y
 
 
 def rel_error(y: torch.Tensor, x2: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,

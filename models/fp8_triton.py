@@ -23,11 +23,11 @@ capturing it); while capturing an untimed shape gets a default.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import triton
 import triton.language as tl
+
+from miles.models.fp8_gemm import graph_time
 
 BLOCK_K = 128  # = the weight block: one scale per K-step
 
@@ -108,6 +108,7 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 Config = tuple[int, int, int, int, bool]  # BLOCK_M, BLOCK_N, num_warps, num_stages, activations pre-quantized
 _chosen: dict[tuple[bool, int, int, int], Config] = {}
+timings: dict[tuple[bool, int, int, int], dict[str, float]] = {}
 
 
 def _m_bucket(m: int) -> int:
@@ -151,35 +152,6 @@ def _launch(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: tor
                              BLOCK_K=BLOCK_K, num_warps=warps, num_stages=stages)
 
 
-def _time(fn: Callable[[], None], reps: int = 10) -> float:
-    """ms per call, `reps` calls replayed as one CUDA graph (as the engine runs decode steps:
-    eager timing would measure Triton's per-launch CPU cost instead, and penalise the two-kernel
-    variant for it); eager if this cannot be captured."""
-    fn()  # build the kernel
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(reps):
-                fn()
-        run: Callable[[], None] = graph.replay
-        calls = reps
-    except Exception:  # noqa: BLE001 - timing only
-        run, calls = fn, 1
-    run()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(3):
-        run()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / (3 * calls)
-
-
 def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                quant_x: bool) -> torch.Tensor:
     """x [M, K] (bf16/fp16) @ Ŵ.T -> [M, N] in x's dtype. codes [N, K] float8_e4m3fn, scale
@@ -199,11 +171,12 @@ def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: 
             errors: list[str] = []
             for c in _candidates(m, quant_x):
                 try:
-                    timed[c] = _time(lambda c=c: _launch(x, codes, scale, bias, y, quant_x, c))
+                    timed[c] = graph_time(lambda c=c: _launch(x, codes, scale, bias, y, quant_x, c))
                 except Exception as exc:  # noqa: BLE001 - e.g. a tile too large for shared memory: skip it
                     errors.append(f"{c}: {type(exc).__name__}: {exc}")
             if not timed:
                 raise RuntimeError("no tile configuration of the FP8 Triton kernel ran: " + "; ".join(errors))
             cfg = _chosen[key] = min(timed, key=timed.__getitem__)
+            timings[key] = {str(c): round(t * 1e3, 2) for c, t in timed.items()}  # us, for the bench
     _launch(x, codes, scale, bias, y, quant_x, cfg)
     return y

@@ -316,6 +316,8 @@ def engine_tok_s(cfg: dict[str, Any], device: str, batch: int, new: int, repeats
     for k in ("fp8_a8", "fp8_a16"):
         out[f"ratio_{k}"] = statistics.median(b / f for b, f in zip(ts["base"], ts[k], strict=True))
     out["kernels_refused"] = dict(fp8_gemm.broken)
+    # the engine's per-shape choice (us per kernel, per (act_fp8, M bucket, N, K)), timed on first use
+    out["kernel_pick"] = {str(k): v for k, v in fp8_gemm.timings.items()}
     return out
 
 
@@ -375,6 +377,10 @@ def main() -> None:
         res["gemm_speedup_all4"] = {f"{r['layer']}_M{r['M']}": r["speedup"] for r in rows if r["proj"] == "all4"}
         res["kernels_refused"] = dict(fp8_gemm.broken)
         print("kernels refused:", res["kernels_refused"] or "none", flush=True)
+        if cuda and fp8_gemm.has_triton():  # the Triton tuner's candidates (us), per (a8, M bucket, N, K)
+            from miles.models import fp8_triton
+
+            res["triton_tiles"] = {str(k): v for k, v in fp8_triton.timings.items()}
     if "engine" in parts:
         e = res["engine"] = engine_tok_s(e2e_cfg, a.device, batch, new, max(3, reps // 10))
         print(f"engine decode (batch {batch}, {new} tokens): {base} {e['base_tok_s']:.0f} tok/s, "

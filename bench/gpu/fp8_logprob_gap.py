@@ -123,7 +123,7 @@ def main() -> None:
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     cuda = a.device != "cpu"
-    cfg = (tiny_config("qwen3", vocab_size=32000, hidden_size=2048, intermediate_size=6144, num_hidden_layers=8,
+    cfg = (tiny_config("qwen3", vocab_size=32000, hidden_size=1024, intermediate_size=3072, num_hidden_layers=4,
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128) if cuda else
            tiny_config("qwen3", vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
                        num_attention_heads=2, num_key_value_heads=1, head_dim=128))
@@ -140,6 +140,7 @@ def main() -> None:
     for k, v in res["gap"].items():
         print(f"{k:17} {v['mean']:>13.3e} {v['p99']:>10.3e} {v['max']:>10.3e} {v['tokens']:>7} {v['entropy']:>8.2f}"
               + (f"  refused: {v['kernels_refused']}" if v["kernels_refused"] else ""))
+    res["kernel_pick"] = {str(k): v for k, v in fp8_gemm.timings.items()}  # us per kernel, per (act_fp8, M, N, K)
     if "base" in res["gap"]:
         res["ratio_to_base"] = {k: v["mean"] / max(res["gap"]["base"]["mean"], 1e-30) for k, v in res["gap"].items()}
     line = json.dumps(res)

@@ -241,6 +241,7 @@ def test_a_kernel_that_fails_or_computes_wrong_is_refused(monkeypatch: pytest.Mo
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(4)).bfloat16()
     monkeypatch.setattr(fp8_gemm, "broken", {})
     monkeypatch.setattr(fp8_gemm, "_validated", set())
+    monkeypatch.setattr(fp8_gemm, "_pick", {})
     monkeypatch.setattr(fp8_gemm, "_has_triton", [True])
 
     def faulty(kind: str, x2: torch.Tensor, *_: torch.Tensor | None) -> torch.Tensor:
