@@ -55,5 +55,8 @@ def test_two_ranks_equal_one_rank(tmp_path: Path) -> None:
     assert m1["train/routing_overlap"] == pytest.approx(m2["train/routing_overlap"])
     assert m1["train/routing_overlap"] < 1.0
     assert w1.keys() == w2.keys()
+    # Adam scales each element's step by that element's own gradient size: where a gradient is
+    # near fp32 rounding noise (both runs are equally close to an fp64 reference), summing it
+    # over 1 or 2 ranks moves the weight by a visible fraction of lr (1e-4): 5% of lr allowed.
     for k in w1:
-        assert torch.allclose(w1[k], w2[k], atol=1e-6, rtol=0), k
+        assert torch.allclose(w1[k], w2[k], atol=5e-6, rtol=0), k
