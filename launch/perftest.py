@@ -30,7 +30,6 @@ from miles.core.errors import ConfigError, MilesError, PeerTimeout, TransportErr
 from miles.launch.slurm_env import SlurmEnv
 from miles.transport.perf.control import Control
 from miles.transport.perf.patterns import PATTERNS
-from miles.transport.perf.raw import Ctx
 from miles.transport.perf.sizes import parse_size, parse_sizes
 
 TRANSPORTS = ("zmq-ctl", "zmq-bulk", "ucx", "broadcast", "cuda-ipc", "disk")
@@ -197,6 +196,9 @@ def _drive(a: argparse.Namespace, sizes: list[int], max_bytes: int, bind: str, p
             proc = subprocess.Popen([sys.executable, "-m", "miles.launch.cli", "perftest", "--peer",
                                      f"127.0.0.1:{port}", "--connect-timeout", str(a.connect_timeout)])
             ctl.peer_alive = lambda: proc is not None and proc.poll() is None
+        # imported here: it brings torch, which no other `miles` command should pay for at start-up
+        from miles.transport.perf.raw import Ctx
+
         ctx = Ctx(a.device, sizes[-1], a.timeout, bind_host=bind, directory=directory)
         report: Report = asyncio.run(run_driver(ctl, a, ctx, sizes, max_bytes))
     finally:

@@ -15,13 +15,14 @@ from miles.core.schema import MilesConfig
 
 def validate_launch(cfg: MilesConfig) -> None:
     asynchronous = cfg.buffer.mode != "sync"
-    from miles.models.config import ModelSpec
     from miles.trainer.backends import check_backend, check_lora_launch
 
     # the model's architecture is known here only from a given model.path (the tiny preset is
     # written later); the trainer re-checks the parallel sizes against it when it starts
     spec = None
     if cfg.model.path and (Path(cfg.model.path) / "config.json").is_file():
+        from miles.models.config import ModelSpec  # imports torch: only with a model to read
+
         spec = ModelSpec.from_dir(cfg.model.path)
     check_backend(cfg.trainer, spec, asynchronous, cfg.trainer.world_size)
     check_lora_launch(cfg)  # the trainer re-checks when it starts (Slurm roles skip this process)

@@ -6,13 +6,15 @@ Entries are import paths, so megatron-core is imported only when 'megatron' is c
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles.core.errors import ConfigError
 from miles.core.hooks import Registry
 from miles.core.schema import MilesConfig
 from miles.core.schema.trainer import TrainerConfig
-from miles.models.config import ModelSpec
+
+if TYPE_CHECKING:  # models.config imports torch, which the launcher's checks do without
+    from miles.models.config import ModelSpec
 
 TRAINERS = Registry(
     "trainer.backend",
@@ -35,7 +37,7 @@ def check_backend(cfg: TrainerConfig, spec: ModelSpec | None, asynchronous: bool
             raise ConfigError("trainer.backend='megatron' needs trainer.device = 'cuda' or 'auto'")
         check_megatron_config(cfg, spec, asynchronous, world)
         return
-    from miles.trainer.fsdp import check_trainer_config
+    from miles.trainer.config_checks import check_trainer_config
 
     check_trainer_config(cfg, asynchronous, world)
 

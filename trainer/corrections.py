@@ -20,50 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-from miles.core.errors import ConfigError
 from miles.core.schema.trainer import CorrectionConfig
+from miles.trainer.config_checks import check_correction_config as check_correction_config
 from miles.trainer.metrics import StepMetrics
 from miles.trainer.policy_loss import sequence_log_ratio
 
-_WEIGHTED = ("tis", "clip_or_pop", "mis")
-_VALID = (*_WEIGHTED, "opsm")
 _CLAMP = 20.0
-
-
-def check_correction_config(cfg: CorrectionConfig, asynchronous: bool) -> None:
-    """Reject configs that cannot be right; `asynchronous` is the run's orchestration mode."""
-    unknown = [t for t in cfg.types if t not in _VALID]
-    if unknown:
-        raise ConfigError(
-            f"trainer.correction.types: unknown {unknown}; valid: {', '.join(_VALID)}"
-        )
-    if len(set(cfg.types)) != len(cfg.types):
-        raise ConfigError(f"trainer.correction.types: duplicates in {cfg.types}")
-    weighted = [t for t in cfg.types if t in _WEIGHTED]
-    if len(weighted) > 1:
-        raise ConfigError(
-            f"trainer.correction.types: {weighted} each reweight the same tokens; choose one of "
-            "tis, clip_or_pop, mis (opsm combines with any)"
-        )
-    if asynchronous and not cfg.types:
-        raise ConfigError(
-            "trainer.correction.types is empty but the run is asynchronous: rollouts come from "
-            "older weights and a different engine, so logp_old != logp_rollout and the policy "
-            "gradient is biased without an importance correction; choose tis, clip_or_pop or "
-            "mis (and optionally opsm)"
-        )
-    if "tis" in cfg.types and cfg.tis_cap <= 0:
-        raise ConfigError(f"trainer.correction.tis_cap must be > 0, got {cfg.tis_cap}")
-    if "clip_or_pop" in cfg.types and not 0 <= cfg.pop_low < 1 < cfg.pop_high:
-        raise ConfigError(
-            f"trainer.correction: need 0 <= pop_low < 1 < pop_high, got [{cfg.pop_low}, {cfg.pop_high}]"
-        )
-    if "mis" in cfg.types and not 0 <= cfg.mis_low < 1 < cfg.mis_high:
-        raise ConfigError(
-            f"trainer.correction: need 0 <= mis_low < 1 < mis_high, got [{cfg.mis_low}, {cfg.mis_high}]"
-        )
-    if "opsm" in cfg.types and cfg.opsm_delta < 0:
-        raise ConfigError(f"trainer.correction.opsm_delta must be >= 0, got {cfg.opsm_delta}")
 
 
 def needs_rollout_logprobs(cfg: CorrectionConfig) -> bool:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from miles.core.errors import ConfigError, TrainerError
+from miles.core.errors import TrainerError
 from miles.core.logging import get_logger
 from miles.core.schema.trainer import TrainerConfig
 from miles.models.config import ModelSpec
@@ -36,11 +36,8 @@ from miles.trainer.advantages import (
 )
 from miles.trainer.aggregation import Denominators, local_denominators
 from miles.trainer.batch import TrainBatch, TrainSample, split_mini_batches, validate_batch
-from miles.trainer.corrections import (
-    check_correction_config,
-    finish_ess,
-    needs_rollout_logprobs,
-)
+from miles.trainer.config_checks import check_trainer_config
+from miles.trainer.corrections import finish_ess, needs_rollout_logprobs
 from miles.trainer.deterministic import enable_deterministic
 from miles.trainer.dist import Collectives, ensure_process_group, pick_device
 from miles.trainer.distill import distill_advantages, load_teacher
@@ -68,21 +65,6 @@ from miles.transport.bulk.shard_plan import ShardExport
 
 log = get_logger("trainer.fsdp")
 _SUM_KEYS = ("train/loss", "train/pg_loss", "train/kl_loss", "train/value_loss")
-
-
-def check_trainer_config(cfg: TrainerConfig, asynchronous: bool, world: int) -> None:
-    """Cross-field checks; raise ConfigError naming the field."""
-    if cfg.backend != "fsdp":
-        raise ConfigError(f"trainer.backend={cfg.backend!r}: FSDPTrainer only runs 'fsdp'")
-    if world < 1 or (cfg.world_size and world != cfg.world_size):
-        raise ConfigError(f"trainer.world_size={cfg.world_size} but {world} ranks were started")
-    if cfg.micro_batch_tokens < 1 or cfg.mini_batches < 1:
-        raise ConfigError("trainer.micro_batch_tokens and trainer.mini_batches must be >= 1")
-    if cfg.temperature <= 0:
-        raise ConfigError(f"trainer.temperature must be > 0, got {cfg.temperature}")
-    if cfg.loss.eps_clip_low < 0 or cfg.loss.eps_clip_high < 0:
-        raise ConfigError("trainer.loss.eps_clip_low/high must be >= 0")
-    check_correction_config(cfg.correction, asynchronous)
 
 
 class FSDPTrainer:
