@@ -354,13 +354,14 @@ class TorchEngine(Engine):
         return key is not None and key in self.sessions
 
     def _copy_running_prompt(self, seq: Sequence, routed: bool) -> None:
-        """A running row holds seq's prompt (a group's earlier sample): copy all but its last
-        token, which seq's prefill feeds (engines/prompt_share.py). `routed`: seq or one of its
-        followers reports routing, so the source must have it and seq keeps the prefix's."""
-        src = self.share.source(seq, self.version, routed)
-        if src is None:
+        """A running row holds seq's prompt (a group's earlier sample: all but its last token
+        is copied) or begins like it (whole common blocks are); seq's prefill feeds the rest
+        (engines/prompt_share.py). `routed`: seq or one of its followers reports routing, so
+        the source must have it and seq keeps the prefix's."""
+        found = self.share.source(seq, self.version, routed)
+        if found is None:
             return
-        n = len(seq.tokens) - 1
+        src, n = found
         self.pool.share(src.row, seq.row, 1, n)
         seq.kv_len = n
         if routed:

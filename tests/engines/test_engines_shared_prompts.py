@@ -11,13 +11,14 @@ import asyncio
 
 import numpy as np
 import pytest
+import torch
 
 from miles.core.schema.engine import EngineConfig
 from miles.engines.base import GenerateRequest, GenerateResult, SamplingParams
 from miles.engines.torch_engine import TorchEngine
 from miles.models.decoder import CausalLM
 
-from .conftest import tiny_model
+from .conftest import VOCAB, tiny_model
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -123,16 +124,17 @@ async def until_running(eng: TorchEngine, n: int) -> None:
 
 
 async def late_group(
-    model: CausalLM, share: bool, routed: tuple[bool, bool], commit_between: bool = False
+    model: CausalLM, share: bool, routed: tuple[bool, bool], commit_between: bool = False,
+    prompts: tuple[list[int], ...] = (PROMPTS[0],) * 4,
 ) -> tuple[list[GenerateResult], int]:
     """Sample 0 of a group runs alone; samples 1-3 arrive while it is running (held back by an
     in-place pause, so they are admitted together in the next iteration, while it still runs)."""
-    eng = TorchEngine(model, EngineConfig(max_batch_size=8, max_seq_len=64, share_prompts=share),
+    eng = TorchEngine(model, EngineConfig(max_batch_size=8, max_seq_len=320, share_prompts=share),
                       batch_invariant=True)
     try:
         def r(i: int) -> GenerateRequest:
             sp = SamplingParams(temperature=1.0, max_new_tokens=20 if i == 0 else 6, seed=i)
-            return GenerateRequest(input_ids=list(PROMPTS[0]), sampling=sp, return_routed_experts=routed[i > 0])
+            return GenerateRequest(input_ids=list(prompts[i]), sampling=sp, return_routed_experts=routed[i > 0])
 
         first = asyncio.ensure_future(eng.generate(r(0)))
         await until_running(eng, 1)
@@ -200,3 +202,21 @@ async def test_aborting_the_leader_or_retracting_the_group_keeps_rows_right(dens
     finally:
         await eng.close()
         await plain.close()
+
+
+@pytest.mark.parametrize("routed", [(False, False), (True, True)])
+async def test_prompts_that_begin_alike_share_whole_blocks(moe_model: CausalLM, routed: tuple[bool, bool]) -> None:
+    """A running prompt and newcomers with the same 150-token system prompt and their own
+    questions: each newcomer copies the 2 common 64-token blocks (128 positions) and
+    prefills the rest; one newcomer has the running prompt itself (all but its last token)."""
+    g = torch.Generator().manual_seed(1)
+    system = torch.randint(0, VOCAB, (150,), generator=g).tolist()
+    first = system + [1, 2, 3]
+    prompts = (first, system + [4, 5], system[:130] + [6] * 30, list(first))
+    shared, n_shared = await late_group(moe_model, True, routed, prompts=prompts)
+    plain, _ = await late_group(moe_model, False, routed, prompts=prompts)
+    assert n_shared == 128 + 128 + (len(first) - 1)
+    assert_same(shared, plain)
+    if routed[0]:  # the copied prefix's routing is the newcomer's own, as a full prefill reports it
+        for r, p in zip(shared, prompts, strict=True):
+            assert r.routed_experts is not None and r.routed_experts.shape[0] == len(p) + len(r.output_ids)
