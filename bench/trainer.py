@@ -387,7 +387,10 @@ def _cuda_model(name: str, spec: ModelSpec, args: argparse.Namespace, peak: floa
                 flash_varlen.ENABLED = True
     if args.profile:
         last = args.seqs[-1]
-        _profile(trainers["r3" if spec.is_moe else "live"], batches[last], f"{name} s{last}", result)
+        try:
+            _profile(trainers["r3" if spec.is_moe else "live"], batches[last], f"{name} s{last}", result)
+        except Exception as exc:  # noqa: BLE001 - a profiler failure must not lose the numbers
+            print(f"{name}: profile failed: {exc!r}")
     if args.compile:  # last: compiling changes the trainer's model for good
         trainers["live"].policy.compile_blocks()
         t0 = time.perf_counter()
