@@ -13,8 +13,8 @@ Attention over a pack is one flash varlen call (models/flash_varlen.py) when tor
 it agrees with the per-sequence loop on this GPU (checked first; else the loop).
 `--baseline` adds, at the first length, the unfused head and the per-sequence attention loop
 (dense) and the per-expert loop (MoE) for comparison, `--profile` a CUDA-time table of one
-step per model, `--compile` the same with `CausalLM.compile_blocks()` (fused norms, residuals,
-dense SwiGLU and the chunked head's softmax math; compile time reported apart).
+step per model, `--compile` then the live runs with `CausalLM.compile_blocks()` (fused norms,
+residuals, dense SwiGLU and the chunked head's softmax math; compile time reported apart).
 MFU, counted the standard way: 6 x non-embedding active parameters per token (the LM head
 GEMM included, the embedding lookup not) plus causal attention (12 x layers x heads x
 head_dim x mean context), over the peak measured by a bf16 8192^3 GEMM on the same GPU
@@ -32,7 +32,7 @@ import functools
 import json
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -335,6 +335,28 @@ def _check_flash_varlen(result: dict[str, float], g: torch.Generator) -> None:
     result["flash_varlen_used"] = float(ok)
 
 
+def _baselines(spec: ModelSpec, t: FSDPTrainer, batch: TrainBatch, seq: int, args: argparse.Namespace,
+               record: Callable[[str, int, float, int], None]) -> None:
+    """The same step through the older paths: the per-expert loop (MoE); the unfused head and
+    the per-sequence attention loop (dense)."""
+    live = {"live": t}
+    if spec.is_moe:
+        _set_experts(t, "loop")
+        try:
+            record("live_loop_experts", seq, _steps(live, batch, args.steps)["live"], batch.num_tokens)
+        finally:
+            _set_experts(t, "auto")
+        return
+    with _unfused_head():
+        record("live_unfused_head", seq, _steps(live, batch, args.steps)["live"], batch.num_tokens)
+    if flash_varlen.ENABLED:
+        flash_varlen.ENABLED = False
+        try:
+            record("live_loop_attention", seq, _steps(live, batch, args.steps)["live"], batch.num_tokens)
+        finally:
+            flash_varlen.ENABLED = True
+
+
 def _cuda_model(name: str, spec: ModelSpec, args: argparse.Namespace, peak: float,
                 result: dict[str, float], rows: list[tuple]) -> None:
     dev = "cpu" if args.smoke else "cuda"
@@ -370,21 +392,11 @@ def _cuda_model(name: str, spec: ModelSpec, args: argparse.Namespace, peak: floa
             result[f"{name}_s{seq}_r3_overhead"] = times["r3"] / times["live"] - 1.0
     first = args.seqs[0]
     if args.baseline:
-        live = {"live": trainers["live"]}
-        if spec.is_moe:
-            _set_experts(trainers["live"], "loop")
-            record("live_loop_experts", first, _steps(live, batches[first], args.steps)["live"],
-                   batches[first].num_tokens)
-            _set_experts(trainers["live"], "auto")
-        else:
-            with _unfused_head():
-                record("live_unfused_head", first, _steps(live, batches[first], args.steps)["live"],
-                       batches[first].num_tokens)
-            if flash_varlen.ENABLED:
-                flash_varlen.ENABLED = False
-                record("live_loop_attention", first, _steps(live, batches[first], args.steps)["live"],
-                       batches[first].num_tokens)
-                flash_varlen.ENABLED = True
+        try:
+            _baselines(spec, trainers["live"], batches[first], first, args, record)
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory: the main numbers stand
+            print(f"{name}: baseline failed: {exc!r}")
+            _empty_cache()
     if args.profile:
         last = args.seqs[-1]
         try:
@@ -395,9 +407,11 @@ def _cuda_model(name: str, spec: ModelSpec, args: argparse.Namespace, peak: floa
         trainers["live"].policy.compile_blocks()
         t0 = time.perf_counter()
         try:
-            dt = _steps({"live": trainers["live"]}, batches[first], args.steps)["live"]
-            record("live_compiled", first, dt, batches[first].num_tokens)
-            result[f"{name}_compile_warmup_s"] = time.perf_counter() - t0 - dt * args.steps
+            for seq, batch in batches.items():
+                dt = _steps({"live": trainers["live"]}, batch, args.steps)["live"]
+                record("live_compiled", seq, dt, batch.num_tokens)
+                if seq == first:
+                    result[f"{name}_compile_warmup_s"] = time.perf_counter() - t0 - dt * args.steps
         except Exception as exc:  # noqa: BLE001 - report and go on: the other numbers stand
             print(f"{name}: compiled blocks failed: {exc!r}")
             result[f"{name}_compile_failed"] = 1.0
