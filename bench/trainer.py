@@ -11,8 +11,8 @@ the trainer's default ("auto": varlen at these pack sizes). The head is the chun
 one and MoE experts the grouped GEMM (models/chunked_logprobs.py, models/grouped_moe.py);
 Attention over a pack is one flash varlen call (models/flash_varlen.py) when torch has it and
 it agrees with the per-sequence loop on this GPU (checked first; else the loop).
-`--baseline` adds, at the first length, the unfused head and the per-sequence attention loop
-(dense) and the per-expert loop (MoE) for comparison, `--profile` a CUDA-time table of one
+`--baseline` adds, at the first length, the unfused head, the per-sequence attention loop and
+4k-token packs masked vs varlen (dense), and the per-expert loop (MoE) for comparison, `--profile` a CUDA-time table of one
 step per model, `--compile` then the live runs with `CausalLM.compile_blocks()` (fused norms,
 residuals, dense SwiGLU and the chunked head's softmax math; compile time reported apart).
 MFU, counted the standard way: 6 x non-embedding active parameters per token (the LM head
@@ -355,6 +355,15 @@ def _baselines(spec: ModelSpec, t: FSDPTrainer, batch: TrainBatch, seq: int, arg
             record("live_loop_attention", seq, _steps(live, batch, args.steps)["live"], batch.num_tokens)
         finally:
             flash_varlen.ENABLED = True
+    # 4k-token packs (where trainer.packed_attention = auto picks the mask): mask vs varlen
+    small = argparse.Namespace(**{**vars(args), "micro_tokens": 4096})
+    pair = {m: _trainer(spec, (False, m), "cpu" if args.smoke else "cuda", small) for m in ("masked", "varlen")}
+    try:
+        for m, dt in _steps(pair, batch, args.steps).items():
+            record(f"live_4k_packs_{m}", seq, dt, batch.num_tokens)
+    finally:
+        for tr in pair.values():
+            tr.close()
 
 
 def _cuda_model(name: str, spec: ModelSpec, args: argparse.Namespace, peak: float,
