@@ -37,8 +37,10 @@ class EngineConfig:
     )
     share_prompts: bool = opt(
         True,
-        "torch engine: requests admitted together with identical token ids (a GRPO group's n samples) "
-        "prefill once; the others copy its KV and first-token logits (results unchanged)",
+        "torch engine: compute a prompt's KV once and copy it: requests admitted together with identical ids "
+        "(a GRPO group's n samples) prefill one of them; a newcomer copies what a running row holds of its "
+        "prompt (all of it, or whole 64-token blocks) under the same weights (engines/prompt_share.py; "
+        "bit-equal results under batch_invariant)",
     )
     fp8_gemm: bool = opt(
         True,
