@@ -15,21 +15,22 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
 
 from miles.core.errors import TrainerError
 from miles.models.config import ModelSpec
 from miles.models.decoder import CausalLM
 from miles.models.hf_io import hf_tensor_views, load_hf_tensors, save_model
 from miles.models.registry import build_model
+from miles.trainer.sharding import is_dtensor
 
 
 def save(
     path: str | Path, module: nn.Module, opt: torch.optim.Optimizer, meta: dict[str, Any]
 ) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     d = Path(path)
     d.mkdir(parents=True, exist_ok=True)
     msd, osd = get_state_dict(module, opt)
@@ -44,6 +45,9 @@ def save(
 
 
 def load(path: str | Path, module: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     d = Path(path)
     rank = dist.get_rank()
     if not (d / "meta.json").is_file():
@@ -83,7 +87,7 @@ def iter_hf_state(model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
     Gathering is a collective: every rank must consume the iterator to the end, in step.
     """
     for name, p in model.named_parameters():
-        full = p.full_tensor() if isinstance(p, DTensor) else p
+        full = p.full_tensor() if is_dtensor(p) else p
         views = hf_tensor_views(_OneParam(model.spec, name, full.detach()))  # type: ignore[arg-type]
         yield from views.items()
 

@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from miles.core.errors import TrainerError
 from miles.core.logging import get_logger
@@ -57,7 +56,7 @@ from miles.trainer.optim import lr_at, set_lr
 from miles.trainer.optim_stream import build_optimizer
 from miles.trainer.packing import MicroBatch, filler_micro_batch, pack, plan_micro_batches
 from miles.trainer.rl_loss import LossInputs, rl_loss
-from miles.trainer.sharding import build_policy, compute_dtype, make_mesh, shard
+from miles.trainer.sharding import build_policy, compute_dtype, is_dtensor, make_mesh, shard, wraps
 from miles.trainer.true_on_policy import invariant_forward
 from miles.trainer.value import ValueModel
 from miles.transport.bulk.flat import FlatWeights
@@ -95,8 +94,7 @@ class FSDPTrainer:
         self.device = pick_device(cfg.device, rank)
         ensure_process_group(rank, world, self.device)
         self.dtype = compute_dtype(cfg.param_dtype, self.device)
-        mesh = make_mesh(self.device, world)
-        plain = not self.wrap_single_rank
+        mesh = make_mesh(self.device, world) if self.wrap_single_rank or wraps(world, self.dtype) else None
         policy = build_policy(model_spec, init_checkpoint, seed)
         policy.packed_attention = cfg.packed_attention
         if cfg.compile:
@@ -106,12 +104,12 @@ class FSDPTrainer:
             apply_lora(policy, cfg.lora, seed)
         self.replay = cfg.routing_replay and model_spec.is_moe
         self.probe = RouterProbe(policy) if model_spec.is_moe else None
-        shard(policy, [policy], mesh, self.device, self.dtype, plain_single_rank=plain)
+        shard(policy, [policy], mesh, self.device, self.dtype)
         parts: dict[str, nn.Module] = {"policy": policy}
         self.critic: ValueModel | None = None
         if cfg.advantage.estimator == "ppo":
             self.critic = ValueModel(model_spec, seed=seed + 1)
-            shard(self.critic, [self.critic.lm], mesh, self.device, self.dtype, plain_single_rank=plain)
+            shard(self.critic, [self.critic.lm], mesh, self.device, self.dtype)
             parts["critic"] = self.critic
         # an unsharded container of the sharded roots, for one optimizer and one checkpoint
         self.trainable = nn.ModuleDict(parts)
@@ -120,11 +118,11 @@ class FSDPTrainer:
         if cfg.loss.kl_coef:
             ref = build_policy(model_spec, ref_checkpoint or init_checkpoint, seed)
             ref.requires_grad_(False)
-            self.ref = shard(ref, [ref], mesh, self.device, self.dtype, plain_single_rank=plain)
+            self.ref = shard(ref, [ref], mesh, self.device, self.dtype)
         self.teacher: nn.Module | None = None
         if cfg.distill.teacher_checkpoint:
             teacher = load_teacher(cfg.distill, model_spec)
-            self.teacher = shard(teacher, [teacher], mesh, self.device, self.dtype, plain_single_rank=plain)
+            self.teacher = shard(teacher, [teacher], mesh, self.device, self.dtype)
         self.opt = build_optimizer(self.trainable.parameters(), cfg, self.device, rank)
         self.coll = Collectives(self.device)
         self.step = 0
@@ -494,7 +492,7 @@ class FSDPTrainer:
                 # One rank holds every parameter whole: no gather, and the export is one
                 # multi-tensor copy into the buffer (trainer/flat_export.py).
                 self._ensure_loaded()
-                local = [(n, (p.to_local() if isinstance(p, DTensor) else p).detach())
+                local = [(n, (p.to_local() if is_dtensor(p) else p).detach())
                          for n, p in self.policy.named_parameters()]
                 return self._flat_export.fill_local(self.policy.spec, local, dtype)
             return self._flat_export.fill(self.export_hf_state(), dtype)
@@ -511,9 +509,9 @@ class FSDPTrainer:
             raise TrainerError("export_sharded_state(): LoRA syncs the adapter payload (export_sync_state), "
                                "not sharded full weights")
         self._ensure_loaded()
-        params = [(n, (p.to_local() if isinstance(p, DTensor) else p).detach(), tuple(p.shape))
+        params = [(n, (p.to_local() if is_dtensor(p) else p).detach(), tuple(p.shape))
                   for n, p in self.policy.named_parameters()]
-        if self.world > 1 and not all(isinstance(p, DTensor) for p in self.policy.parameters()):
+        if self.world > 1 and not all(is_dtensor(p) for p in self.policy.parameters()):
             raise TrainerError("export_sharded_state(): every parameter must be an FSDP2 DTensor shard")
         return self._shard_export.fill(self.policy.spec, params, self.rank, self.world, dtype)
 

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.nn.utils import parametrize
 
 from miles.core.errors import ConfigError
@@ -25,6 +24,7 @@ from miles.models.decoder import CausalLM
 from miles.models.hf_io import hf_tensor_views
 from miles.models.lora import SCALE_NAME, merge_weight, scale_tensor
 from miles.trainer.checkpoint import _OneParam
+from miles.trainer.sharding import is_dtensor
 
 _ORIG = ".parametrizations.weight.original"
 
@@ -62,7 +62,7 @@ def apply_lora(model: CausalLM, cfg: LoraConfig, seed: int) -> list[str]:
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+    return (t.full_tensor() if is_dtensor(t) else t).detach()
 
 
 def iter_adapters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -15,16 +15,20 @@ precision is what casts the fp32 master weights for each forward.
 
 from __future__ import annotations
 
+import sys
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from miles.core.errors import ConfigError
 from miles.models.config import ModelSpec
 from miles.models.decoder import CausalLM
 from miles.models.hf_io import load_model
 from miles.models.registry import build_model
+
+if TYPE_CHECKING:  # torch.distributed.device_mesh / fsdp are imported where a mesh is made
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def compute_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -37,7 +41,21 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
     raise ConfigError(f"trainer.param_dtype={name!r}: expected auto, float32 or bfloat16")
 
 
+def wraps(world: int, dtype: torch.dtype) -> bool:
+    """Whether the trainer's models are FSDP2-wrapped: not for one rank computing in fp32."""
+    return world > 1 or dtype != torch.float32
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    """`isinstance(t, DTensor)` without importing torch.distributed.tensor where nothing was
+    sharded: a DTensor can exist only once that module is loaded."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
+
+
 def make_mesh(device: torch.device, world: int) -> DeviceMesh:
+    from torch.distributed.device_mesh import init_device_mesh
+
     return init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
 
 
@@ -67,17 +85,17 @@ def _units(model: nn.Module) -> list[nn.Module]:
 def shard(
     root: nn.Module,
     lms: list[nn.Module],
-    mesh: DeviceMesh,
+    mesh: DeviceMesh | None,
     device: torch.device,
     dtype: torch.dtype,
-    *,
-    plain_single_rank: bool = True,
 ) -> nn.Module:
-    """Move `root` to `device` and apply fully_shard to each block of each LM in `lms`, then root
-    (unless `plain_single_rank` and the mesh is one rank computing in fp32: see the module doc)."""
+    """Move `root` to `device` and apply fully_shard to each block of each LM in `lms`, then root;
+    with no mesh (one fp32 rank, see `wraps`) it stays a plain module."""
     root.to(device)
-    if plain_single_rank and mesh.size() == 1 and dtype == torch.float32:
+    if mesh is None:
         return root
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     mp = (
         MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         if dtype != torch.float32
