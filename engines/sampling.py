@@ -1,7 +1,9 @@
 """Batched next-token choice: greedy or seeded sampling with top-k / top-p, plus reported logprobs.
 
 Every request owns a `torch.Generator`, so its samples do not depend on which other
-requests share the batch.
+requests share the batch. Per step, each sampled row costs one kernel (its exponential
+draw); softmax, argmax and the logprob gather run once for the batch, and one copy brings
+ids and logprobs to the host.
 """
 
 from __future__ import annotations
@@ -43,10 +45,32 @@ def choose_tokens(
         scaled = scale_logits(logits, temps.unsqueeze(-1))
     logp = torch.log_softmax(scaled, dim=-1)
     tokens = torch.argmax(scaled, dim=-1)
-    for i, (p, g) in enumerate(zip(params, generators, strict=True)):
-        if p.temperature <= 0:
-            continue
-        probs = torch.softmax(_truncate(scaled[i], p.top_k, p.top_p), dim=-1)
-        tokens[i] = torch.multinomial(probs, 1, generator=g)[0]
+    rows = [i for i, p in enumerate(params) if p.temperature > 0]
+    if rows:
+        tokens[rows] = _sample(scaled, rows, params, generators)
     chosen = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    return tokens.tolist(), chosen.tolist()
+    # one device-to-host copy for both (ids are exact in float64)
+    ids, lps = torch.stack((tokens.to(torch.float64), chosen.to(torch.float64))).tolist()
+    if any(lp != lp for lp in lps):  # NaN: the model's logits are not finite
+        raise ValueError("sampling: non-finite logits (NaN logprob of a chosen token)")
+    return [int(t) for t in ids], lps
+
+
+def _sample(
+    scaled: torch.Tensor, rows: list[int], params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    """Token ids of `rows`, each drawn from softmax of its (truncated) scaled logits with its
+    own generator: argmax(p / E), E ~ Exp(1) drawn from the row's generator, which is what
+    `torch.multinomial(p, 1, generator=g)` computes (the same ids for the same seed), with one
+    batched softmax and argmax and no host sync per row (multinomial checks its input with
+    one)."""
+    sub = scaled[rows]
+    for j, i in enumerate(rows):
+        p = params[i]
+        if p.top_k > 0 or p.top_p < 1.0:
+            sub[j] = _truncate(sub[j], p.top_k, p.top_p)
+    probs = torch.softmax(sub, dim=-1)
+    race = torch.empty_like(probs)
+    for j, i in enumerate(rows):
+        race[j].exponential_(1.0, generator=generators[i])
+    return (probs / race).argmax(dim=-1)
