@@ -365,9 +365,9 @@ class TorchEngine(Engine):
         self.pool.share(src.row, seq.row, 1, n)
         seq.kv_len = n
         if routed:
-            routed = src.routed_array(self.spec)
-            assert routed is not None
-            seq.routed_prefix = routed[:n]
+            experts = src.routed_array(self.spec)
+            assert experts is not None
+            seq.routed_prefix = experts[:n]
         self.share.tokens += n
 
     def _restore_session(self, seq: Sequence) -> None:
