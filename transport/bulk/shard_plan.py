@@ -1,35 +1,39 @@
 """The transfer plan of a sharded weight sync: which trainer rank sends which bytes where.
 
 No rank holds the whole model. Each trainer rank owns a slice of every parameter (FSDP2:
-rows [a, b) of dim 0); each parameter holds one or more HF tensors (a fused q/k/v or
-gate/up projection: row ranges; stacked experts: one expert per index of dim 0). The plan
-intersects the two and says, for every (trainer rank, HF tensor slice):
+rows [a, b) of dim 0; Megatron row-parallel layers: columns [a, b) of dim 1); each parameter
+holds one or more HF tensors, each as one or more row segments (a fused gate/up projection:
+two row ranges; Megatron's fused QKV: one segment of q, k and v per query group; stacked
+experts: one expert per index of dim 0). The plan intersects the two and says, for every
+(trainer rank, HF tensor slice):
 
 - where its bytes lie in the rank's *send buffer* (the rank's own slices, cast to the wire
   dtype, back to back in engine order: the only copy a rank makes, and only of what it owns);
 - which engine layout group receives it, and where its bytes land in that group's flat
-  plan (transport/bulk/flat.py: the engine's staging slots, HF order).
+  plan (transport/bulk/flat.py: the engine's staging slots, HF order). A column slice
+  [rows, c0:c1) is one contiguous block in the send buffer and a strided set of row
+  segments on the engine (`Piece.stride`): each HF row gets bytes [c0, c1) of that row.
 
 It is computed once from both sides' layouts (`TrainerLayout`, `EngineLayout`) and rebuilt
 when either changes (its `digest` names it). Everything here is plain data: no torch
 collectives, no sockets; `transport/bulk/coordinator.py` moves the bytes it describes.
 
 Layouts covered:
-- trainer: FSDP2 dim-0 shards (`fsdp_rows`), replicated parameters (owned by rank 0), and
-  any layout that gives each rank row ranges of HF tensors (`ParamLayout.owned`): that is
-  also the form of a Megatron TP column-parallel slice (fused QKV per query group: one row
-  range of q, k and v per group) and of EP (whole experts). Megatron row-parallel slices
-  (dim 1) are columns of an HF tensor and do not fit a byte range; see docs/sync_at_scale.md.
+- trainer: FSDP2 dim-0 shards (`TrainerLayout.fsdp`), replicated parameters (owned by one
+  rank), and Megatron TP/EP/PP (`transport/bulk/shard_megatron.py`: column-parallel fused
+  QKV and gate/up as row segments, row-parallel `linear_proj`/`linear_fc2` as column
+  slices, vocab-parallel embedding rows, whole experts per EP rank, optionally TP-split).
 - engine: a group of engines holding the same rows of each HF tensor. Whole-model engines
   are one group holding every row; a TP engine split on dim 0 is one group per TP rank.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import xxhash
 
 from miles.core.errors import SyncError
@@ -54,26 +58,42 @@ class HFPart:
     expert: int | None
     rows: Rows  # of the parameter's row axis (dim 0, or dim 1 under an expert axis)
     row_shape: tuple[int, ...]  # shape of one row (the HF tensor's trailing dims)
+    at: int = 0  # the HF row where `rows` begin (an HF tensor held as several segments)
+    hf_rows: int = 0  # the HF tensor's row count (0: just `rows`, the tensor is one segment)
+
+    @property
+    def total_rows(self) -> int:
+        return self.hf_rows or self.rows[1] - self.rows[0]
 
 
 @dataclass(frozen=True)
 class ParamLayout:
-    """A trainer parameter: its full shape, the HF tensors it holds, and who owns which dim-0 rows."""
+    """A trainer parameter: its full shape, the HF tensors it holds, and who owns which slice.
+
+    `owned[r]` is the [a, b) range of dim `dim` rank r holds: dim 0 (rows: FSDP2, Megatron
+    column-parallel, vocab-parallel) or dim 1 (columns: Megatron row-parallel; every part then
+    spans whole rows, the rank holds all of them, and its local tensor is [rows, b - a])."""
 
     name: str
     shape: tuple[int, ...]
     parts: tuple[HFPart, ...]
-    owned: tuple[Rows, ...]  # per trainer rank: rows [a, b) of dim 0 (a == b: nothing)
+    owned: tuple[Rows, ...]  # per trainer rank: [a, b) of dim `dim` (a == b: nothing)
+    dim: int = 0
 
     def __post_init__(self) -> None:
+        if self.dim not in (0, 1) or (self.dim == 1 and len(self.shape) < 2):
+            raise SyncError(f"parameter {self.name!r} of shape {self.shape}: cannot be split on dim {self.dim}")
+        if self.dim == 1 and any(p.expert is not None for p in self.parts):
+            raise SyncError(f"parameter {self.name!r}: a column split under an expert axis is not a plan layout "
+                            "(give each expert its own parameter)")
         pos = 0
         for a, b in self.owned:
             if a != b and a != pos:
-                raise SyncError(f"parameter {self.name!r}: rank row ranges {self.owned} do not tile dim 0")
+                raise SyncError(f"parameter {self.name!r}: rank ranges {self.owned} do not tile dim {self.dim}")
             pos = max(pos, b)
-        if self.shape and pos != self.shape[0]:
-            raise SyncError(f"parameter {self.name!r}: rank row ranges {self.owned} cover {pos} of "
-                            f"{self.shape[0]} rows")
+        if self.shape and pos != self.shape[self.dim]:
+            raise SyncError(f"parameter {self.name!r}: rank ranges {self.owned} cover {pos} of "
+                            f"{self.shape[self.dim]} along dim {self.dim}")
 
 
 @dataclass(frozen=True)
@@ -94,8 +114,12 @@ class TrainerLayout:
         return cls(tuple(out), world, dtype)
 
     def hf_tensors(self) -> list[tuple[str, tuple[int, ...]]]:
-        """(HF name, full shape) in trainer order: the order of a whole-model engine's plan."""
-        return [(p.hf_name, (p.rows[1] - p.rows[0], *p.row_shape)) for prm in self.params for p in prm.parts]
+        """(HF name, full shape) in trainer order (first segment): the order of a whole-model engine's plan."""
+        out: dict[str, tuple[int, ...]] = {}
+        for prm in self.params:
+            for p in prm.parts:
+                out.setdefault(p.hf_name, (p.total_rows, *p.row_shape))
+        return list(out.items())
 
 
 @dataclass(frozen=True)
@@ -134,7 +158,11 @@ class EngineLayout:
 
 @dataclass(frozen=True)
 class Piece:
-    """Bytes one trainer rank owns of one HF tensor, bound for one engine group."""
+    """Bytes one trainer rank owns of one HF tensor, bound for one engine group.
+
+    `stride` 0: one contiguous run (src, dst, nbytes). Otherwise a column block: `nbytes` lie
+    contiguously at `src` (the rank's [rows, cols] slice, row-major) and row i of it lands at
+    `dst + i * stride` (the HF row length in bytes), `width` bytes each."""
 
     rank: int
     group: int
@@ -144,7 +172,36 @@ class Piece:
     expert: int | None  # the expert index within the parameter (global)
     param_rows: Rows  # rows of the parameter's row axis these bytes are
     src: int  # byte offset in the rank's send buffer
-    dst: int  # byte offset in the group's flat plan
+    dst: int  # byte offset in the group's flat plan (of the first row's first byte)
+    nbytes: int
+    cols: Rows | None = None  # columns [c0, c1) of dim 1 (a column block), None: whole rows
+    stride: int = 0
+
+    @property
+    def width(self) -> int:
+        """Bytes per landed run: a row's column span, or the whole piece."""
+        return self.nbytes // (self.rows[1] - self.rows[0]) if self.stride else self.nbytes
+
+    def runs(self) -> Iterator[tuple[int, int, int]]:
+        """(src, dst, bytes) runs: one, or one per row of a column block (src contiguous)."""
+        if not self.stride:
+            yield self.src, self.dst, self.nbytes
+            return
+        w = self.width
+        for i in range(self.rows[1] - self.rows[0]):
+            yield self.src + i * w, self.dst + i * self.stride, w
+
+
+@dataclass(frozen=True)
+class SendSlice:
+    """One slice of one parameter a rank copies into its send buffer (the packing's unit):
+    `param[expert][param_rows]` (with `cols`: `[:, cols]`, the rank's whole local width)."""
+
+    param: str
+    expert: int | None
+    param_rows: Rows
+    cols: Rows | None
+    src: int
     nbytes: int
 
 
@@ -170,6 +227,21 @@ class ShardBucket:
         return self.runs[0][0], pos
 
 
+@dataclass(frozen=True)
+class _Slice:
+    """A rank's slice of one HF tensor segment before it is placed (internal to the plan)."""
+
+    hf: str
+    expert: int | None
+    hf_rows: Rows
+    prows: Rows  # rows of the parameter's row axis
+    cols: Rows | None  # a column block's [a, b) of dim 1
+    row_bytes: int  # one whole HF row
+    width: int  # bytes per row this slice holds (row_bytes unless a column block)
+    col0: int  # byte offset of the block's first column within a row
+    param: str
+
+
 class TransferPlan:
     """Every (trainer rank, HF tensor slice) -> (engine group, byte range), from both layouts."""
 
@@ -183,29 +255,7 @@ class TransferPlan:
                 raise SyncError(f"transfer plan: engine group {g} lands {sorted(set(eng.plan.dtypes))}, the "
                                 f"trainer sends {trainer.dtype}")
         index = [dict(zip(e.plan.names, range(len(e.plan.names)), strict=True)) for e in self.engines]
-        # Send-buffer order: per rank, its slices in the first group's plan order, so a whole-model
-        # engine's bucket is one contiguous run of the send buffer.
-        raw: list[list[tuple[int, str, int | None, Rows, Rows, str, int]]] = [[] for _ in range(trainer.world)]
-        hf_seen: set[str] = set()
-        for prm in trainer.params:
-            for part in prm.parts:
-                if part.hf_name in hf_seen:
-                    raise SyncError(f"transfer plan: HF tensor {part.hf_name!r} is held by two parameters")
-                hf_seen.add(part.hf_name)
-                row_bytes = item
-                for s in part.row_shape:
-                    row_bytes *= s
-                for r, (a, b) in enumerate(prm.owned):
-                    if part.expert is not None:  # dim 0 is the expert axis: whole experts per rank
-                        if not a <= part.expert < b:
-                            continue
-                        hf_rows, prows = (0, part.rows[1] - part.rows[0]), part.rows
-                    else:
-                        lo, hi = max(a, part.rows[0]), min(b, part.rows[1])
-                        if lo >= hi:
-                            continue
-                        hf_rows, prows = (lo - part.rows[0], hi - part.rows[0]), (lo, hi)
-                    raw[r].append((row_bytes, part.hf_name, part.expert, hf_rows, prows, prm.name, 0))
+        raw, hf_seen = self._slices(trainer, item)
         for g, eng in enumerate(self.engines):
             missing = set(eng.plan.names) - hf_seen
             if missing:
@@ -213,44 +263,107 @@ class TransferPlan:
                                 f"parameter has, e.g. {sorted(missing)[:3]}")
         self.send_bytes: list[int] = []
         self.pieces: list[list[Piece]] = []
+        self.sends: list[list[SendSlice]] = []
+        first = index[0]
         for r in range(trainer.world):
-            first = index[0]
-            raw[r].sort(key=lambda x: (first.get(x[1], len(first)), x[3][0]))
-            pieces, pos = [], 0
-            for row_bytes, hf, expert, hf_rows, prows, pname, _ in raw[r]:
-                n = (hf_rows[1] - hf_rows[0]) * row_bytes
+            # Send-buffer order: per rank, its slices in the first group's plan order, so a
+            # whole-model engine's bucket is one contiguous run of the send buffer.
+            raw[r].sort(key=lambda x: (first.get(x.hf, len(first)), x.hf_rows[0], x.col0))
+            pieces, sends, pos = [], [], 0
+            for x in raw[r]:
+                n = (x.hf_rows[1] - x.hf_rows[0]) * x.width
+                sends.append(SendSlice(x.param, x.expert, x.prows, x.cols, pos, n))
                 for g, eng in enumerate(self.engines):
-                    i = index[g].get(hf)
+                    i = index[g].get(x.hf)
                     if i is None:
                         continue
-                    ga, gb = eng.rows.get(hf, (0, 1 << 62))  # the rows this group holds
-                    lo, hi = max(hf_rows[0], ga), min(hf_rows[1], gb)
+                    ga, gb = eng.rows.get(x.hf, (0, 1 << 62))  # the rows this group holds
+                    lo, hi = max(x.hf_rows[0], ga), min(x.hf_rows[1], gb)
                     if lo >= hi:
                         continue
-                    pieces.append(Piece(r, g, hf, (lo, hi), pname, expert,
-                                        (prows[0] + lo - hf_rows[0], prows[0] + hi - hf_rows[0]),
-                                        pos + (lo - hf_rows[0]) * row_bytes,
-                                        eng.plan.offsets[i] + (lo - ga) * row_bytes,
-                                        (hi - lo) * row_bytes))
+                    block = x.width != x.row_bytes
+                    pieces.append(Piece(r, g, x.hf, (lo, hi), x.param, x.expert,
+                                        (x.prows[0] + lo - x.hf_rows[0], x.prows[0] + hi - x.hf_rows[0]),
+                                        pos + (lo - x.hf_rows[0]) * x.width,
+                                        eng.plan.offsets[i] + (lo - ga) * x.row_bytes + x.col0,
+                                        (hi - lo) * x.width, x.cols if block else None,
+                                        x.row_bytes if block else 0))
                 pos += n
             self.pieces.append(pieces)
+            self.sends.append(sends)
             self.send_bytes.append(pos)
         self._check_cover()
         h = xxhash.xxh64(repr((trainer, [(e.plan.digest, sorted(e.rows.items())) for e in self.engines])).encode())
         self.digest = h.hexdigest()
 
+    @staticmethod
+    def _slices(trainer: TrainerLayout, item: int) -> tuple[list[list[_Slice]], set[str]]:
+        """Per rank, every (parameter slice ∩ HF tensor segment) it owns, in HF coordinates."""
+        raw: list[list[_Slice]] = [[] for _ in range(trainer.world)]
+        hf_seen: set[str] = set()
+        for prm in trainer.params:
+            if len(prm.owned) != trainer.world:
+                raise SyncError(f"transfer plan: parameter {prm.name!r} lists {len(prm.owned)} rank ranges for "
+                                f"{trainer.world} ranks")
+            here = {p.hf_name for p in prm.parts}
+            twice = here & hf_seen
+            if twice:
+                raise SyncError(f"transfer plan: HF tensor {sorted(twice)[0]!r} is held by two parameters")
+            hf_seen |= here
+            for part in prm.parts:
+                row_bytes = item
+                for s in part.row_shape:
+                    row_bytes *= s
+                for r, (a, b) in enumerate(prm.owned):
+                    if a == b:
+                        continue
+                    if prm.dim == 1:  # a column block: every row of the part, columns [a, b)
+                        col = row_bytes // prm.shape[1]
+                        hf_rows = (part.at, part.at + part.rows[1] - part.rows[0])
+                        raw[r].append(_Slice(part.hf_name, part.expert, hf_rows, part.rows, (a, b), row_bytes,
+                                             (b - a) * col, a * col, prm.name))
+                        continue
+                    if part.expert is not None:  # dim 0 is the expert axis: whole experts per rank
+                        if not a <= part.expert < b:
+                            continue
+                        lo, hi = part.rows
+                    else:
+                        lo, hi = max(a, part.rows[0]), min(b, part.rows[1])
+                        if lo >= hi:
+                            continue
+                    off = part.at - part.rows[0]
+                    raw[r].append(_Slice(part.hf_name, part.expert, (lo + off, hi + off), (lo, hi), None, row_bytes,
+                                         row_bytes, 0, prm.name))
+        return raw, hf_seen
+
     def _check_cover(self) -> None:
         """Every byte of every engine group's plan is sent by exactly one rank."""
         for g, eng in enumerate(self.engines):
-            spans = sorted((p.dst, p.dst + p.nbytes) for ps in self.pieces for p in ps if p.group == g)
-            pos = 0
-            for lo, hi in spans:
-                if lo != pos:
-                    raise SyncError(f"transfer plan: engine group {g} bytes [{pos}, {lo}) are "
-                                    + ("sent twice" if lo < pos else "sent by no rank"))
-                pos = hi
-            if pos != eng.plan.nbytes:
-                raise SyncError(f"transfer plan: engine group {g} receives {pos} of {eng.plan.nbytes} bytes")
+            starts: list[Any] = []
+            widths: list[Any] = []
+            for ps in self.pieces:
+                for p in ps:
+                    if p.group != g:
+                        continue
+                    if p.stride:
+                        starts.append(p.dst + p.stride * np.arange(p.rows[1] - p.rows[0], dtype=np.int64))
+                        widths.append(np.full(p.rows[1] - p.rows[0], p.width, dtype=np.int64))
+                    else:
+                        starts.append(np.array([p.dst], dtype=np.int64))
+                        widths.append(np.array([p.nbytes], dtype=np.int64))
+            lo = np.concatenate(starts) if starts else np.zeros(0, dtype=np.int64)
+            order = np.argsort(lo, kind="stable")
+            lo = lo[order]
+            hi = lo + (np.concatenate(widths)[order] if widths else lo)
+            prev = np.concatenate([[0], hi[:-1]])
+            bad = np.nonzero(lo != prev)[0]
+            if bad.size:
+                i = int(bad[0])
+                raise SyncError(f"transfer plan: engine group {g} bytes [{min(prev[i], lo[i])}, {max(prev[i], lo[i])}) "
+                                "are " + ("sent twice" if lo[i] < prev[i] else "sent by no rank"))
+            got = int(hi[-1]) if hi.size else 0
+            if got != eng.plan.nbytes:
+                raise SyncError(f"transfer plan: engine group {g} receives {got} of {eng.plan.nbytes} bytes")
 
     def buckets(self, rank: int, group: int, bucket_bytes: int) -> list[ShardBucket]:
         """Rank `rank`'s pieces for engine group `group`, cut into buckets of at most `bucket_bytes`
@@ -261,10 +374,7 @@ class TransferPlan:
         out: list[ShardBucket] = []
         runs: list[list[int]] = []
         size = 0
-        for p in self.pieces[rank]:
-            if p.group != group:
-                continue
-            s, d, n = p.src, p.dst, p.nbytes
+        for s, d, n in (run for p in self.pieces[rank] if p.group == group for run in p.runs()):
             while n:
                 take = min(n, bucket_bytes - size)
                 if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
