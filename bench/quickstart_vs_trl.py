@@ -1,6 +1,7 @@
 """miles' quick start against Hugging Face TRL's GRPOTrainer: same model, task, batch, steps.
 
-    nice -n 10 python bench/quickstart_vs_trl.py [--steps N] [--trl-python PATH] [--make-trl-venv]
+    nice -n 10 python bench/quickstart_vs_trl.py [--repeat 3] [--steps N] [--trl-threads 1]
+        [--trl-python PATH] [--make-trl-venv]
 
 Both start from the same warmed-up checkpoint (the quick start's cached warm-up) and train
 on miles' arithmetic env with its reward: `batch_groups` prompts x `n_samples_per_prompt`
@@ -13,8 +14,10 @@ Measured from outside each command: whole-command wall time (process start to ex
 the wall time at which each step landed (miles: its metrics.jsonl row, TRL: a callback),
 giving launch -> first step, steps/s over the loop (first -> last step) and the median
 interval between steps; and the CPU time (user + sys) of each whole process tree, which
-a busy shared machine distorts less than wall time. Prints a table; the last line is one JSON object; the result goes
-to bench/results/quickstart_vs_trl_cpu.txt.
+a busy shared machine distorts less than wall time. `--repeat` pairs run back to back (order
+alternating, seed + i for pair i); the table gives medians and the speed-ups are the medians of
+the pairs' ratios. Prints a table; the last line is one JSON object; the result goes to
+bench/results/quickstart_vs_trl_cpu.txt.
 """
 
 from __future__ import annotations
@@ -194,7 +197,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=0.0)
     ap.add_argument("--env-args", default="{}")
     ap.add_argument("--steps", type=int, default=0, help="steps for both (default: the quick start's)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the first pair (pair i: seed + i)")
+    ap.add_argument("--repeat", type=int, default=3, help="back-to-back miles/TRL pairs (medians reported)")
     ap.add_argument("--set", action="append", default=[], help="quick-start override for both, KEY=VALUE")
     ap.add_argument("--trl-python", default="", help="python of a virtualenv with trl (default: the one "
                     f"--make-trl-venv creates, {TRL_VENV})")
@@ -217,16 +221,40 @@ def main() -> None:
     py = make_trl_venv(TRL_VENV) if a.make_trl_venv else (a.trl_python or str(TRL_VENV / "bin" / "python"))
     if not Path(py).exists():
         raise SystemExit(f"no TRL python at {py}: pass --trl-python or --make-trl-venv")
-    sets = [*a.set, f"run.seed={a.seed}"] + ([f"run.steps={a.steps}"] if a.steps else [])
-    cfg = load_config(MilesConfig, QUICKSTART, sets)
-    a.steps = cfg.run.steps
     cache = os.environ.get("MILES_CACHE", str(Path.home() / ".cache" / "miles"))
     os.environ["MILES_CACHE"] = cache
-    model = ensure_initial_checkpoint(cfg)  # the warm-up both start from, outside the timings
-    shape = (cfg.buffer.batch_groups, cfg.rollout.n_samples_per_prompt, cfg.rollout.max_new_tokens)
-    with tempfile.TemporaryDirectory() as tmp:
-        m = stats(run_miles(sets, Path(tmp) / "miles", cache))
-        t = stats(run_trl(py, model, a, dict(cfg.rollout.env_args), cfg.trainer.optim.lr, shape))
+    base_seed, pairs, loads = a.seed, [], []
+    for i in range(a.repeat):
+        a.seed = base_seed + i  # a different seed per pair; miles and TRL share it
+        sets = [*a.set, f"run.seed={a.seed}"] + ([f"run.steps={a.steps}"] if a.steps else [])
+        cfg = load_config(MilesConfig, QUICKSTART, sets)
+        steps = cfg.run.steps
+        model = ensure_initial_checkpoint(cfg)  # the warm-up both start from, outside the timings
+        shape = (cfg.buffer.batch_groups, cfg.rollout.n_samples_per_prompt, cfg.rollout.max_new_tokens)
+        with tempfile.TemporaryDirectory() as tmp:
+            # back to back, the order alternating, so load from others weighs on both alike
+            def miles_run(tmp: str = tmp, sets: list[str] = sets) -> dict[str, float]:
+                return stats(run_miles(sets, Path(tmp) / "miles", cache))
+
+            def trl_run(cfg: Any = cfg, shape: tuple[int, int, int] = shape, model: str = model,
+                        steps: int = steps) -> dict[str, float]:
+                a.steps = steps
+                return stats(run_trl(py, model, a, dict(cfg.rollout.env_args), cfg.trainer.optim.lr, shape))
+
+            if i % 2 == 0:
+                m = miles_run()
+                t = trl_run()
+            else:
+                t = trl_run()
+                m = miles_run()
+        loads.append(os.getloadavg()[0])
+        pairs.append({"seed": a.seed, "sets": sets, "miles": m, "trl": t, "loadavg": loads[-1],
+                      "steps_per_s_x": m["steps_per_s"] / t["steps_per_s"],
+                      "whole_command_x": t["whole_command_s"] / m["whole_command_s"]})
+        print(f"pair {i + 1}/{a.repeat} seed {a.seed}: steps/s {pairs[-1]['steps_per_s_x']:.2f}x, "
+              f"whole command {pairs[-1]['whole_command_x']:.2f}x, load {loads[-1]:.1f}", flush=True)
+    m = {k: statistics.median(p["miles"][k] for p in pairs) for k in pairs[0]["miles"]}
+    t = {k: statistics.median(p["trl"][k] for p in pairs) for k in pairs[0]["trl"]}
     keys = [("steps_per_s", "steps/s (loop)", ".2f"), ("median_s_per_step", "median s/step", ".3f"),
             ("loop_s", "loop, first -> last step [s]", ".1f"), ("whole_command_s", "whole command [s]", ".1f"),
             ("launch_to_first_step_s", "launch -> first step [s]", ".1f"),
@@ -234,20 +262,24 @@ def main() -> None:
             ("completion_tokens_per_s", "trained completion tokens/s", ".0f"),
             ("reward_first_quarter", "reward, first quarter", ".3f"),
             ("reward_last_quarter", "reward, last quarter", ".3f")]
-    lines = [f"quickstart vs TRL {TRL_VERSION} GRPOTrainer, {a.steps} steps, {shape[0]} prompts x {shape[1]} "
+    lines = [f"quickstart vs TRL {TRL_VERSION} GRPOTrainer, {steps} steps, {shape[0]} prompts x {shape[1]} "
              f"samples, {shape[2]} new tokens, lr {cfg.trainer.optim.lr}, {os.cpu_count()} cores, "
-             f"TRL threads {a.trl_threads or 'default'}, "
-             f"load avg at end {os.getloadavg()[0]:.1f}",
+             f"TRL threads {a.trl_threads or 'default'}, medians of {a.repeat} back-to-back pairs "
+             f"(seeds {base_seed}..{base_seed + a.repeat - 1}), load avg {min(loads):.1f}-{max(loads):.1f}",
              f"{'':32s} {'miles':>10s} {'TRL':>10s} {'miles/TRL':>10s}"]
     for k, name, fmt in keys:
         ratio = m[k] / t[k] if t[k] else float("nan")
         lines.append(f"{name:32s} {format(m[k], fmt):>10s} {format(t[k], fmt):>10s} {ratio:10.2f}")
-    speed = {"steps_per_s_x": m["steps_per_s"] / t["steps_per_s"],
-             "whole_command_x": t["whole_command_s"] / m["whole_command_s"]}
-    lines.append(f"speed vs TRL: steps/s {speed['steps_per_s_x']:.2f}x, whole command {speed['whole_command_x']:.2f}x "
-                 "(>1 = miles faster)")
-    record = {"bench": "quickstart_vs_trl", "steps": a.steps, "miles": m, "trl": t, **speed,
-              "sets": sets, "loadavg_end": os.getloadavg()[0]}
+    rise = [p["miles"]["reward_last_quarter"] - p["miles"]["reward_first_quarter"] for p in pairs]
+    lines.append("miles reward rise per seed: " + ", ".join(f"{r:+.3f}" for r in rise))
+    speed = {"steps_per_s_x": statistics.median(p["steps_per_s_x"] for p in pairs),
+             "whole_command_x": statistics.median(p["whole_command_x"] for p in pairs)}
+    lines.append("per pair (steps/s, whole command): " + ", ".join(
+        f"{p['steps_per_s_x']:.2f}x/{p['whole_command_x']:.2f}x" for p in pairs))
+    lines.append(f"speed vs TRL (median of pair ratios): steps/s {speed['steps_per_s_x']:.2f}x, "
+                 f"whole command {speed['whole_command_x']:.2f}x (>1 = miles faster)")
+    record = {"bench": "quickstart_vs_trl", "steps": steps, "repeat": a.repeat, "miles": m, "trl": t, **speed,
+              "pairs": pairs, "trl_threads": a.trl_threads, "loadavg": loads}
     text = "\n".join(lines) + "\n" + json.dumps(record)
     print(text)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
