@@ -27,6 +27,8 @@ class ForwardOut:
     logp: torch.Tensor  # [M] fp32
     entropy: torch.Tensor | None  # [M] fp32
     logits: torch.Tensor | None  # [1, N, V] for fillers (num_seqs == 0); None from the fused head
+    # [N]: where each packed token sat in the padded [S * L] layout (`padded_forward`); None when packed
+    token_index: torch.Tensor | None = None
 
 
 def moe_gates(model: nn.Module) -> list[nn.Module]:
@@ -67,6 +69,12 @@ class RouterProbe:
             tot += float(hit.sum())
             cnt += float(hit.numel())
         return tot, cnt
+
+    def select(self, token_index: torch.Tensor | None) -> None:
+        """Put the recorded logits in packed token order, after a padded forward (`token_index`
+        from its ForwardOut; None: already packed)."""
+        if token_index is not None:
+            self.logits = [lg.reshape(-1, lg.shape[-1])[token_index] for lg in self.logits]
 
     def reset(self) -> None:
         self.logits = []
@@ -116,3 +124,51 @@ def packed_forward(
         entropy_from_logits(sel, temperature if temperature > 0 else 1.0) if with_entropy else None
     )
     return ForwardOut(logp=logp, entropy=ent, logits=logits)
+
+
+def padded_layout(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input ids [S, L], position ids [S, L], token index [N]): the packed row as one row per
+    sequence, right-padded to the longest (L); token index = row * L + position of each packed
+    token. Pad positions hold token 0 and come after every real token of their row, so causal
+    attention keeps them out of the real tokens' results."""
+    cu = mb.cu_seqlens.to("cpu", torch.int64)
+    lens = cu[1:] - cu[:-1]
+    s, width = int(lens.numel()), int(lens.max())
+    dev = mb.input_ids.device
+    rows = torch.repeat_interleave(torch.arange(s, device=dev), lens.to(dev))
+    index = rows * width + mb.position_ids
+    ids = mb.input_ids.new_zeros(s * width).index_copy_(0, index, mb.input_ids).view(s, width)
+    pos = torch.arange(width, device=dev).expand(s, width)
+    return ids, pos, index
+
+
+def padded_forward(
+    model: nn.Module,
+    mb: MicroBatch,
+    *,
+    temperature: float,
+    replay: bool,
+    with_entropy: bool,
+) -> ForwardOut:
+    """`packed_forward` with the micro-batch's sequences as padded rows instead of one packed row
+    (trainer.packed_attention = 'padded'): plain causal attention over [S, L], a handful of kernel
+    calls however many sequences, paid for with the padding's compute. Same quantities, equal
+    within fp32 rounding; a filler (no sequences) goes through `packed_forward`."""
+    if not mb.num_seqs:
+        return packed_forward(model, mb, temperature=temperature, replay=replay, with_entropy=with_entropy)
+    ids, pos, index = padded_layout(mb)
+    routes = None
+    if replay and mb.routed_experts is not None:
+        r = mb.routed_experts
+        # pad rows route to expert 0; their outputs reach no real token
+        routes = r.new_zeros((ids.numel(), *r.shape[1:])).index_copy_(0, index, r).view(*ids.shape, *r.shape[1:])
+    out = model(
+        ids,
+        pos,
+        routed_experts=routes,
+        logits_index=index[mb.resp_pos],
+        target_ids=mb.resp_targets,
+        temperature=temperature,
+        return_entropy=with_entropy,
+    )
+    return ForwardOut(logp=out.logprobs, entropy=out.entropy, logits=None, token_index=index)

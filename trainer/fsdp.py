@@ -41,7 +41,7 @@ from miles.trainer.deterministic import enable_deterministic
 from miles.trainer.dist import Collectives, ensure_process_group, pick_device
 from miles.trainer.distill import distill_advantages, load_teacher
 from miles.trainer.flat_export import FlatExportBuffer, ShardExportBuffer
-from miles.trainer.forward import ForwardOut, RouterProbe, packed_forward
+from miles.trainer.forward import ForwardOut, RouterProbe, packed_forward, padded_forward
 from miles.trainer.kl import kl_estimate
 from miles.trainer.lora import (
     apply_lora,
@@ -96,7 +96,8 @@ class FSDPTrainer:
         self.dtype = compute_dtype(cfg.param_dtype, self.device)
         mesh = make_mesh(self.device, world) if self.wrap_single_rank or wraps(world, self.dtype) else None
         policy = build_policy(model_spec, init_checkpoint, seed)
-        policy.packed_attention = cfg.packed_attention
+        # 'padded' rows never reach the model as a packed row (fillers excepted: they attend per sequence)
+        policy.packed_attention = "varlen" if cfg.packed_attention == "padded" else cfg.packed_attention
         if cfg.compile:
             policy.compile_blocks()
         self.lora = cfg.lora.rank > 0
@@ -244,6 +245,7 @@ class FSDPTrainer:
                 if self.probe is not None:
                     self.probe.active = False
                     if real and mb.routed_experts is not None:
+                        self.probe.select(fo.token_index)
                         tot, cnt = self.probe.overlap(
                             mb.routed_experts, self.spec.num_experts_per_tok, mb.route_valid
                         )
@@ -368,6 +370,7 @@ class FSDPTrainer:
             if probe is not None:
                 probe.active = False
                 if mb.routed_experts is not None:
+                    probe.select(fo.token_index)
                     tot, cnt = probe.overlap(
                         mb.routed_experts, self.spec.num_experts_per_tok, mb.route_valid
                     )
@@ -428,9 +431,8 @@ class FSDPTrainer:
                 model, mb, temperature=temperature, replay=replay, with_entropy=with_entropy,
                 probe=probe,
             )
-        return packed_forward(
-            model, mb, temperature=temperature, replay=replay, with_entropy=with_entropy
-        )
+        fwd = padded_forward if self.cfg.packed_attention == "padded" else packed_forward
+        return fwd(model, mb, temperature=temperature, replay=replay, with_entropy=with_entropy)
 
     # ---------------------------------------------------------------- offload
     @property

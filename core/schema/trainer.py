@@ -195,12 +195,15 @@ class TrainerConfig:
         "token budget of one packed micro-batch (sequences concatenated, no padding)",
         "tokens",
     )
-    packed_attention: Literal["auto", "varlen", "masked"] = opt(
+    packed_attention: Literal["auto", "varlen", "masked", "padded"] = opt(
         "auto",
         "attention over a packed micro-batch: varlen = one causal attention call per sequence (flash "
         "kernels on CUDA; memory and work follow the sequences' lengths), masked = one call over the "
         "whole pack with a block-diagonal mask (quadratic in micro_batch_tokens), auto = varlen on "
-        "CUDA for packs of >= 8192 tokens (H200: 1.73x at 16k-token packs, 0.87x at 4k), else masked; layers with sliding windows, sinks, MLA or linear attention use the mask",
+        "CUDA for packs of >= 8192 tokens (H200: 1.73x at 16k-token packs, 0.87x at 4k), else masked; layers with sliding windows, sinks, MLA or linear attention use the mask; "
+        "padded = no packing: the micro-batch's sequences as rows right-padded to the longest, plain "
+        "causal attention (the fewest kernel calls for many short sequences, e.g. on CPU; the padding "
+        "costs compute in every layer)",
     )
     compile: bool = opt(
         False,
