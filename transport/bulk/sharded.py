@@ -41,9 +41,58 @@ from miles.transport.bulk.coordinator import EngineLink, SyncReport, adopt, each
 from miles.transport.bulk.rank_group import RankGroup
 from miles.transport.bulk.shard_channels import SHARDED_TAG, ShardSender
 from miles.transport.bulk.shard_delta import IDX_BYTES, encode
-from miles.transport.bulk.shard_plan import ShardBucket, ShardExport
+from miles.transport.bulk.shard_plan import ShardBucket, ShardExport, TransferPlan
 
 log = get_logger("miles.sync.sharded")
+
+
+def bucket_bytes(buffer: torch.Tensor, b: ShardBucket) -> torch.Tensor:
+    """A bucket's bytes: a view of the send buffer when its runs lie back to back there
+    (whole-model engines, column blocks too), else packed (one bucket of extra memory)."""
+    span = b.contiguous_src()
+    if span is not None:
+        return buffer[span[0]:span[1]]
+    return torch.cat([buffer[s:s + n] for s, _, n in b.runs])
+
+
+Run = tuple[int, int, int, int, str]  # (dst, owner rank, src, bytes, HF name)
+
+
+def _coalesce(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(src, bytes) runs with neighbours in the send buffer merged."""
+    out: list[tuple[int, int]] = []
+    for s, n in runs:
+        if out and out[-1][0] + out[-1][1] == s:
+            out[-1] = (out[-1][0], out[-1][1] + n)
+        else:
+            out.append((s, n))
+    return out
+
+
+def _gather_runs(buf: torch.Tensor, runs: list[tuple[int, int]], out: torch.Tensor) -> torch.Tensor:
+    """The runs' bytes back to back in `out` (in place); returns the filled prefix."""
+    k = 0
+    for s, n in runs:
+        out[k:k + n].copy_(buf[s:s + n])
+        k += n
+    return out[:k]
+
+
+def verify_windows(plan: TransferPlan, window: int) -> list[list[Run]]:
+    """Group 0's bytes in plan (HF) order as runs, cut into windows of at most `window` bytes."""
+    runs = sorted((d, p.rank, s, n, p.hf_name) for ps in plan.pieces for p in ps if p.group == 0
+                  for s, d, n in p.runs())
+    out: list[list[Run]] = [[]]
+    size = 0
+    for d, owner, s, n, name in runs:
+        while n:
+            take = min(n, window - size)
+            out[-1].append((d, owner, s, take, name))
+            d, s, n, size = d + take, s + take, n - take, size + take
+            if size == window:
+                out.append([])
+                size = 0
+    return [w for w in out if w]
 
 
 @dataclass
@@ -296,40 +345,46 @@ class ShardedCoordinator:
         return {"bytes": wire, "full": total, "buckets": len(buckets)}
 
     def _bucket_bytes(self, export: ShardExport, b: ShardBucket) -> torch.Tensor:
-        """The bucket's bytes: a view of the send buffer (whole-model engines), else packed."""
-        span = b.contiguous_src()
-        if span is not None:
-            return export.buffer[span[0]:span[1]]  # type: ignore[no-any-return]
-        return torch.cat([export.buffer[s:s + n] for s, _, n in b.runs])
+        return bucket_bytes(export.buffer, b)
 
     # ------------------------------------------------------------------ verify, catch-up, close
     async def verify(self, export: ShardExport, engines: list[str]) -> bool:
         """Compare each engine's per-tensor xxh64 with the trainer's (a collective).
 
-        No rank holds a whole tensor, so rank 0 hashes each tensor by streaming its slices
-        in row order: its own from its buffer, the others' received from their owners one
-        piece at a time (at most one bucket). Only verify versions pay this."""
-        plan = export.plan
-        order = sorted((p.dst, p.rank, p.src, p.nbytes, p.hf_name) for ps in plan.pieces for p in ps if p.group == 0)
-        want: dict[str, str] = {}
-        chunk = self.opts.bucket_bytes
+        No rank holds a whole tensor, so rank 0 hashes each tensor by streaming its bytes in
+        HF order, one window of at most a bucket at a time: per window, every other owner
+        sends its runs in it as one message (a column block's rows interleave the TP ranks
+        row by row; a message per run would be one per row). Only verify versions pay this."""
         buf = export.buffer
-        scratch = torch.empty(min(chunk, max((o[3] for o in order), default=1)), dtype=torch.uint8, device=buf.device)
+        windows = verify_windows(export.plan, self.opts.bucket_bytes)
+        # one window of scratch, reused: no rank holds more than its shard + one bucket here either
+        scratch = torch.empty(max((sum(r[3] for r in w) for w in windows), default=1), dtype=torch.uint8,
+                              device=buf.device)
         hashers: dict[str, Any] = {}
-        for _, owner, src, n, name in order:
-            for off in range(0, n, chunk):
-                k = min(chunk, n - off)
-                if owner == self.rank == 0:
-                    piece = buf[src + off:src + off + k]
-                elif self.rank == 0:
-                    piece = scratch[:k]
-                    await self.group.recv(piece, owner)
-                elif owner == self.rank:
-                    await self.group.send(buf[src + off:src + off + k].contiguous(), 0)
-                    continue
+        for win in windows:
+            if self.rank != 0:
+                mine = _coalesce([(s, n) for _, owner, s, n, _ in win if owner == self.rank])
+                if len(mine) == 1:  # one run of the send buffer: sent as a view, no copy
+                    await self.group.send(buf[mine[0][0]:mine[0][0] + mine[0][1]], 0)
+                elif mine:
+                    await self.group.send(_gather_runs(buf, mine, scratch), 0)
+                continue
+            regions: dict[int, tuple[int, int]] = {}
+            off = 0
+            for owner in sorted({r[1] for r in win}):
+                runs = [(s, n) for _, o, s, n, _ in win if o == owner]
+                size = sum(n for _, n in runs)
+                if owner == 0:
+                    _gather_runs(buf, runs, scratch[off:off + size])
                 else:
-                    continue
-                hashers.setdefault(name, xxhash.xxh64()).update(piece.cpu().numpy().tobytes())
+                    await self.group.recv(scratch[off:off + size], owner)
+                regions[owner] = (off, off + size)
+                off += size
+            host = scratch[:off].cpu().numpy()
+            pos = {o: lo for o, (lo, _) in regions.items()}
+            for _, owner, _, n, name in win:
+                hashers.setdefault(name, xxhash.xxh64()).update(host[pos[owner]:pos[owner] + n].tobytes())
+                pos[owner] += n
         want = {n: h.hexdigest() for n, h in hashers.items()}
         err = None
         if self.rank == 0:

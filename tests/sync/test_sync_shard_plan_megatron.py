@@ -1,0 +1,187 @@
+"""Megatron TP/EP trainer layouts in the sharded-sync plan (transport/bulk/shard_megatron.py),
+on CPU without megatron: every rank's local weights are cut from random HF tensors by the
+megatron backend's own loader transforms (trainer/megatron/layout.py: fused QKV per query
+group, [gate_t; up_t], row-parallel columns, vocab rows, whole experts per EP rank), packed
+by the plan, and landed by the real engine-side receiver (ShardReceiver, zmq channel: the
+bytes ride with the header) through the flat landing into staging slots. The union of all
+ranks' pieces must rebuild every HF tensor byte for byte."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+
+from miles.core.errors import SyncError
+from miles.models.config import ModelSpec
+from miles.models.hf_io import hf_tensor_views
+from miles.models.presets import tiny_config
+from miles.models.registry import build_model
+from miles.trainer.megatron.layout import fuse, targets, tp_shard
+from miles.transport.bulk.base import LocalWeights
+from miles.transport.bulk.flat import FlatLanding, FlatPlan, FlatWeights
+from miles.transport.bulk.shard_channels import ShardReceiver, ZmqShardSender
+from miles.transport.bulk.shard_megatron import (
+    MegatronParallel,
+    MegatronShardExporter,
+    megatron_layout,
+    pack_rank,
+    param_key,
+)
+from miles.transport.bulk.shard_plan import EngineLayout, ShardExport, TransferPlan, fsdp_rows
+from miles.transport.bulk.sharded import ShardedCoordinator, ShardedOptions, bucket_bytes
+
+from .test_sync_coordinator import ENGINES, Hub, LocalRankGroup, MemLink
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _spec(arch: str) -> ModelSpec:
+    extra: dict[str, Any] = {"num_attention_heads": 8, "num_key_value_heads": 4}  # tp=4 splits 4 query groups
+    return ModelSpec.from_hf(tiny_config(arch, vocab_size=96, **extra))
+
+
+def _hf(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = {n: tuple(t.shape) for n, t in hf_tensor_views(build_model(spec, seed=0)).items()}
+    return {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+
+
+def _locals(spec: ModelSpec, hf: dict[str, torch.Tensor], par: MegatronParallel) -> list[dict[str, torch.Tensor]]:
+    """Every rank's megatron weights, cut the way the backend's loader (load_hf) cuts them."""
+    out = []
+    for r in range(par.world):
+        tp_rank, etp_rank, ep_rank = r % par.tp, r % par.etp, (r // par.etp) % par.ep
+        mine: dict[str, torch.Tensor] = {}
+        for t in targets(spec, set(), 0, par.ep) + targets(spec, set(), ep_rank, par.ep):
+            full = fuse(t.kind, [hf[n] for n in t.hf], spec)
+            if t.expert is None:
+                mine[param_key(t)] = tp_shard(t.kind, full, tp_rank, par.tp).contiguous()
+            else:
+                mine[param_key(t)] = tp_shard(t.kind, full, etp_rank, par.etp).contiguous()
+        out.append(mine)
+    return out
+
+
+def _plan(spec: ModelSpec, hf: dict[str, torch.Tensor], par: MegatronParallel, dtype: str,
+          groups: int = 1) -> TransferPlan:
+    shapes = {n: tuple(t.shape) for n, t in hf.items()}
+    layout = megatron_layout(lambda e: targets(spec, set(), e, par.ep), shapes, kv_heads=spec.num_kv_heads,
+                             num_layers=spec.num_layers, par=par, dtype=dtype)
+    tensors = layout.hf_tensors()
+    if groups == 1:
+        return TransferPlan(layout, [EngineLayout.whole(tensors, dtype)])
+    return TransferPlan(layout, [EngineLayout.split(tensors, dtype, {n: fsdp_rows(s[0], g, groups) for n, s in tensors})
+                                 for g in range(groups)])
+
+
+async def _land(plan: TransferPlan, exports: list[ShardExport], group: int, bucket: int) -> torch.Tensor:
+    """Every rank's buckets for engine group `group`, through the engine's receiver and landing."""
+    fp = FlatPlan.from_wire(plan.engines[group].plan.to_wire())
+    staging = torch.zeros(fp.nbytes, dtype=torch.uint8)
+    slots = dict(FlatWeights(staging, fp))
+    local = LocalWeights(0, lambda n: slots[n], lambda n: slots[n])
+    landing = FlatLanding(fp)
+    rx = ShardReceiver({"channel": "zmq", "sources": []}, bucket)
+    for ex in exports:
+        for seq, b in enumerate(plan.buckets(ex.rank, group, bucket)):
+            data = bucket_bytes(ex.buffer, b)
+            header = {"src": ex.rank, "seq": seq, "ranges": b.ranges, "nbytes": data.numel(), "data": data.clone()}
+            await rx.recv_flat(header, landing, local)
+    return staging
+
+
+CASES = [  # arch, tp, ep, etp, dp, pp, wire dtype
+    ("qwen3", 1, 1, 1, 1, 1, "float32"), ("qwen3", 2, 1, 1, 1, 1, "bfloat16"), ("qwen3", 4, 1, 1, 2, 1, "float32"),
+    ("qwen2", 2, 1, 1, 1, 2, "float32"),  # q/k/v biases: 1-D fused QKV segments; two pipeline stages
+    ("qwen3_moe", 1, 1, 1, 1, 1, "float32"), ("qwen3_moe", 1, 2, 1, 2, 1, "bfloat16"),
+    ("qwen3_moe", 2, 1, 1, 1, 1, "float32"), ("qwen3_moe", 2, 2, 1, 1, 1, "float32"),
+    ("qwen3_moe", 2, 2, 2, 2, 1, "bfloat16"), ("qwen3_moe", 4, 1, 4, 1, 1, "float32"),
+    ("qwen3_moe", 4, 2, 1, 1, 1, "float32"), ("qwen3_moe", 4, 2, 2, 1, 2, "bfloat16"),
+]
+
+
+@pytest.mark.parametrize(("arch", "tp", "ep", "etp", "dp", "pp", "dtype"), CASES)
+async def test_megatron_slices_rebuild_every_hf_tensor(arch: str, tp: int, ep: int, etp: int, dp: int, pp: int,
+                                                       dtype: str) -> None:
+    spec = _spec(arch)
+    hf = _hf(spec, seed=tp * 10 + ep)
+    par = MegatronParallel(tp=tp, ep=ep, etp=etp, pp=pp, dp=dp)
+    plan = _plan(spec, hf, par, dtype)
+    locals_ = _locals(spec, hf, par)
+    exports = [pack_rank(plan, r, locals_[r]) for r in range(par.world)]
+    want = FlatWeights.copy_of([(n, hf[n]) for n in plan.engines[0].plan.names], getattr(torch, dtype)).buffer
+    assert sum(plan.send_bytes) == want.numel()  # every byte sent once: replicas send nothing twice
+    for r, ex in enumerate(exports):  # a rank sends only what it holds
+        held = sum(t.numel() * getattr(torch, dtype).itemsize for t in locals_[r].values())
+        assert ex.buffer.numel() <= held
+    strided = [p for ps in plan.pieces for p in ps if p.stride]
+    assert bool(strided) == (tp > 1 or etp > 1)  # row-parallel slices are column blocks under TP
+    assert all(b.contiguous_src() is not None for r in range(par.world) for b in plan.buckets(r, 0, 4096))
+    got = await _land(plan, exports, 0, 4096)
+    assert torch.equal(got, want)
+
+
+async def test_megatron_slices_land_into_a_tp_split_engine() -> None:
+    """Trainer TP=2 × EP=2 -> engines split on dim 0 in two groups: row-parallel column blocks
+    are cut by the engine's rows, fused QKV segments by both."""
+    spec = _spec("qwen3_moe")
+    hf = _hf(spec, seed=5)
+    par = MegatronParallel(tp=2, ep=2)
+    plan = _plan(spec, hf, par, "float32", groups=2)
+    locals_ = _locals(spec, hf, par)
+    exports = [pack_rank(plan, r, locals_[r]) for r in range(par.world)]
+    for g, eng in enumerate(plan.engines):
+        want = FlatWeights.copy_of([(n, hf[n][slice(*eng.rows[n])]) for n in eng.plan.names], torch.float32).buffer
+        assert torch.equal(await _land(plan, exports, g, 1000), want)
+
+
+async def test_megatron_ranks_push_through_the_coordinator_and_verify() -> None:
+    """4 megatron ranks (tp=2, ep=2) -> 2 in-process engines over the real coordinator: exact
+    bytes, commit, and the checksum verify that streams interleaved column blocks."""
+    spec = _spec("qwen3_moe")
+    par = MegatronParallel(tp=2, ep=2)
+    link = MemLink()
+    hub = Hub(par.world)
+    coords = [ShardedCoordinator(link, LocalRankGroup(hub, r), ZmqShardSender(r, par.world, 10.0), ENGINES,
+                                 ShardedOptions(4096, 2, "in_place", 1)) for r in range(par.world)]
+    shapes = {n: tuple(t.shape) for n, t in _hf(spec, 0).items()}
+    exporters = [MegatronShardExporter(lambda e: targets(spec, set(), e, par.ep), shapes, kv_heads=spec.num_kv_heads,
+                                       num_layers=spec.num_layers, par=par, rank=r) for r in range(par.world)]
+    for version in (1, 2):
+        hf = _hf(spec, seed=version)
+        locals_ = _locals(spec, hf, par)
+        exports = [x.fill(locals_[r], "float32") for r, x in enumerate(exporters)]
+        assert exports[0].plan is exporters[0].plan  # built once, reused by the next version
+        reps = await asyncio.gather(*(c.push(version, e) for c, e in zip(coords, exports, strict=True)))
+        want = FlatWeights.copy_of([(n, hf[n]) for n in exports[0].plan.engines[0].plan.names], torch.float32).buffer
+        assert all(rep.committed == ENGINES and rep.verified is True for rep in reps), reps
+        assert all(torch.equal(e.live, want) for e in link.engines.values())
+    # a wrong byte on one engine is caught by the streamed verify
+    link.engines["e1"].live[-1] ^= 1
+    with pytest.raises(SyncError, match="checksum mismatch on engine 'e1'"):
+        await asyncio.gather(*(c.verify(e, ENGINES) for c, e in zip(coords, exports, strict=True)))
+    await asyncio.gather(*(c.close() for c in coords))
+
+
+def test_megatron_layout_refuses_what_megatron_cannot_split() -> None:
+    spec = _spec("qwen3_moe")
+    shapes = {n: tuple(t.shape) for n, t in _hf(spec, 0).items()}
+
+    def build(par: MegatronParallel, kv: int = spec.num_kv_heads) -> None:
+        megatron_layout(lambda e: targets(spec, set(), e, par.ep), shapes, kv_heads=kv,
+                        num_layers=spec.num_layers, par=par, dtype="float32")
+
+    with pytest.raises(SyncError, match="tp must divide the KV heads"):
+        build(MegatronParallel(tp=8))
+    with pytest.raises(SyncError, match="etp \\* ep = 4 does not divide"):
+        build(MegatronParallel(tp=1, ep=2, etp=2))
+    with pytest.raises(SyncError, match="pp=3 does not divide"):
+        build(MegatronParallel(pp=3))
+    layout = megatron_layout(lambda e: targets(spec, set(), e, 1), shapes, kv_heads=spec.num_kv_heads,
+                             num_layers=spec.num_layers, par=MegatronParallel(tp=2), dtype="float32")
+    plan = TransferPlan(layout, [EngineLayout.whole(layout.hf_tensors(), "float32")])
+    with pytest.raises(SyncError, match="holds shape"):  # a rank handed the wrong slice
+        pack_rank(plan, 0, {k: torch.zeros(3, 3) for k in (p.name for p in layout.params)})
