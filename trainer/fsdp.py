@@ -288,10 +288,10 @@ class FSDPTrainer:
         mbs = [mb for p in plans for mb in p if mb.num_seqs]
         tok: dict[str, dict[int, torch.Tensor]] = {}
         for mb in mbs:
-            for j, sid in enumerate(mb.sample_ids):
-                sel = mb.resp_seq == j
-                for name, t in mb.fields.items():
-                    tok.setdefault(name, {})[sid] = t[sel]
+            # the response view holds each sequence's tokens contiguously, in packing order
+            counts = [samples[sid].response_ids.size for sid in mb.sample_ids]
+            for name, t in mb.fields.items():
+                tok.setdefault(name, {}).update(zip(mb.sample_ids, t.split(counts), strict=True))
         n = len(samples)
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         masks = [torch.from_numpy(s.loss_mask) for s in samples]  # type: ignore[arg-type]
