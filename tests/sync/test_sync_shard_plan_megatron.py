@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import msgpack
 import pytest
 import torch
 
@@ -22,7 +23,7 @@ from miles.models.registry import build_model
 from miles.trainer.megatron.layout import fuse, targets, tp_shard
 from miles.transport.bulk.base import LocalWeights
 from miles.transport.bulk.flat import FlatLanding, FlatPlan, FlatWeights
-from miles.transport.bulk.shard_channels import ShardReceiver, ZmqShardSender
+from miles.transport.bulk.shard_channels import ShardReceiver, ZmqShardSender, parse_ranges
 from miles.transport.bulk.shard_megatron import (
     MegatronParallel,
     MegatronShardExporter,
@@ -36,6 +37,20 @@ from miles.transport.bulk.sharded import ShardedCoordinator, ShardedOptions, buc
 from .test_sync_coordinator import ENGINES, Hub, LocalRankGroup, MemLink
 
 pytestmark = pytest.mark.timeout(60)
+
+
+class BlockLink(MemLink):
+    """MemLink counting a bucket's bytes from strided range entries too ([lo, width, stride, count])."""
+
+    async def range(self, engine: str, version: int, digest: str, lo: int, hi: int, header: dict[str, Any],
+                    data: torch.Tensor | None = None) -> int:
+        e = self.engines[engine]
+        if e.staged_version != version:
+            e.staged_version, e.staged_bytes = version, 0
+        wire = msgpack.unpackb(msgpack.packb({k: v for k, v in header.items() if k != "data"}))
+        await e.rx.recv_flat(wire | {"data": header["data"].clone()}, e.landing, e.local())  # type: ignore[attr-defined]
+        e.staged_bytes += sum(w * c for _, w, _, c in parse_ranges(header["ranges"]))
+        return e.staged_bytes
 
 
 def _spec(arch: str) -> ModelSpec:
@@ -77,11 +92,15 @@ def _plan(spec: ModelSpec, hf: dict[str, torch.Tensor], par: MegatronParallel, d
                                  for g in range(groups)])
 
 
-async def _land(plan: TransferPlan, exports: list[ShardExport], group: int, bucket: int) -> torch.Tensor:
-    """Every rank's buckets for engine group `group`, through the engine's receiver and landing."""
+async def _land(plan: TransferPlan, exports: list[ShardExport], group: int, bucket: int,
+                flat: bool = True) -> torch.Tensor:
+    """Every rank's buckets for engine group `group`, through the engine's receiver and landing
+    (`flat`: slots laid out like the plan, strided blocks one copy; else a slot per tensor)."""
     fp = FlatPlan.from_wire(plan.engines[group].plan.to_wire())
     staging = torch.zeros(fp.nbytes, dtype=torch.uint8)
     slots = dict(FlatWeights(staging, fp))
+    if not flat:
+        slots = {n: t.clone() for n, t in slots.items()}
     local = LocalWeights(0, lambda n: slots[n], lambda n: slots[n])
     landing = FlatLanding(fp)
     rx = ShardReceiver({"channel": "zmq", "sources": []}, bucket)
@@ -90,7 +109,7 @@ async def _land(plan: TransferPlan, exports: list[ShardExport], group: int, buck
             data = bucket_bytes(ex.buffer, b)
             header = {"src": ex.rank, "seq": seq, "ranges": b.ranges, "nbytes": data.numel(), "data": data.clone()}
             await rx.recv_flat(header, landing, local)
-    return staging
+    return staging if flat else FlatWeights.copy_of(slots.items()).buffer
 
 
 CASES = [  # arch, tp, ep, etp, dp, pp, wire dtype
@@ -119,7 +138,9 @@ async def test_megatron_slices_rebuild_every_hf_tensor(arch: str, tp: int, ep: i
         assert ex.buffer.numel() <= held
     strided = [p for ps in plan.pieces for p in ps if p.stride]
     assert bool(strided) == (tp > 1 or etp > 1)  # row-parallel slices are column blocks under TP
-    assert all(b.contiguous_src() is not None for r in range(par.world) for b in plan.buckets(r, 0, 4096))
+    buckets = [b for r in range(par.world) for b in plan.buckets(r, 0, 4096)]
+    assert all(b.contiguous_src() is not None for b in buckets)  # column blocks too: sent with no pack copy
+    assert any(len(x) == 4 for b in buckets for x in b.ranges) == bool(strided)  # rows as one strided entry
     got = await _land(plan, exports, 0, 4096)
     assert torch.equal(got, want)
 
@@ -135,7 +156,7 @@ async def test_megatron_slices_land_into_a_tp_split_engine() -> None:
     exports = [pack_rank(plan, r, locals_[r]) for r in range(par.world)]
     for g, eng in enumerate(plan.engines):
         want = FlatWeights.copy_of([(n, hf[n][slice(*eng.rows[n])]) for n in eng.plan.names], torch.float32).buffer
-        assert torch.equal(await _land(plan, exports, g, 1000), want)
+        assert torch.equal(await _land(plan, exports, g, 1000, flat=g == 0), want)
 
 
 async def test_megatron_ranks_push_through_the_coordinator_and_verify() -> None:
@@ -143,7 +164,7 @@ async def test_megatron_ranks_push_through_the_coordinator_and_verify() -> None:
     bytes, commit, and the checksum verify that streams interleaved column blocks."""
     spec = _spec("qwen3_moe")
     par = MegatronParallel(tp=2, ep=2)
-    link = MemLink()
+    link = BlockLink()
     hub = Hub(par.world)
     coords = [ShardedCoordinator(link, LocalRankGroup(hub, r), ZmqShardSender(r, par.world, 10.0), ENGINES,
                                  ShardedOptions(4096, 2, "in_place", 1)) for r in range(par.world)]

@@ -225,6 +225,43 @@ def make_shard_sender(tag: str, rank: int, world: int, timeout_s: float, adverti
     raise SyncError(f"sync.transport={tag!r} has no sharded path; sharded syncs run over zmq, ucx and broadcast")
 
 
+def parse_ranges(raw: Any) -> list[tuple[int, int, int, int]]:
+    """A bucket header's destination ranges as (lo, width, stride, count) blocks: [lo, hi] is
+    one run, [lo, width, stride, count] `count` runs `stride` apart (shard_plan.ShardBucket.ranges)."""
+    out = []
+    for r in raw:
+        if len(r) == 2:
+            lo, hi = int(r[0]), int(r[1])
+            out.append((lo, hi - lo, hi - lo, 1))
+        elif len(r) == 4:
+            out.append((int(r[0]), int(r[1]), int(r[2]), int(r[3])))
+        else:
+            raise ValueError(f"a range has {len(r)} fields (2 or 4)")
+    return out
+
+
+def land_blocks(landing: Any, local: LocalWeights, blocks: list[tuple[int, int, int, int]],
+                data: torch.Tensor) -> list[str]:
+    """Land a bucket's bytes (`data`, in block order) into the staging slots. A strided block
+    is one strided copy when the slots are laid out like the plan, else one copy per run."""
+    names: list[str] = []
+    pos = 0
+    region = None
+    for lo, w, st, c in blocks:
+        n = w * c
+        if c > 1 and region is None:
+            region = landing.region(local)
+        if c > 1 and region is not None and region.device == data.device:
+            region.as_strided((c, w), (st, 1), lo).copy_(data[pos:pos + n].view(c, w), non_blocking=True)
+            names += landing.plan.done_in(lo, lo + st * (c - 1) + w)
+        else:
+            for i in range(c):
+                a = lo + i * st
+                names += landing.land(a, a + w, data[pos + i * w:pos + (i + 1) * w], local)
+        pos += n
+    return names
+
+
 class ShardReceiver(BulkReceiver):
     """Engine side: buckets from every trainer rank, landed through the flat plan's landing.
 
@@ -291,15 +328,18 @@ class ShardReceiver(BulkReceiver):
     async def recv_flat(self, header: dict[str, Any], landing: Any, local: LocalWeights) -> list[str]:
         try:
             src, seq = int(header["src"]), int(header["seq"])
-            ranges = [(int(lo), int(hi)) for lo, hi in header["ranges"]]
+            blocks = parse_ranges(header["ranges"])
         except (KeyError, TypeError, ValueError) as exc:
             raise SyncError(f"sharded bucket header is malformed: {exc}") from exc
-        total = sum(hi - lo for lo, hi in ranges)
+        total = sum(w * c for _, w, _, c in blocks)
         delta = "delta" in header  # (indices, words) against the live version: shard_delta.py
         wire = int(header.get("nbytes", total))
-        if any(not 0 <= lo < hi <= landing.plan.nbytes for lo, hi in ranges) or (wire != total and not delta):
+        if any(not (lo >= 0 and w > 0 and c > 0 and (c == 1 or st >= w) and lo + st * (c - 1) + w <= landing.plan.nbytes)
+               for lo, w, st, c in blocks) or (wire != total and not delta):
             raise SyncError(f"sharded bucket from rank {src}: its ranges do not fit the plan's {landing.plan.nbytes} "
                             f"bytes or its {wire} bytes on the wire")
+        ranges = [(lo + i * st, lo + i * st + w) for lo, w, st, c in blocks for i in range(c)] \
+            if delta or len(blocks) == 1 and blocks[0][3] == 1 else []  # per-run form: deltas, one range
         if self.channel == "zmq":
             data = header.get("data")
             if not isinstance(data, torch.Tensor) or data.numel() * data.element_size() != wire:
@@ -320,12 +360,7 @@ class ShardReceiver(BulkReceiver):
             if self._full.numel() < total:
                 self._full = torch.empty(max(total, self.bucket_bytes), dtype=torch.uint8, device=self._buf.device)
             data = decode(header, data, ranges, landing, local, self._full)
-        names: list[str] = []
-        pos = 0
-        for lo, hi in ranges:
-            names += landing.land(lo, hi, data[pos:pos + hi - lo], local)
-            pos += hi - lo
-        return names
+        return land_blocks(landing, local, blocks, data)
 
     async def close(self) -> None:
         for ep in self._eps:

@@ -211,11 +211,26 @@ class ShardBucket:
 
     runs: tuple[tuple[int, int, int], ...]
     nbytes: int
+    rows: tuple[bool, ...] = ()  # per run: a row of a column block (landed strided with its neighbours)
 
     @property
     def ranges(self) -> list[list[int]]:
-        """Destination byte ranges [lo, hi), in send order (what the engine lands)."""
-        return [[d, d + n] for _, d, n in self.runs]
+        """Destination byte ranges in send order (what the engine lands): [lo, hi), or
+        [lo, width, stride, count] for `count` runs of `width` bytes `stride` apart (a column
+        block's rows: one entry, landed as one strided copy, instead of one range per row)."""
+        out: list[list[int]] = []
+        prev = False
+        for i, (_, d, n) in enumerate(self.runs):
+            row = bool(self.rows) and self.rows[i]
+            last = out[-1] if out and prev and row else None
+            if last is not None and len(last) == 4 and last[1] == n and d == last[0] + last[2] * last[3]:
+                last[3] += 1
+            elif last is not None and len(last) == 2 and last[1] - last[0] == n and d > last[1]:
+                out[-1] = [last[0], n, d - last[0], 2]
+            else:
+                out.append([d, d + n])
+            prev = row
+        return out
 
     def contiguous_src(self) -> tuple[int, int] | None:
         """[lo, hi) of the send buffer when the runs lie back to back there (sent with no pack copy)."""
@@ -373,20 +388,30 @@ class TransferPlan:
             raise SyncError(f"bucket size must be positive, got {bucket_bytes} bytes")
         out: list[ShardBucket] = []
         runs: list[list[int]] = []
+        rows: list[bool] = []
         size = 0
-        for s, d, n in (run for p in self.pieces[rank] if p.group == group for run in p.runs()):
-            while n:
-                take = min(n, bucket_bytes - size)
-                if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-                    runs[-1][2] += take
-                else:
-                    runs.append([s, d, take])
-                s, d, n, size = s + take, d + take, n - take, size + take
-                if size == bucket_bytes:
-                    out.append(ShardBucket(tuple(tuple(x) for x in runs), size))  # type: ignore[misc]
-                    runs, size = [], 0
+
+        def flush() -> None:
+            out.append(ShardBucket(tuple((a, b, c) for a, b, c in runs), size, tuple(rows) if any(rows) else ()))
+
+        for p in self.pieces[rank]:
+            if p.group != group:
+                continue
+            for s, d, n in p.runs():
+                while n:
+                    take = min(n, bucket_bytes - size)
+                    if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+                        runs[-1][2] += take
+                        rows[-1] = False
+                    else:
+                        runs.append([s, d, take])
+                        rows.append(bool(p.stride))
+                    s, d, n, size = s + take, d + take, n - take, size + take
+                    if size == bucket_bytes:
+                        flush()
+                        runs, rows, size = [], [], 0
         if runs:
-            out.append(ShardBucket(tuple(tuple(x) for x in runs), size))  # type: ignore[misc]
+            flush()
         return out
 
 
