@@ -13,7 +13,9 @@ H = -sum p log p is -p * (log p + H), so
     grad_z = g_lp * onehot_t - p * (g_lp + g_ent * (log p + H)),
 and grad_hidden, grad_weight follow from grad_z / temperature by two GEMMs. The chunk's
 logits (in the compute dtype: bf16 on GPU, exactly what the forward reduced) are kept for
-the backward when all of them fit `SAVE_LOGITS_BYTES`, else recomputed (one more GEMM).
+the backward when all of them fit `SAVE_LOGITS_BYTES` (in one buffer the backward turns
+into the logits' gradient, so the two backward GEMMs run once over all rows), else
+recomputed chunk by chunk (one more GEMM).
 """
 
 from __future__ import annotations
@@ -35,26 +37,39 @@ def _chunks(m: int, vocab: int) -> list[tuple[int, int]]:
 
 
 def _stats(raw: torch.Tensor, tgt: torch.Tensor, t: float, entropy: bool) -> tuple[torch.Tensor, ...]:
-    """raw [C, V] logits of a chunk -> (logp of tgt, lse, entropy or empty), fp32, of raw / t."""
-    z = raw.float() / t
+    """raw [C, V] logits of a chunk -> (logp of tgt, lse, entropy or empty), fp32, of raw / t.
+    In-place on one fp32 copy (a copy even of fp32 logits: they are kept for the backward):
+    each step is one pass over the chunk (eager is memory-bound)."""
+    z = raw.to(torch.float32, copy=True)
+    if t != 1.0:
+        z.div_(t)
     lse = torch.logsumexp(z, dim=-1)
     logp = z.gather(-1, tgt.unsqueeze(-1)).squeeze(-1) - lse
     if not entropy:
         return logp, lse, z.new_empty(0)
-    logp_full = z - lse.unsqueeze(-1)
-    ent = -(logp_full.exp() * logp_full).sum(-1)  # the unfused form (no lse - E[z] cancellation)
+    z.sub_(lse.unsqueeze(-1))  # log p
+    ent = -(z.exp() * z).sum(-1)  # the unfused form (no lse - E[z] cancellation)
     return logp, lse, ent
 
 
-def _grad_logits(raw: torch.Tensor, tgt: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor,
-                 g_logp: torch.Tensor, g_ent: torch.Tensor, t: float, entropy: bool) -> torch.Tensor:
-    """d(loss)/d(raw logits) of a chunk, in raw's dtype (see the module doc)."""
-    logp_full = raw.float() / t - lse.unsqueeze(-1)
-    coef = g_logp.unsqueeze(-1)
-    if entropy:
-        coef = coef + g_ent.unsqueeze(-1) * (logp_full + ent.unsqueeze(-1))
-    gz = (-logp_full.exp() * coef).scatter_add(-1, tgt.unsqueeze(-1), g_logp.unsqueeze(-1))
-    return (gz / t).to(raw.dtype)
+def _grad_logits(raw: torch.Tensor, tgt: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor | None,
+                 g_logp: torch.Tensor, g_ent: torch.Tensor | None, t: float) -> torch.Tensor:
+    """d(loss)/d(raw logits) of a chunk, in raw's dtype (see the module doc); `g_ent` None when
+    the loss does not use the entropy (then its term costs nothing). Works in place on fp32
+    `raw` (the kept logits, which the caller overwrites with the result anyway)."""
+    z = raw.float()
+    if t != 1.0:
+        z.div_(t)
+    z.sub_(lse.unsqueeze(-1))  # log p
+    if g_ent is not None and ent is not None:
+        coef = (z + ent.unsqueeze(-1)).mul_(g_ent.unsqueeze(-1)).add_(g_logp.unsqueeze(-1))
+        z.exp_().mul_(coef.neg_())
+    else:
+        z.exp_().mul_(g_logp.neg().unsqueeze(-1))
+    z.scatter_add_(-1, tgt.unsqueeze(-1), g_logp.unsqueeze(-1))
+    if t != 1.0:
+        z.div_(t)
+    return z.to(raw.dtype)
 
 
 @dataclass(frozen=True)
@@ -81,43 +96,57 @@ class _ChunkedHead(torch.autograd.Function):
         ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
         temperature: float, entropy: bool, grad: bool, ops: HeadOps,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.set_materialize_grads(False)  # an unused entropy brings no gradient (None), no work
         m, v = hidden.shape[0], weight.shape[0]
-        save = grad and m * v * hidden.element_size() <= SAVE_LOGITS_BYTES
+        # Kept logits live in one [M, V] buffer that the backward overwrites with the logits'
+        # gradient, so grad_hidden and grad_weight are each ONE GEMM over all M rows (as in the
+        # unfused path) with no extra memory; recomputed ones go chunk by chunk.
+        keep = grad and m * v * hidden.element_size() <= SAVE_LOGITS_BYTES
+        buf = hidden.new_empty(m, v) if keep else None
         logp = torch.empty(m, dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(logp)
         ent = torch.empty_like(logp) if entropy else logp.new_empty(0)
-        kept: list[torch.Tensor] = []
         for a, b in _chunks(m, v):
-            raw = hidden[a:b] @ weight.t()
+            raw = torch.mm(hidden[a:b], weight.t(), out=buf[a:b]) if buf is not None else hidden[a:b] @ weight.t()
             lp, ls, en = ops.stats(raw, targets[a:b], temperature, entropy)
             logp[a:b], lse[a:b] = lp, ls
             if entropy:
                 ent[a:b] = en
-            if save:
-                kept.append(raw)
-        ctx.temperature, ctx.entropy, ctx.kept, ctx.ops = temperature, entropy, kept, ops
+        ctx.temperature, ctx.entropy, ctx.buf, ctx.ops = temperature, entropy, buf, ops
         ctx.save_for_backward(hidden, weight, targets, lse, ent)
         return logp, ent
 
     @staticmethod
     def backward(  # type: ignore[override]
-        ctx: Any, g_logp: torch.Tensor, g_ent: torch.Tensor
+        ctx: Any, g_logp: torch.Tensor | None, g_ent: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, targets, lse, ent = ctx.saved_tensors
-        t, kept, ops = ctx.temperature, ctx.kept, ctx.ops
+        t, buf, ops = ctx.temperature, ctx.buf, ctx.ops
+        ctx.buf = None
         m, v = hidden.shape[0], weight.shape[0]
-        grad_h = torch.empty_like(hidden)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        for j, (a, b) in enumerate(_chunks(m, v)):
-            raw = kept[j] if kept else hidden[a:b] @ weight.t()
-            gl = ops.grad_logits(raw, targets[a:b], lse[a:b], ent[a:b] if ctx.entropy else ent,
-                                 g_logp[a:b], g_ent[a:b] if ctx.entropy else g_ent, t, ctx.entropy)
+        if g_logp is None:
+            g_logp = lse.new_zeros(m)
+        use_ent = ctx.entropy and g_ent is not None
+        grad_h = grad_w = None
+        if buf is None:
+            grad_h = torch.empty_like(hidden)
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for a, b in _chunks(m, v):
+            raw = buf[a:b] if buf is not None else hidden[a:b] @ weight.t()
+            gl = ops.grad_logits(raw, targets[a:b], lse[a:b], ent[a:b] if use_ent else None,
+                                 g_logp[a:b], g_ent[a:b] if use_ent else None, t)
+            if buf is not None:
+                buf[a:b] = gl
+                continue
+            assert grad_h is not None and grad_w is not None
             grad_h[a:b] = gl @ weight
             if grad_w.dtype == weight.dtype:
                 grad_w.addmm_(gl.t(), hidden[a:b])
             else:
                 grad_w += (gl.t() @ hidden[a:b]).float()
-        ctx.kept = []
+        if buf is not None:
+            return buf @ weight, buf.t() @ hidden, None, None, None, None, None
+        assert grad_h is not None and grad_w is not None
         return grad_h, grad_w.to(weight.dtype), None, None, None, None, None
 
 

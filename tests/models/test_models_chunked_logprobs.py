@@ -73,6 +73,22 @@ def test_chunked_head_without_entropy_and_logp_only_grads(monkeypatch: pytest.Mo
     torch.testing.assert_close(w.grad, w2.grad, rtol=1e-5, atol=1e-5)
 
 
+def test_entropy_computed_but_unused_gives_logp_only_grads() -> None:
+    """The trainer always asks for the entropy (a metric); with entropy_coef 0 the loss does not
+    use it, and its backward term is skipped (no gradient arrives for it)."""
+    g = torch.Generator().manual_seed(2)
+    h0, w0 = torch.randn(11, 8, generator=g), torch.randn(30, 8, generator=g)
+    tgt = torch.randint(0, 30, (11,), generator=g)
+    h, w = h0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+    lp, ent = ch.chunked_head_logprobs(h, w, tgt, 1.0, entropy=True)
+    assert ent is not None and ent.requires_grad
+    (lp * torch.arange(11.0)).sum().backward()
+    h2, w2 = h0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+    (token_logprobs(h2 @ w2.t(), tgt) * torch.arange(11.0)).sum().backward()
+    torch.testing.assert_close(h.grad, h2.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad, w2.grad, rtol=1e-5, atol=1e-5)
+
+
 def _samples(spec: ModelSpec, n: int, seed: int) -> list[TrainSample]:
     rng = np.random.default_rng(seed)
     out = []
