@@ -23,11 +23,10 @@ from miles.actors.messages import (
     Health,
     Pause,
     Resume,
-    Stage,
     Stats,
 )
 from miles.actors.runtime.actor import Actor, handler
-from miles.actors.sync_messages import BulkClose, BulkOpen, BulkPlan, BulkRecv, FlatRange
+from miles.actors.sync_messages import BulkClose, BulkOpen, BulkPlan, BulkRecv, FlatRange, Stage
 from miles.core.errors import EngineError, SyncError
 from miles.core.logging import get_logger
 from miles.engines.base import Engine, GenerateRequest, GenerateResult, SamplingParams

@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from miles.transport.schema import message
+
+# `Stage`, the one message with tensors, is in actors/sync_messages.py: importing torch here
+# would load it (~1 s of CPU) into the rollout process, which never touches a tensor.
 
 
 # ------------------------------------------------------------------ engine
@@ -37,16 +38,6 @@ class Resume:
 @dataclass
 class AbortRequest:
     request_id: str
-
-
-@message("engine.Stage")
-@dataclass
-class Stage:
-    """One weight bucket of `version`: HF names and the tensors (zero-copy frames)."""
-
-    version: int
-    names: list[str]
-    tensors: list[torch.Tensor]
 
 
 @message("engine.Commit")

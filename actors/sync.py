@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from miles.actors.messages import AbortVersion, Checksums, Commit, Pause, Resume, Stage
+from miles.actors.messages import AbortVersion, Checksums, Commit, Pause, Resume
 from miles.actors.runtime.host import Host
-from miles.actors.sync_messages import BulkClose, BulkOpen, BulkPlan, BulkRecv, FlatRange
+from miles.actors.sync_messages import BulkClose, BulkOpen, BulkPlan, BulkRecv, FlatRange, Stage
 from miles.core.schema.sync import SyncConfig
 from miles.transport.bulk.base import BulkSender, make_sender
 from miles.transport.bulk.coordinator import GatheredCoordinator, SyncReport

@@ -1,6 +1,6 @@
 """Wire messages of the bulk weight channels (sync coordinator -> engine actors).
 
-`Stage` (actors/messages.py) carries zmq buckets inline; these drive every other
+`Stage` carries zmq buckets inline; the others drive every other
 channel: open a receiver with the sender's connect info, receive one bucket whose
 bytes travel on the channel, close the receiver. A flat export (transport/bulk/flat.py)
 sends its plan once and then byte ranges.
@@ -14,6 +14,16 @@ from typing import Any
 import torch
 
 from miles.transport.schema import message
+
+
+@message("engine.Stage")
+@dataclass
+class Stage:
+    """One weight bucket of `version`: HF names and the tensors (zero-copy frames)."""
+
+    version: int
+    names: list[str]
+    tensors: list[torch.Tensor]
 
 
 @message("engine.BulkOpen")
