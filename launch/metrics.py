@@ -52,10 +52,13 @@ class MetricsSink:
         self._f.write(json.dumps(clean) + "\n")
         self._f.flush()
         if self._tb is not None:
-            step = int(record.get("step", 0))
-            for k, v in clean.items():
-                if k != "step" and isinstance(v, int | float) and not isinstance(v, bool):
-                    self._tb.add_scalar(k, v, step)
+            # one event holding every scalar of the step (what add_scalar writes, ~60 times over:
+            # ~2 ms of the trainer's CPU per step)
+            from tensorboard.compat.proto.summary_pb2 import Summary
+
+            values = [Summary.Value(tag=k, simple_value=float(v)) for k, v in clean.items()
+                      if k != "step" and isinstance(v, int | float) and not isinstance(v, bool)]
+            self._tb._get_file_writer().add_summary(Summary(value=values), int(record.get("step", 0)))
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in clean.items() if k != "step" and isinstance(v, int | float)
                              and not isinstance(v, bool)}, step=int(record.get("step", 0)))

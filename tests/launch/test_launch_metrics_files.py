@@ -59,3 +59,21 @@ def test_atomic_write_never_leaves_a_torn_file(tmp_path: Path) -> None:
         assert len(d["pad"]) == 100_000
     leftovers = [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
     assert len(leftovers) <= 5  # a kill between create and rename may leave one; the target is whole
+
+
+def test_tensorboard_gets_every_scalar_of_every_step(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sink = MetricsSink(tmp_path)
+    for step in range(1, 4):
+        sink.write({"step": step, "train/loss": 1.0 / step, "rollout/reward_mean": 0.1 * step, "note": "x",
+                    "flag": True})
+    sink.close()
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert sorted(acc.Tags()["scalars"]) == ["rollout/reward_mean", "train/loss"]
+    loss = acc.Scalars("train/loss")
+    assert [e.step for e in loss] == [1, 2, 3]
+    assert [e.value for e in loss] == pytest.approx([1.0, 0.5, 1 / 3])
+    assert [e.value for e in acc.Scalars("rollout/reward_mean")] == pytest.approx([0.1, 0.2, 0.3])
