@@ -211,7 +211,7 @@ class ShardBucket:
 
     runs: tuple[tuple[int, int, int], ...]
     nbytes: int
-    rows: tuple[bool, ...] = ()  # per run: a row of a column block (landed strided with its neighbours)
+    block_rows: tuple[bool, ...] = ()  # per run: a row of a column block (landed strided with its neighbours)
 
     @property
     def ranges(self) -> list[list[int]]:
@@ -221,7 +221,7 @@ class ShardBucket:
         out: list[list[int]] = []
         prev = False
         for i, (_, d, n) in enumerate(self.runs):
-            row = bool(self.rows) and self.rows[i]
+            row = bool(self.block_rows) and self.block_rows[i]
             last = out[-1] if out and prev and row else None
             if last is not None and len(last) == 4 and last[1] == n and d == last[0] + last[2] * last[3]:
                 last[3] += 1
@@ -388,11 +388,11 @@ class TransferPlan:
             raise SyncError(f"bucket size must be positive, got {bucket_bytes} bytes")
         out: list[ShardBucket] = []
         runs: list[list[int]] = []
-        rows: list[bool] = []
+        marks: list[bool] = []
         size = 0
 
         def flush() -> None:
-            out.append(ShardBucket(tuple((a, b, c) for a, b, c in runs), size, tuple(rows) if any(rows) else ()))
+            out.append(ShardBucket(tuple((a, b, c) for a, b, c in runs), size, tuple(marks) if any(marks) else ()))
 
         for p in self.pieces[rank]:
             if p.group != group:
@@ -402,14 +402,14 @@ class TransferPlan:
                     take = min(n, bucket_bytes - size)
                     if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
                         runs[-1][2] += take
-                        rows[-1] = False
+                        marks[-1] = False
                     else:
                         runs.append([s, d, take])
-                        rows.append(bool(p.stride))
+                        marks.append(bool(p.stride))
                     s, d, n, size = s + take, d + take, n - take, size + take
                     if size == bucket_bytes:
                         flush()
-                        runs, rows, size = [], [], 0
+                        runs, marks, size = [], [], 0
         if runs:
             flush()
         return out
