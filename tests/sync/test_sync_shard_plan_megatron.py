@@ -20,6 +20,7 @@ from miles.models.config import ModelSpec
 from miles.models.hf_io import hf_tensor_views
 from miles.models.presets import tiny_config
 from miles.models.registry import build_model
+from miles.trainer.flat_export import hf_parts
 from miles.trainer.megatron.layout import fuse, targets, tp_shard
 from miles.transport.bulk.base import LocalWeights
 from miles.transport.bulk.flat import FlatLanding, FlatPlan, FlatWeights
@@ -31,7 +32,13 @@ from miles.transport.bulk.shard_megatron import (
     pack_rank,
     param_key,
 )
-from miles.transport.bulk.shard_plan import EngineLayout, ShardExport, TransferPlan, fsdp_rows
+from miles.transport.bulk.shard_plan import (
+    EngineLayout,
+    ShardExport,
+    TrainerLayout,
+    TransferPlan,
+    fsdp_rows,
+)
 from miles.transport.bulk.sharded import ShardedCoordinator, ShardedOptions, bucket_bytes
 
 from .test_sync_coordinator import ENGINES, Hub, LocalRankGroup, MemLink
@@ -157,6 +164,59 @@ async def test_megatron_slices_land_into_a_tp_split_engine() -> None:
     for g, eng in enumerate(plan.engines):
         want = FlatWeights.copy_of([(n, hf[n][slice(*eng.rows[n])]) for n in eng.plan.names], torch.float32).buffer
         assert torch.equal(await _land(plan, exports, g, 1000, flat=g == 0), want)
+
+
+ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
+COL_PARALLEL = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias", "v_proj.bias",
+                "gate_proj.weight", "up_proj.weight", "embed_tokens.weight", "lm_head.weight")
+
+
+def _tp_engine(tensors: list[tuple[str, tuple[int, ...]]], dtype: str, n: int) -> list[EngineLayout]:
+    """An engine with TP = n, split the way SGLang/vLLM split a layer: column-parallel tensors
+    by rows, row-parallel ones by columns, the rest (norms, router) whole on every TP rank."""
+    groups = []
+    for g in range(n):
+        rows = {k: fsdp_rows(s[0], g, n) for k, s in tensors if k.endswith(COL_PARALLEL)}
+        cols = {k: fsdp_rows(s[1], g, n) for k, s in tensors if k.endswith(ROW_PARALLEL)}
+        groups.append(EngineLayout.split(tensors, dtype, rows, cols))
+    return groups
+
+
+def _slice(t: torch.Tensor, eng: EngineLayout, name: str) -> torch.Tensor:
+    t = t[slice(*eng.rows[name])] if name in eng.rows else t
+    return t[:, slice(*eng.cols[name])] if name in eng.cols else t
+
+
+@pytest.mark.parametrize(("trainer", "tp", "ep", "engine_tp"), [("megatron", 2, 2, 2), ("megatron", 4, 1, 2),
+                                                             ("megatron", 1, 2, 4), ("fsdp", 4, 1, 2)])
+async def test_trainer_slices_land_into_an_engine_split_on_rows_and_columns(trainer: str, tp: int, ep: int,
+                                                                           engine_tp: int) -> None:
+    """Megatron or FSDP ranks -> a TP engine whose `o_proj`/`down_proj` slots are column slices:
+    a trainer column block meets an engine column slice (both strided), FSDP whole rows are cut
+    into the engine's columns (strided on the send side: packed per bucket)."""
+    spec = _spec("qwen3_moe")
+    hf = _hf(spec, seed=7)
+    shapes = {n: tuple(t.shape) for n, t in hf.items()}
+    if trainer == "megatron":
+        par = MegatronParallel(tp=tp, ep=ep, dp=max(1, ep // tp))
+        layout = megatron_layout(lambda e: targets(spec, set(), e, par.ep), shapes, kv_heads=spec.num_kv_heads,
+                                 num_layers=spec.num_layers, par=par, dtype="float32")
+        locals_ = _locals(spec, hf, par)
+    else:
+        model = build_model(spec, seed=7)
+        views = hf_tensor_views(model)
+        hf = {n: t.detach().clone() for n, t in views.items()}
+        full = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        layout = TrainerLayout.fsdp([(n, s, hf_parts(spec, n, s)) for n, s in full.items()], tp, "float32")
+        locals_ = [{n: p.data[slice(*fsdp_rows(p.shape[0], r, tp))] for n, p in model.named_parameters()}
+                   for r in range(tp)]
+    groups = _tp_engine(layout.hf_tensors(), "float32", engine_tp)
+    plan = TransferPlan(layout, groups)
+    exports = [pack_rank(plan, r, locals_[r]) for r in range(layout.world)]
+    assert sum(plan.send_bytes) == sum(t.numel() * 4 for t in hf.values())  # the send buffers: each byte once
+    for g, eng in enumerate(plan.engines):
+        want = FlatWeights.copy_of([(n, _slice(hf[n], eng, n)) for n in eng.plan.names], torch.float32).buffer
+        assert torch.equal(await _land(plan, exports, g, 1000, flat=g % 2 == 0), want), g
 
 
 @pytest.mark.parametrize("delta", [False, True])

@@ -124,13 +124,16 @@ class TrainerLayout:
 
 @dataclass(frozen=True)
 class EngineLayout:
-    """Engines that hold the same rows of each HF tensor, laid out as `plan` (HF order).
+    """Engines that hold the same slice of each HF tensor, laid out as `plan` (HF order).
 
-    `rows[name]` is the [a, b) row range this group holds of HF tensor `name` (absent: all of
-    it); the plan's shape of `name` is that slice's shape."""
+    `rows[name]` is the [a, b) row range this group holds of HF tensor `name`, `cols[name]` the
+    [c0, c1) range of its dim 1 (absent: all); the plan's shape of `name` is that slice's shape.
+    A TP engine is one group per TP rank: column-parallel tensors split by rows, row-parallel
+    ones (`o_proj`, `down_proj`) by columns, replicated ones whole in every group."""
 
     plan: FlatPlan
     rows: dict[str, Rows] = field(default_factory=dict)
+    cols: dict[str, Rows] = field(default_factory=dict)
 
     @classmethod
     def whole(cls, tensors: Sequence[tuple[str, tuple[int, ...]]], dtype: str) -> EngineLayout:
@@ -138,13 +141,20 @@ class EngineLayout:
 
     @classmethod
     def split(cls, tensors: Sequence[tuple[str, tuple[int, ...]]], dtype: str,
-              rows: dict[str, Rows]) -> EngineLayout:
-        """A group holding rows `rows[name]` of each tensor (all rows where absent), in this order."""
+              rows: dict[str, Rows], cols: dict[str, Rows] | None = None) -> EngineLayout:
+        """A group holding rows `rows[name]` and columns `cols[name]` of each tensor (all where
+        absent), in this order."""
         item = dtype_of(dtype).itemsize
+        cols = cols or {}
         names, shapes, offsets, pos = [], [], [], 0
         for name, shape in tensors:
             a, b = rows.get(name, (0, shape[0] if shape else 1))
             held = (b - a, *shape[1:]) if shape else ()
+            if name in cols:
+                c0, c1 = cols[name]
+                if len(shape) < 2 or not 0 <= c0 < c1 <= shape[1]:
+                    raise SyncError(f"engine layout: columns [{c0}, {c1}) do not fit {name!r} of shape {shape}")
+                held = (b - a, c1 - c0, *shape[2:])
             names.append(name)
             shapes.append(held)
             offsets.append(pos)
@@ -153,16 +163,17 @@ class EngineLayout:
                 n *= s
             pos += n
         plan = FlatPlan(tuple(names), tuple([dtype] * len(names)), tuple(shapes), tuple(offsets), pos)
-        return cls(plan, dict(rows))
+        return cls(plan, dict(rows), dict(cols))
 
 
 @dataclass(frozen=True)
 class Piece:
     """Bytes one trainer rank owns of one HF tensor, bound for one engine group.
 
-    `stride` 0: one contiguous run (src, dst, nbytes). Otherwise a column block: `nbytes` lie
-    contiguously at `src` (the rank's [rows, cols] slice, row-major) and row i of it lands at
-    `dst + i * stride` (the HF row length in bytes), `width` bytes each."""
+    `stride` 0: one contiguous run (src, dst, nbytes). Otherwise a column block of `width`
+    bytes per row: row i lies at `src + i * src_stride` in the send buffer (`src_stride` 0:
+    rows back to back, the rank's [rows, cols] slice) and lands at `dst + i * stride` (the
+    engine slot's row length in bytes)."""
 
     rank: int
     group: int
@@ -176,6 +187,7 @@ class Piece:
     nbytes: int
     cols: Rows | None = None  # columns [c0, c1) of dim 1 (a column block), None: whole rows
     stride: int = 0
+    src_stride: int = 0
 
     @property
     def width(self) -> int:
@@ -183,13 +195,14 @@ class Piece:
         return self.nbytes // (self.rows[1] - self.rows[0]) if self.stride else self.nbytes
 
     def runs(self) -> Iterator[tuple[int, int, int]]:
-        """(src, dst, bytes) runs: one, or one per row of a column block (src contiguous)."""
+        """(src, dst, bytes) runs: one, or one per row of a column block."""
         if not self.stride:
             yield self.src, self.dst, self.nbytes
             return
         w = self.width
+        step = self.src_stride or w
         for i in range(self.rows[1] - self.rows[0]):
-            yield self.src + i * w, self.dst + i * self.stride, w
+            yield self.src + i * step, self.dst + i * self.stride, w
 
 
 @dataclass(frozen=True)
@@ -227,6 +240,8 @@ class ShardBucket:
                 last[3] += 1
             elif last is not None and len(last) == 2 and last[1] - last[0] == n and d > last[1]:
                 out[-1] = [last[0], n, d - last[0], 2]
+            elif out and len(out[-1]) == 2 and out[-1][1] == d:  # back to back on the engine: one range
+                out[-1][1] = d + n
             else:
                 out.append([d, d + n])
             prev = row
@@ -255,6 +270,7 @@ class _Slice:
     width: int  # bytes per row this slice holds (row_bytes unless a column block)
     col0: int  # byte offset of the block's first column within a row
     param: str
+    ncols: int = 1  # the HF tensor's dim 1 (1 for a 1-D tensor)
 
 
 class TransferPlan:
@@ -296,19 +312,28 @@ class TransferPlan:
                     lo, hi = max(x.hf_rows[0], ga), min(x.hf_rows[1], gb)
                     if lo >= hi:
                         continue
-                    block = x.width != x.row_bytes
+                    # columns: the slice's [a, b) ∩ the group's [e0, e1) (whole rows: all of them)
+                    cb = x.row_bytes // x.ncols
+                    a, b = x.cols or (0, x.ncols)
+                    e0, e1 = eng.cols.get(x.hf, (0, x.ncols))
+                    c0, c1 = max(a, e0), min(b, e1)
+                    if c0 >= c1:
+                        continue
+                    width, erow = (c1 - c0) * cb, (e1 - e0) * cb  # bytes per row: piece, engine slot
+                    src = pos + (lo - x.hf_rows[0]) * x.width + (c0 - a) * cb
+                    dst = eng.plan.offsets[i] + (lo - ga) * erow + (c0 - e0) * cb
+                    block = width != x.width or width != erow  # rows not back to back on one side
                     pieces.append(Piece(r, g, x.hf, (lo, hi), x.param, x.expert,
                                         (x.prows[0] + lo - x.hf_rows[0], x.prows[0] + hi - x.hf_rows[0]),
-                                        pos + (lo - x.hf_rows[0]) * x.width,
-                                        eng.plan.offsets[i] + (lo - ga) * x.row_bytes + x.col0,
-                                        (hi - lo) * x.width, x.cols if block else None,
-                                        x.row_bytes if block else 0))
+                                        src, dst, (hi - lo) * width, (c0, c1) if block else None,
+                                        erow if block else 0, x.width if block and x.width != width else 0))
                 pos += n
             self.pieces.append(pieces)
             self.sends.append(sends)
             self.send_bytes.append(pos)
         self._check_cover()
-        h = xxhash.xxh64(repr((trainer, [(e.plan.digest, sorted(e.rows.items())) for e in self.engines])).encode())
+        h = xxhash.xxh64(repr((trainer, [(e.plan.digest, sorted(e.rows.items()), sorted(e.cols.items()))
+                                          for e in self.engines])).encode())
         self.digest = h.hexdigest()
 
     @staticmethod
@@ -336,7 +361,7 @@ class TransferPlan:
                         col = row_bytes // prm.shape[1]
                         hf_rows = (part.at, part.at + part.rows[1] - part.rows[0])
                         raw[r].append(_Slice(part.hf_name, part.expert, hf_rows, part.rows, (a, b), row_bytes,
-                                             (b - a) * col, a * col, prm.name))
+                                             (b - a) * col, a * col, prm.name, prm.shape[1]))
                         continue
                     if part.expert is not None:  # dim 0 is the expert axis: whole experts per rank
                         if not a <= part.expert < b:
@@ -348,7 +373,7 @@ class TransferPlan:
                             continue
                     off = part.at - part.rows[0]
                     raw[r].append(_Slice(part.hf_name, part.expert, (lo + off, hi + off), (lo, hi), None, row_bytes,
-                                         row_bytes, 0, prm.name))
+                                         row_bytes, 0, prm.name, part.row_shape[0] if part.row_shape else 1))
         return raw, hf_seen
 
     def _check_cover(self) -> None:
