@@ -23,8 +23,9 @@ Layouts covered:
   rank), and Megatron TP/EP/PP (`transport/bulk/shard_megatron.py`: column-parallel fused
   QKV and gate/up as row segments, row-parallel `linear_proj`/`linear_fc2` as column
   slices, vocab-parallel embedding rows, whole experts per EP rank, optionally TP-split).
-- engine: a group of engines holding the same rows of each HF tensor. Whole-model engines
-  are one group holding every row; a TP engine split on dim 0 is one group per TP rank.
+- engine: a group of engines holding the same slice of each HF tensor. Whole-model engines
+  are one group; a TP engine is one group per TP rank, holding rows of column-parallel
+  tensors and columns of row-parallel ones (`EngineLayout.split`).
 """
 
 from __future__ import annotations
