@@ -30,6 +30,7 @@ Layouts covered:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -227,7 +228,7 @@ class ShardBucket:
     nbytes: int
     block_rows: tuple[bool, ...] = ()  # per run: a row of a column block (landed strided with its neighbours)
 
-    @property
+    @functools.cached_property
     def ranges(self) -> list[list[int]]:
         """Destination byte ranges in send order (what the engine lands): [lo, hi), or
         [lo, width, stride, count] for `count` runs of `width` bytes `stride` apart (a column
@@ -250,6 +251,10 @@ class ShardBucket:
 
     def contiguous_src(self) -> tuple[int, int] | None:
         """[lo, hi) of the send buffer when the runs lie back to back there (sent with no pack copy)."""
+        return self._src_span
+
+    @functools.cached_property
+    def _src_span(self) -> tuple[int, int] | None:  # computed once per bucket, not per push
         pos = self.runs[0][0]
         for s, _, n in self.runs:
             if s != pos:

@@ -119,6 +119,7 @@ class ShardedCoordinator:
         self._open_for: list[str] | None = None
         self._plan_for: tuple[str, tuple[str, ...]] | None = None
         self._buckets: tuple[Any, list[ShardBucket]] = (None, [])
+        self._windows: tuple[Any, list[list[Run]]] = (None, [])  # verify's, per plan
         self.versions: dict[str, int] = {}
         self._prev: torch.Tensor | None = None  # delta base: this rank's send buffer at version `_base`
         self._base = -1
@@ -356,7 +357,10 @@ class ShardedCoordinator:
         sends its runs in it as one message (a column block's rows interleave the TP ranks
         row by row; a message per run would be one per row). Only verify versions pay this."""
         buf = export.buffer
-        windows = verify_windows(export.plan, self.opts.bucket_bytes)
+        key = (export.plan.digest, self.opts.bucket_bytes)
+        if self._windows[0] != key:
+            self._windows = (key, verify_windows(export.plan, self.opts.bucket_bytes))
+        windows = self._windows[1]
         # one window of scratch, reused: no rank holds more than its shard + one bucket here either
         scratch = torch.empty(max((sum(r[3] for r in w) for w in windows), default=1), dtype=torch.uint8,
                               device=buf.device)
