@@ -1,9 +1,10 @@
 """Batched next-token choice: greedy or seeded sampling with top-k / top-p, plus reported logprobs.
 
-Every request owns a `torch.Generator`, so its samples do not depend on which other
-requests share the batch. Per step, each sampled row costs one kernel (its exponential
-draw); softmax, argmax and the logprob gather run once for the batch, and one copy brings
-ids and logprobs to the host.
+A request with a seed owns a `torch.Generator`, so its samples do not depend on which
+other requests share the batch; each such row costs one kernel per step (its exponential
+draw). Requests without a seed (RL rollouts) have nothing to reproduce and draw together
+from the engine's generator in one kernel. Softmax, argmax and the logprob gather run once
+for the batch, and one copy brings ids and logprobs to the host.
 """
 
 from __future__ import annotations
@@ -32,9 +33,15 @@ def _truncate(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 
 
 def choose_tokens(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    shared: torch.Generator | None = None,
 ) -> tuple[list[int], list[float]]:
-    """logits [B, V] -> (token ids, logprobs under softmax(logits / T) before truncation)."""
+    """logits [B, V] -> (token ids, logprobs under softmax(logits / T) before truncation).
+
+    A sampled row draws with its generator (a request with a seed), or without one (no
+    seed: nothing to reproduce) from `shared`, in one draw for all such rows."""
     # a plain float when the whole batch shares one temperature (the common case) spares
     # building a per-row tensor and, for greedy / T = 1, the division itself
     distinct = {p.temperature if p.temperature > 0 else 1.0 for p in params}
@@ -47,7 +54,7 @@ def choose_tokens(
     tokens = torch.argmax(scaled, dim=-1)
     rows = [i for i, p in enumerate(params) if p.temperature > 0]
     if rows:
-        tokens[rows] = _sample(scaled, rows, params, generators)
+        tokens[rows] = _sample(scaled, rows, params, generators, shared)
     chosen = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     # one device-to-host copy for both (ids are exact in float64)
     ids, lps = torch.stack((tokens.to(torch.float64), chosen.to(torch.float64))).tolist()
@@ -57,7 +64,11 @@ def choose_tokens(
 
 
 def _sample(
-    scaled: torch.Tensor, rows: list[int], params: list[SamplingParams], generators: list[torch.Generator | None]
+    scaled: torch.Tensor,
+    rows: list[int],
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    shared: torch.Generator | None,
 ) -> torch.Tensor:
     """Token ids of `rows`, each drawn from softmax of its (truncated) scaled logits with its
     own generator: argmax(p / E), E ~ Exp(1) drawn from the row's generator, which is what
@@ -71,6 +82,10 @@ def _sample(
             sub[j] = _truncate(sub[j], p.top_k, p.top_p)
     probs = torch.softmax(sub, dim=-1)
     race = torch.empty_like(probs)
+    if any(generators[i] is None for i in rows):  # unseeded rows: one draw for all of them
+        race.exponential_(1.0, generator=shared)
     for j, i in enumerate(rows):
-        race[j].exponential_(1.0, generator=generators[i])
+        g = generators[i]
+        if g is not None:
+            race[j].exponential_(1.0, generator=g)
     return (probs / race).argmax(dim=-1)

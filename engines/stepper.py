@@ -7,13 +7,14 @@ the step lock, so one step always sees a single weight version.
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 
 from miles.core.logging import get_logger
 from miles.engines.cuda_graph import DecodeGraphs
 from miles.engines.kv_cache import RowPool
-from miles.engines.sampling import choose_tokens
+from miles.engines.sampling import choose_tokens, make_generator
 from miles.engines.sequence import Sequence
 from miles.models.decoder import CausalLM
 from miles.models.invariant import BatchInvariant, triton_kernels
@@ -40,6 +41,8 @@ class Stepper:
         self.device = device
         # true on-policy: logits independent of the batch, equal to the trainer's per-sequence forward
         self.batch_invariant = batch_invariant
+        # unseeded requests sample from this one (engines/sampling.py), seeded afresh per engine
+        self.rng = make_generator(int.from_bytes(os.urandom(6), "little"), device)
         # the batch-invariant mode is a Python-level op override. Captured, it records the Triton
         # kernels it dispatches to (models/invariant_triton.py, no host syncs); an expert kind
         # without an invariant kernel fails its capture, and decode stays eager (DecodeGraphs.failed).
@@ -170,5 +173,6 @@ class Stepper:
         return res.logits[:, 0], res.routed_experts
 
     def _choose(self, seqs: list[Sequence], logits: torch.Tensor) -> StepOut:
-        tokens, logps = choose_tokens(logits, [s.req.sampling for s in seqs], [s.generator for s in seqs])
+        params, gens = [s.req.sampling for s in seqs], [s.generator for s in seqs]
+        tokens, logps = choose_tokens(logits, params, gens, self.rng)
         return {s: (t, lp) for s, t, lp in zip(seqs, tokens, logps, strict=True)}

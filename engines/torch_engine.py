@@ -10,7 +10,6 @@ passes and every forward sees one version.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -107,8 +106,8 @@ class TorchEngine(Engine):
         if len(self._queue) >= self.cfg.max_queue:
             raise EngineError(f"engine queue is full ({self.cfg.max_queue} requests waiting)")
         s = req.sampling
-        seed = s.seed if s.seed is not None else int.from_bytes(os.urandom(6), "little")
-        gen = make_generator(seed, self.device) if s.temperature > 0 else None
+        # a seeded request samples with its own generator; unseeded ones share the stepper's
+        gen = make_generator(s.seed, self.device) if s.temperature > 0 and s.seed is not None else None
         fut: asyncio.Future[GenerateResult] = asyncio.get_running_loop().create_future()
         seq = Sequence(req=req, future=fut, generator=gen, tokens=list(req.input_ids), n_prompt=len(req.input_ids))
         if req.session_key is not None:

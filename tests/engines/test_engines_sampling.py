@@ -57,13 +57,33 @@ def test_a_rows_draw_does_not_depend_on_its_neighbours(device: str) -> None:
     assert together == [alone[i] for i in order]
 
 
-def test_draws_follow_the_distribution() -> None:
+@pytest.mark.parametrize("seeded", [True, False])
+def test_draws_follow_the_distribution(seeded: bool) -> None:
     probs = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625])
     logits = probs.log().expand(4000, -1).contiguous()
-    gens = [make_generator(i, logits.device) for i in range(4000)]
-    ids, _ = choose_tokens(logits, [SamplingParams(temperature=1.0)] * 4000, gens)
+    gens = [make_generator(i, logits.device) if seeded else None for i in range(4000)]
+    ids, _ = choose_tokens(logits, [SamplingParams(temperature=1.0)] * 4000, gens, make_generator(7, logits.device))
     freq = torch.bincount(torch.tensor(ids), minlength=5).float() / 4000
     assert torch.allclose(freq, probs, atol=0.03)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_unseeded_rows_share_one_draw_and_leave_seeded_rows_alone(device: str) -> None:
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(8, 300, generator=g) * 2).to(device)
+    dev = torch.device(device)
+    params = [SamplingParams(temperature=1.0, seed=i if i % 3 == 0 else None) for i in range(8)]
+
+    def draw(shared_seed: int) -> list[int]:
+        gens = [make_generator(p.seed, dev) if p.seed is not None else None for p in params]
+        return choose_tokens(logits, params, gens, make_generator(shared_seed, dev))[0]
+
+    a, b, c = draw(1), draw(1), draw(2)
+    assert a == b  # the engine's generator alone decides the unseeded rows
+    seeded = [i for i, p in enumerate(params) if p.seed is not None]
+    ref = one_by_one(logits[seeded], [params[i] for i in seeded], [make_generator(i, dev) for i in seeded])
+    assert [a[i] for i in seeded] == [c[i] for i in seeded] == ref
+    assert [a[i] for i in range(8) if i not in seeded] != [c[i] for i in range(8) if i not in seeded]
 
 
 def test_non_finite_logits_are_an_error() -> None:
