@@ -6,7 +6,8 @@ unless said):
   cuda  b32 / b128   32 or 128 prompts of 128 tokens, 128 new (decode-heavy)
         group8x8     8 prompts x 8 samples (a GRPO group each), 1024-token prompts, 64 new
         b256         256 prompts of 128 tokens, 512 new
-        group8x8_t1  group8x8 sampled at temperature 1, seeded per request (as RL samples)
+        group8x8_t1  group8x8 sampled at temperature 1 without seeds (as RL rollouts send)
+        group8x8_t1_seeded  the same with a seed per request (a generator each)
   cpu   b8           8 prompts of 32 tokens, 64 new (the CPU bench of earlier runs)
         group2x4     2 prompts x 4 samples, 256-token prompts, 16 new
 
@@ -75,7 +76,8 @@ class Case:
     samples: int  # requests per prompt (a GRPO group's n)
     prompt: int  # tokens per prompt
     new: int  # tokens generated per request
-    temperature: float = 0.0  # 0 = greedy; > 0: seeded per request (seed = row index), as in RL
+    temperature: float = 0.0  # 0 = greedy
+    seeded: bool = False  # temperature > 0: every request has a seed (its own stream); RL rollouts send none
 
     @property
     def batch(self) -> int:
@@ -90,6 +92,7 @@ CASES: dict[str, dict[str, Case]] = {
         "group8x8": Case(8, 8, 1024, 64),
         "b256": Case(256, 1, 128, 512),
         "group8x8_t1": Case(8, 8, 1024, 64, temperature=1.0),
+        "group8x8_t1_seeded": Case(8, 8, 1024, 64, temperature=1.0, seeded=True),
     },
 }
 
@@ -144,8 +147,8 @@ class EngineRun:
         self.engine = TorchEngine(model, cfg)
         self.loop = asyncio.new_event_loop()
         self.ids = [p.tolist() for p in prompts]
-        self.sps = [SamplingParams(temperature=case.temperature, max_new_tokens=case.new, seed=i)
-                    for i in range(case.batch)]
+        self.sps = [SamplingParams(temperature=case.temperature, max_new_tokens=case.new,
+                                   seed=i if case.seeded else None) for i in range(case.batch)]
 
     async def _all(self) -> None:
         await asyncio.gather(*(self.engine.generate(GenerateRequest(input_ids=p, sampling=sp))
@@ -286,7 +289,7 @@ def report(
     def cell(v: float | None, w: int, d: int = 1) -> str:
         return f"{v:>{w}.{d}f}" if v is not None else f"{'-':>{w}}"
 
-    print(f"{kind:<6}{name:<16}{case.batch:>6}{case.prompt:>7}{case.new:>5}{cell(en, 13)}"
+    print(f"{kind:<6}{name:<20}{case.batch:>6}{case.prompt:>7}{case.new:>5}{cell(en, 13)}"
           f"{cell(tok.get('engine_unshared'), 13)}{cell(tok.get('hf'), 12)}"
           f"{cell(en / tok['hf'] if 'hf' in tok else None, 9, 2)}{cell(sgl, 12)}"
           f"{cell(en / sgl if sgl else None, 9, 2)}{len(times[0]):>5}", flush=True)
@@ -347,7 +350,7 @@ def main() -> None:
     base = "HF static+compile" if gpu else "HF eager"
     print(f"# tok/s; engine_unshared: share_prompts=false; hf: {base}; "
           "sglang: SGLang 0.5.17, issue 21's run (not this run)")
-    print(f"{'model':<6}{'case':<16}{'batch':>6}{'prompt':>7}{'new':>5}{'engine':>13}{'unshared':>13}"
+    print(f"{'model':<6}{'case':<20}{'batch':>6}{'prompt':>7}{'new':>5}{'engine':>13}{'unshared':>13}"
           f"{'hf':>12}{'en/hf':>9}{'sglang':>12}{'en/sgl':>9}{'runs':>5}", flush=True)
     t0 = time.perf_counter()
     for kind in models:
