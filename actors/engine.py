@@ -27,7 +27,7 @@ from miles.actors.messages import (
 )
 from miles.actors.runtime.actor import Actor, handler
 from miles.actors.sync_messages import BulkClose, BulkOpen, BulkPlan, BulkRecv, FlatRange, Stage
-from miles.core.errors import EngineError, SyncError
+from miles.core.errors import EngineError, PlanMissing, SyncError
 from miles.core.logging import get_logger
 from miles.engines.base import Engine, GenerateRequest, GenerateResult, SamplingParams
 from miles.engines.weights import WeightStager
@@ -227,8 +227,8 @@ class EngineActor(Actor):
     async def flat_range(self, msg: FlatRange) -> int:
         landing = self._landing
         if landing is None or landing.plan.digest != msg.digest:
-            raise SyncError(f"engine {self.name!r}: flat range of v{msg.version} for plan {msg.digest} arrived, "
-                            f"this engine holds plan {landing.plan.digest if landing else None}")
+            raise PlanMissing(f"engine {self.name!r}: flat range of v{msg.version} for plan {msg.digest} arrived, "
+                              f"this engine holds plan {landing.plan.digest if landing else None}")
         await self._settle()
         local = self._local()
         if msg.data is not None:  # inline (zmq)

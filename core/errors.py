@@ -78,6 +78,11 @@ class SyncError(MilesError):
     """A weight-sync step failed or timed out; the message names the step and the peer."""
 
 
+class PlanMissing(SyncError):
+    """An engine got bytes of a flat plan it does not hold: it restarted since the plan was sent.
+    The push goes on without it (as for a dead engine) and the trainer catches it up."""
+
+
 # Name -> class, so a RemoteError from a peer can be re-raised as the real type.
 KNOWN_ERRORS: dict[str, type[MilesError]] = {
     cls.__name__: cls
@@ -96,6 +101,7 @@ KNOWN_ERRORS: dict[str, type[MilesError]] = {
         NotAppendOnly,
         TrainerError,
         SyncError,
+        PlanMissing,
         RewardError,
     )
 }

@@ -17,7 +17,7 @@ import msgpack
 import pytest
 import torch
 
-from miles.core.errors import ActorDeadError, EngineError, SyncError
+from miles.core.errors import ActorDeadError, EngineError, PlanMissing, SyncError
 from miles.models.config import ModelSpec
 from miles.models.hf_io import tensor_checksum
 from miles.models.presets import tiny_config
@@ -215,6 +215,23 @@ async def test_a_dead_engine_is_dropped_and_reported_by_every_rank() -> None:
         assert not isinstance(rep, BaseException), rep
         assert rep.committed == ["e0"] and rep.dead == ["e1"]
     assert torch.equal(link.engines["e0"].live, whole) and link.engines["e1"].version == 0
+
+
+async def test_an_engine_that_lost_the_plan_is_left_out_like_a_dead_one() -> None:
+    """An engine restarted between two pushes answers PlanMissing (no flat plan held): the version
+    commits on the others, the engine is reported with the dead, and the next push resends the plan."""
+    link = MemLink()
+    coords = make(link, verify_every=0)
+    link.fail[("e1", 1)] = PlanMissing("e1 holds plan None")
+    exs, whole = exports(10)
+    reps = await push_all(coords, 1, exs)
+    for rep in reps:
+        assert not isinstance(rep, BaseException), rep
+        assert rep.committed == ["e0"] and rep.dead == ["e1"]
+    exs2, whole2 = exports(11)
+    reps = await push_all(coords, 2, exs2)
+    assert all(not isinstance(r, BaseException) and r.committed == ENGINES for r in reps), reps
+    assert all(torch.equal(e.live, whole2) for e in link.engines.values())
 
 
 def exports_of(model: torch.nn.Module, bufs: list[ShardExportBuffer]) -> tuple[list[ShardExport], torch.Tensor]:

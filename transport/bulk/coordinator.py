@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import torch
 import xxhash
 
-from miles.core.errors import ActorDeadError, MilesError, SyncError
+from miles.core.errors import ActorDeadError, MilesError, PlanMissing, SyncError
 from miles.core.logging import get_logger
 from miles.core.schema.sync import SyncConfig
 from miles.transport.bulk.base import BulkSender, make_sender
@@ -101,13 +101,14 @@ class EngineLink(Protocol):
 
 
 async def each(step: str, names: list[str], call: Call, dead: list[str]) -> list[Any]:
-    """`call` on every engine at once: a dead one joins `dead` (and answers None), any other
-    failure raises SyncError naming the step and the engine."""
+    """`call` on every engine at once: a dead one joins `dead` (and answers None), and so does
+    one that restarted since it took the flat plan (`PlanMissing`: the trainer's watcher catches
+    it up with a full copy); any other failure raises SyncError naming the step and the engine."""
 
     async def one(name: str) -> Any:
         try:
             return await call(name)
-        except ActorDeadError:
+        except (ActorDeadError, PlanMissing):
             if name not in dead:  # several buckets in flight can each see the same death
                 dead.append(name)
             return None
