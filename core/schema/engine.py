@@ -32,8 +32,8 @@ class EngineConfig:
     cuda_graphs: bool = opt(True, "torch engine on CUDA: replay decode steps as CUDA graphs per batch-size bucket")
     compile_decode: bool = opt(
         False,
-        "torch engine on CUDA with cuda_graphs: torch.compile the decode forward before capturing it "
-        "(fused kernels; one dynamic-shape compile, about a minute, at the first decode step)",
+        "torch engine on CUDA with cuda_graphs, dense models: torch.compile the decode forward before capturing "
+        "it (fused kernels; one dynamic-shape compile, about a minute, at the first decode step)",
     )
     share_prompts: bool = opt(
         True,

@@ -1,6 +1,7 @@
 """engine.compile_decode: the torch.compile'd decode forward, captured as CUDA graphs (dynamic
-shapes, so several batch and key-length buckets share one compile), gives the tokens, logprobs
-and routing of the uncompiled graphs. GPU only: on 2 CPU cores the compile alone takes ~45 s."""
+shapes, so several batch and key-length buckets share one compile), gives the tokens and
+logprobs of the uncompiled graphs (dense models; MoE decode stays uncompiled, see
+engines/stepper.py). GPU only: on 2 CPU cores the compile alone takes ~45 s."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ async def _generate(model, compiled: bool):
     eng = TorchEngine(model, cfg)
     # 2 then 5 rows (buckets 2 and 8), keys past 256 (buckets 256 and 300): one compile serves all
     prompts = [[1, 2, 3], [4] * 17, [5, 6], [7, 8, 9, 10, 11], list(range(40))]
-    reqs = [GenerateRequest(input_ids=p, return_routed_experts=True,
+    reqs = [GenerateRequest(input_ids=p,
                             sampling=SamplingParams(temperature=1.0, seed=i, max_new_tokens=n))
             for i, (p, n) in enumerate(zip(prompts, (4, 260, 3, 4, 6), strict=True))]
     try:
@@ -42,11 +43,9 @@ async def _generate(model, compiled: bool):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (compiled decode captured as CUDA graphs)")
 async def test_compiled_decode_matches_uncompiled_graphs() -> None:
-    model = tiny_model("qwen3_moe", num_hidden_layers=2, mlp_only_layers=[1]).cuda()  # fp32
+    model = tiny_model("qwen3", num_hidden_layers=2).cuda()  # fp32; MoE models decode uncompiled
     eager = await _generate(model, False)
     compiled = await _generate(model, True)
     for a, b in zip(eager, compiled, strict=True):
         assert a.output_ids == b.output_ids
         assert np.allclose(a.logprobs, b.logprobs, atol=1e-4)
-        assert a.routed_experts is not None and b.routed_experts is not None
-        assert np.array_equal(a.routed_experts, b.routed_experts)
