@@ -20,6 +20,7 @@ from miles.actors.messages import (
     Commit,
     EndSession,
     Generate,
+    GenerateMany,
     Health,
     Pause,
     Resume,
@@ -81,6 +82,28 @@ class EngineActor(Actor):
         if msg.request_id:
             req.request_id = msg.request_id
         return result_to_wire(await self.engine.generate(req))
+
+    @handler(GenerateMany, concurrency=1024)
+    async def generate_many(self, msg: GenerateMany) -> list[dict[str, Any]]:
+        if len(msg.input_ids) != len(msg.sampling):
+            raise EngineError(f"GenerateMany: {len(msg.input_ids)} prompts for {len(msg.sampling)} samplings")
+
+        async def one(ids: list[int], sampling: dict[str, Any]) -> dict[str, Any]:
+            req = GenerateRequest(ids, sampling_from_wire(sampling), None, msg.return_routed_experts)
+            return result_to_wire(await self.engine.generate(req))
+
+        # Submitted together, so the engine admits them in one step (and shares their prompt).
+        done = await asyncio.gather(*(one(i, s) for i, s in zip(msg.input_ids, msg.sampling, strict=True)),
+                                    return_exceptions=True)
+        out: list[dict[str, Any]] = []
+        for r in done:
+            if isinstance(r, BaseException):
+                if not isinstance(r, Exception):
+                    raise r  # cancellation of the whole message
+                out.append({"error_type": type(r).__name__, "error": str(r)})
+            else:
+                out.append(r)
+        return out
 
     @handler(Pause)
     async def pause(self, msg: Pause) -> int:

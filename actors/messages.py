@@ -22,6 +22,18 @@ class Generate:
     request_id: str = ""
 
 
+@message("engine.GenerateMany")
+@dataclass
+class GenerateMany:
+    """Several `Generate` requests in one message, answered together with one reply each
+    (a result, or {"error_type", "error"} for a request that failed alone). The rollout sends
+    a group's samples this way: one message instead of n per group, in both processes."""
+
+    input_ids: list[list[int]]
+    sampling: list[dict[str, Any]]
+    return_routed_experts: bool = False
+
+
 @message("engine.Pause")
 @dataclass
 class Pause:

@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from miles.actors.evaluator import Evaluator
-from miles.actors.messages import DumpState, Generate, PullBatch, RunEval, SetVersion
+from miles.actors.messages import DumpState, Generate, GenerateMany, PullBatch, RunEval, SetVersion
 from miles.actors.runtime.actor import Actor, handler
-from miles.core.errors import ActorDeadError, EngineError
+from miles.core.errors import KNOWN_ERRORS, ActorDeadError, EngineError, RemoteError
 from miles.core.files import atomic_write_text
 from miles.core.hooks import resolve_hook
 from miles.core.logging import get_logger
@@ -46,6 +46,17 @@ from miles.rollout.types import Group
 
 _DEAD_ENGINE_BACKOFF_S = 0.5
 log = get_logger("miles.rollout")
+
+# A request waiting to be sent: (prompt ids, sampling params, the future its reply lands in).
+_Queued = tuple[list[int], dict[str, Any], "asyncio.Future[dict[str, Any]]"]
+
+
+def _item_error(r: dict[str, Any]) -> Exception:
+    """The exception of one failed request of a GenerateMany, as its own ask would raise it."""
+    cls = KNOWN_ERRORS.get(r["error_type"])
+    if cls is not None and cls is not RemoteError:
+        return cls(r["error"])
+    return RemoteError(r["error_type"], r["error"], "")
 
 
 def load_env(cfg: MilesConfig) -> Any:
@@ -108,6 +119,7 @@ class RolloutActor(Actor):
         self.gen_response_tokens = 0
         self.resubmits = 0  # requests retracted by a weight update and continued under the new version
         self.mixed_version_samples = 0
+        self._queued: dict[str, list[_Queued]] = {}  # engine -> requests of this loop iteration
 
     async def _service_engine(self, key: str, ids: list[int], sampling: dict[str, Any]) -> dict[str, Any]:
         """The HTTP front's engine call: the same routed, retract-aware path as in-process turns."""
@@ -224,14 +236,61 @@ class RolloutActor(Actor):
         engine = self.router.route(key, len(input_ids))
         cached: int | None = None
         try:
-            r: dict[str, Any] = await self.ref(engine).ask(
-                Generate(input_ids, sampling, None, self.cfg.trainer.routing_replay),
-                timeout=self.cfg.rollout.generate_timeout_s or self.cfg.transport.default_deadline_s * 4,
-            )
+            r = await self._queue_generate(engine, input_ids, sampling)
             cached = int(r["cached_tokens"])
         finally:
             self.router.finish(engine, len(input_ids), cached)
         return r
+
+    def _queue_generate(self, engine: str, input_ids: list[int],
+                        sampling: dict[str, Any]) -> asyncio.Future[dict[str, Any]]:
+        """Queue one request for `engine`; the requests queued in one loop iteration go out as
+        one message. A group's n trajectories start together and reach here in the same
+        iteration, so a group costs one message each way instead of n (~0.1 ms CPU per message
+        in each process), and the engine still admits them together."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[dict[str, Any]] = loop.create_future()
+        queued = self._queued.get(engine)
+        if queued is None:
+            queued = self._queued[engine] = []
+            loop.call_soon(self._send_queued, engine)
+        queued.append((input_ids, sampling, fut))
+        return fut
+
+    def _send_queued(self, engine: str) -> None:
+        batch = [q for q in self._queued.pop(engine, []) if not q[2].done()]  # done: its caller is gone
+        if batch:
+            t = asyncio.create_task(self._ask_engine(engine, batch), name=f"generate-{engine}")
+            self._tasks.add(t)
+            t.add_done_callback(self._tasks.discard)
+
+    async def _ask_engine(self, engine: str, batch: list[_Queued]) -> None:
+        timeout = self.cfg.rollout.generate_timeout_s or self.cfg.transport.default_deadline_s * 4
+        rr = self.cfg.trainer.routing_replay
+        try:
+            if len(batch) == 1:
+                replies = [await self.ref(engine).ask(Generate(batch[0][0], batch[0][1], None, rr), timeout=timeout)]
+            else:
+                replies = await self.ref(engine).ask(
+                    GenerateMany([q[0] for q in batch], [q[1] for q in batch], rr), timeout=timeout)
+                if len(replies) != len(batch):
+                    raise EngineError(f"{engine}: {len(replies)} replies to {len(batch)} requests")
+        except BaseException as exc:
+            for _, _, fut in batch:  # every request of the message fails as its own ask would
+                if not fut.done():
+                    if isinstance(exc, Exception):
+                        fut.set_exception(exc)
+                    else:
+                        fut.cancel()
+            if not isinstance(exc, Exception):
+                raise
+            return
+        for (_, _, fut), r in zip(batch, replies, strict=True):
+            if not fut.done():
+                if "error_type" in r:
+                    fut.set_exception(_item_error(r))
+                else:
+                    fut.set_result(r)
 
     async def _run(self, work: Work) -> None:
         key = f"{work.group_id}/{work.sample_index}"

@@ -4,8 +4,9 @@
   rollout side knows that version. It learned it only from SetVersion, a tell, so one lost
   announcement stalled generation until the trainer's pull deadline; PullBatch carries the
   version too, and the rollout side now takes it from there.
-- 5% of `engine.Generate` requests and replies lost: each fails its trajectory at
-  `rollout.generate_timeout_s`, the group is dropped with its reason and its prompt retried.
+- 20% of `engine.Generate` / `engine.GenerateMany` (a group's requests in one message) requests
+  and replies lost: each fails its trajectories at `rollout.generate_timeout_s`, the group is
+  dropped with its reason and its prompt retried.
 """
 
 from __future__ import annotations
@@ -44,11 +45,12 @@ def test_sync_run_finishes_with_every_set_version_lost(tmp_path: Path, cache: Pa
 def test_lost_generate_requests_fail_their_trajectories_at_the_deadline(tmp_path: Path, cache: Path) -> None:
     run = tmp_path / "run"
     train(run, cache, {"run.steps": "4", "run.log_level": "info", "rollout.generate_timeout_s": "2",
-                       "transport.faults.drop_rate": "0.05", "transport.faults.drop_types": '["engine.Generate"]',
+                       "transport.faults.drop_rate": "0.2",
+                       "transport.faults.drop_types": '["engine.Generate", "engine.GenerateMany"]',
                        "transport.faults.seed": "1"}, timeout=120)
     assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4]
     lost = len(_events(run, "rollout", "message_dropped")) + len(_events(run, "engine", "message_dropped"))
-    timed_out = [e for e in _events(run, "rollout", "trajectory_failed") if "within 2s (request Generate)" in str(e)]
+    timed_out = [e for e in _events(run, "rollout", "trajectory_failed") if "within 2s (request Generate" in str(e)]
     assert lost >= 1 and len(timed_out) >= 1
     entries = rollout_state(run)["buffer"]["ledger"]["entries"]
     failed = [e for e in entries if any("failed" in r for r in e.get("reasons", []))]
