@@ -136,7 +136,8 @@ class Backbone(nn.Module):
 
 # H200, 0.5B dense (bench/results/trainer_h200_s4.txt): 4k-token packs of 768-token sequences
 # train at 0.87x with varlen (launches and a host sync outweigh a small mask); 16k-token packs
-# of 2k-token sequences at 1.73x (the [groups*T, T] bias is 3.6 GB there). Between the two:
+# of 2k-token sequences at 1.73x (the [groups*T, T] bias is 3.6 GB there). With varlen as one
+# flash call (trainer_h200_s6.txt) 4k-token packs still train at 0.90x masked. Between the two:
 VARLEN_AUTO_MIN_TOKENS = 8192
 
 
