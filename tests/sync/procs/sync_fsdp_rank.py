@@ -15,6 +15,8 @@ import os
 import sys
 from pathlib import Path
 
+import torch.distributed as dist
+
 from miles.actors.runtime.host import Host
 from miles.actors.sync import WeightSync
 from miles.core.schema.sync import SyncConfig
@@ -76,6 +78,15 @@ def main() -> None:
     sums = {k: tensor_checksum(v) for k, v in trainer.export_hf_state()}
     if rank == 0:
         (out / "trainer_checksums.json").write_text(json.dumps(sums))
+    # Shut the gloo group down, then leave without interpreter teardown: torch's background
+    # threads can abort a multi-rank process at exit ("terminate called without an active
+    # exception", seen in CI) after every output above is written and closed.
+    trainer.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

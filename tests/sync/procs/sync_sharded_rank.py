@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -160,6 +161,15 @@ def main() -> None:
     rec = asyncio.run(run(trainer, directory, out, transports))
     rec["bucket_bytes"] = BUCKET
     (out / f"rank{rank}.json").write_text(json.dumps(rec))
+    # Shut the gloo group down, then leave without interpreter teardown: torch's background
+    # threads can abort a multi-rank process at exit ("terminate called without an active
+    # exception", seen in CI) after every output above is written and closed.
+    trainer.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
