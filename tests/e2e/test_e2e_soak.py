@@ -6,8 +6,8 @@ is set; the issue's soak is 600), then the run is left to finish. The driver kil
 (engine, rollout, trainer) a few seconds after each new checkpoint, so the run keeps advancing
 between kills, and resumes the run where the launcher does not restart the role (rollout,
 trainer). The fault hook (`transport.faults`, transport/faults.py) drops 1% of the messages whose
-loss the protocol recovers from (`engine.Generate` requests and replies, `engine.Health`,
-`rollout.SetVersion`, `rt.Heartbeat`) and delays 5% of all messages by up to 100 ms.
+loss the protocol recovers from (`engine.Generate` and `engine.GenerateMany` requests and
+replies, `engine.Health`, `rollout.SetVersion`, `rt.Heartbeat`) and delays 5% of all messages by up to 100 ms.
 
 A lost Generate fails its trajectory at `rollout.generate_timeout_s` (10 s here) and its group is
 dropped (the prompt retried). The buffer takes groups in arrival order here: under the default
@@ -42,7 +42,8 @@ pytestmark = [
     pytest.mark.skipif("MILES_SOAK_S" not in os.environ,
                        reason="chaos soak: set MILES_SOAK_S (seconds of chaos, e.g. 90 or 600) to run it"),
 ]
-DROPPED_TYPES = '["engine.Generate", "engine.Health", "rollout.SetVersion", "rt.Heartbeat"]'
+DROPPED_TYPES = ('["engine.Generate", "engine.GenerateMany", "engine.Health", "rollout.SetVersion", '
+                 '"rt.Heartbeat"]')
 CHAOS = ["--set", "rollout.reward_fn=miles.tests.e2e.chaos_reward:reward", "--set", "rollout.reward_errors=drop",
          "--set", "trainer.checkpoint_interval=2",
          "--set", "transport.faults.drop_rate=0.01", "--set", f"transport.faults.drop_types={DROPPED_TYPES}",
