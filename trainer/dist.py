@@ -68,3 +68,12 @@ class Collectives:
 
     def max(self, t: torch.Tensor) -> torch.Tensor:
         return self._reduce(t, dist.ReduceOp.MAX)
+
+
+def leave_process_group() -> None:
+    """Wait for every rank, then shut the default group down: before a rank process leaves
+    without interpreter teardown (torch's background threads can abort a multi-rank process
+    at exit: "terminate called without an active exception")."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -10,14 +10,15 @@ import json
 import os
 import sys
 
-import torch.distributed as dist
 from safetensors.torch import save_file
 
 from miles.core.schema.trainer import TrainerConfig
+from miles.launch.role import exit_now
 from miles.models.config import ModelSpec
 from miles.models.presets import tiny_config
 from miles.models.registry import build_model
 from miles.trainer.batch import shard_batch
+from miles.trainer.dist import leave_process_group
 from miles.trainer.fsdp import FSDPTrainer
 from miles.trainer.synthetic import engine_batch
 
@@ -42,15 +43,12 @@ def main() -> None:
         save_file(state, os.path.join(out, "weights.safetensors"))
         with open(os.path.join(out, "metrics.json"), "w") as f:
             json.dump(metrics, f)
-    # Shut the gloo group down, then leave without interpreter teardown: torch's background
+    # Leave without interpreter teardown: torch's background
     # threads can abort a 2-rank process at exit ("terminate called without an active
     # exception", 1 run in ~5 here) after every output above is written and closed.
     trainer.close()
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_process_group()
+    exit_now(0)
 
 
 if __name__ == "__main__":

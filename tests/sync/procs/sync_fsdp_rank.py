@@ -15,16 +15,16 @@ import os
 import sys
 from pathlib import Path
 
-import torch.distributed as dist
-
 from miles.actors.runtime.host import Host
 from miles.actors.sync import WeightSync
 from miles.core.schema.sync import SyncConfig
 from miles.core.schema.trainer import TrainerConfig
 from miles.core.schema.transport import TransportConfig
+from miles.launch.role import exit_now
 from miles.models.hf_io import tensor_checksum
 from miles.models.registry import build_model
 from miles.trainer.batch import shard_batch
+from miles.trainer.dist import leave_process_group
 from miles.trainer.fsdp import FSDPTrainer
 from miles.trainer.synthetic import engine_batch
 
@@ -78,15 +78,12 @@ def main() -> None:
     sums = {k: tensor_checksum(v) for k, v in trainer.export_hf_state()}
     if rank == 0:
         (out / "trainer_checksums.json").write_text(json.dumps(sums))
-    # Shut the gloo group down, then leave without interpreter teardown: torch's background
+    # Leave without interpreter teardown: torch's background
     # threads can abort a multi-rank process at exit ("terminate called without an active
     # exception", seen in CI) after every output above is written and closed.
     trainer.close()
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_process_group()
+    exit_now(0)
 
 
 if __name__ == "__main__":

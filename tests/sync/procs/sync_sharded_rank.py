@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -32,7 +31,9 @@ from miles.actors.sync import ShardedWeightSync
 from miles.core.schema.sync import SyncConfig
 from miles.core.schema.trainer import TrainerConfig
 from miles.core.schema.transport import TransportConfig
+from miles.launch.role import exit_now
 from miles.models.hf_io import tensor_checksum
+from miles.trainer.dist import leave_process_group
 from miles.trainer.fsdp import FSDPTrainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -161,15 +162,12 @@ def main() -> None:
     rec = asyncio.run(run(trainer, directory, out, transports))
     rec["bucket_bytes"] = BUCKET
     (out / f"rank{rank}.json").write_text(json.dumps(rec))
-    # Shut the gloo group down, then leave without interpreter teardown: torch's background
+    # Leave without interpreter teardown: torch's background
     # threads can abort a multi-rank process at exit ("terminate called without an active
     # exception", seen in CI) after every output above is written and closed.
     trainer.close()
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_process_group()
+    exit_now(0)
 
 
 if __name__ == "__main__":
