@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from miles.actors.engine_yield import EngineYield
 from miles.actors.evaluator import Evaluator, run_external
 from miles.actors.messages import DumpState, Health, PullBatch, RunEval, SetVersion
 from miles.actors.runtime.actor import Actor
@@ -71,6 +72,9 @@ class TrainerActor(Actor):
         self._eval_done: list[dict[str, Any]] = []
         self.eval_skipped = 0
         self._evaluator: Evaluator | None = None
+        # rank 0 pauses the engines around the train step (trainer.pause_engines); the others compute
+        self.yielder = EngineYield(lambda e, m, t: self.ref(e).ask(m, timeout=t), engines,
+                                   cfg.trainer.pause_engines and rank == 0)
 
     async def on_start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="trainer-loop")
@@ -177,7 +181,8 @@ class TrainerActor(Actor):
             with ph("wait_rollout"):
                 batch, rollout_metrics = await self._pull()
             with ph("train"):
-                metrics = await asyncio.to_thread(self.trainer.train_step, batch)
+                async with self.yielder.during("train"):
+                    metrics = await asyncio.to_thread(self.trainer.train_step, batch)
             version, step = self.trainer.weight_version, self.trainer.step  # train_step made a new version
             metrics.update(await self._hand_off(version))
             ph.add("sync", metrics.get("perf/sync_s", metrics["perf/export_s"]))

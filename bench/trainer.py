@@ -126,9 +126,15 @@ def measured_peak_tflops(n: int = 8192, reps: int = 20) -> float:
     return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e12
 
 
-def _trainer(spec: ModelSpec, mode: tuple[bool, str], device: str, args: argparse.Namespace) -> FSDPTrainer:
+def _trainer(spec: ModelSpec, mode: tuple[bool, str], device: str, args: argparse.Namespace,
+             before: bool = False) -> FSDPTrainer:
+    """A trainer at the user's defaults; `before` = issue 27's previous defaults (no compile,
+    one-tensor-at-a-time AdamW), for the same-run comparison."""
     replay, packed = mode
     cfg = TrainerConfig()
+    if before:
+        cfg.compile = "off"
+        cfg.optim.impl = "single"
     cfg.device = device  # type: ignore[assignment]
     cfg.packed_attention = packed  # type: ignore[assignment]
     cfg.routing_replay = replay
@@ -378,6 +384,9 @@ def _cuda_model(name: str, spec: ModelSpec, args: argparse.Namespace, peak: floa
     _empty_cache()
     modes = {"live": False, "r3": True} if spec.is_moe else {"live": False}
     trainers = {tag: _trainer(spec, (replay, "auto"), dev, args) for tag, replay in modes.items()}
+    if args.before:
+        trainers["r3_before" if spec.is_moe else "live_before"] = _trainer(
+            spec, (spec.is_moe, "auto"), dev, args, before=True)
 
     def record(tag: str, seq: int, dt: float, n: int) -> None:
         batch = batches[seq]
@@ -407,12 +416,13 @@ def _cuda_model(name: str, spec: ModelSpec, args: argparse.Namespace, peak: floa
             print(f"{name}: baseline failed: {exc!r}")
             _empty_cache()
     if args.profile:
-        last = args.seqs[-1]
+        last = args.seqs[0]  # the shortest sequences: the lowest MFU
         try:
             _profile(trainers["r3" if spec.is_moe else "live"], batches[last], f"{name} s{last}", result)
         except Exception as exc:  # noqa: BLE001 - a profiler failure must not lose the numbers
             print(f"{name}: profile failed: {exc!r}")
-    if args.compile:  # last: compiling changes the trainer's model for good
+    already = all(getattr(layer, "ops", None) is not None for layer in trainers["live"].policy.model.layers)
+    if args.compile and not already:  # last: compiling changes the trainer's model for good
         trainers["live"].policy.compile_blocks()
         t0 = time.perf_counter()
         try:
@@ -448,6 +458,8 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(CUDA_MODELS), help="cuda: which models")
     ap.add_argument("--baseline", action="store_true", help="cuda: also the unfused head / expert loop")
     ap.add_argument("--profile", action="store_true", help="cuda: a CUDA-time table of one step per model")
+    ap.add_argument("--before", action="store_true",
+                    help="cuda: also a trainer at the previous defaults (no compile, single-tensor AdamW)")
     ap.add_argument("--compile", action="store_true",
                     help="cuda: then also with CausalLM.compile_blocks() (first length, live routing)")
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="0 = measure a bf16 GEMM")

@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
             from miles.actors.engine import EngineActor
             from miles.engines.base import ENGINES
 
+            if cfg.engine.mps_thread_percent:  # read when the CUDA context is created (validated at launch)
+                os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(cfg.engine.mps_thread_percent)
             if cfg.engine.device.startswith("cuda:"):
                 import torch
 

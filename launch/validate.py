@@ -43,6 +43,12 @@ def validate_launch(cfg: MilesConfig) -> None:
     if cfg.trainer.true_on_policy and not getattr(cfg.engine, "batch_invariant", False):
         raise ConfigError("trainer.true_on_policy needs engine.batch_invariant = true: the engine must use "
                           "the same batch-invariant kernels for logprobs to match bit for bit")
+    if not 0 <= cfg.engine.mps_thread_percent <= 100:
+        raise ConfigError(f"engine.mps_thread_percent={cfg.engine.mps_thread_percent}: expected 0 (no limit) "
+                          "to 100 (% of the GPU's SMs)")
+    if cfg.trainer.pause_engines and cfg.engine.type != "torch":
+        raise ConfigError(f"trainer.pause_engines pauses engines in place (requests and KV kept), which "
+                          f"engine.type = {cfg.engine.type!r} does not offer: use the torch engine or turn it off")
     if cfg.eval.mode == "external" and not cfg.eval.command:
         raise ConfigError("eval.mode = 'external' needs eval.command, e.g. "
                           "'python my_eval.py --model {checkpoint}'")

@@ -63,3 +63,13 @@ def check_correction_config(cfg: CorrectionConfig, asynchronous: bool) -> None:
         )
     if "opsm" in cfg.types and cfg.opsm_delta < 0:
         raise ConfigError(f"trainer.correction.opsm_delta must be >= 0, got {cfg.opsm_delta}")
+
+
+def compile_enabled(cfg: TrainerConfig, device_type: str, is_moe: bool) -> bool:
+    """`trainer.compile` resolved: auto compiles only where it measured faster (a dense model
+    on CUDA) and never under true-on-policy, whose invariant kernels replace the block ops."""
+    if cfg.compile not in ("auto", "on", "off"):
+        raise ConfigError(f"trainer.compile={cfg.compile!r}: expected auto, on or off")
+    if cfg.compile == "auto":
+        return device_type == "cuda" and not is_moe and not cfg.true_on_policy
+    return cfg.compile == "on"

@@ -35,7 +35,7 @@ from miles.trainer.advantages import (
 )
 from miles.trainer.aggregation import Denominators, local_denominators
 from miles.trainer.batch import TrainBatch, TrainSample, split_mini_batches, validate_batch
-from miles.trainer.config_checks import check_trainer_config
+from miles.trainer.config_checks import check_trainer_config, compile_enabled
 from miles.trainer.corrections import finish_ess, needs_rollout_logprobs
 from miles.trainer.deterministic import enable_deterministic
 from miles.trainer.dist import Collectives, ensure_process_group, pick_device
@@ -98,7 +98,7 @@ class FSDPTrainer:
         policy = build_policy(model_spec, init_checkpoint, seed)
         # 'padded' rows never reach the model as a packed row (fillers excepted: they attend per sequence)
         policy.packed_attention = "varlen" if cfg.packed_attention == "padded" else cfg.packed_attention
-        if cfg.compile:
+        if compile_enabled(cfg, self.device.type, model_spec.is_moe):
             policy.compile_blocks()
         self.lora = cfg.lora.rank > 0
         if self.lora:  # adapters before sharding; only they are trainable

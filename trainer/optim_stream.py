@@ -209,7 +209,7 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """The trainer's optimizer as `trainer.memory.optimizer` says: in-memory or streamed AdamW."""
     if cfg.memory.optimizer == "adamw":
-        return build_adamw(params, cfg.optim)
+        return build_adamw(params, cfg.optim, device)
     if cfg.memory.optimizer != "streamed":
         raise ConfigError(
             f"trainer.memory.optimizer={cfg.memory.optimizer!r}: expected adamw or streamed"

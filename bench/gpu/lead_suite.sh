@@ -36,6 +36,16 @@ for s in $SUITE; do
     tonp) step true_on_policy_gpu_tests_h200 240 "${PYTEST[@]}" tests/models/test_models_invariant_triton.py \
             tests/recipes/test_recipes_true_on_policy.py tests/models/test_models_deepseek_v3_glm4_moe.py
           step true_on_policy_h200 240 python bench/true_on_policy.py --device cuda --archs qwen3,qwen3_moe ;;
+    trainer27) step trainer_h200_s7 450 python bench/trainer.py --device cuda --seqs "${TRAINER_SEQS:-1024,4096}" \
+           --before --profile ${TRAINER_ARGS:-} ;;
+    async19)  # fully_async variants against sync at its defaults, one run each, same call
+      step e2e_async_h200_s7 560 python bench/e2e_gpu.py --device cuda --steps 16 --out "$OUT/e2e_async_h200_s7.json" \
+           --cases "${ASYNC_CASES:-moe-sync,moe,moe@trainer.pause_engines=true}" ;;
+    async19-mps)  # the same with the MPS daemon up and the engine held to a share of the SMs
+      nvidia-cuda-mps-control -d && echo "MPS daemon started" >&2
+      step e2e_async_mps_h200_s7 560 python bench/e2e_gpu.py --device cuda --steps 16 \
+           --out "$OUT/e2e_async_mps_h200_s7.json" --cases "${MPS_CASES:-moe-sync,moe@engine.mps_thread_percent=40}"
+      echo quit | nvidia-cuda-mps-control ;;
     *) echo "unknown suite step $s" >&2 ;;
   esac
 done

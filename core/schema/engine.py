@@ -29,6 +29,14 @@ class EngineConfig:
         "torch engine: batch-invariant kernels (logprobs equal the trainer's bit for bit; needed by "
         "trainer.true_on_policy; dense and MoE; slower)",
     )
+    mps_thread_percent: int = opt(
+        0,
+        "CUDA MPS: the share of the GPU's SMs this engine's kernels may occupy "
+        "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, set in the engine process before CUDA starts), so that a "
+        "colocated trainer's kernels run beside decode instead of time-sliced with it; takes effect "
+        "only while an MPS control daemon runs (nvidia-cuda-mps-control -d); 0 = no limit",
+        "%",
+    )
     cuda_graphs: bool = opt(True, "torch engine on CUDA: replay decode steps as CUDA graphs per batch-size bucket")
     compile_decode: bool = opt(
         False,

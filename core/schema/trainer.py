@@ -112,6 +112,12 @@ class OptimConfig:
     decay_steps: int = opt(0, "steps of decay after warm-up (0 = constant after warm-up)", "steps")
     schedule: Literal["constant", "linear", "cosine"] = opt("constant", "decay shape after warm-up")
     grad_clip: float = opt(1.0, "clip the global gradient L2 norm to this; 0 disables")
+    impl: Literal["auto", "single", "foreach", "fused"] = opt(
+        "auto",
+        "AdamW kernels: single = one parameter at a time (torch foreach=False; the streamed "
+        "optimizer's exact math), foreach = multi-tensor kernels, fused = one fused kernel per "
+        "parameter group (CUDA); auto = fused on CUDA, single on CPU. They agree to fp32 rounding",
+    )
 
 
 @dataclass
@@ -205,13 +211,14 @@ class TrainerConfig:
         "causal attention (the fewest kernel calls for many short sequences, e.g. on CPU; the padding "
         "costs compute in every layer)",
     )
-    compile: bool = opt(
-        False,
+    compile: Literal["auto", "on", "off"] = opt(
+        "auto",
         "torch.compile the policy's block pieces (fused norms, residual adds and dense SwiGLU) and "
-        "the chunked LM head's softmax math (CausalLM.compile_blocks); attention and MoE dispatch stay eager; the first step compiles "
-        "(tens of seconds). H200 (bench/results/trainer_h200_s6.txt): dense 0.5B 1.15x at 1k-token and "
-        "1.30x at 4k-token sequences (32% MFU), small MoE 0.88x / 1.07x; off by default until a profile "
-        "explains the MoE case",
+        "the chunked LM head's softmax math (CausalLM.compile_blocks); attention and MoE dispatch stay "
+        "eager; the first step compiles (tens of seconds). auto = on for a dense model on CUDA outside "
+        "true-on-policy mode, off otherwise. H200 (bench/results/trainer_h200_s6.txt): dense 0.5B 1.15x "
+        "at 1k-token and 1.30x at 4k-token sequences, small MoE 0.88x / 1.07x (MoE blocks have no dense "
+        "SwiGLU to fuse, and the varying pack lengths recompile), hence off for MoE under auto",
     )
     mini_batches: int = opt(
         1,
@@ -234,6 +241,13 @@ class TrainerConfig:
         CorrectionConfig, "rollout/trainer mismatch corrections (TIS, Clip-or-Pop, MIS, OPSM)"
     )
     optim: OptimConfig = section(OptimConfig, "AdamW, gradient clipping and LR schedule")
+    pause_engines: bool = opt(
+        False,
+        "rank 0 pauses the engines in place (requests and KV stay) while the ranks compute a train "
+        "step and resumes them right after: on a GPU that engine and trainer share, the step then "
+        "runs alone instead of time-sliced with decode, and generation runs alone between steps "
+        "(docs/orchestration.md, one-GPU measurements); torch engines only",
+    )
     true_on_policy: bool = opt(
         False,
         "batch-invariant forward (fixed-shape GEMM tiles, fixed-length attention, one sequence "

@@ -44,14 +44,18 @@ def test_compiled_blocks_equal_eager(arch: str) -> None:
 
 def test_trainer_compile_option_compiles_the_policy_blocks() -> None:
     from miles.core.schema.trainer import TrainerConfig
+    from miles.trainer.config_checks import compile_enabled
     from miles.trainer.fsdp import FSDPTrainer
 
     spec = ModelSpec.from_hf(tiny_config("qwen2", vocab_size=32))
     cfg = TrainerConfig()
-    cfg.compile = True
+    cfg.compile = "on"
     t = FSDPTrainer(cfg, spec, 0, 1, seed=0)
     try:
         assert all(layer.ops is not None for layer in t.policy.model.layers)
     finally:
         t.close()
-    assert TrainerConfig().compile is False
+    assert TrainerConfig().compile == "auto"
+    assert not compile_enabled(TrainerConfig(), "cpu", False)
+    assert compile_enabled(TrainerConfig(), "cuda", False)
+    assert not compile_enabled(TrainerConfig(), "cuda", True)
