@@ -139,6 +139,7 @@ def _trainer(spec: ModelSpec, mode: tuple[bool, str], device: str, args: argpars
     cfg.packed_attention = packed  # type: ignore[assignment]
     cfg.routing_replay = replay
     cfg.micro_batch_tokens = args.micro_tokens
+    cfg.recompute = args.recompute
     cfg.optim.lr = 1e-5
     return FSDPTrainer(cfg, spec, 0, 1, seed=0)
 
@@ -458,6 +459,8 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(CUDA_MODELS), help="cuda: which models")
     ap.add_argument("--baseline", action="store_true", help="cuda: also the unfused head / expert loop")
     ap.add_argument("--profile", action="store_true", help="cuda: a CUDA-time table of one step per model")
+    ap.add_argument("--recompute", default="off", choices=["off", "mlp", "full"],
+                    help="trainer.recompute for every trainer (activation checkpointing; peak memory is reported)")
     ap.add_argument("--before", action="store_true",
                     help="cuda: also a trainer at the previous defaults (no compile, single-tensor AdamW)")
     ap.add_argument("--compile", action="store_true",

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from miles.models.chunked_logprobs import EAGER, HeadOps, chunked_head_logprobs, compiled_head_ops
 from miles.models.compiled_block import CompiledOps, compiled_ops
@@ -84,6 +85,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm: nn.Module = norm(spec.hidden_size, spec.rms_norm_eps)
         self._norm = zc_rms_norm if zc else rms_norm
         self.ops: CompiledOps | None = None  # set by `CausalLM.compile_blocks`
+        self.recompute = "off"  # activation checkpointing: off | mlp | full (`CausalLM.set_recompute`)
 
     def forward(
         self,
@@ -96,6 +98,27 @@ class DecoderLayer(nn.Module):
         position_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """h: [B, T, H] -> (new h [B, T, H], expert ids [B, T, k] for a MoE layer else None).
+
+        Under `recompute = "full"` (training only) the block keeps just its input for the
+        backward and runs again there; the checkpoint sits inside this module's forward, so
+        FSDP2's hooks around it gather the weights once for both runs."""
+        if self.recompute == "full" and kv_cache is None and torch.is_grad_enabled():
+            out: tuple[torch.Tensor, torch.Tensor | None] = checkpoint(
+                self._block, h, cos, sin, bias, kv_cache, given_ids, position_ids, use_reentrant=False)
+            return out
+        return self._block(h, cos, sin, bias, kv_cache, given_ids, position_ids)
+
+    def _block(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        bias: torch.Tensor | None,
+        kv_cache: KVCache | None,
+        given_ids: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The block's computation (see `forward`).
 
         A real forward (rather than the LM reaching into the block) so that FSDP2 can shard
         one unit per block: its pre-forward hook gathers exactly this block's weights.
@@ -113,6 +136,16 @@ class DecoderLayer(nn.Module):
         else:
             h = h + a
             x = norm(h, ln2.weight, ln2.eps)
+        if self.recompute == "mlp" and kv_cache is None and torch.is_grad_enabled():
+            # selective: the MLP's [tokens, 2 x inter] activations (or the experts') are the
+            # block's largest; only its input is kept and the MLP runs again in the backward
+            out: tuple[torch.Tensor, torch.Tensor | None] = checkpoint(
+                self._mlp_residual, h, x, given_ids, ops, use_reentrant=False)
+            return out
+        return self._mlp_residual(h, x, given_ids, ops)
+
+    def _mlp_residual(self, h: torch.Tensor, x: torch.Tensor, given_ids: torch.Tensor | None,
+                      ops: CompiledOps | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.is_moe:
             y, ids = self.mlp(x, given_ids)
             return h + y, ids
@@ -307,6 +340,18 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             layer.ops = compiled_ops(layer._norm, backend)
         self.head_ops = compiled_head_ops(backend)
+
+    def set_recompute(self, mode: str, layers: int = 0) -> None:
+        """Activation checkpointing for training: `mode` off | mlp (each block's MLP or experts
+        run again in the backward, keeping only their input) | full (whole blocks); on the
+        first `layers` blocks, 0 = all. Same ops, same order: gradients are unchanged."""
+        if mode not in ("off", "mlp", "full"):
+            raise ModelInputError(f"recompute mode {mode!r}: expected off, mlp or full")
+        if layers < 0:
+            raise ModelInputError(f"recompute layers must be >= 0 (0 = every block), got {layers}")
+        n = layers or len(self.model.layers)
+        for i, layer in enumerate(self.model.layers):
+            layer.recompute = mode if i < n else "off"
 
     def _varlen(self, device: torch.device, t: int = VARLEN_AUTO_MIN_TOKENS) -> bool:
         """Packed rows through per-sequence attention (models/varlen.py) instead of a mask:

@@ -35,6 +35,9 @@ def check_backend(cfg: TrainerConfig, spec: ModelSpec | None, asynchronous: bool
         require_megatron()  # first: no config can make megatron run where it cannot
         if cfg.device == "cpu":
             raise ConfigError("trainer.backend='megatron' needs trainer.device = 'cuda' or 'auto'")
+        if cfg.recompute != "off":
+            raise ConfigError(f"trainer.recompute={cfg.recompute!r} is the FSDP backend's block checkpointing; "
+                              "the megatron backend does not map it to megatron-core's recompute yet: set 'off'")
         check_megatron_config(cfg, spec, asynchronous, world)
         return
     from miles.trainer.config_checks import check_trainer_config

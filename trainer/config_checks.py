@@ -24,6 +24,9 @@ def check_trainer_config(cfg: TrainerConfig, asynchronous: bool, world: int) -> 
         raise ConfigError("trainer.micro_batch_tokens and trainer.mini_batches must be >= 1")
     if cfg.temperature <= 0:
         raise ConfigError(f"trainer.temperature must be > 0, got {cfg.temperature}")
+    if cfg.recompute not in ("off", "mlp", "full") or cfg.recompute_layers < 0:
+        raise ConfigError(f"trainer.recompute={cfg.recompute!r} / recompute_layers={cfg.recompute_layers}: "
+                          "expected off, mlp or full, and a block count >= 0 (0 = every block)")
     if cfg.loss.eps_clip_low < 0 or cfg.loss.eps_clip_high < 0:
         raise ConfigError("trainer.loss.eps_clip_low/high must be >= 0")
     check_correction_config(cfg.correction, asynchronous)

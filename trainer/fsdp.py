@@ -100,6 +100,7 @@ class FSDPTrainer:
         policy.packed_attention = "varlen" if cfg.packed_attention == "padded" else cfg.packed_attention
         if compile_enabled(cfg, self.device.type, model_spec.is_moe):
             policy.compile_blocks()
+        policy.set_recompute(cfg.recompute, cfg.recompute_layers)
         self.lora = cfg.lora.rank > 0
         if self.lora:  # adapters before sharding; only they are trainable
             apply_lora(policy, cfg.lora, seed)
@@ -110,6 +111,7 @@ class FSDPTrainer:
         self.critic: ValueModel | None = None
         if cfg.advantage.estimator == "ppo":
             self.critic = ValueModel(model_spec, seed=seed + 1)
+            self.critic.lm.set_recompute(cfg.recompute, cfg.recompute_layers)
             shard(self.critic, [self.critic.lm], mesh, self.device, self.dtype)
             parts["critic"] = self.critic
         # an unsharded container of the sharded roots, for one optimizer and one checkpoint

@@ -241,6 +241,16 @@ class TrainerConfig:
         CorrectionConfig, "rollout/trainer mismatch corrections (TIS, Clip-or-Pop, MIS, OPSM)"
     )
     optim: OptimConfig = section(OptimConfig, "AdamW, gradient clipping and LR schedule")
+    recompute: Literal["off", "mlp", "full"] = opt(
+        "off",
+        "activation checkpointing when memory needs it: mlp = each block's MLP (or experts) keeps only "
+        "its input and runs again in the backward (the block's largest activations, [tokens, 2 x "
+        "intermediate]); full = whole blocks keep only their input (the least memory, one more "
+        "forward of compute); gradients are unchanged",
+    )
+    recompute_layers: int = opt(
+        0, "recompute only the first N blocks (the rest keep their activations); 0 = every block", "blocks"
+    )
     pause_engines: bool = opt(
         False,
         "rank 0 pauses the engines in place (requests and KV stay) while the ranks compute a train "
