@@ -14,6 +14,7 @@ import torch
 from miles.core.logging import get_logger
 from miles.engines.cuda_graph import DecodeGraphs
 from miles.engines.kv_cache import RowPool
+from miles.engines.paged_kv import PagedPool
 from miles.engines.sampling import choose_tokens, make_generator
 from miles.engines.sequence import Sequence
 from miles.models.decoder import CausalLM
@@ -30,7 +31,7 @@ class Stepper:
     def __init__(
         self,
         model: CausalLM,
-        pool: RowPool,
+        pool: RowPool | PagedPool,
         device: torch.device,
         batch_invariant: bool = False,
         cuda_graphs: bool = True,
@@ -54,7 +55,11 @@ class Stepper:
         # and for MoE models (their expert dispatch depends on whether the stream is capturing,
         # which a trace made in the warm-up would fix to "not capturing")
         compiled = compile_decode and not batch_invariant and not model.spec.is_moe
-        self.graphs = DecodeGraphs(model, pool, compiled=compiled) if use_graphs else None
+        # the paged pool (engine.kv_layout=paged) decodes eagerly: its block tables change the
+        # gather's shape from step to step, which a captured graph cannot follow
+        self.graphs = (
+            DecodeGraphs(model, pool, compiled=compiled) if use_graphs and isinstance(pool, RowPool) else None
+        )
 
     @torch.inference_mode()
     def step(self, decode: list[Sequence], prefill: list[Sequence]) -> StepOut:

@@ -31,6 +31,7 @@ from miles.engines.base import (
 )
 from miles.engines.kv_cache import RowPool, SessionKV, SessionStore, common_prefix
 from miles.engines.lora import AdapterMerge
+from miles.engines.paged_kv import PagedPool
 from miles.engines.prompt_share import PromptShare
 from miles.engines.sampling import make_generator
 from miles.engines.sequence import Sequence
@@ -70,7 +71,15 @@ class TorchEngine(Engine):
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.max_seq_len = min(self.cfg.max_seq_len, self.spec.max_position_embeddings)
-        self.pool = RowPool(self.spec, self.cfg.max_batch_size, self.max_seq_len, self.dtype, self.device)
+        self.pool: RowPool | PagedPool
+        if self.cfg.kv_layout == "paged":
+            tokens = self.cfg.kv_pool_tokens or self.cfg.max_batch_size * self.max_seq_len
+            self.pool = PagedPool(
+                self.spec, self.cfg.max_batch_size, self.max_seq_len, tokens, self.cfg.kv_block_tokens,
+                self.dtype, self.device,
+            )
+        else:
+            self.pool = RowPool(self.spec, self.cfg.max_batch_size, self.max_seq_len, self.dtype, self.device)
         self.stepper = Stepper(
             model, self.pool, self.device, batch_invariant, self.cfg.cuda_graphs, self.cfg.compile_decode
         )
@@ -103,6 +112,8 @@ class TorchEngine(Engine):
         if self._closed:
             raise EngineError("engine is closed")
         validate_request(req, self.spec.vocab_size, self.max_seq_len)
+        if isinstance(self.pool, PagedPool):
+            self.pool.check_fits(req)
         if len(self._queue) >= self.cfg.max_queue:
             raise EngineError(f"engine queue is full ({self.cfg.max_queue} requests waiting)")
         s = req.sampling
@@ -260,6 +271,11 @@ class TorchEngine(Engine):
             "cached_sessions": len(self.sessions),
             "evictions": self.sessions.evictions,
             "version": self.version,
+            **(
+                {"kv_blocks_used": self.pool.used_blocks, "kv_blocks_peak": self.pool.peak,
+                 "kv_blocks": self.pool.num_blocks}
+                if isinstance(self.pool, PagedPool) else {}
+            ),
         }
 
     def checksums(self) -> dict[str, str]:
@@ -279,6 +295,8 @@ class TorchEngine(Engine):
                 seq.future.set_exception(EngineError("engine closed"))
         self._running, self._queue = [], deque()
         self.share.clear()
+        if isinstance(self.pool, PagedPool):
+            self.pool.reset()
 
     # ---- scheduler ----------------------------------------------------------------
     def _ensure_loop(self) -> None:
@@ -330,7 +348,13 @@ class TorchEngine(Engine):
 
     def _admit(self) -> list[Sequence]:
         taken: list[Sequence] = []
+        reserved = 0  # paged KV: blocks the requests taken so far reserve
         while self._queue and len(self._running) + len(taken) < self.cfg.max_batch_size:
+            if isinstance(self.pool, PagedPool):  # in order: wait until the head's blocks are free
+                need = self.pool.request_blocks(self._queue[0].req)
+                if not self.pool.can_take(reserved + need):
+                    break
+                reserved += need
             taken.append(self._queue.popleft())
         new = self.share.order(taken, self._has_session)
         # leaders whose followers want routing: their copied prefix must carry it
@@ -338,6 +362,8 @@ class TorchEngine(Engine):
         for seq in new:
             seq.row = len(self._running)
             self._running.append(seq)
+            if isinstance(self.pool, PagedPool):
+                self.pool.open(seq.row, seq.req)
             if seq.share_from is None:
                 self._restore_session(seq)
                 if seq.kv_len == 0:
@@ -434,6 +460,8 @@ class TorchEngine(Engine):
     def _release_row(self, seq: Sequence) -> None:
         self.share.release(seq)
         row, last = seq.row, self._running[-1]
+        if isinstance(self.pool, PagedPool):
+            self.pool.release(row)
         if last is not seq:  # keep rows compact: the last sequence moves into the hole
             self.pool.move(last.row, row, last.kv_len)
             self._running[row] = last
@@ -450,3 +478,5 @@ class TorchEngine(Engine):
             seq.row = -1
         self._running = []
         self.share.clear()
+        if isinstance(self.pool, PagedPool):
+            self.pool.reset()

@@ -20,6 +20,21 @@ class EngineConfig:
     kv_budget_tokens: int = opt(
         65536, "tokens of idle session KV kept for prefix reuse before LRU eviction", "tokens"
     )
+    kv_layout: Literal["rows", "paged"] = opt(
+        "rows",
+        "torch engine KV layout: rows = one max_seq_len row per running sequence (CUDA-graphed decode); "
+        "paged = blocks of kv_block_tokens in a pool of kv_pool_tokens, each sequence holding only the blocks "
+        "its length needs, a GRPO group's prompt blocks shared by reference (engines/paged_kv.py); a request is "
+        "admitted once the pool can reserve prompt + max_new_tokens; decode runs eagerly (no CUDA graphs)",
+    )
+    kv_block_tokens: int = opt(16, "kv_layout=paged: tokens per KV block", "tokens")
+    kv_pool_tokens: int = opt(
+        0,
+        "kv_layout=paged: KV the block pool holds for running sequences, rounded up to whole blocks "
+        "(its memory: this x the model's KV bytes per token); 0 = max_batch_size x max_seq_len, the rows "
+        "layout's size",
+        "tokens",
+    )
     pause_mode: Literal["abort", "retract", "in_place"] = opt(
         "in_place", "what pause() does to running requests around a weight update"
     )
@@ -78,6 +93,13 @@ class EngineConfig:
                 raise ConfigError(f"engine.{name}={getattr(self, name)} must be >= 1")
         if self.kv_budget_tokens < 0:
             raise ConfigError(f"engine.kv_budget_tokens={self.kv_budget_tokens} must be >= 0")
+        if self.kv_layout not in ("rows", "paged"):
+            raise ConfigError(f"engine.kv_layout={self.kv_layout!r} is not one of 'rows', 'paged'")
+        if self.kv_block_tokens < 1 or self.kv_pool_tokens < 0:
+            raise ConfigError(
+                f"engine.kv_block_tokens={self.kv_block_tokens} must be >= 1 and "
+                f"engine.kv_pool_tokens={self.kv_pool_tokens} >= 0"
+            )
         if self.type == "sglang":
             self._check_sglang()
         if self.dtype == "float16" and self.device == "cpu":
