@@ -1,4 +1,5 @@
-"""Benchmark: generation throughput of the torch engine vs transformers `generate`, same model and batch.
+"""Benchmark: generation throughput of the torch engine vs transformers `generate` and SGLang, same
+model and batch, in the same run.
 
 Cases (`--cases`; every case generates exactly `new` tokens per request, no early stop, greedy
 unless said):
@@ -19,94 +20,59 @@ The baseline is transformers `generate`: on cuda with `cache_implementation="sta
 torch.compiles the decode forward (compiled in its warm-up run), only for the `--hf` cases
 (compiling is slow); on cpu with its defaults, for every case.
 
+`--sglang` (cuda): a stock SGLang server per model, started through miles' SGLangEngine on the
+same weights (saved in HF layout), CUDA graphs on up to the largest batch, runs the same requests
+(greedy, ignore_eos, no stop ids, output logprobs returned); its radix cache is flushed before
+every run, untimed (bench/engine_sglang.py). A server that fails to start or dies costs only the
+SGLang column. The `sgl_i21` column is SGLang 0.5.17 in issue 21's H200 run (not this run).
+
 Tokens/s = generated tokens / wall time of the whole batch (prefill included), the median of
-`--repeats` timed runs after one warm-up; HF and engine runs alternate so load from other
-processes hits both alike. The SGLang column is not measured here: it is the SGLang 0.5.17
-server (CUDA graphs on) of issue 21's H200 run, same models and lengths. Last line: one JSON
-object; the cpu b8 case keeps the keys of earlier runs (`cpu_{dense|moe}_engine_tok_s`, ...).
+`--repeats` timed runs after one warm-up; the engines' runs alternate so load from other
+processes hits all alike. Every run must generate all its tokens (bench/engine_cases.py). Last
+line: one JSON object (also written to `--out` after every case); the cpu b8 case keeps the keys
+of earlier runs (`cpu_{dense|moe}_engine_tok_s`, ...).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
+import signal
 import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
+from engine_cases import (  # bench/ is on sys.path when this file runs as a script
+    CASES,
+    MODELS,
+    SGLANG_ISSUE21,
+    Case,
+    check_results,
+    prompts_for,
+    requests_for,
+    sampling_for,
+)
+from engine_sglang import SGLangRun, SGLangServerRun, sglang_config
 
 from miles.core.schema.engine import EngineConfig
-from miles.engines.base import GenerateRequest, SamplingParams
 from miles.engines.torch_engine import TorchEngine
 from miles.models.config import ModelSpec
 from miles.models.decoder import CausalLM
 from miles.models.hf_io import save_model
-from miles.models.presets import tiny_config
 from miles.models.registry import build_model
-
-MODELS: dict[str, dict[str, dict[str, Any]]] = {
-    "cpu": {
-        "dense": tiny_config("qwen3", vocab_size=2048, hidden_size=128, intermediate_size=384,
-                             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32),
-        "moe": tiny_config("qwen3_moe", vocab_size=2048, hidden_size=128, intermediate_size=384,
-                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                           num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64),
-    },
-    "cuda": {  # Qwen2.5-0.5B-shaped dense; a small Qwen3-MoE
-        "dense": tiny_config("qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                             num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                             head_dim=64, tie_word_embeddings=True, rope_theta=1e6),
-        "moe": tiny_config("qwen3_moe", vocab_size=32000, hidden_size=1024, intermediate_size=3072,
-                           num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=4,
-                           head_dim=64, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=256),
-    },
-}
-
-
-@dataclass(frozen=True)
-class Case:
-    prompts: int  # distinct prompts
-    samples: int  # requests per prompt (a GRPO group's n)
-    prompt: int  # tokens per prompt
-    new: int  # tokens generated per request
-    temperature: float = 0.0  # 0 = greedy
-    seeded: bool = False  # temperature > 0: every request has a seed (its own stream); RL rollouts send none
-
-    @property
-    def batch(self) -> int:
-        return self.prompts * self.samples
-
-
-CASES: dict[str, dict[str, Case]] = {
-    "cpu": {"b8": Case(8, 1, 32, 64), "group2x4": Case(2, 4, 256, 16)},
-    "cuda": {
-        "b32": Case(32, 1, 128, 128),
-        "b128": Case(128, 1, 128, 128),
-        "group8x8": Case(8, 8, 1024, 64),
-        "b256": Case(256, 1, 128, 512),
-        "group8x8_t1": Case(8, 8, 1024, 64, temperature=1.0),
-        "group8x8_t1_seeded": Case(8, 8, 1024, 64, temperature=1.0, seeded=True),
-    },
-}
-
-# tok/s of SGLang 0.5.17 (CUDA graphs on) in issue 21's H200 run: not measured by this script
-SGLANG_ISSUE21: dict[tuple[str, str], float] = {
-    ("dense", "b32"): 17300.0,
-    ("dense", "b128"): 53600.0,
-    ("dense", "group8x8"): 15400.0,
-    ("moe", "b32"): 22100.0,
-    ("moe", "b128"): 60400.0,
-}
 
 
 def timed(fn: Any) -> float:
+    prepare = getattr(fn, "prepare", None)
+    if prepare is not None:  # untimed set-up before each run (SGLang: flush its radix cache)
+        prepare()
     t0 = time.perf_counter()
     fn()
     if torch.cuda.is_available():
@@ -128,14 +94,6 @@ def rounds(repeats: int, fns: list[Any], budget_s: float) -> list[list[float]]:
     return times
 
 
-def prompts_for(case: Case, vocab: int) -> torch.Tensor:
-    """[batch, prompt] token ids; the samples of one prompt are consecutive rows, as a rollout
-    sends a group's n requests."""
-    g = torch.Generator().manual_seed(0)
-    distinct = torch.randint(0, vocab, (case.prompts, case.prompt), generator=g)
-    return distinct.repeat_interleave(case.samples, dim=0)
-
-
 class EngineRun:
     """One engine sized for the case; `__call__` generates the whole batch once."""
 
@@ -146,13 +104,13 @@ class EngineRun:
                            kv_budget_tokens=0, share_prompts=share, compile_decode=compiled)
         self.engine = TorchEngine(model, cfg)
         self.loop = asyncio.new_event_loop()
+        self.case = case
         self.ids = [p.tolist() for p in prompts]
-        self.sps = [SamplingParams(temperature=case.temperature, max_new_tokens=case.new,
-                                   seed=i if case.seeded else None) for i in range(case.batch)]
+        self.sps = sampling_for(case)
 
     async def _all(self) -> None:
-        await asyncio.gather(*(self.engine.generate(GenerateRequest(input_ids=p, sampling=sp))
-                               for p, sp in zip(self.ids, self.sps, strict=True)))
+        res = await asyncio.gather(*(self.engine.generate(r) for r in requests_for(self.ids, self.sps)))
+        check_results(self.case, res, "engine")
 
     def __call__(self) -> None:
         self.loop.run_until_complete(self._all())
@@ -208,34 +166,69 @@ def bench_model(kind: str, args: argparse.Namespace, out: dict[str, Any]) -> Non
     dtype = torch.bfloat16 if gpu else torch.float32
     cfg = MODELS[args.device][kind]
     model = build_model(ModelSpec.from_hf(cfg), dtype=dtype, device=args.device, seed=0)
-    hf = None
-    if any(args.hf_all or f"{kind}:{c}" in args.hf for c in args.cases):
-        with tempfile.TemporaryDirectory() as d:
-            save_model(model, d)
-            hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=dtype).to(args.device).eval()
-    for name in args.cases:
-        case = CASES[args.device][name]
-        runs: dict[str, Any] = {}
-        try:
-            with_hf = hf if args.hf_all or f"{kind}:{name}" in args.hf else None
-            tok, times = bench_case(model, with_hf, case, cfg["vocab_size"], args, runs)
-        except Exception as exc:  # noqa: BLE001 - one case failing (e.g. out of memory) must not end the rest
-            print(f"# {kind} {name} failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-            out[f"{kind}_{name}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            tok = {}
-        for r in runs.values():
-            if isinstance(r, EngineRun):
-                r.close()
-        runs.clear()
-        gc.collect()
-        if gpu:
-            torch.cuda.empty_cache()
-        if "engine" in tok:
-            report(kind, name, case, tok, times, out, args.device)
+    with contextlib.ExitStack() as stack:
+        hf, sgl = None, None
+        wants_hf = any(args.hf_all or f"{kind}:{c}" in args.hf for c in args.cases)
+        if wants_hf or args.sglang:  # both load the engine's weights from one HF-layout folder
+            ckpt = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"miles-bench-{kind}-"))
+            save_model(model, ckpt)
+            if wants_hf:
+                import transformers  # only here: a --sglang run may not need it
+
+                hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype).to(args.device).eval()
+            if args.sglang:
+                sgl = start_sglang(kind, ckpt, args, out, stack)
+        for name in args.cases:
+            case = CASES[args.device][name]
+            runs: dict[str, Any] = {}
+            try:
+                with_hf = hf if args.hf_all or f"{kind}:{name}" in args.hf else None
+                tok, times = bench_case(model, with_hf, sgl, case, cfg["vocab_size"], args, runs)
+            except Exception as exc:  # noqa: BLE001 - one case failing (e.g. out of memory) must not end the rest
+                print(f"# {kind} {name} failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                out[f"{kind}_{name}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                tok = {}
+            for r in runs.values():
+                if isinstance(r, EngineRun):
+                    r.close()
+            if "engine" in tok:
+                report(kind, name, case, tok, times, out, args.device, runs.get("sglang"))
+            runs.clear()
+            gc.collect()
+            if gpu:
+                torch.cuda.empty_cache()
+            save_json(out, args)
+
+
+def start_sglang(
+    kind: str, ckpt: str, args: argparse.Namespace, out: dict[str, Any], stack: contextlib.ExitStack
+) -> SGLangServerRun | None:
+    """This model's SGLang server, stopped when `stack` closes; None (the error in `out`) when it
+    does not come up, and the torch engine's numbers are measured all the same."""
+    stage = Path(args.sglang_dir) / kind
+    port = args.sglang_port + list(MODELS["cuda"]).index(kind)  # a server left over by a killed run is refused
+    cfg = sglang_config(ckpt, [CASES["cuda"][n] for n in args.cases], port, stage, args.sglang_python,
+                        args.sglang_mem_fraction, args.sglang_start_s, args.sglang_args.split())
+    server = SGLangServerRun(cfg, pid_file=stage / "server.pid")
+    stack.callback(server.close)
+    print(f"# {kind}: starting SGLang ({' '.join(cfg.sglang_extra_args)}; log {stage / 'server.log'})", flush=True)
+    try:
+        server.start()
+    except Exception as exc:  # noqa: BLE001 - the torch engine's numbers must survive SGLang
+        err = f"{type(exc).__name__}: {str(exc)[:400]}"
+        print(f"# {kind}: SGLang did not start: {err}", flush=True)
+        out[f"{kind}_sglang_error"] = err
+        server.close()  # frees the GPU before the torch engine runs
+        return None
+    print(f"# {kind}: SGLang up in {server.start_s:.0f} s: {server.info}", flush=True)
+    out.setdefault("sglang", {})[kind] = {"start_s": round(server.start_s, 1), "server": server.info,
+                                          "flags": cfg.sglang_extra_args}
+    return server
 
 
 def bench_case(
-    model: CausalLM, hf: Any, case: Case, vocab: int, args: argparse.Namespace, runs: dict[str, Any]
+    model: CausalLM, hf: Any, sgl: SGLangServerRun | None, case: Case, vocab: int, args: argparse.Namespace,
+    runs: dict[str, Any],
 ) -> tuple[dict[str, float], list[list[float]]]:
     """Fill `runs` (the caller closes them) and time them -> (tok/s per run, times per run)."""
     prompts = prompts_for(case, vocab)
@@ -246,9 +239,11 @@ def bench_case(
         run = hf_baseline(hf, prompts, case, args.device == "cuda")
         if run is not None:
             runs["hf"] = run
+    if sgl is not None:
+        runs["sglang"] = sgl.run(case, runs["engine"].ids)
     times = rounds(args.repeats, list(runs.values()), args.budget_s)
     tok = {k: case.batch * case.new / statistics.median(t) for k, t in zip(runs, times, strict=True)
-           if not (isinstance(runs[k], HFRun) and runs[k].failed)}
+           if not getattr(runs[k], "failed", "")}
     return tok, times
 
 
@@ -281,10 +276,10 @@ def bench_compiled(args: argparse.Namespace, out: dict[str, Any]) -> None:
 
 def report(
     kind: str, name: str, case: Case, tok: dict[str, float], times: list[list[float]],
-    out: dict[str, Any], device: str,
+    out: dict[str, Any], device: str, sgl_run: SGLangRun | None = None,
 ) -> None:
-    sgl = SGLANG_ISSUE21.get((kind, name.removesuffix("+compile"))) if device == "cuda" else None
-    en = tok["engine"]
+    i21 = SGLANG_ISSUE21.get((kind, name.removesuffix("+compile"))) if device == "cuda" else None
+    en, sgl = tok["engine"], tok.get("sglang")
 
     def cell(v: float | None, w: int, d: int = 1) -> str:
         return f"{v:>{w}.{d}f}" if v is not None else f"{'-':>{w}}"
@@ -292,7 +287,8 @@ def report(
     print(f"{kind:<6}{name:<20}{case.batch:>6}{case.prompt:>7}{case.new:>5}{cell(en, 13)}"
           f"{cell(tok.get('engine_unshared'), 13)}{cell(tok.get('hf'), 12)}"
           f"{cell(en / tok['hf'] if 'hf' in tok else None, 9, 2)}{cell(sgl, 12)}"
-          f"{cell(en / sgl if sgl else None, 9, 2)}{len(times[0]):>5}", flush=True)
+          f"{cell(en / sgl if sgl else None, 9, 2)}{cell(i21, 12)}"
+          f"{cell(en / i21 if i21 else None, 9, 2)}{len(times[0]):>5}", flush=True)
     key = f"{'gpu' if device == 'cuda' else 'cpu'}_{kind}_{name.replace('+', '_')}"
     out[f"{key}_engine_tok_s"] = round(en, 1)
     if "engine_unshared" in tok:
@@ -302,12 +298,31 @@ def report(
         out[f"{key}_hf_tok_s"] = round(tok["hf"], 1)
         out[f"{key}_speedup_vs_hf"] = round(en / tok["hf"], 3)
     if sgl:
-        out[f"{key}_vs_sglang_issue21"] = round(en / sgl, 3)
+        out[f"{key}_sglang_tok_s"] = round(sgl, 1)
+        out[f"{key}_vs_sglang"] = round(en / sgl, 3)
+    if sgl_run is not None:
+        if sgl_run.failed:
+            out[f"{key}_sglang_error"] = sgl_run.failed
+        else:  # prompt tokens SGLang's radix cache reused inside the last run (a group's shared prompt)
+            out[f"{key}_sglang_cached_tokens"] = sgl_run.cached_tokens
+    if i21:
+        out[f"{key}_vs_sglang_issue21"] = round(en / i21, 3)
     if device == "cpu" and name == "b8":  # the keys of earlier CPU runs (bench/results/engine_cpu.txt)
         out[f"cpu_{kind}_engine_tok_s"] = round(en, 1)
         if "hf" in tok:
             out[f"cpu_{kind}_hf_tok_s"] = round(tok["hf"], 1)
             out[f"cpu_{kind}_speedup_vs_hf"] = round(en / tok["hf"], 3)
+
+
+def save_json(out: dict[str, Any], args: argparse.Namespace) -> None:
+    """`--out` holds what is measured so far (a run cut by a time limit keeps its finished cases)."""
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    # `timeout` sends SIGTERM: unwind so that every launched SGLang server is stopped on the way out.
+    raise SystemExit(128 + signum)
 
 
 def main() -> None:
@@ -325,8 +340,24 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads for both sides")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="timed rounds per case stop at about this many seconds (cpu: no limit; cuda: 20)")
-    ap.add_argument("--out", default="", help="also write the JSON object to this file")
+    ap.add_argument("--out", default="", help="also write the JSON object to this file (after every case)")
+    sg = ap.add_argument_group("SGLang in the same run (cuda; bench/engine_sglang.py)")
+    sg.add_argument("--sglang", action="store_true",
+                    help="start a stock SGLang server per model (CUDA graphs on) and time it on the same requests")
+    sg.add_argument("--sglang-python", default="", help="python that runs sglang.launch_server ('' = this one)")
+    sg.add_argument("--sglang-port", type=int, default=31000, help="port of the first model's server (+1 per model)")
+    sg.add_argument("--sglang-mem-fraction", type=float, default=0.5,
+                    help="--mem-fraction-static: GPU memory share of the server (the torch engine uses the rest)")
+    sg.add_argument("--sglang-start-s", type=float, default=420.0, help="longest wait for a server to come up (s)")
+    sg.add_argument("--sglang-args", default="", help="more launch_server arguments, space-separated")
+    sg.add_argument("--sglang-dir", default="",
+                    help="folder for each model's server.log and server.pid ('' = a temp dir)")
     args = ap.parse_args()
+    if args.sglang and args.device != "cuda":
+        sys.exit("--sglang needs --device cuda (SGLang serves on a GPU)")
+    if args.sglang:
+        args.sglang_dir = args.sglang_dir or tempfile.mkdtemp(prefix="miles-bench-sglang-")
+        signal.signal(signal.SIGTERM, _terminated)
     torch.set_num_threads(args.threads)  # the CPU box is shared; more threads only add noise
     gpu = args.device == "cuda"
     args.cases = args.cases.split(",") if args.cases else list(CASES[args.device])
@@ -348,10 +379,11 @@ def main() -> None:
     args.budget_s = args.budget_s or (20.0 if gpu else float("inf"))
     out: dict[str, Any] = {"device": args.device, "cases": {n: vars(CASES[args.device][n]) for n in args.cases}}
     base = "HF static+compile" if gpu else "HF eager"
-    print(f"# tok/s; engine_unshared: share_prompts=false; hf: {base}; "
-          "sglang: SGLang 0.5.17, issue 21's run (not this run)")
+    sgl = "SGLang in this run (CUDA graphs on)" if args.sglang else "not run (--sglang)"
+    print(f"# tok/s; engine_unshared: share_prompts=false; hf: {base}; sglang: {sgl}; "
+          "sgl_i21: SGLang 0.5.17 in issue 21's run (not this run)")
     print(f"{'model':<6}{'case':<20}{'batch':>6}{'prompt':>7}{'new':>5}{'engine':>13}{'unshared':>13}"
-          f"{'hf':>12}{'en/hf':>9}{'sglang':>12}{'en/sgl':>9}{'runs':>5}", flush=True)
+          f"{'hf':>12}{'en/hf':>9}{'sglang':>12}{'en/sgl':>9}{'sgl_i21':>12}{'en/i21':>9}{'runs':>5}", flush=True)
     t0 = time.perf_counter()
     for kind in models:
         bench_model(kind, args, out)
@@ -361,9 +393,7 @@ def main() -> None:
         print(f"# compiled cases failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
         out["compiled_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     out["wall_s"] = round(time.perf_counter() - t0, 1)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+    save_json(out, args)
     print(json.dumps(out))
 
 

@@ -117,7 +117,11 @@ class SGLangEngine(Engine):
                 raise EngineError("engine is closed")
             if self._session is None:
                 timeout = aiohttp.ClientTimeout(total=self.cfg.sglang_request_timeout_s)
-                self._session = aiohttp.ClientSession(timeout=timeout)
+                # One connection per request in flight: aiohttp's default pool of 100 would hold a
+                # batch of more than 100 requests back on this side, below the server's
+                # --max-running-requests (max_batch_size); twice that keeps its queue full too.
+                conn = aiohttp.TCPConnector(limit=max(100, 2 * self.cfg.max_batch_size))
+                self._session = aiohttp.ClientSession(timeout=timeout, connector=conn)
             if self.server is not None:
                 await self.server.ensure_running(self._session)
             elif not self._started:

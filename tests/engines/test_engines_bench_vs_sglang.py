@@ -1,0 +1,188 @@
+"""`bench/engine.py --sglang` on CPU: the workload both engines run (bench/engine_cases.py), the
+SGLang server it launches (bench/engine_sglang.py), and SGLangEngine keeping a whole batch in
+flight. The SGLang throughput itself is measured on the H200 only (bench/gpu/engine_vs_sglang.sh);
+the loopback server here speaks SGLang's /generate wire to count concurrent requests, nothing more."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+from aiohttp import web
+
+from miles.core.schema.engine import EngineConfig
+from miles.engines.base import GenerateResult
+from miles.engines.sglang import SGLangEngine
+from miles.engines.sglang_server import launch_args
+from miles.engines.sglang_wire import generate_payload
+from miles.engines.torch_engine import TorchEngine
+from miles.models.config import ModelSpec
+from miles.models.hf_io import save_model
+from miles.models.presets import tiny_config
+from miles.models.registry import build_model
+
+pytestmark = pytest.mark.timeout(60)
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def _load(name: str) -> ModuleType:
+    """A bench module by file, under the name its siblings import it by (bench/ is not a package)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+cases = _load("engine_cases")
+engine_sglang = _load("engine_sglang")
+
+
+def _requests(case: Any, vocab: int) -> list[Any]:
+    ids = [p.tolist() for p in cases.prompts_for(case, vocab)]
+    return cases.requests_for(ids, cases.sampling_for(case))
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_every_case_runs_to_its_token_count_without_stops(device: str) -> None:
+    for name, case in cases.CASES[device].items():
+        vocab = cases.MODELS[device]["dense"]["vocab_size"]
+        reqs = _requests(case, vocab)
+        assert len(reqs) == case.batch, name
+        assert len({r.request_id for r in reqs}) == case.batch  # fresh ids: SGLang keys requests by rid
+        for i, r in enumerate(reqs):
+            assert len(r.input_ids) == case.prompt and all(0 <= t < vocab for t in r.input_ids)
+            s = r.sampling
+            assert s.max_new_tokens == case.new and s.stop_token_ids == [] and s.temperature == case.temperature
+            assert s.seed == (i if case.seeded else None)
+            sp = generate_payload(r)["sampling_params"]
+            assert sp["ignore_eos"] is True and "stop_token_ids" not in sp and sp["max_new_tokens"] == case.new
+        again = _requests(case, vocab)  # the next run sends the same prompts under new request ids
+        assert [r.input_ids for r in again] == [r.input_ids for r in reqs]
+        assert not {r.request_id for r in again} & {r.request_id for r in reqs}
+
+
+def test_grouped_case_is_eight_groups_of_eight_identical_prompts() -> None:
+    case = cases.CASES["cuda"]["group8x8"]
+    ids = [r.input_ids for r in _requests(case, cases.MODELS["cuda"]["dense"]["vocab_size"])]
+    assert (case.batch, case.prompt, case.new) == (64, 1024, 64)
+    groups = [ids[g * 8:(g + 1) * 8] for g in range(8)]
+    for g in groups:
+        assert all(p == g[0] for p in g)  # a group's n samples share one prompt, consecutive as sent
+    assert len({tuple(g[0]) for g in groups}) == 8  # and the groups differ
+    for name in ("b32", "b128", "b256"):
+        plain = [tuple(r.input_ids) for r in _requests(cases.CASES["cuda"][name], 32000)]
+        assert len(set(plain)) == len(plain), name  # no shared prompts in the decode-heavy cases
+
+
+def test_sglang_server_flags_cover_every_case(tmp_path: Path) -> None:
+    cuda = list(cases.CASES["cuda"].values())
+    cfg = engine_sglang.sglang_config(tmp_path / "ckpt", cuda, 31000, tmp_path / "stage", python="python3")
+    args = launch_args(cfg, str(tmp_path / "ckpt"), 0, cfg.max_seq_len)
+    joined = " ".join(args)
+    assert "--disable-cuda-graph" not in args  # CUDA graphs on, as in issue 21's SGLang numbers
+    for part in ("--cuda-graph-max-bs 256", "--max-running-requests 256", "--attention-backend triton",
+                 "--sampling-backend pytorch", "--skip-tokenizer-init", "--port 31000", "--dtype bfloat16"):
+        assert part in joined, part
+    ctx = int(args[args.index("--context-length") + 1])
+    assert ctx >= max(c.prompt + c.new for c in cuda)
+    assert args[0] == "python3"
+
+
+def test_check_results_refuses_a_run_that_stopped_early() -> None:
+    case = cases.Case(2, 1, 4, 3)
+    full = [GenerateResult(f"r{i}", [1, 2, 3], [0.0] * 3, "length", [0] * 3, 4, 0) for i in range(2)]
+    cases.check_results(case, full, "x")
+    short = [full[0], GenerateResult("r1", [1, 2], [0.0] * 2, "stop", [0] * 2, 4, 0)]
+    with pytest.raises(RuntimeError, match="1 of 2 requests did not generate 3 tokens"):
+        cases.check_results(case, short, "x")
+    with pytest.raises(RuntimeError, match="1 results for 2"):
+        cases.check_results(case, full[:1], "x")
+
+
+async def test_torch_engine_generates_every_token_of_a_grouped_case() -> None:
+    cfg = tiny_config("qwen3", vocab_size=97, initializer_range=0.15)
+    model = build_model(ModelSpec.from_hf(cfg), seed=0)
+    case = cases.Case(2, 4, 24, 8)
+    engine = TorchEngine(model, EngineConfig(max_batch_size=case.batch, max_seq_len=64, kv_budget_tokens=0))
+    try:
+        reqs = _requests(case, 97)
+        res = await asyncio.gather(*(engine.generate(r) for r in reqs))
+    finally:
+        await engine.close()
+    cases.check_results(case, res, "engine")
+    # greedy: a group's samples, same prompt, same output
+    assert all(res[g * 4 + j].output_ids == res[g * 4].output_ids for g in range(2) for j in range(4))
+
+
+class _SGLangWire:
+    """A loopback HTTP server answering /health, /get_model_info and /generate in SGLang 0.5.17's
+    format; each /generate is held until `target` are in flight (or 3 s), to count concurrency."""
+
+    def __init__(self, target: int) -> None:
+        self.target, self.inflight, self.peak = target, 0, 0
+        self.all_in = asyncio.Event()
+
+    async def generate(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.inflight += 1
+        self.peak = max(self.peak, self.inflight)
+        if self.inflight >= self.target:
+            self.all_in.set()
+        try:
+            await asyncio.wait_for(self.all_in.wait(), 3.0)
+        except TimeoutError:
+            pass
+        self.inflight -= 1
+        n = body["sampling_params"]["max_new_tokens"]
+        out = [(len(body["input_ids"]) + i) % 7 for i in range(n)]
+        meta = {"output_token_logprobs": [[-0.5, t, None] for t in out], "finish_reason": {"type": "length"},
+                "weight_version": "default", "prompt_tokens": len(body["input_ids"]), "cached_tokens": 0}
+        return web.json_response({"output_ids": out, "meta_info": meta})
+
+    @staticmethod
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    @staticmethod
+    async def model_info(_: web.Request) -> web.Response:
+        return web.json_response({"weight_version": "default"})
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/get_model_info", self.model_info)
+        app.router.add_post("/generate", self.generate)
+        return app
+
+
+async def test_sglang_engine_keeps_more_than_100_requests_in_flight(tmp_path: Path) -> None:
+    """aiohttp's default pool (100 connections) would cap a batch of 150 at 100 on the client side."""
+    cfg_hf = tiny_config("qwen3", vocab_size=97)
+    save_model(build_model(ModelSpec.from_hf(cfg_hf), seed=0).to(torch.bfloat16), tmp_path / "ckpt")
+    wire = _SGLangWire(150)
+    runner = web.AppRunner(wire.app())
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    cfg = EngineConfig(type="sglang", dtype="bfloat16", pause_mode="retract", max_batch_size=150,
+                       sglang_url=f"http://127.0.0.1:{port}", sglang_model_path=str(tmp_path / "ckpt"),
+                       sglang_stage_dir=str(tmp_path / "stage"))
+    engine = SGLangEngine(cfg)
+    case = cases.Case(150, 1, 8, 4)
+    try:
+        res = await asyncio.gather(*(engine.generate(r) for r in _requests(case, 97)))
+    finally:
+        await engine.close()
+        await runner.cleanup()
+    assert wire.peak == 150
+    cases.check_results(case, res, "sglang")
