@@ -62,9 +62,9 @@ class PagedPool:
         self.refs = [0] * self.num_blocks
         self.free = list(range(self.num_blocks - 1, -1, -1))  # a stack: low ids are taken first
         self.peak = 0  # most blocks in use at once so far
-        self._r0, self._n, self._read = 0, 0, 0
-        self._gather = torch.zeros(0, 0, dtype=torch.long)
-        self._write: dict[int, torch.Tensor] = {}
+        self._read = 0
+        self._write: dict[int, torch.Tensor] = {}  # per head count: flat slots this step writes
+        self._gather: dict[int, torch.Tensor] = {}  # per head count: flat slots this step reads
 
     # ---- accounting -----------------------------------------------------------------
     @property
@@ -132,29 +132,26 @@ class PagedPool:
     def bind(self, r0: int, pos: torch.Tensor, read_len: int) -> None:
         """The next forward writes rows r0..r0+n-1 at positions pos [n, T] (max_seq_len =
         padding) and reads positions :read_len; allocates the blocks the writes reach."""
-        n, t = pos.shape
+        n = pos.shape[0]
         real = pos < self.max_seq_len
         tops = torch.where(real, pos, -1).amax(dim=1).tolist()  # a host sync: allocation is host-side
         for i, top in enumerate(tops):
             while len(self.tables[r0 + i]) * self.bs <= top:
                 self._alloc(r0 + i)
         nb = blocks_for(max(read_len, 1), self.bs)
-        table = torch.full((n, nb), self.zero, dtype=torch.long)
-        for i in range(n):
-            row = self.tables[r0 + i][:nb]
-            table[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-        table = table.to(self.device)
-        blk = torch.where(real, table.gather(1, (pos.clamp(max=nb * self.bs - 1) // self.bs)), self.scratch)
-        off = pos % self.bs
-        # one flat write index per distinct head count: element (block, head, offset) of a store
-        # viewed as [(num_blocks + 2) * heads * block_tokens, dim]
-        self._write = {
-            h: ((blk[:, None, :] * h + torch.arange(h, device=self.device)[None, :, None]) * self.bs
-                + off[:, None, :]).reshape(-1)
-            for h in self._heads
-        }
-        self._gather = table
-        self._r0, self._n, self._read = r0, n, read_len
+        rows = [self.tables[r0 + i][:nb] for i in range(n)]
+        table = torch.tensor([r + [self.zero] * (nb - len(r)) for r in rows], dtype=torch.long).to(self.device)
+        blk = torch.where(real, table.gather(1, pos.clamp(max=nb * self.bs - 1) // self.bs), self.scratch)
+        # flat indices per distinct head count into a store viewed as [(num_blocks + 2) * heads *
+        # block_tokens, dim]: element (block, head, offset) = (block * heads + head) * block_tokens + offset
+        at = torch.arange(read_len, device=self.device)
+        rblk = table[:, at // self.bs]  # [n, read_len]: the block of every read position
+        self._write, self._gather = {}, {}
+        for h in self._heads:
+            hh = torch.arange(h, device=self.device)[None, :, None]
+            self._write[h] = ((blk[:, None, :] * h + hh) * self.bs + (pos % self.bs)[:, None, :]).reshape(-1)
+            self._gather[h] = ((rblk[:, None, :] * h + hh) * self.bs + (at % self.bs)[None, None, :]).reshape(-1)
+        self._read = read_len
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._put_get(self.k[layer], k), self._put_get(self.v[layer], v)
@@ -163,13 +160,12 @@ class PagedPool:
         n, h, _, d = x.shape
         if d == 0:  # a DeltaNet layer's empty "v"
             return x.new_zeros(n, h, self._read, 0)
-        store.view(-1, d).index_copy_(0, self._write[h], x.reshape(-1, d))
+        flat = store.view(-1, d)
+        flat.index_copy_(0, self._write[h], x.reshape(-1, d))
         # The gather through the block tables copies every read key once per layer and step:
         # the price of a pool without its own kernel. A paged attention kernel would read the
         # blocks in place instead.
-        nb = self._gather.shape[1]
-        out = store[self._gather].transpose(1, 2).reshape(n, h, nb * self.bs, d)
-        return out[:, :, : self._read]
+        return flat.index_select(0, self._gather[h]).view(n, h, self._read, d)
 
     # ---- row operations ------------------------------------------------------------
     def move(self, src: int, dst: int, length: int) -> None:
