@@ -206,8 +206,8 @@ def start_sglang(
     """This model's SGLang server, stopped when `stack` closes; None (the error in `out`) when it
     does not come up, and the torch engine's numbers are measured all the same."""
     stage = Path(args.sglang_dir) / kind
-    port = args.sglang_port + list(MODELS["cuda"]).index(kind)  # a server left over by a killed run is refused
-    cfg = sglang_config(ckpt, [CASES["cuda"][n] for n in args.cases], port, stage, args.sglang_python,
+    port = args.sglang_port + list(MODELS[args.device]).index(kind)  # a server left over by a killed run is refused
+    cfg = sglang_config(ckpt, [CASES[args.device][n] for n in args.cases], port, stage, args.sglang_python,
                         args.sglang_mem_fraction, args.sglang_start_s, args.sglang_args.split())
     server = SGLangServerRun(cfg, pid_file=stage / "server.pid")
     stack.callback(server.close)
@@ -325,7 +325,8 @@ def _terminated(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked and with the device's defaults filled in."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--models", default="dense,moe", help="comma list of dense, moe")
@@ -352,21 +353,15 @@ def main() -> None:
     sg.add_argument("--sglang-args", default="", help="more launch_server arguments, space-separated")
     sg.add_argument("--sglang-dir", default="",
                     help="folder for each model's server.log and server.pid ('' = a temp dir)")
-    args = ap.parse_args()
-    if args.sglang and args.device != "cuda":
-        sys.exit("--sglang needs --device cuda (SGLang serves on a GPU)")
-    if args.sglang:
-        args.sglang_dir = args.sglang_dir or tempfile.mkdtemp(prefix="miles-bench-sglang-")
-        signal.signal(signal.SIGTERM, _terminated)
-    torch.set_num_threads(args.threads)  # the CPU box is shared; more threads only add noise
+    args = ap.parse_args(argv)
     gpu = args.device == "cuda"
     args.cases = args.cases.split(",") if args.cases else list(CASES[args.device])
     bad = [c for c in args.cases if c not in CASES[args.device]]
     if bad:
         sys.exit(f"--cases: unknown {bad} for {args.device}; choose from {list(CASES[args.device])}")
-    models = args.models.split(",")
-    if any(m not in MODELS[args.device] for m in models):
-        sys.exit(f"--models: choose from {list(MODELS[args.device])}, got {models}")
+    args.models = args.models.split(",")
+    if any(m not in MODELS[args.device] for m in args.models):
+        sys.exit(f"--models: choose from {list(MODELS[args.device])}, got {args.models}")
     args.compile_cases = [c for c in args.compile_cases.split(",") if c]
     for item in args.compile_cases:
         kind, _, name = item.partition(":")
@@ -377,6 +372,18 @@ def main() -> None:
     args.hf = set(hf.split(",")) if hf and not args.hf_all else set()
     args.repeats = args.repeats or (3 if gpu else 7)
     args.budget_s = args.budget_s or (20.0 if gpu else float("inf"))
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.sglang and args.device != "cuda":
+        sys.exit("--sglang needs --device cuda (SGLang serves on a GPU)")
+    if args.sglang:
+        args.sglang_dir = args.sglang_dir or tempfile.mkdtemp(prefix="miles-bench-sglang-")
+        signal.signal(signal.SIGTERM, _terminated)
+    torch.set_num_threads(args.threads)  # the CPU box is shared; more threads only add noise
+    gpu = args.device == "cuda"
     out: dict[str, Any] = {"device": args.device, "cases": {n: vars(CASES[args.device][n]) for n in args.cases}}
     base = "HF static+compile" if gpu else "HF eager"
     sgl = "SGLang in this run (CUDA graphs on)" if args.sglang else "not run (--sglang)"
@@ -385,7 +392,7 @@ def main() -> None:
     print(f"{'model':<6}{'case':<20}{'batch':>6}{'prompt':>7}{'new':>5}{'engine':>13}{'unshared':>13}"
           f"{'hf':>12}{'en/hf':>9}{'sglang':>12}{'en/sgl':>9}{'sgl_i21':>12}{'en/i21':>9}{'runs':>5}", flush=True)
     t0 = time.perf_counter()
-    for kind in models:
+    for kind in args.models:
         bench_model(kind, args, out)
     try:
         bench_compiled(args, out)

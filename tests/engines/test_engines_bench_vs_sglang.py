@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import socket
 import sys
+import threading
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -31,10 +33,10 @@ pytestmark = pytest.mark.timeout(60)
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
-def _load(name: str) -> ModuleType:
+def _load(name: str, file: str = "") -> ModuleType:
     """A bench module by file, under the name its siblings import it by (bench/ is not a package)."""
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+        spec = importlib.util.spec_from_file_location(name, BENCH / f"{file or name}.py")
         assert spec is not None and spec.loader is not None
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod
@@ -44,6 +46,7 @@ def _load(name: str) -> ModuleType:
 
 cases = _load("engine_cases")
 engine_sglang = _load("engine_sglang")
+bench = _load("bench_engine", "engine")
 
 
 def _requests(case: Any, vocab: int) -> list[Any]:
@@ -130,6 +133,17 @@ class _SGLangWire:
     def __init__(self, target: int) -> None:
         self.target, self.inflight, self.peak = target, 0, 0
         self.all_in = asyncio.Event()
+        self.flushes, self.refuse_flush = 0, False
+
+    async def flush(self, _: web.Request) -> web.Response:
+        if self.refuse_flush:  # what 0.5.17 answers while requests are still running
+            return web.Response(status=400, text="Cache not flushed because there are pending requests.")
+        self.flushes += 1
+        return web.Response(text="Cache flushed.")
+
+    @staticmethod
+    async def server_info(_: web.Request) -> web.Response:
+        return web.json_response({"version": "wire", "cuda_graph_max_bs": 8, "tokenizer_path": "x"})
 
     async def generate(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -161,21 +175,29 @@ class _SGLangWire:
         app.router.add_get("/health", self.health)
         app.router.add_get("/get_model_info", self.model_info)
         app.router.add_post("/generate", self.generate)
+        app.router.add_post("/flush_cache", self.flush)
+        app.router.add_get("/get_server_info", self.server_info)
         return app
+
+
+async def _serve(wire: _SGLangWire) -> tuple[web.AppRunner, int]:
+    runner = web.AppRunner(wire.app())
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, runner.addresses[0][1]
+
+
+def _checkpoint(path: Path) -> Path:
+    save_model(build_model(ModelSpec.from_hf(tiny_config("qwen3", vocab_size=97)), seed=0).to(torch.bfloat16), path)
+    return path
 
 
 async def test_sglang_engine_keeps_more_than_100_requests_in_flight(tmp_path: Path) -> None:
     """aiohttp's default pool (100 connections) would cap a batch of 150 at 100 on the client side."""
-    cfg_hf = tiny_config("qwen3", vocab_size=97)
-    save_model(build_model(ModelSpec.from_hf(cfg_hf), seed=0).to(torch.bfloat16), tmp_path / "ckpt")
     wire = _SGLangWire(150)
-    runner = web.AppRunner(wire.app())
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
+    runner, port = await _serve(wire)
     cfg = EngineConfig(type="sglang", dtype="bfloat16", pause_mode="retract", max_batch_size=150,
-                       sglang_url=f"http://127.0.0.1:{port}", sglang_model_path=str(tmp_path / "ckpt"),
+                       sglang_url=f"http://127.0.0.1:{port}", sglang_model_path=str(_checkpoint(tmp_path / "ckpt")),
                        sglang_stage_dir=str(tmp_path / "stage"))
     engine = SGLangEngine(cfg)
     case = cases.Case(150, 1, 8, 4)
@@ -186,3 +208,54 @@ async def test_sglang_engine_keeps_more_than_100_requests_in_flight(tmp_path: Pa
         await runner.cleanup()
     assert wire.peak == 150
     cases.check_results(case, res, "sglang")
+
+
+def test_sglang_run_flushes_before_each_run_and_stops_at_a_failure(tmp_path: Path) -> None:
+    """The bench's SGLang driver on its own event loop, as bench/engine.py runs it between the
+    torch engine's runs: flush (untimed), then the whole batch; a refused flush ends that case."""
+    wire = _SGLangWire(6)
+    wire_loop = asyncio.new_event_loop()  # the server's loop, run on demand next to the driver's
+    runner, port = wire_loop.run_until_complete(_serve(wire))
+    cfg = engine_sglang.sglang_config(_checkpoint(tmp_path / "ckpt"), [cases.Case(3, 2, 8, 4)], port,
+                                      tmp_path / "stage")
+    cfg.sglang_url = f"http://127.0.0.1:{port}"  # the loopback server instead of a launched one
+    t = threading.Thread(target=wire_loop.run_forever, daemon=True)
+    t.start()
+    server = engine_sglang.SGLangServerRun(cfg)
+    try:
+        server.start()
+        assert server.info == {"version": "wire", "cuda_graph_max_bs": 8}
+        case = cases.Case(3, 2, 8, 4)
+        run = server.run(case, [p.tolist() for p in cases.prompts_for(case, 97)])
+        for i in range(2):
+            run.prepare()
+            run()
+            assert not run.failed and wire.flushes == i + 1 and wire.peak == 6
+        wire.refuse_flush = True
+        run.prepare()
+        assert "HTTP 400" in run.failed
+        run()  # a failed case sends nothing more
+        assert wire.peak == 6 and wire.flushes == 2
+    finally:
+        server.close()
+        wire_loop.call_soon_threadsafe(wire_loop.stop)
+        t.join(5)
+        wire_loop.run_until_complete(runner.cleanup())
+        wire_loop.close()
+
+
+def test_sglang_that_cannot_start_keeps_the_torch_engine_numbers(tmp_path: Path) -> None:
+    if importlib.util.find_spec("sglang") is not None:
+        pytest.skip("sglang is installed here: its server would start")
+    with socket.socket() as s:  # a free port for the server that never comes up
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = bench.parse_args(["--models", "dense", "--cases", "b8", "--hf", "", "--repeats", "1", "--sglang",
+                             "--sglang-dir", str(tmp_path), "--sglang-port", str(port), "--sglang-start-s", "50",
+                             "--out", str(tmp_path / "out.json")])
+    out: dict[str, Any] = {}
+    bench.bench_model("dense", args, out)
+    assert "exited with code" in out["dense_sglang_error"]  # python -m sglang.launch_server: no sglang here
+    assert out["cpu_dense_b8_engine_tok_s"] > 0 and "cpu_dense_b8_sglang_tok_s" not in out
+    assert not (tmp_path / "dense" / "server.pid").exists()  # the server was stopped (closed)
+    assert "cpu_dense_b8_engine_tok_s" in (tmp_path / "out.json").read_text()
