@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Issue 21: the torch engine against SGLang 0.5.17 (CUDA graphs on) in the same run on one H200:
+# `bench/engine.py --device cuda --sglang` on the dense and MoE models, cases b32, b128, group8x8
+# and b256. The last call of the SGLang recipe (bench/gpu/README.md, "Torch engine vs SGLang in one
+# run"): calls 1-7 carry .wheels/p0..p6, this one carries p7, joins, installs, runs:
+#   run(command="MILES_COMMIT=<sha> bash bench/gpu/engine_vs_sglang.sh", carry=[".wheels/p7"], timeout_s=600)
+# ENGINE_ARGS: more bench/engine.py arguments (later ones win, e.g. --hf dense:b32); LIMIT_S: the
+# bench's time limit (s). Output in $OUT: engine_vs_sglang.txt (table + JSON line),
+# engine_vs_sglang.json (written after every case, so a cut run keeps its finished cases),
+# sglang_server_{dense,moe}.log (tails of the servers' logs).
+set -u
+OUT="${OUT:-/tmp/out}"
+SGL_DIR=/tmp/miles-bench-sglang
+mkdir -p "$OUT" /root/sglw /tmp/pkg
+if [ ! -d /tmp/sgl-site/sglang ]; then  # a warm machine keeps the install of the previous call
+  # join + check + install: as bench/gpu/run_sglang_h200.sh
+  cp .wheels/p7/* /root/sglw/
+  cd /root/sglw && cat c.0 c.1 c.2 c.3 c.4 c.5 c.6 c.7 > sglw.tar && sed -i "s|/tmp/sglw.tar|sglw.tar|" sglw.sha \
+    && sha256sum -c sglw.sha | sed "s|^|sha: |" && mkdir -p whl && tar xf sglw.tar -C whl && rm -f c.* sglw.tar \
+    || { echo "join failed"; ls -la; exit 3; }
+  cd - > /dev/null
+  t0=$(date +%s)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/sgl-site \
+    /root/sglw/whl/*.whl > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 4; }
+  echo "install: $(( $(date +%s) - t0 )) s"
+fi
+ln -sfn "$PWD" /tmp/pkg/miles
+export PYTHONPATH="/tmp/sgl-site:/tmp/pkg" SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1 PYTHONUNBUFFERED=1
+{ echo "# issue 21, H200, commit ${MILES_COMMIT:-unknown}, $(date -u '+%Y-%m-%d %H:%M UTC'), bench/gpu/engine_vs_sglang.sh"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | sed 's/^/# /'
+  python3 -c "import sglang, torch; print('# sglang', sglang.__version__, 'torch', torch.__version__)" 2>&1 | tail -1
+} > "$OUT/engine_vs_sglang.txt"
+cat "$OUT/engine_vs_sglang.txt"
+# The bench stops its servers on SIGTERM (timeout's first signal); -k only if that hangs.
+timeout -k 40 "${LIMIT_S:-530}" python3 bench/engine.py --device cuda --sglang --models dense,moe \
+  --cases b32,b128,group8x8,b256 --hf "" --sglang-dir "$SGL_DIR" --out "$OUT/engine_vs_sglang.json" \
+  ${ENGINE_ARGS:-} 2>&1 | grep --line-buffered -v 'Loading weights\|Capturing batches' | tee -a "$OUT/engine_vs_sglang.txt"
+# A server outlives a killed bench (its own session): end it by the pid the bench recorded.
+for f in "$SGL_DIR"/*/server.pid; do
+  [ -f "$f" ] && kill -9 -- "-$(cat "$f")" 2>/dev/null && echo "ended a leftover server ($f)"
+done
+for k in dense moe; do
+  [ -f "$SGL_DIR/$k/server.log" ] && tail -c 4000000 "$SGL_DIR/$k/server.log" > "$OUT/sglang_server_$k.log"
+done
+exit 0
