@@ -13,7 +13,9 @@ import asyncio
 
 import numpy as np
 import pytest
+import torch
 
+from miles.core.config import load_config
 from miles.core.errors import ConfigError, EngineError
 from miles.core.schema.engine import EngineConfig
 from miles.engines.base import GenerateRequest, GenerateResult, SamplingParams
@@ -190,7 +192,29 @@ async def test_oversized_request_is_refused(dense_model: CausalLM) -> None:
 
 
 def test_layout_options_are_checked() -> None:
+    cfg = load_config(EngineConfig, None, ["kv_layout=paged", "kv_block_tokens=32", "kv_pool_tokens=4096"])
+    assert (cfg.kv_layout, cfg.kv_block_tokens, cfg.kv_pool_tokens) == ("paged", 32, 4096)
+    with pytest.raises(ConfigError, match="'pages' is not one of"):
+        load_config(EngineConfig, None, ["kv_layout=pages"])
     with pytest.raises(ConfigError, match="kv_layout='pages'"):
         EngineConfig(kv_layout="pages")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="kv_block_tokens=0"):
         EngineConfig(kv_layout="paged", kv_block_tokens=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_paged_on_cuda_matches_eager_rows() -> None:
+    """On CUDA both decode eagerly here (rows without graphs); the attention kernels may take
+    other paths for the gathered (contiguous) and the sliced (strided) K/V, so logprobs are
+    compared to 1e-5; ids and routing exactly."""
+    model = tiny_model("qwen3_moe", num_hidden_layers=3, mlp_only_layers=[1]).cuda()
+    reqs = mixed_requests(routed=True)
+    rows, _ = await run(model, EngineConfig(device="cuda", max_batch_size=3, max_seq_len=64, cuda_graphs=False), reqs)
+    paged, eng = await run(model, paged_cfg(device="cuda"), reqs)
+    for x, y in zip(rows, paged, strict=True):
+        assert x.output_ids == y.output_ids
+        assert np.allclose(x.logprobs, y.logprobs, rtol=0, atol=1e-5)
+        assert x.routed_experts is not None and y.routed_experts is not None
+        assert np.array_equal(x.routed_experts, y.routed_experts)
+    assert_all_free(eng)
