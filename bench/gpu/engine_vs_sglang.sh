@@ -33,7 +33,8 @@ export PYTHONPATH="/tmp/sgl-site:/tmp/pkg" SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=
 cat "$OUT/engine_vs_sglang.txt"
 # The bench stops its servers on SIGTERM (timeout's first signal); -k only if that hangs.
 timeout -k 40 "${LIMIT_S:-530}" python3 bench/engine.py --device cuda --sglang --models dense,moe \
-  --cases b32,b128,group8x8,b256 --hf "" --sglang-dir "$SGL_DIR" --out "$OUT/engine_vs_sglang.json" \
+  --cases b32,b128,group8x8,b256 --hf "" --repeats 5 --budget-s 40 --sglang-dir "$SGL_DIR" \
+  --out "$OUT/engine_vs_sglang.json" \
   ${ENGINE_ARGS:-} 2>&1 | grep --line-buffered -v 'Loading weights\|Capturing batches' | tee -a "$OUT/engine_vs_sglang.txt"
 # A server outlives a killed bench (its own session): end it by the pid the bench recorded.
 for f in "$SGL_DIR"/*/server.pid; do
