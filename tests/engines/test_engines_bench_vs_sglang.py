@@ -1,7 +1,8 @@
 """`bench/engine.py --sglang` on CPU: the workload both engines run (bench/engine_cases.py), the
 SGLang server it launches (bench/engine_sglang.py), and SGLangEngine keeping a whole batch in
 flight. The SGLang throughput itself is measured on the H200 only (bench/gpu/engine_vs_sglang.sh);
-the loopback server here speaks SGLang's /generate wire to count concurrent requests, nothing more."""
+the loopback server here speaks SGLang 0.5.17's HTTP wire (/generate, /flush_cache, ...) to count
+requests in flight and cache flushes, and times nothing."""
 
 from __future__ import annotations
 
