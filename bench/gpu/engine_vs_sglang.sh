@@ -28,11 +28,12 @@ ln -sfn "$PWD" /tmp/pkg/miles
 export PYTHONPATH="/tmp/sgl-site:/tmp/pkg" SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 { echo "# issue 21, H200, commit ${MILES_COMMIT:-unknown}, $(date -u '+%Y-%m-%d %H:%M UTC'), bench/gpu/engine_vs_sglang.sh"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | sed 's/^/# /'
-  python3 -c "import sglang, torch; print('# sglang', sglang.__version__, 'torch', torch.__version__)" 2>&1 | tail -1
+  python3 -c "from importlib.metadata import version as v; print('# sglang', v('sglang'), 'torch', v('torch'), \
+    'transformers', v('transformers'))" 2>&1 | tail -1
 } > "$OUT/engine_vs_sglang.txt"
 cat "$OUT/engine_vs_sglang.txt"
 # The bench stops its servers on SIGTERM (timeout's first signal); -k only if that hangs.
-timeout -k 40 "${LIMIT_S:-530}" python3 bench/engine.py --device cuda --sglang --models dense,moe \
+timeout -k 40 "${LIMIT_S:-520}" python3 bench/engine.py --device cuda --sglang --models dense,moe \
   --cases b32,b128,group8x8,b256 --hf "" --repeats 5 --budget-s 40 --sglang-dir "$SGL_DIR" \
   --out "$OUT/engine_vs_sglang.json" \
   ${ENGINE_ARGS:-} 2>&1 | grep --line-buffered -v 'Loading weights\|Capturing batches' | tee -a "$OUT/engine_vs_sglang.txt"
