@@ -11,8 +11,9 @@ at share time (the sharer writes into it at its very next step, so copy-on-write
 it one step later anyway, and the source keeps writing its own).
 
 Admission (`can_take`/`open`): a row reserves the blocks it may need (prompt + max_new_tokens,
-capped by max_seq_len) when admitted; the pool keeps free blocks >= what the open rows may
-still allocate, so a running batch never runs out of blocks and nothing is preempted.
+capped by max_seq_len, less the full prompt blocks a follower of a group shares) when admitted;
+the pool keeps free blocks >= what the open rows may still allocate, so a running batch never
+runs out of blocks and nothing is preempted.
 
 Two blocks past `num_blocks` hold no sequence: padded positions (position max_seq_len) write
 into the scratch block, and table slots past a row's blocks read the zero block, which nothing
@@ -78,9 +79,11 @@ class PagedPool:
     def can_take(self, blocks: int) -> bool:
         return len(self.free) - self.outstanding() >= blocks
 
-    def request_blocks(self, req: GenerateRequest) -> int:
-        """Most blocks a request may take: prompt + max_new_tokens, capped by max_seq_len."""
-        return blocks_for(min(len(req.input_ids) + req.sampling.max_new_tokens, self.max_seq_len), self.bs)
+    def request_blocks(self, req: GenerateRequest, shared: int = 0) -> int:
+        """Most blocks a request may allocate: prompt + max_new_tokens, capped by max_seq_len,
+        less the full blocks of a `shared`-token prefix it will get by reference."""
+        top = min(len(req.input_ids) + req.sampling.max_new_tokens, self.max_seq_len)
+        return blocks_for(top, self.bs) - shared // self.bs
 
     def check_fits(self, req: GenerateRequest) -> None:
         """A request larger than the whole pool could never be admitted: refuse it now."""

@@ -349,12 +349,19 @@ class TorchEngine(Engine):
     def _admit(self) -> list[Sequence]:
         taken: list[Sequence] = []
         reserved = 0  # paged KV: blocks the requests taken so far reserve
+        leaders: set[tuple[int, ...]] = set()  # paged KV: prompts a request taken so far prefills
         while self._queue and len(self._running) + len(taken) < self.cfg.max_batch_size:
             if isinstance(self.pool, PagedPool):  # in order: wait until the head's blocks are free
-                need = self.pool.request_blocks(self._queue[0].req)
+                head = self._queue[0]
+                key = tuple(head.tokens)
+                # the same rule as PromptShare.order: a follower will share its leader's full prompt blocks
+                shares = self.share.enabled and not self._has_session(head)
+                need = self.pool.request_blocks(head.req, shared=len(key) if shares and key in leaders else 0)
                 if not self.pool.can_take(reserved + need):
                     break
                 reserved += need
+                if shares:
+                    leaders.add(key)
             taken.append(self._queue.popleft())
         new = self.share.order(taken, self._has_session)
         # leaders whose followers want routing: their copied prefix must carry it

@@ -63,6 +63,17 @@ def assert_all_free(eng: TorchEngine) -> None:
     assert not any(pool.refs) and not any(pool.tables) and pool.outstanding() == 0
 
 
+class Recording(TorchEngine):
+    """The engine, recording the most rows its admissions left running (`most_running`)."""
+
+    most_running = 0
+
+    def _admit(self) -> list:  # type: ignore[type-arg]
+        new = super()._admit()
+        self.most_running = max(self.most_running, len(self._running))
+        return new
+
+
 async def run(model: CausalLM, cfg: EngineConfig, reqs: list[GenerateRequest], invariant: bool = False
               ) -> tuple[list[GenerateResult], TorchEngine]:
     eng = TorchEngine(model, cfg, batch_invariant=invariant)
@@ -93,25 +104,39 @@ async def test_admission_waits_for_blocks(dense_model: CausalLM) -> None:
     time although eight rows are free, and all finish equal to the row pool's results."""
     reqs = [GenerateRequest(input_ids=[(5 * i + j) % 90 + 1 for j in range(9)],
                             sampling=SamplingParams(temperature=0.0, max_new_tokens=3)) for i in range(10)]
-    peak: list[int] = []
-
-    class Recording(TorchEngine):  # records how many rows each admission leaves running
-        def _admit(self) -> list:  # type: ignore[type-arg]
-            new = super()._admit()
-            peak.append(len(self._running))
-            return new
-
     cfg = paged_cfg(max_batch_size=8, kv_pool_tokens=48, share_prompts=False)
     eng = Recording(dense_model, cfg, batch_invariant=True)
     try:
         paged = list(await asyncio.gather(*(eng.generate(r) for r in reqs)))
-        assert max(peak) == 4
+        assert eng.most_running == 4
         assert eng.stats()["kv_blocks"] == 12 and eng.stats()["kv_blocks_used"] == 0
         assert_all_free(eng)
     finally:
         await eng.close()
     rows, _ = await run(dense_model, EngineConfig(max_batch_size=8, max_seq_len=64), reqs, invariant=True)
     assert_same(rows, paged)
+
+
+async def test_group_followers_reserve_only_what_they_do_not_share(dense_model: CausalLM) -> None:
+    """A group of 8 (21-token prompt, 6 new: 7 blocks of 4 each unshared) in a pool of 24 blocks:
+    the leader reserves 7, each follower 2 (its 5 full prompt blocks are the leader's), so all
+    eight run together; unshared, three fit at a time. Results equal either way."""
+    group = [(3 * j) % 90 + 1 for j in range(21)]
+    reqs = [GenerateRequest(input_ids=list(group), sampling=SamplingParams(temperature=1.0, max_new_tokens=6,
+                                                                           seed=i)) for i in range(8)]
+    outs, peaks = {}, {}
+    for share in (True, False):
+        eng = Recording(dense_model, paged_cfg(max_batch_size=8, kv_pool_tokens=96, share_prompts=share),
+                        batch_invariant=True)
+        try:
+            outs[share] = list(await asyncio.gather(*(eng.generate(r) for r in reqs)))
+            peaks[share] = eng.most_running
+            assert eng.stats()["kv_blocks_peak"] <= 24
+            assert_all_free(eng)
+        finally:
+            await eng.close()
+    assert peaks == {True: 8, False: 3}
+    assert_same(outs[True], outs[False])
 
 
 async def test_group_shares_prompt_blocks(dense_model: CausalLM) -> None:
