@@ -1,6 +1,6 @@
 """Paged KV storage of the torch engine (engine.kv_layout = "paged"): a block pool with block tables.
 
-Per layer one K and one V store [num_blocks + 1, heads, block_tokens, dim]; a running sequence
+Per layer one K and one V store [num_blocks + 2, heads, block_tokens, dim]; a running sequence
 (an engine row) holds a block table, the blocks of its positions in order. Memory follows the
 sequences' lengths: the pool is sized in tokens (engine.kv_pool_tokens), not rows x max_seq_len.
 
@@ -18,6 +18,10 @@ runs out of blocks and nothing is preempted.
 Two blocks past `num_blocks` hold no sequence: padded positions (position max_seq_len) write
 into the scratch block, and table slots past a row's blocks read the zero block, which nothing
 writes; attention masks those keys (pad queries see zeros there, not other pads' writes).
+
+A step's host side (`prepare`: allocate the blocks its writes reach, upload the tables) is
+apart from its device side (`bind`: tables -> write and gather indices), so decode CUDA graphs
+(`PagedDecodeGraphs`) capture only the latter and replay over any tables.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ import torch
 
 from miles.core.errors import EngineError
 from miles.engines.base import GenerateRequest
+from miles.engines.cuda_graph import DecodeGraphs
 from miles.models.config import ModelSpec
+from miles.models.decoder import CausalLM
 
 
 def blocks_for(tokens: int, block_tokens: int) -> int:
@@ -59,10 +65,15 @@ class PagedPool:
             self.v.append(torch.zeros((self.num_blocks + 2, heads, block_tokens, vd), dtype=dtype, device=device))
         self._heads = sorted({t.shape[1] for t in (*self.k, *self.v)})
         self.tables: list[list[int]] = [[] for _ in range(rows)]
+        # the tables as a tensor (zero block past a row's blocks), wide enough for every read:
+        # kept on the host as the lists change, uploaded once per step (`prepare`)
+        self.table_host = torch.full((rows, blocks_for(max_seq_len + 1, block_tokens)), self.zero, dtype=torch.long)
+        self.table_dev = self.table_host if device.type == "cpu" else self.table_host.to(device)
         self.caps = [0] * rows  # most blocks each row may hold (its admission reservation)
         self.refs = [0] * self.num_blocks
         self.free = list(range(self.num_blocks - 1, -1, -1))  # a stack: low ids are taken first
         self.peak = 0  # most blocks in use at once so far
+        self.in_graph = False  # set by PagedDecodeGraphs around its (captured) forward
         self._read = 0
         self._write: dict[int, torch.Tensor] = {}  # per head count: flat slots this step writes
         self._gather: dict[int, torch.Tensor] = {}  # per head count: flat slots this step reads
@@ -109,6 +120,7 @@ class PagedPool:
                 self.free.append(b)
         self.tables[row] = []
         self.caps[row] = 0
+        self.table_host[row] = self.zero
 
     def reset(self) -> None:
         for row in range(len(self.tables)):
@@ -125,6 +137,7 @@ class PagedPool:
         self.refs[b] = 1
         self.peak = max(self.peak, self.num_blocks - len(self.free))
         self.tables[row].append(b)
+        self.table_host[row, len(self.tables[row]) - 1] = b
         return b
 
     def bytes_per_token(self) -> int:
@@ -132,18 +145,25 @@ class PagedPool:
         return sum(t[0, :, 0].numel() * t.element_size() for t in (*self.k, *self.v))
 
     # ---- the forward's view ---------------------------------------------------------
-    def bind(self, r0: int, pos: torch.Tensor, read_len: int) -> None:
-        """The next forward writes rows r0..r0+n-1 at positions pos [n, T] (max_seq_len =
-        padding) and reads positions :read_len; allocates the blocks the writes reach."""
-        n = pos.shape[0]
-        real = pos < self.max_seq_len
-        tops = torch.where(real, pos, -1).amax(dim=1).tolist()  # a host sync: allocation is host-side
+    def prepare(self, r0: int, tops: list[int]) -> None:
+        """Host side of a step: rows r0.. get the blocks up to positions `tops` (-1: none), and
+        the tables go to the device. A decode graph's step calls it before the replay."""
         for i, top in enumerate(tops):
             while len(self.tables[r0 + i]) * self.bs <= top:
                 self._alloc(r0 + i)
+        if self.table_dev is not self.table_host:
+            self.table_dev.copy_(self.table_host)
+
+    def bind(self, r0: int, pos: torch.Tensor, read_len: int) -> None:
+        """The next forward writes rows r0..r0+n-1 at positions pos [n, T] (max_seq_len =
+        padding) and reads positions :read_len. Device ops only in a decode graph's forward (the
+        step's `prepare` ran before); otherwise it prepares first (one host sync)."""
+        n = pos.shape[0]
+        real = pos < self.max_seq_len
+        if not self.in_graph:
+            self.prepare(r0, torch.where(real, pos, -1).amax(dim=1).tolist())
         nb = blocks_for(max(read_len, 1), self.bs)
-        rows = [self.tables[r0 + i][:nb] for i in range(n)]
-        table = torch.tensor([r + [self.zero] * (nb - len(r)) for r in rows], dtype=torch.long).to(self.device)
+        table = self.table_dev[r0 : r0 + n, :nb]
         blk = torch.where(real, table.gather(1, pos.clamp(max=nb * self.bs - 1) // self.bs), self.scratch)
         # flat indices per distinct head count into a store viewed as [(num_blocks + 2) * heads *
         # block_tokens, dim]: element (block, head, offset) = (block * heads + head) * block_tokens + offset
@@ -176,6 +196,8 @@ class PagedPool:
         assert not self.tables[dst], f"row {dst} still holds blocks"
         self.tables[dst], self.caps[dst] = self.tables[src], self.caps[src]
         self.tables[src], self.caps[src] = [], 0
+        self.table_host[dst] = self.table_host[src]
+        self.table_host[src] = self.zero
 
     def share(self, src: int, dst: int, count: int, length: int) -> None:
         """Rows dst..dst+count-1 get row src's first `length` positions: its full blocks by
@@ -188,6 +210,7 @@ class PagedPool:
             for b in shared:
                 self.refs[b] += 1
             self.tables[row] = list(shared)
+            self.table_host[row, :full] = self.table_host[src, :full]
             if part:
                 copies.append(self._alloc(row))
         if copies:
@@ -220,3 +243,22 @@ class PagedPool:
             pad = src.new_zeros(h, nb * self.bs, d)
             pad[:, :length] = src[:, :length]
             dst[ids] = pad.view(h, nb, self.bs, d).transpose(0, 1)
+
+
+class PagedDecodeGraphs(DecodeGraphs):
+    """engines/cuda_graph.py's decode graphs over the paged pool: the step's host side (block
+    allocation, table upload) runs in `prepare` before each replay; the captured forward turns
+    the device table into its write and gather indices, so a graph serves every table of its
+    (batch, key length) bucket. Pad rows of a bucket are empty rows: their table is the zero block."""
+
+    def __init__(self, model: CausalLM, pool: PagedPool, capture: bool = True) -> None:
+        super().__init__(model, pool, capture=capture)  # type: ignore[arg-type]
+        self.rows = len(pool.tables)  # DecodeGraphs reads the row pool's first dim
+        self.paged = pool
+
+    def _forward(self, inputs: torch.Tensor, read: int, want_routed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self.paged.in_graph = True  # bind: device ops only (no host sync may enter a capture)
+        try:
+            return super()._forward(inputs, read, want_routed)
+        finally:
+            self.paged.in_graph = False

@@ -14,7 +14,7 @@ import torch
 from miles.core.logging import get_logger
 from miles.engines.cuda_graph import DecodeGraphs
 from miles.engines.kv_cache import RowPool
-from miles.engines.paged_kv import PagedPool
+from miles.engines.paged_kv import PagedDecodeGraphs, PagedPool
 from miles.engines.sampling import choose_tokens, make_generator
 from miles.engines.sequence import Sequence
 from miles.models.decoder import CausalLM
@@ -55,11 +55,11 @@ class Stepper:
         # and for MoE models (their expert dispatch depends on whether the stream is capturing,
         # which a trace made in the warm-up would fix to "not capturing")
         compiled = compile_decode and not batch_invariant and not model.spec.is_moe
-        # the paged pool (engine.kv_layout=paged) decodes eagerly: its block tables change the
-        # gather's shape from step to step, which a captured graph cannot follow
-        self.graphs = (
-            DecodeGraphs(model, pool, compiled=compiled) if use_graphs and isinstance(pool, RowPool) else None
-        )
+        self.graphs: DecodeGraphs | None = None
+        if use_graphs and isinstance(pool, RowPool):
+            self.graphs = DecodeGraphs(model, pool, compiled=compiled)
+        elif use_graphs and isinstance(pool, PagedPool):  # not compiled: its bind has a host side
+            self.graphs = PagedDecodeGraphs(model, pool)
 
     @torch.inference_mode()
     def step(self, decode: list[Sequence], prefill: list[Sequence]) -> StepOut:
@@ -157,6 +157,8 @@ class Stepper:
         Rows are pool rows 0..n-1 (decode always covers the running rows from the first)."""
         if self.graphs is not None and not self.graphs.failed and seqs[0].row == 0:
             try:
+                if isinstance(self.pool, PagedPool):  # blocks and tables, outside the graph
+                    self.pool.prepare(0, [s.kv_len for s in seqs])
                 return self.graphs.run([s.tokens[-1] for s in seqs], [s.kv_len for s in seqs], want)
             except Exception as exc:  # noqa: BLE001 - a capture the model cannot take: decode eagerly from now on
                 self.graphs.failed = True

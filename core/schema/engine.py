@@ -25,8 +25,9 @@ class EngineConfig:
         "torch engine KV layout: rows = one max_seq_len row per running sequence (CUDA-graphed decode); "
         "paged = blocks of kv_block_tokens in a pool of kv_pool_tokens, each sequence holding only the blocks "
         "its length needs, a GRPO group's prompt blocks shared by reference (engines/paged_kv.py); a request is "
-        "admitted once the pool can reserve prompt + max_new_tokens (less the prompt blocks it shares); decode runs "
-        "eagerly (no CUDA graphs)",
+        "admitted once the pool can reserve prompt + max_new_tokens (less the prompt blocks it shares); attention "
+        "reads K/V gathered through the block tables (a copy per layer and step); cuda_graphs apply, compile_decode "
+        "does not",
     )
     kv_block_tokens: int = opt(16, "kv_layout=paged: tokens per KV block", "tokens")
     kv_pool_tokens: int = opt(

@@ -19,7 +19,8 @@ from miles.core.config import load_config
 from miles.core.errors import ConfigError, EngineError
 from miles.core.schema.engine import EngineConfig
 from miles.engines.base import GenerateRequest, GenerateResult, SamplingParams
-from miles.engines.paged_kv import PagedPool
+from miles.engines.cuda_graph import DecodeGraphs
+from miles.engines.paged_kv import PagedDecodeGraphs, PagedPool
 from miles.engines.torch_engine import TorchEngine
 from miles.models.decoder import CausalLM
 
@@ -97,6 +98,29 @@ async def test_paged_equals_rows(arch: str) -> None:
     if arch == "qwen3_moe":
         assert all(r.routed_experts is not None for r in paged)
     assert eng.pool.bytes_per_token() > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+async def test_graph_layout_equals_rows(arch: str) -> None:
+    """The decode-graph layout (batch padded to a bucket, keys to a power of two >= 256) run
+    eagerly on the CPU: over the paged pool it gives what it gives over the row pool."""
+    model = tiny_model(arch) if arch == "qwen3" else tiny_model(arch, num_hidden_layers=3, mlp_only_layers=[1])
+    reqs = mixed_requests(routed=arch == "qwen3_moe")
+    out = {}
+    for layout in ("rows", "paged"):
+        eng = TorchEngine(model, paged_cfg(kv_layout=layout, max_seq_len=300))
+        pool = eng.pool
+        graphs = (PagedDecodeGraphs(eng.model, pool, capture=False) if isinstance(pool, PagedPool)
+                  else DecodeGraphs(eng.model, pool, capture=False))
+        eng.stepper.graphs = graphs
+        try:
+            out[layout] = list(await asyncio.gather(*(eng.generate(r) for r in reqs)))
+            assert not graphs.failed  # no fallback to the plain decode
+            if isinstance(pool, PagedPool):
+                assert_all_free(eng)
+        finally:
+            await eng.close()
+    assert_same(out["rows"], out["paged"])
 
 
 async def test_admission_waits_for_blocks(dense_model: CausalLM) -> None:
@@ -231,14 +255,23 @@ def test_layout_options_are_checked() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-async def test_paged_on_cuda_matches_eager_rows() -> None:
-    """On CUDA both decode eagerly here (rows without graphs); the attention kernels may take
-    other paths for the gathered (contiguous) and the sliced (strided) K/V, so logprobs are
-    compared to 1e-5; ids and routing exactly."""
+@pytest.mark.parametrize("graphs", [True, False])
+async def test_paged_on_cuda_matches_rows(graphs: bool) -> None:
+    """On CUDA, with decode graphs (captured over the paged pool) or without: the attention
+    kernels may take other paths for the gathered (contiguous) and the sliced (strided) K/V, so
+    logprobs are compared to 1e-5; ids and routing exactly."""
     model = tiny_model("qwen3_moe", num_hidden_layers=3, mlp_only_layers=[1]).cuda()
     reqs = mixed_requests(routed=True)
-    rows, _ = await run(model, EngineConfig(device="cuda", max_batch_size=3, max_seq_len=64, cuda_graphs=False), reqs)
-    paged, _ = await run(model, paged_cfg(device="cuda"), reqs)
+    rows, _ = await run(model, EngineConfig(device="cuda", max_batch_size=3, max_seq_len=64, cuda_graphs=graphs),
+                        reqs)
+    eng = TorchEngine(model, paged_cfg(device="cuda", cuda_graphs=graphs))
+    try:
+        paged = list(await asyncio.gather(*(eng.generate(r) for r in reqs)))
+        g = eng.stepper.graphs
+        assert (isinstance(g, PagedDecodeGraphs) and not g.failed) if graphs else g is None
+        assert_all_free(eng)
+    finally:
+        await eng.close()
     for x, y in zip(rows, paged, strict=True):
         assert x.output_ids == y.output_ids
         assert np.allclose(x.logprobs, y.logprobs, rtol=0, atol=1e-5)
