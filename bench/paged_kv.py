@@ -4,9 +4,12 @@ Per case and layout: tokens/s (generated tokens / wall time of the whole batch, 
 median of `--repeats` timed runs after one warm-up, the layouts' runs alternating) and KV memory: what the pool allocates, and
 for paged the most blocks in use at once (x block bytes). Layouts:
 
-  rows        engine.kv_layout=rows: max_batch_size rows of max_seq_len (+ CUDA-graphed decode on cuda)
-  paged       kv_layout=paged, pool of the rows layout's size (kv_pool_tokens=0); decode eager
+  rows        engine.kv_layout=rows: max_batch_size rows of max_seq_len
+  paged       kv_layout=paged, pool of the rows layout's size (kv_pool_tokens=0)
   paged_fit   kv_layout=paged, pool sized to the case: batch x (prompt + new) tokens
+
+On cuda every layout decodes through CUDA graphs (captured in the warm-up run); the paged pool
+also gathers each layer's K/V through its block tables (one copy per layer and step).
 
 Every request is greedy, no stop ids, runs to `new` tokens; a group case sends n samples of each
 prompt (engine.share_prompts on: the paged pool shares the prompt's full blocks). Models: cpu a
