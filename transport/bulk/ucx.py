@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import time
+from collections.abc import Coroutine
 from types import ModuleType
 from typing import Any
 
@@ -60,6 +61,43 @@ def _teardown(ucxx: ModuleType) -> None:
     except Exception as exc:  # noqa: BLE001 - endpoints left open: stop the threads we can
         log.warning("ucx_teardown_incomplete", error=str(exc)[:200])
         ucxx.stop_notifier_thread()
+
+
+# Polling period cap while a UCX request is in flight (see `unspun`): far below a bucket's transfer time.
+POLL_MAX_S = 1e-3
+
+
+async def unspun(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Await a UCXX send/recv without busy-waiting.
+
+    Without its notifier thread (off by default), UCXX waits for a request by re-polling it
+    through `asyncio.sleep(0)` in a loop: each process with a transfer in flight keeps its
+    event loop spinning, a whole core, while the bytes themselves are moved by UCX's progress
+    thread. With several trainer ranks and engines on one host that spinning takes the CPU the
+    transfers need (measured: ~0.8 s of CPU per idle second of a pending receive). This runs
+    `coro` step by step and turns each of those bare yields into a short sleep, doubling from
+    50 us up to POLL_MAX_S; a real future it waits on is awaited as a task would."""
+    delay = 0.0
+    value: Any = None
+    error: BaseException | None = None
+    try:
+        while True:
+            try:
+                step = coro.throw(error) if error is not None else coro.send(value)
+            except StopIteration as stop:
+                return stop.value
+            value, error = None, None
+            try:
+                if step is None:  # asyncio.sleep(0): the request is not complete yet
+                    await asyncio.sleep(delay)
+                    delay = min(max(2 * delay, 5e-5), POLL_MAX_S)
+                else:  # a future: wait for it, then resume the coroutine (it reads the result itself)
+                    step._asyncio_future_blocking = False
+                    await asyncio.wait([step])
+            except asyncio.CancelledError as exc:
+                error = exc  # the coroutine unwinds itself, then the cancel goes on from it
+    finally:
+        coro.close()
 
 
 def ucx_buffer(t: torch.Tensor) -> Any:
@@ -119,7 +157,7 @@ class UcxSender(SegmentSender):
         async def to(index: int, ep: Any) -> None:
             for v in views:  # in header order: the receiver posts its receives in the same order
                 try:
-                    await asyncio.wait_for(ep.send(v), self.cfg.step_timeout_s)
+                    await asyncio.wait_for(unspun(ep.send(v)), self.cfg.step_timeout_s)
                 except TimeoutError:
                     raise SyncError(f"ucx: sending {plan.nbytes} bytes to engine #{index} ({self.peers[index]!r}) "
                                     f"did not complete within {self.cfg.step_timeout_s}s") from None
@@ -163,7 +201,7 @@ class UcxReceiver(BulkReceiver):
         timeout = float(self.info.get("timeout_s", 120.0))
         for r in land.recvs:
             try:
-                await asyncio.wait_for(self._ep.recv(ucx_buffer(r)), timeout)
+                await asyncio.wait_for(unspun(self._ep.recv(ucx_buffer(r))), timeout)
             except TimeoutError:
                 raise SyncError(f"ucx: receiving {r.numel()} bytes from the trainer did not complete within "
                                 f"{timeout}s") from None
@@ -175,7 +213,7 @@ class UcxReceiver(BulkReceiver):
         lo, hi, dst, in_place, self._buf = flat_target("ucx", header, landing, local, self._buf)
         timeout = float(self.info.get("timeout_s", 120.0))
         try:
-            await asyncio.wait_for(self._ep.recv(ucx_buffer(dst)), timeout)
+            await asyncio.wait_for(unspun(self._ep.recv(ucx_buffer(dst))), timeout)
         except TimeoutError:
             raise SyncError(f"ucx: receiving {hi - lo} bytes from the trainer did not complete within "
                             f"{timeout}s") from None
