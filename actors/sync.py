@@ -146,7 +146,7 @@ class ShardedWeightSync:
         self.link = ActorEngineLink(host, cfg.step_timeout_s)
         # delta: only changed words when that moves fewer bytes (transport/bulk/shard_delta.py; +1 shard)
         self.opts = ShardedOptions(bucket_bytes or cfg.bucket_mib << 20, cfg.pipeline_depth, cfg.pause_mode,
-                                   cfg.verify_every, delta)
+                                   cfg.verify_every, delta, cfg.receive_ahead_mib << 20)
         self.coordinator = ShardedCoordinator(self.link, self.group, self._sender(cfg.transport), engines, self.opts)
 
     def _sender(self, tag: str) -> Any:

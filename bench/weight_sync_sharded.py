@@ -71,7 +71,7 @@ def serve_engine(name: str, hidden: int, layers: int, ready: str, directory: str
 
 
 async def rank_main(rank: int, hidden: int, layers: int, directory: str, transports: list[str], rounds: int,
-                    bucket_mib: int, out: Path) -> None:
+                    bucket_mib: int, ahead_mib: int, out: Path) -> None:
     import torch.distributed as dist
 
     from miles.actors.sync import ShardedWeightSync, WeightSync
@@ -89,7 +89,7 @@ async def rank_main(rank: int, hidden: int, layers: int, directory: str, transpo
     try:
         for transport in transports:
             scfg = SyncConfig(transport=transport, bucket_mib=bucket_mib, step_timeout_s=120,  # type: ignore[arg-type]
-                              pause_mode="none")
+                              pause_mode="none", receive_ahead_mib=ahead_mib)
             times: dict[str, list[float]] = {"gathered": [], "sharded": []}
             nbytes = {"gathered": 0, "sharded": 0}
             # One mode after the other: an engine holds one bulk receiver, so the two coordinators
@@ -146,6 +146,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--bucket-mib", type=int, default=8)
+    ap.add_argument("--receive-ahead-mib", type=int, default=SyncConfig().receive_ahead_mib,
+                    help="sync.receive_ahead_mib (ucx engines); 0 = each bucket received when its header comes up")
     ap.add_argument("--transports", default="zmq,broadcast" + (",ucx" if importlib.util.find_spec("ucxx") else ""))
     ap.add_argument("--out", default="")
     ap.add_argument("--engine", nargs=4, metavar=("NAME", "READY", "DIRECTORY", "_"))
@@ -158,7 +160,7 @@ def main() -> None:
     if a.rank:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=a.rank[1])
         asyncio.run(rank_main(int(a.rank[0]), a.hidden, a.layers, a.rank[2], transports, a.rounds, a.bucket_mib,
-                              Path(a.rank[3])))
+                              a.receive_ahead_mib, Path(a.rank[3])))
         return
 
     from miles.trainer.dist import free_port
@@ -166,7 +168,8 @@ def main() -> None:
     model_bytes = sum(p.numel() for p in __import__("miles.models.registry", fromlist=["x"]).build_model(
         spec(a.hidden, a.layers), seed=0).parameters()) * 4
     shape = ["--hidden", str(a.hidden), "--layers", str(a.layers), "--rounds", str(a.rounds),
-             "--transports", a.transports, "--bucket-mib", str(a.bucket_mib)]
+             "--transports", a.transports, "--bucket-mib", str(a.bucket_mib),
+             "--receive-ahead-mib", str(a.receive_ahead_mib)]
     children: list[subprocess.Popen[bytes]] = []
     # UCX over TCP by default, as between hosts; MILES_BENCH_UCX_TLS picks others (tcp,sm,self: data
     # through shared memory between the processes of this host; "" leaves UCX its own choice).

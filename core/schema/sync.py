@@ -50,6 +50,11 @@ class SyncConfig:
         False, "sharded only: send a bucket as (index, word) pairs of the changed words when that is smaller "
         "(below 50% changed for fp32, 33% for bf16); engines rebuild it from their live weights, checked"
     )
+    receive_ahead_mib: int = opt(
+        1024, "sharded ucx only: engine memory (a bucket per trainer rank, for up to this many MiB / bucket_mib "
+        "ranks) into which the receive of each rank's next bucket is posted ahead, so every rank's bytes move "
+        "into an engine at once instead of one rank's at a time in header order; 0 = off", "MiB"
+    )
     advertise_addr: str = opt(
         "", "address engines reach trainer rank 0 at (broadcast store, ucx listener); '' = the actor host's"
     )
@@ -78,6 +83,8 @@ class SyncConfig:
     def __post_init__(self) -> None:
         if self.bucket_mib <= 0:
             raise ConfigError(f"sync.bucket_mib={self.bucket_mib} must be > 0")
+        if self.receive_ahead_mib < 0:
+            raise ConfigError(f"sync.receive_ahead_mib={self.receive_ahead_mib} must be >= 0")
         if self.pipeline_depth < 1:
             raise ConfigError(f"sync.pipeline_depth={self.pipeline_depth} must be >= 1")
         if self.step_timeout_s <= 0:

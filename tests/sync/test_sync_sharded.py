@@ -7,6 +7,8 @@ the gathered model, computed outside the sync), and no rank's sync created more 
 own shard plus one bucket (tracked allocations of every op on the syncing thread). A fourth
 run sends deltas over broadcast after a sparse update (2 % of the elements change); a last
 version goes through the trainer loop's hand-off (ShardedPublisher) with the engines paused.
+ucx runs with the engines' receive-ahead (every rank's next bucket posted), with deltas over
+it, and without it ("ucx-serial": each bucket received when its header comes up).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def test_four_fsdp_ranks_send_their_own_shards(procs, tmp_path: Path) -> None:
-    transports = [*(["ucx"] if importlib.util.find_spec("ucxx") else []), "zmq", "broadcast", "broadcast-delta"]
+    ucx = ["ucx", "ucx-delta", "ucx-serial"] if importlib.util.find_spec("ucxx") else []
+    transports = [*ucx, "zmq", "broadcast", "broadcast-delta"]
     directory = start_engines(procs, extra=["--hidden", "128"])
     port = str(free_port())
     env = {"OMP_NUM_THREADS": "1", "UCX_WARN_UNUSED_ENV_VARS": "n", "UCX_TLS": "tcp,self"}

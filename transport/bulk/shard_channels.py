@@ -6,7 +6,13 @@ header over the actor wire; the bytes go on the channel:
 
 - `zmq`: inline in the header, as a zero-copy frame of the rank's send buffer.
 - `ucx`: one endpoint per (rank, engine) pair; each rank listens, each engine connects to
-  every rank. A pair's buckets go in order on its endpoint.
+  every rank. A pair's buckets go in order on its endpoint. An engine handles the bucket
+  headers one at a time, and a large UCX message only moves once its receive is posted (a
+  rendezvous), so posting each receive when its header comes up would move one rank's bytes
+  at a time into an engine while the other ranks wait. Instead the receiver keeps the next
+  receive of up to `ahead_bytes // bucket` ranks posted into a bucket buffer of their own
+  (receive-ahead): every rank's bytes flow at once, and a header lands what already arrived.
+  Ranks beyond that budget are received when their header comes up, as before.
 - `broadcast`: one torch.distributed group of every trainer rank and engine (gloo on CPU,
   NCCL on GPU) and send/recv per pair. Not a per-owner broadcast: an engine lands buckets
   one at a time, in the order their headers arrive, and collectives of several owners'
@@ -115,12 +121,12 @@ class UcxShardSender(ShardSender):
             await asyncio.sleep(0.005)
 
     async def send(self, peer: int, seq: int, data: torch.Tensor) -> None:
-        from miles.transport.bulk.ucx import ucx_buffer
+        from miles.transport.bulk.ucx import ucx_buffer, unspun
 
         if data.device.type == "cuda":
             torch.cuda.current_stream(data.device).synchronize()  # UCX reads outside torch's streams
         try:
-            await asyncio.wait_for(self._eps[peer].send(ucx_buffer(data)), self.timeout_s)
+            await asyncio.wait_for(unspun(self._eps[peer].send(ucx_buffer(data))), self.timeout_s)
         except TimeoutError:
             raise SyncError(f"ucx (rank {self.rank}): sending {data.numel()} bytes to engine #{peer} "
                             f"({self.peers[peer]!r}) did not complete within {self.timeout_s}s") from None
@@ -278,6 +284,9 @@ class ShardReceiver(BulkReceiver):
         self.sources: list[dict[str, Any]] = list(info.get("sources", []))
         self.timeout_s = float(info.get("timeout_s", 120.0))
         self._eps: list[Any] = []
+        # receive-ahead (ucx): per trainer rank, its bucket buffer and the receive posted into it
+        self._ahead: dict[int, tuple[torch.Tensor, asyncio.Future[Any]]] = {}
+        self._broken = ""  # why the receive-ahead stream broke, if it did
         self._pg: Any = None
         self._store: Any = None
         dev = "cuda" if self.sources and self.sources[0].get("backend") == "nccl" else "cpu"
@@ -295,6 +304,9 @@ class ShardReceiver(BulkReceiver):
                     ep = await ucxx.create_endpoint(str(s["addr"]), int(s["port"]))
                     await ep.send(np.array([index], dtype=np.int64))
                     self._eps.append(ep)
+                slots = min(len(self._eps), int(self.info.get("ahead_bytes", 0)) // max(self.bucket_bytes, 1))
+                for src in range(slots):
+                    self._post(src, torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self._buf.device))
             elif self.channel == "broadcast":
                 from miles.transport.bulk.broadcast import _group
 
@@ -310,12 +322,41 @@ class ShardReceiver(BulkReceiver):
     async def recv(self, header: dict[str, Any], local: LocalWeights) -> list[tuple[str, torch.Tensor]]:
         raise SyncError("a sharded channel moves flat byte ranges only (the engine must take the flat plan)")
 
+    def _post(self, src: int, buf: torch.Tensor) -> None:
+        """Post the receive of trainer rank `src`'s next bucket into `buf` (a bucket or more: a
+        shorter message fills its head), awaited by the header that names it."""
+        from miles.transport.bulk.ucx import ucx_buffer, unspun
+
+        self._ahead[src] = (buf, asyncio.ensure_future(unspun(self._eps[src].recv(ucx_buffer(buf)))))
+
+    async def _take_ahead(self, src: int, wire: int) -> torch.Tensor:
+        """Rank `src`'s next bucket (`wire` bytes), from the receive posted ahead for it."""
+        buf, fut = self._ahead[src]
+        if wire > buf.numel():
+            raise SyncError(f"ucx (sharded): a bucket of {wire} bytes from trainer rank {src} exceeds the "
+                            f"{buf.numel()}-byte bucket its receive was posted for")
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
+        except TimeoutError:
+            raise SyncError(f"ucx (sharded): receiving {wire} bytes from trainer rank {src} did not complete "
+                            f"within {self.timeout_s}s") from None
+        except Exception as exc:  # noqa: BLE001 - the endpoint failed: this channel is done (reopened next push)
+            raise SyncError(f"ucx (sharded): receiving from trainer rank {src} failed: {exc}") from exc
+        return buf[:wire]
+
+    def _repost(self, src: int) -> None:
+        """The bucket from `src` is landed: its buffer takes the rank's next bucket."""
+        buf = self._ahead[src][0]
+        if buf.device.type == "cuda":
+            torch.cuda.current_stream(buf.device).synchronize()  # the landing copies read it on the stream
+        self._post(src, buf)
+
     async def _take(self, src: int, seq: int, dst: torch.Tensor) -> None:
         if self.channel == "ucx":
-            from miles.transport.bulk.ucx import ucx_buffer
+            from miles.transport.bulk.ucx import ucx_buffer, unspun
 
             try:
-                await asyncio.wait_for(self._eps[src].recv(ucx_buffer(dst)), self.timeout_s)
+                await asyncio.wait_for(unspun(self._eps[src].recv(ucx_buffer(dst))), self.timeout_s)
             except TimeoutError:
                 raise SyncError(f"ucx (sharded): receiving {dst.numel()} bytes from trainer rank {src} did not "
                                 f"complete within {self.timeout_s}s") from None
@@ -346,6 +387,24 @@ class ShardReceiver(BulkReceiver):
                 raise SyncError(f"sharded zmq bucket from rank {src}: its data does not hold the {wire} bytes "
                                 "its header names")
             data = data.reshape(-1).view(torch.uint8)
+        elif src in self._ahead:
+            if self._broken:
+                raise SyncError(f"ucx (sharded): this channel failed earlier ({self._broken}); it is reopened "
+                                "at the next push")
+            try:
+                data = await self._take_ahead(src, wire)
+                if delta:
+                    if self._full.numel() < total:
+                        self._full = torch.empty(max(total, self.bucket_bytes), dtype=torch.uint8, device=data.device)
+                    data = decode(header, data, ranges, landing, local, self._full)
+                names = land_blocks(landing, local, blocks, data)
+            except BaseException as exc:
+                # The rank's posted receive may still be pending or hold a bucket nobody landed: no later
+                # header may read it (the coordinator reopens the channel after a failed version).
+                self._broken = f"rank {src}: {type(exc).__name__}"
+                raise
+            self._repost(src)
+            return names
         else:
             region = landing.region(local)
             if not delta and len(ranges) == 1 and region is not None and region.device == self._buf.device:
@@ -363,6 +422,11 @@ class ShardReceiver(BulkReceiver):
         return land_blocks(landing, local, blocks, data)
 
     async def close(self) -> None:
+        ahead, self._ahead = [f for _, f in self._ahead.values()], {}
+        for f in ahead:
+            f.cancel()
+        if ahead:
+            await asyncio.gather(*ahead, return_exceptions=True)
         for ep in self._eps:
             await ep.close()
         self._eps = []

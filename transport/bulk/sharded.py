@@ -102,6 +102,7 @@ class ShardedOptions:
     pause_mode: str = "none"
     verify_every: int = 0
     delta: bool = False  # send only changed words when fewer bytes (shard_delta.py); +1 shard of memory
+    receive_ahead_bytes: int = 0  # ucx engines: a bucket per rank, up to this much (shard_channels.py)
 
 
 class _Failed(SyncError):
@@ -262,6 +263,7 @@ class ShardedCoordinator:
 
             def info(i: int) -> dict[str, Any]:
                 return {"channel": self.sender.tag, "index": i, "timeout_s": self.sender.timeout_s,
+                        "ahead_bytes": self.opts.receive_ahead_bytes,
                         "sources": [infos[r][i] for r in range(self.group.size)]}
 
             asks = asyncio.ensure_future(self._each(

@@ -100,8 +100,12 @@ async def run(trainer: FSDPTrainer, directory: str, out: Path, transports: list[
     try:
         for name in transports:  # "<transport>-delta": a sparse update, sent as deltas after the first
             transport, delta = name.removesuffix("-delta"), name.endswith("-delta")
+            # "ucx-serial": no receive-ahead, each bucket received when its header comes up
+            transport, serial = transport.removesuffix("-serial"), transport.endswith("-serial")
             cfg = SyncConfig(transport=transport, step_timeout_s=30, pause_mode="none",  # type: ignore[arg-type]
                              verify_every=VERSIONS)
+            if serial:
+                cfg.receive_ahead_mib = 0
             sync = ShardedWeightSync(host, cfg, ["e0", "e1"], bucket_bytes=BUCKET, delta=delta)
             try:
                 for _ in range(VERSIONS):
