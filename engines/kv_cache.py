@@ -10,11 +10,41 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
 from miles.models.config import ModelSpec
+
+if TYPE_CHECKING:
+    from miles.engines.base import GenerateRequest
+
+
+class KVPool(Protocol):
+    """What the engine and its stepper need from a KV pool: the row pool (below) or the paged
+    one (engines/paged_kv.py). `reserves` pools admit a request only once `can_take` its
+    `request_blocks`; for the row pool, whose rows are all preallocated, the admission hooks
+    are no-ops."""
+
+    reserves: bool
+
+    def bytes_per_token(self) -> int: ...
+    def bind(self, r0: int, pos: torch.Tensor, read_len: int) -> None: ...
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def move(self, src: int, dst: int, length: int) -> None: ...
+    def share(self, src: int, dst: int, count: int, length: int) -> None: ...
+    def export(self, row: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]: ...
+    def restore(self, row: int, k: list[torch.Tensor], v: list[torch.Tensor], length: int) -> None: ...
+    # admission and accounting
+    def check_fits(self, req: GenerateRequest) -> None: ...
+    def request_blocks(self, req: GenerateRequest, shared: int = 0) -> int: ...
+    def can_take(self, blocks: int) -> bool: ...
+    def open(self, row: int, req: GenerateRequest) -> None: ...
+    def release(self, row: int) -> None: ...
+    def reset(self) -> None: ...
+    def prepare(self, r0: int, tops: list[int]) -> None: ...
+    def stats(self) -> dict[str, int]: ...
 
 
 class RowPool:
@@ -73,6 +103,33 @@ class RowPool:
     def restore(self, row: int, k: list[torch.Tensor], v: list[torch.Tensor], length: int) -> None:
         for dst, src in zip((*self.k, *self.v), (*k, *v), strict=True):
             dst[row, :, :length] = src[:, :length]
+
+    # Every row is preallocated at max_seq_len: admission needs nothing from this pool.
+    reserves = False
+
+    def check_fits(self, req: GenerateRequest) -> None:
+        pass
+
+    def request_blocks(self, req: GenerateRequest, shared: int = 0) -> int:
+        return 0
+
+    def can_take(self, blocks: int) -> bool:
+        return True
+
+    def open(self, row: int, req: GenerateRequest) -> None:
+        pass
+
+    def release(self, row: int) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    def prepare(self, r0: int, tops: list[int]) -> None:
+        pass
+
+    def stats(self) -> dict[str, int]:
+        return {}
 
 
 @dataclass

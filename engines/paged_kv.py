@@ -79,9 +79,14 @@ class PagedPool:
         self._gather: dict[int, torch.Tensor] = {}  # per head count: flat slots this step reads
 
     # ---- accounting -----------------------------------------------------------------
+    reserves = True  # admission waits until a request's blocks can be reserved
+
     @property
     def used_blocks(self) -> int:
         return self.num_blocks - len(self.free)
+
+    def stats(self) -> dict[str, int]:
+        return {"kv_blocks_used": self.used_blocks, "kv_blocks_peak": self.peak, "kv_blocks": self.num_blocks}
 
     def outstanding(self) -> int:
         """Blocks the open rows may still allocate (their reservations not yet used)."""

@@ -13,7 +13,7 @@ import torch
 
 from miles.core.logging import get_logger
 from miles.engines.cuda_graph import DecodeGraphs
-from miles.engines.kv_cache import RowPool
+from miles.engines.kv_cache import KVPool, RowPool
 from miles.engines.paged_kv import PagedDecodeGraphs, PagedPool
 from miles.engines.sampling import choose_tokens, make_generator
 from miles.engines.sequence import Sequence
@@ -31,7 +31,7 @@ class Stepper:
     def __init__(
         self,
         model: CausalLM,
-        pool: RowPool | PagedPool,
+        pool: KVPool,
         device: torch.device,
         batch_invariant: bool = False,
         cuda_graphs: bool = True,
@@ -157,7 +157,7 @@ class Stepper:
         Rows are pool rows 0..n-1 (decode always covers the running rows from the first)."""
         if self.graphs is not None and not self.graphs.failed and seqs[0].row == 0:
             try:
-                if isinstance(self.pool, PagedPool):  # blocks and tables, outside the graph
+                if self.pool.reserves:  # blocks and tables, outside the graph
                     self.pool.prepare(0, [s.kv_len for s in seqs])
                 return self.graphs.run([s.tokens[-1] for s in seqs], [s.kv_len for s in seqs], want)
             except Exception as exc:  # noqa: BLE001 - a capture the model cannot take: decode eagerly from now on

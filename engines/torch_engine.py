@@ -29,7 +29,7 @@ from miles.engines.base import (
     PauseMode,
     RequestTotals,
 )
-from miles.engines.kv_cache import RowPool, SessionKV, SessionStore, common_prefix
+from miles.engines.kv_cache import KVPool, RowPool, SessionKV, SessionStore, common_prefix
 from miles.engines.lora import AdapterMerge
 from miles.engines.paged_kv import PagedPool
 from miles.engines.prompt_share import PromptShare
@@ -71,7 +71,7 @@ class TorchEngine(Engine):
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.max_seq_len = min(self.cfg.max_seq_len, self.spec.max_position_embeddings)
-        self.pool: RowPool | PagedPool
+        self.pool: KVPool
         if self.cfg.kv_layout == "paged":
             tokens = self.cfg.kv_pool_tokens or self.cfg.max_batch_size * self.max_seq_len
             self.pool = PagedPool(
@@ -112,8 +112,7 @@ class TorchEngine(Engine):
         if self._closed:
             raise EngineError("engine is closed")
         validate_request(req, self.spec.vocab_size, self.max_seq_len)
-        if isinstance(self.pool, PagedPool):
-            self.pool.check_fits(req)
+        self.pool.check_fits(req)
         if len(self._queue) >= self.cfg.max_queue:
             raise EngineError(f"engine queue is full ({self.cfg.max_queue} requests waiting)")
         s = req.sampling
@@ -271,11 +270,7 @@ class TorchEngine(Engine):
             "cached_sessions": len(self.sessions),
             "evictions": self.sessions.evictions,
             "version": self.version,
-            **(
-                {"kv_blocks_used": self.pool.used_blocks, "kv_blocks_peak": self.pool.peak,
-                 "kv_blocks": self.pool.num_blocks}
-                if isinstance(self.pool, PagedPool) else {}
-            ),
+            **self.pool.stats(),
         }
 
     def checksums(self) -> dict[str, str]:
@@ -295,8 +290,7 @@ class TorchEngine(Engine):
                 seq.future.set_exception(EngineError("engine closed"))
         self._running, self._queue = [], deque()
         self.share.clear()
-        if isinstance(self.pool, PagedPool):
-            self.pool.reset()
+        self.pool.reset()
 
     # ---- scheduler ----------------------------------------------------------------
     def _ensure_loop(self) -> None:
@@ -351,7 +345,7 @@ class TorchEngine(Engine):
         reserved = 0  # paged KV: blocks the requests taken so far reserve
         leaders: set[tuple[int, ...]] = set()  # paged KV: prompts a request taken so far prefills
         while self._queue and len(self._running) + len(taken) < self.cfg.max_batch_size:
-            if isinstance(self.pool, PagedPool):  # in order: wait until the head's blocks are free
+            if self.pool.reserves:  # in order: wait until the head's blocks are free
                 head = self._queue[0]
                 key = tuple(head.tokens)
                 # the same rule as PromptShare.order: a follower will share its leader's full prompt blocks
@@ -369,8 +363,7 @@ class TorchEngine(Engine):
         for seq in new:
             seq.row = len(self._running)
             self._running.append(seq)
-            if isinstance(self.pool, PagedPool):
-                self.pool.open(seq.row, seq.req)
+            self.pool.open(seq.row, seq.req)
             if seq.share_from is None:
                 self._restore_session(seq)
                 if seq.kv_len == 0:
@@ -467,8 +460,7 @@ class TorchEngine(Engine):
     def _release_row(self, seq: Sequence) -> None:
         self.share.release(seq)
         row, last = seq.row, self._running[-1]
-        if isinstance(self.pool, PagedPool):
-            self.pool.release(row)
+        self.pool.release(row)
         if last is not seq:  # keep rows compact: the last sequence moves into the hole
             self.pool.move(last.row, row, last.kv_len)
             self._running[row] = last
@@ -485,5 +477,4 @@ class TorchEngine(Engine):
             seq.row = -1
         self._running = []
         self.share.clear()
-        if isinstance(self.pool, PagedPool):
-            self.pool.reset()
+        self.pool.reset()
