@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from miles.transport.bulk.ucx import unspun
 
@@ -102,3 +103,22 @@ async def test_cancel_reaches_the_coroutine() -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+def test_gpu_buffers_keep_ucxx_own_wait_and_host_buffers_are_unspun() -> None:
+    import numpy as np
+
+    from miles.transport.bulk.ucx import ucx_wait
+
+    async def op() -> int:
+        return 7
+
+    for buf in (np.zeros(4, np.uint8), torch.zeros(4)):  # host memory: through unspun
+        inner = op()
+        wrapped = ucx_wait(inner, buf)
+        assert wrapped is not inner
+        assert asyncio.run(wrapped) == 7  # type: ignore[arg-type]
+    if torch.cuda.is_available():
+        gpu = op()
+        assert ucx_wait(gpu, torch.zeros(4, device="cuda")) is gpu  # as measured on the H200
+        gpu.close()

@@ -121,12 +121,12 @@ class UcxShardSender(ShardSender):
             await asyncio.sleep(0.005)
 
     async def send(self, peer: int, seq: int, data: torch.Tensor) -> None:
-        from miles.transport.bulk.ucx import ucx_buffer, unspun
+        from miles.transport.bulk.ucx import ucx_buffer, ucx_wait
 
         if data.device.type == "cuda":
             torch.cuda.current_stream(data.device).synchronize()  # UCX reads outside torch's streams
         try:
-            await asyncio.wait_for(unspun(self._eps[peer].send(ucx_buffer(data))), self.timeout_s)
+            await asyncio.wait_for(ucx_wait(self._eps[peer].send(ucx_buffer(data)), data), self.timeout_s)
         except TimeoutError:
             raise SyncError(f"ucx (rank {self.rank}): sending {data.numel()} bytes to engine #{peer} "
                             f"({self.peers[peer]!r}) did not complete within {self.timeout_s}s") from None
@@ -325,9 +325,9 @@ class ShardReceiver(BulkReceiver):
     def _post(self, src: int, buf: torch.Tensor) -> None:
         """Post the receive of trainer rank `src`'s next bucket into `buf` (a bucket or more: a
         shorter message fills its head), awaited by the header that names it."""
-        from miles.transport.bulk.ucx import ucx_buffer, unspun
+        from miles.transport.bulk.ucx import ucx_buffer, ucx_wait
 
-        self._ahead[src] = (buf, asyncio.ensure_future(unspun(self._eps[src].recv(ucx_buffer(buf)))))
+        self._ahead[src] = (buf, asyncio.ensure_future(ucx_wait(self._eps[src].recv(ucx_buffer(buf)), buf)))
 
     async def _take_ahead(self, src: int, wire: int) -> torch.Tensor:
         """Rank `src`'s next bucket (`wire` bytes), from the receive posted ahead for it."""
@@ -353,10 +353,10 @@ class ShardReceiver(BulkReceiver):
 
     async def _take(self, src: int, seq: int, dst: torch.Tensor) -> None:
         if self.channel == "ucx":
-            from miles.transport.bulk.ucx import ucx_buffer, unspun
+            from miles.transport.bulk.ucx import ucx_buffer, ucx_wait
 
             try:
-                await asyncio.wait_for(unspun(self._eps[src].recv(ucx_buffer(dst))), self.timeout_s)
+                await asyncio.wait_for(ucx_wait(self._eps[src].recv(ucx_buffer(dst)), dst), self.timeout_s)
             except TimeoutError:
                 raise SyncError(f"ucx (sharded): receiving {dst.numel()} bytes from trainer rank {src} did not "
                                 f"complete within {self.timeout_s}s") from None

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Coroutine
 from types import ModuleType
 from typing import Any
 
@@ -100,6 +100,14 @@ async def unspun(coro: Coroutine[Any, Any, Any]) -> Any:
         coro.close()
 
 
+def ucx_wait(coro: Coroutine[Any, Any, Any], buf: Any) -> Awaitable[Any]:
+    """How to await a UCXX send/recv of `buf`: host memory through `unspun` (the CPU-bound case it
+    was measured on); GPU memory with UCXX's own polling, as measured on the H200: a bucket there
+    moves in milliseconds, which a sleep of up to POLL_MAX_S would lengthen, and GPU hosts have
+    cores to spare for the spin."""
+    return coro if isinstance(buf, torch.Tensor) and buf.is_cuda else unspun(coro)
+
+
 def ucx_buffer(t: torch.Tensor) -> Any:
     """What UCXX sends from / receives into: a numpy view of host memory; CUDA tensors go as they
     are (they expose `__cuda_array_interface__`)."""
@@ -157,7 +165,7 @@ class UcxSender(SegmentSender):
         async def to(index: int, ep: Any) -> None:
             for v in views:  # in header order: the receiver posts its receives in the same order
                 try:
-                    await asyncio.wait_for(unspun(ep.send(v)), self.cfg.step_timeout_s)
+                    await asyncio.wait_for(ucx_wait(ep.send(v), v), self.cfg.step_timeout_s)
                 except TimeoutError:
                     raise SyncError(f"ucx: sending {plan.nbytes} bytes to engine #{index} ({self.peers[index]!r}) "
                                     f"did not complete within {self.cfg.step_timeout_s}s") from None
@@ -201,7 +209,7 @@ class UcxReceiver(BulkReceiver):
         timeout = float(self.info.get("timeout_s", 120.0))
         for r in land.recvs:
             try:
-                await asyncio.wait_for(unspun(self._ep.recv(ucx_buffer(r))), timeout)
+                await asyncio.wait_for(ucx_wait(self._ep.recv(ucx_buffer(r)), r), timeout)
             except TimeoutError:
                 raise SyncError(f"ucx: receiving {r.numel()} bytes from the trainer did not complete within "
                                 f"{timeout}s") from None
@@ -213,7 +221,7 @@ class UcxReceiver(BulkReceiver):
         lo, hi, dst, in_place, self._buf = flat_target("ucx", header, landing, local, self._buf)
         timeout = float(self.info.get("timeout_s", 120.0))
         try:
-            await asyncio.wait_for(unspun(self._ep.recv(ucx_buffer(dst))), timeout)
+            await asyncio.wait_for(ucx_wait(self._ep.recv(ucx_buffer(dst)), dst), timeout)
         except TimeoutError:
             raise SyncError(f"ucx: receiving {hi - lo} bytes from the trainer did not complete within "
                             f"{timeout}s") from None
