@@ -46,6 +46,11 @@ for s in $SUITE; do
       step e2e_async_mps_h200_s7 560 python bench/e2e_gpu.py --device cuda --steps 16 \
            --out "$OUT/e2e_async_mps_h200_s7.json" --cases "${MPS_CASES:-moe-sync,moe@engine.mps_thread_percent=40}"
       echo quit | nvidia-cuda-mps-control ;;
+    engine21)  # the engine's GPU tests (paged KV vs rows with and without graphs, batched sampling,
+      # compiled decode) and the paged pool's tok/s and KV memory against rows
+      step engine_gpu_tests_h200 240 "${PYTEST[@]}" tests/engines/test_engines_paged_kv.py \
+           tests/engines/test_engines_sampling.py tests/engines/test_engines_compiled_decode.py
+      step paged_kv_h200 240 python bench/paged_kv.py --device cuda --out "$OUT/paged_kv_h200.json" ;;
     *) echo "unknown suite step $s" >&2 ;;
   esac
 done
