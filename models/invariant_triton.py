@@ -35,6 +35,26 @@ LIN_BLOCK_M, LIN_BLOCK_N, LIN_BLOCK_K = 64, 64, 64
 ATT_BLOCK_M, ATT_BLOCK_N = 16, 64
 
 
+@triton.jit
+def _tile_dot(x_ptr, w_ptr, rm, rn, rows, N, K, sxm, sxk, swn, swk,
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+    """x[rm, :] @ w[rn, :].T for one BM x BN tile, over K in fixed BK steps in order (the
+    reduction order is the numerical contract); `rows` masks the tile's rows. Both GEMM kernels
+    (plain and grouped by expert) run this same loop."""
+    rk = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + rk
+        a = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :] * sxk, mask=rows & (kk[None, :] < K), other=0.0)
+        b = tl.load(w_ptr + rn[None, :] * swn + kk[:, None] * swk,
+                    mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+        if IEEE:
+            acc += tl.dot(a, b, input_precision="ieee")
+        else:
+            acc += tl.dot(a, b)
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(x_ptr, w_ptr, o_ptr, M, N, K, sxm, sxk, swn, swk, som, son,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
@@ -42,20 +62,10 @@ def _linear_kernel(x_ptr, w_ptr, o_ptr, M, N, K, sxm, sxk, swn, swk, som, son,
     pid_n = tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        kk = k0 + rk
-        a = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :] * sxk,
-                    mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-        b = tl.load(w_ptr + rn[None, :] * swn + kk[:, None] * swk,
-                    mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
-        if IEEE:
-            acc += tl.dot(a, b, input_precision="ieee")
-        else:
-            acc += tl.dot(a, b)
+    rows = rm[:, None] < M
+    acc = _tile_dot(x_ptr, w_ptr, rm, rn, rows, N, K, sxm, sxk, swn, swk, BM, BN, BK, IEEE)
     tl.store(o_ptr + rm[:, None] * som + rn[None, :] * son, acc.to(o_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+             mask=rows & (rn[None, :] < N))
 
 
 def _linear_fwd(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -235,18 +245,8 @@ def _grouped_kernel(x_ptr, w_ptr, o_ptr, tile_e_ptr, tile_r0_ptr, off_ptr, R, E,
     r_end = tl.where(live, tl.load(off_ptr + e + 1), r0)  # a tile past the last expert does nothing
     rm = r0 + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
     rows = rm[:, None] < r_end
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        kk = k0 + rk
-        a = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :] * sxk, mask=rows & (kk[None, :] < K), other=0.0)
-        b = tl.load(w_ptr + e * swe + rn[None, :] * swn + kk[:, None] * swk,
-                    mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
-        if IEEE:
-            acc += tl.dot(a, b, input_precision="ieee")
-        else:
-            acc += tl.dot(a, b)
+    acc = _tile_dot(x_ptr, w_ptr + e * swe, rm, rn, rows, N, K, sxm, sxk, swn, swk, BM, BN, BK, IEEE)
     tl.store(o_ptr + rm[:, None] * som + rn[None, :] * son, acc.to(o_ptr.dtype.element_ty),
              mask=rows & (rn[None, :] < N))
 
