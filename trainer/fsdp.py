@@ -99,6 +99,12 @@ class FSDPTrainer:
         # 'padded' rows never reach the model as a packed row (fillers excepted: they attend per sequence)
         policy.packed_attention = "varlen" if cfg.packed_attention == "padded" else cfg.packed_attention
         if compile_enabled(cfg, self.device.type, model_spec.is_moe):
+            if cfg.compile == "auto":
+                # a default must not end a run: where inductor cannot compile here (no Triton,
+                # no compiler), dynamo logs the error and runs those pieces eagerly; `on` raises
+                import torch._dynamo.config
+
+                torch._dynamo.config.suppress_errors = True
             policy.compile_blocks()
         policy.set_recompute(cfg.recompute, cfg.recompute_layers)
         self.lora = cfg.lora.rank > 0

@@ -216,7 +216,8 @@ class TrainerConfig:
         "torch.compile the policy's block pieces (fused norms, residual adds and dense SwiGLU) and "
         "the chunked LM head's softmax math (CausalLM.compile_blocks); attention and MoE dispatch stay "
         "eager; the first step compiles (tens of seconds). auto = on for a dense model on CUDA outside "
-        "true-on-policy mode, off otherwise. H200 (bench/results/trainer_h200_s6.txt): dense 0.5B 1.15x "
+        "true-on-policy mode, off otherwise; under auto a compile error falls back to eager with a "
+        "logged error (on raises it). H200 (bench/results/trainer_h200_s6.txt): dense 0.5B 1.15x "
         "at 1k-token and 1.30x at 4k-token sequences, small MoE 0.88x / 1.07x (MoE blocks have no dense "
         "SwiGLU to fuse, and the varying pack lengths recompile), hence off for MoE under auto",
     )
