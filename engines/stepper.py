@@ -157,9 +157,10 @@ class Stepper:
         Rows are pool rows 0..n-1 (decode always covers the running rows from the first)."""
         if self.graphs is not None and not self.graphs.failed and seqs[0].row == 0:
             try:
+                lens = [s.kv_len for s in seqs]
                 if self.pool.reserves:  # blocks and tables, outside the graph
-                    self.pool.prepare(0, [s.kv_len for s in seqs])
-                return self.graphs.run([s.tokens[-1] for s in seqs], [s.kv_len for s in seqs], want)
+                    self.pool.prepare(0, lens)
+                return self.graphs.run([s.tokens[-1] for s in seqs], lens, want)
             except Exception as exc:  # noqa: BLE001 - a capture the model cannot take: decode eagerly from now on
                 self.graphs.failed = True
                 log.warning("decode_graphs_disabled", error=f"{type(exc).__name__}: {exc}")

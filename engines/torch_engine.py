@@ -346,16 +346,10 @@ class TorchEngine(Engine):
         leaders: set[tuple[int, ...]] = set()  # paged KV: prompts a request taken so far prefills
         while self._queue and len(self._running) + len(taken) < self.cfg.max_batch_size:
             if self.pool.reserves:  # in order: wait until the head's blocks are free
-                head = self._queue[0]
-                key = tuple(head.tokens)
-                # the same rule as PromptShare.order: a follower will share its leader's full prompt blocks
-                shares = self.share.enabled and not self._has_session(head)
-                need = self.pool.request_blocks(head.req, shared=len(key) if shares and key in leaders else 0)
+                need = self._blocks_needed(self._queue[0], leaders)
                 if not self.pool.can_take(reserved + need):
                     break
                 reserved += need
-                if shares:
-                    leaders.add(key)
             taken.append(self._queue.popleft())
         new = self.share.order(taken, self._has_session)
         # leaders whose followers want routing: their copied prefix must carry it
@@ -373,6 +367,17 @@ class TorchEngine(Engine):
             self._totals.cached += seq.cached
             self._totals.requests += 1
         return new
+
+    def _blocks_needed(self, seq: Sequence, leaders: set[tuple[int, ...]]) -> int:
+        """KV blocks `seq` reserves if admitted now; a follower of a prompt already taken this
+        round shares its full prompt blocks (the rule PromptShare.order applies), and `leaders`
+        gains seq's prompt when it may lead."""
+        key = tuple(seq.tokens)
+        shares = self.share.enabled and not self._has_session(seq)
+        need = self.pool.request_blocks(seq.req, shared=len(key) if shares and key in leaders else 0)
+        if shares:
+            leaders.add(key)
+        return need
 
     def _has_session(self, seq: Sequence) -> bool:
         key = seq.req.session_key

@@ -121,15 +121,13 @@ class UcxShardSender(ShardSender):
             await asyncio.sleep(0.005)
 
     async def send(self, peer: int, seq: int, data: torch.Tensor) -> None:
-        from miles.transport.bulk.ucx import ucx_buffer, ucx_wait
+        from miles.transport.bulk.ucx import ucx_buffer, ucx_transfer
 
         if data.device.type == "cuda":
             torch.cuda.current_stream(data.device).synchronize()  # UCX reads outside torch's streams
-        try:
-            await asyncio.wait_for(ucx_wait(self._eps[peer].send(ucx_buffer(data)), data), self.timeout_s)
-        except TimeoutError:
-            raise SyncError(f"ucx (rank {self.rank}): sending {data.numel()} bytes to engine #{peer} "
-                            f"({self.peers[peer]!r}) did not complete within {self.timeout_s}s") from None
+        await ucx_transfer(self._eps[peer].send, ucx_buffer(data), self.timeout_s,
+                           f"ucx (rank {self.rank}): sending {data.numel()} bytes to engine #{peer} "
+                           f"({self.peers[peer]!r})")
 
     async def close(self) -> None:
         for ep in self._eps.values():
@@ -327,7 +325,8 @@ class ShardReceiver(BulkReceiver):
         shorter message fills its head), awaited by the header that names it."""
         from miles.transport.bulk.ucx import ucx_buffer, ucx_wait
 
-        self._ahead[src] = (buf, asyncio.ensure_future(ucx_wait(self._eps[src].recv(ucx_buffer(buf)), buf)))
+        ub = ucx_buffer(buf)
+        self._ahead[src] = (buf, asyncio.ensure_future(ucx_wait(self._eps[src].recv(ub), ub)))
 
     async def _take_ahead(self, src: int, wire: int) -> torch.Tensor:
         """Rank `src`'s next bucket (`wire` bytes), from the receive posted ahead for it."""
@@ -353,13 +352,10 @@ class ShardReceiver(BulkReceiver):
 
     async def _take(self, src: int, seq: int, dst: torch.Tensor) -> None:
         if self.channel == "ucx":
-            from miles.transport.bulk.ucx import ucx_buffer, ucx_wait
+            from miles.transport.bulk.ucx import ucx_buffer, ucx_transfer
 
-            try:
-                await asyncio.wait_for(ucx_wait(self._eps[src].recv(ucx_buffer(dst)), dst), self.timeout_s)
-            except TimeoutError:
-                raise SyncError(f"ucx (sharded): receiving {dst.numel()} bytes from trainer rank {src} did not "
-                                f"complete within {self.timeout_s}s") from None
+            await ucx_transfer(self._eps[src].recv, ucx_buffer(dst), self.timeout_s,
+                               f"ucx (sharded): receiving {dst.numel()} bytes from trainer rank {src}")
         else:
             if self._pg is None:
                 raise SyncError("broadcast (sharded): receive before open")

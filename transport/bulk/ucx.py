@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import time
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from types import ModuleType
 from typing import Any
 
@@ -108,6 +108,16 @@ def ucx_wait(coro: Coroutine[Any, Any, Any], buf: Any) -> Awaitable[Any]:
     return coro if isinstance(buf, torch.Tensor) and buf.is_cuda else unspun(coro)
 
 
+async def ucx_transfer(op: Callable[[Any], Coroutine[Any, Any, Any]], buf: Any, timeout_s: float,
+                       what: str) -> None:
+    """`op(buf)` (an endpoint's send or recv of a `ucx_buffer`) awaited as `ucx_wait` says, within
+    `timeout_s`; past it a SyncError "`what` did not complete within ...s"."""
+    try:
+        await asyncio.wait_for(ucx_wait(op(buf), buf), timeout_s)
+    except TimeoutError:
+        raise SyncError(f"{what} did not complete within {timeout_s}s") from None
+
+
 def ucx_buffer(t: torch.Tensor) -> Any:
     """What UCXX sends from / receives into: a numpy view of host memory; CUDA tensors go as they
     are (they expose `__cuda_array_interface__`)."""
@@ -164,11 +174,8 @@ class UcxSender(SegmentSender):
 
         async def to(index: int, ep: Any) -> None:
             for v in views:  # in header order: the receiver posts its receives in the same order
-                try:
-                    await asyncio.wait_for(ucx_wait(ep.send(v), v), self.cfg.step_timeout_s)
-                except TimeoutError:
-                    raise SyncError(f"ucx: sending {plan.nbytes} bytes to engine #{index} ({self.peers[index]!r}) "
-                                    f"did not complete within {self.cfg.step_timeout_s}s") from None
+                await ucx_transfer(ep.send, v, self.cfg.step_timeout_s,
+                                   f"ucx: sending {plan.nbytes} bytes to engine #{index} ({self.peers[index]!r})")
 
         await asyncio.gather(*(to(i, ep) for i, ep in self._eps.items()))
 
@@ -208,11 +215,8 @@ class UcxReceiver(BulkReceiver):
         self._buf = land.buf
         timeout = float(self.info.get("timeout_s", 120.0))
         for r in land.recvs:
-            try:
-                await asyncio.wait_for(ucx_wait(self._ep.recv(ucx_buffer(r)), r), timeout)
-            except TimeoutError:
-                raise SyncError(f"ucx: receiving {r.numel()} bytes from the trainer did not complete within "
-                                f"{timeout}s") from None
+            await ucx_transfer(self._ep.recv, ucx_buffer(r), timeout,
+                               f"ucx: receiving {r.numel()} bytes from the trainer")
         return land.tensors()
 
     async def recv_flat(self, header: dict[str, Any], landing: Any, local: LocalWeights) -> list[str]:
@@ -220,11 +224,7 @@ class UcxReceiver(BulkReceiver):
             raise SyncError("ucx: recv before open")
         lo, hi, dst, in_place, self._buf = flat_target("ucx", header, landing, local, self._buf)
         timeout = float(self.info.get("timeout_s", 120.0))
-        try:
-            await asyncio.wait_for(ucx_wait(self._ep.recv(ucx_buffer(dst)), dst), timeout)
-        except TimeoutError:
-            raise SyncError(f"ucx: receiving {hi - lo} bytes from the trainer did not complete within "
-                            f"{timeout}s") from None
+        await ucx_transfer(self._ep.recv, ucx_buffer(dst), timeout, f"ucx: receiving {hi - lo} bytes from the trainer")
         return flat_landed(landing, lo, hi, dst, in_place, local)
 
     async def close(self) -> None:
