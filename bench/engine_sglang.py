@@ -67,7 +67,7 @@ class SGLangServerRun:
         self.loop.run_until_complete(self._start())
         self.start_s = time.perf_counter() - t0
         try:
-            info = self.loop.run_until_complete(self.engine._call("GET", "/get_server_info"))
+            info = self.loop.run_until_complete(self.engine.server_info())
             self.info = {k: info[k] for k in INFO_KEYS if k in info}
         except EngineError as exc:  # the numbers stand without it
             self.info = {"error": str(exc)[:200]}
@@ -86,7 +86,7 @@ class SGLangServerRun:
     @property
     def pid(self) -> int | None:
         server = self.engine.server
-        return server._proc.pid if server is not None and server._proc is not None else None
+        return server.pid if server is not None else None
 
     def run(self, case: Case, ids: list[list[int]]) -> SGLangRun:
         return SGLangRun(self, case, ids)

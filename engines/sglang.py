@@ -202,6 +202,13 @@ class SGLangEngine(Engine):
         await self.start()
         await self._call("POST", "/flush_cache")
 
+    async def server_info(self) -> dict[str, Any]:
+        """The server's /get_server_info: the settings it actually runs with (backends, graph
+        sizes, memory fraction, version)."""
+        await self.start()
+        info: dict[str, Any] = await self._call("GET", "/get_server_info")
+        return info
+
     # ---- pause / weights ----------------------------------------------------------
     async def pause(self, mode: PauseMode = "in_place") -> list[GenerateResult]:
         if mode == "in_place":

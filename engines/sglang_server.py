@@ -64,6 +64,11 @@ class SGLangServer:
         self._lock = asyncio.Lock()
 
     @property
+    def pid(self) -> int | None:
+        """The launched server's process id (it leads its own process group), None before a start."""
+        return None if self._proc is None else self._proc.pid
+
+    @property
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
