@@ -27,44 +27,40 @@ import time
 from typing import Any
 
 import torch
+from engine_cases import (  # bench/ on sys.path
+    CASES,
+    MODELS,
+    Case,
+    check_results,
+    prompts_for,
+    requests_for,
+    sampling_for,
+)
 
 from miles.core.schema.engine import EngineConfig
-from miles.engines.base import GenerateRequest, SamplingParams
+from miles.engines.base import GenerateRequest
 from miles.engines.paged_kv import PagedPool
 from miles.engines.torch_engine import TorchEngine
 from miles.models.config import ModelSpec
-from miles.models.presets import tiny_config
 from miles.models.registry import build_model
 
-MODELS = {
-    "cpu": tiny_config("qwen3", vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=32),
-    "cuda": tiny_config("qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                        num_attention_heads=14, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True),
-}
-# name -> (prompts, samples per prompt, prompt tokens, new tokens)
-CASES = {
-    "cpu": {"b8": (8, 1, 32, 64), "group2x4": (2, 4, 256, 16)},
-    "cuda": {"b32": (32, 1, 128, 128), "b128": (128, 1, 128, 128), "group8x8": (8, 8, 1024, 64)},
-}
+# bench/engine.py's dense model and these of its cases (bench/engine_cases.py)
+LAYOUT_CASES = {"cpu": ("b8", "group2x4"), "cuda": ("b32", "b128", "group8x8")}
 MAX_SEQ = {"cpu": 512, "cuda": 2048}
 
 
-def requests(case: tuple[int, int, int, int], vocab: int) -> list[GenerateRequest]:
-    prompts, samples, plen, new = case
-    g = torch.Generator().manual_seed(0)
-    ids = [torch.randint(1, vocab, (plen,), generator=g).tolist() for _ in range(prompts)]
-    sp = SamplingParams(temperature=0.0, max_new_tokens=new)
-    return [GenerateRequest(input_ids=list(p), sampling=sp) for p in ids for _ in range(samples)]
+def requests(case: Case, vocab: int) -> list[GenerateRequest]:
+    ids = [p.tolist() for p in prompts_for(case, vocab)]
+    return requests_for(ids, sampling_for(case))
 
 
-async def run_once(eng: TorchEngine, reqs: list[GenerateRequest]) -> float:
+async def run_once(eng: TorchEngine, case: Case, reqs: list[GenerateRequest]) -> float:
     if eng.device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     out = await asyncio.gather(*(eng.generate(r) for r in reqs))
     dt = time.perf_counter() - t0
-    assert all(len(o.output_ids) == r.sampling.max_new_tokens for o, r in zip(out, reqs, strict=True))
+    check_results(case, out, f"torch engine ({eng.cfg.kv_layout})")
     return dt
 
 
@@ -77,18 +73,18 @@ def memory(eng: TorchEngine) -> dict[str, float]:
     return {"kv_alloc_mib": round(alloc / 2**20, 2), "kv_peak_mib": round(peak / 2**20, 2)}
 
 
-async def time_layouts(model: Any, cfgs: dict[str, EngineConfig], reqs: list[GenerateRequest], repeats: int
-                       ) -> dict[str, dict[str, Any]]:
+async def time_layouts(model: Any, cfgs: dict[str, EngineConfig], case: Case, reqs: list[GenerateRequest],
+                       repeats: int) -> dict[str, dict[str, Any]]:
     """Every layout's engine warms up once (graph capture, allocator), then the timed runs
     alternate between the layouts, so load from other processes hits all of them alike."""
     engines = {k: TorchEngine(model, c) for k, c in cfgs.items()}
     try:
         for eng in engines.values():
-            await run_once(eng, reqs)
+            await run_once(eng, case, reqs)
         times: dict[str, list[float]] = {k: [] for k in engines}
         for _ in range(repeats):
             for k, eng in engines.items():
-                times[k].append(await run_once(eng, reqs))
+                times[k].append(await run_once(eng, case, reqs))
         tokens = sum(r.sampling.max_new_tokens for r in reqs)
         return {k: {"tok_s": round(tokens / statistics.median(times[k]), 1), **memory(eng)}
                 for k, eng in engines.items()}
@@ -108,9 +104,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     repeats = args.repeats or (3 if args.device == "cuda" else 7)
     dev, dtype = args.device, "bfloat16" if args.device == "cuda" else "float32"
-    spec = ModelSpec.from_hf(MODELS[dev])
+    spec = ModelSpec.from_hf(MODELS[dev]["dense"])
     model = build_model(spec, seed=0).to(device=dev, dtype=getattr(torch, dtype))
-    cases = {k: v for k, v in CASES[dev].items() if not args.cases or k in args.cases.split(",")}
+    names = args.cases.split(",") if args.cases else LAYOUT_CASES[dev]
+    cases = {k: CASES[dev][k] for k in names}
     result: dict[str, Any] = {"device": dev, "dtype": dtype, "max_seq_len": MAX_SEQ[dev]}
     print(f"{'case':10} {'layout':10} {'tok/s':>10} {'KV alloc MiB':>13} {'KV peak MiB':>12}")
     for name, case in cases.items():
@@ -120,9 +117,9 @@ def main() -> None:
             "rows": EngineConfig(**base),  # type: ignore[arg-type]
             "paged": EngineConfig(**base, kv_layout="paged"),  # type: ignore[arg-type]
             "paged_fit": EngineConfig(**base, kv_layout="paged",  # type: ignore[arg-type]
-                                      kv_pool_tokens=len(reqs) * (case[2] + case[3])),
+                                      kv_pool_tokens=len(reqs) * (case.prompt + case.new)),
         }
-        for lay, r in asyncio.run(time_layouts(model, layouts, reqs, repeats)).items():
+        for lay, r in asyncio.run(time_layouts(model, layouts, case, reqs, repeats)).items():
             result[f"{name}_{lay}"] = r
             print(f"{name:10} {lay:10} {r['tok_s']:>10} {r['kv_alloc_mib']:>13} {r['kv_peak_mib']:>12}")
     if args.out:
