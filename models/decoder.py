@@ -279,7 +279,10 @@ class CausalLM(nn.Module):
                 raise ModelInputError(
                     f"routed_experts shape {tuple(routed_experts.shape)} != expected [B, T, L_moe, k] = {want}"
                 )
-            if routed_experts.numel() and int(routed_experts.max()) >= spec.num_experts:
+            # range-checked on the host only: on a GPU `.max()` would sync every forward and
+            # stall the launch queue (the trainer checks its replayed ids on the host, trainer/batch.py)
+            on_host = routed_experts.device.type == "cpu"
+            if on_host and routed_experts.numel() and int(routed_experts.max()) >= spec.num_experts:
                 raise ModelInputError(
                     f"routed_experts holds expert id {int(routed_experts.max())} >= num_experts={spec.num_experts}"
                 )

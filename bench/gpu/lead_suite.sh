@@ -51,6 +51,19 @@ for s in $SUITE; do
       step engine_gpu_tests_h200 240 "${PYTEST[@]}" tests/engines/test_engines_paged_kv.py \
            tests/engines/test_engines_sampling.py tests/engines/test_engines_compiled_decode.py
       step paged_kv_h200 240 python bench/paged_kv.py --device cuda --out "$OUT/paged_kv_h200.json" ;;
+    trainer27moe)  # the small MoE only: profile, compiled blocks, then 32k-token micro-batches
+      step trainer_moe_h200_s8 300 python bench/trainer.py --device cuda --models moe_small --seqs 1024,4096 \
+           --profile --compile
+      step trainer_moe_mb32k_h200_s8 200 python bench/trainer.py --device cuda --models moe_small \
+           --seqs 1024,4096 --micro-tokens 32768 ;;
+    mps19)  # why the engine sampled NaN under engine.mps_thread_percent=40: ops and a forward, with
+      # and without the SM limit, then the e2e case without CUDA graphs
+      nvidia-cuda-mps-control -d && echo "MPS daemon started" >&2
+      step mps_probe_full_h200 120 python bench/gpu/mps_probe.py
+      step mps_probe_40_h200 120 env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=40 python bench/gpu/mps_probe.py
+      step e2e_mps40_nographs_h200 200 python bench/e2e_gpu.py --device cuda --steps 8 \
+           --out "$OUT/e2e_mps40_nographs_h200.json" --cases "${MPS_CASES:-moe@engine.mps_thread_percent=40@engine.cuda_graphs=false}"
+      echo quit | nvidia-cuda-mps-control ;;
     *) echo "unknown suite step $s" >&2 ;;
   esac
 done
