@@ -61,7 +61,7 @@ for s in $SUITE; do
       nvidia-cuda-mps-control -d && echo "MPS daemon started" >&2
       step mps_probe_full_h200 120 python bench/gpu/mps_probe.py
       step mps_probe_40_h200 120 env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=40 python bench/gpu/mps_probe.py
-      step e2e_mps40_nographs_h200 200 python bench/e2e_gpu.py --device cuda --steps 8 \
+      [ -n "${MPS_PROBE_ONLY:-}" ] || step e2e_mps40_nographs_h200 200 python bench/e2e_gpu.py --device cuda --steps 8 \
            --out "$OUT/e2e_mps40_nographs_h200.json" --cases "${MPS_CASES:-moe@engine.mps_thread_percent=40@engine.cuda_graphs=false}"
       echo quit | nvidia-cuda-mps-control ;;
     *) echo "unknown suite step $s" >&2 ;;

@@ -31,6 +31,15 @@ def main() -> None:
     ref = a @ b
     got = (a.to(dev, torch.bfloat16) @ b.to(dev, torch.bfloat16)).float().cpu()
     out["bf16_mm_rel"] = float((got - ref).abs().max() / ref.abs().max())
+    # which BLAS paths are wrong: each library torch can pick, dtypes, a decode-sized GEMM
+    for lib in ("cublas", "cublaslt"):
+        torch.backends.cuda.preferred_blas_library(lib)
+        for dt in (torch.bfloat16, torch.float16, torch.float32):
+            for m in (8, 256):
+                r = a[:m] @ b
+                y = (a[:m].to(dev, dt) @ b.to(dev, dt)).float().cpu()
+                out[f"mm_{lib}_{str(dt)[6:]}_m{m}_rel"] = float((y - r).abs().max() / r.abs().max())
+    torch.backends.cuda.preferred_blas_library("default")
     q = torch.randn(4, 16, 128, 64, generator=g)
     want = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
     sd = torch.nn.functional.scaled_dot_product_attention(*(q.to(dev, torch.bfloat16),) * 3, is_causal=True)
