@@ -64,6 +64,16 @@ for s in $SUITE; do
       [ -n "${MPS_PROBE_ONLY:-}" ] || step e2e_mps40_nographs_h200 200 python bench/e2e_gpu.py --device cuda --steps 8 \
            --out "$OUT/e2e_mps40_nographs_h200.json" --cases "${MPS_CASES:-moe@engine.mps_thread_percent=40@engine.cuda_graphs=false}"
       echo quit | nvidia-cuda-mps-control ;;
+    final8)  # the fused-dispatch change on the GPU (grouped MoE tests), the engine's MPS GEMM check
+      # refusing at start, then fully_async vs sync on the final code
+      step grouped_moe_gpu_tests_h200_s8 150 "${PYTEST[@]}" tests/models/test_models_grouped_moe.py -m "gpu or not gpu" \
+           tests/engines/test_engines_mps_check.py
+      nvidia-cuda-mps-control -d && echo "MPS daemon started" >&2
+      step e2e_mps40_refused_h200_s8 120 python bench/e2e_gpu.py --device cuda --steps 2 \
+           --out "$OUT/e2e_mps40_refused_h200_s8.json" --cases "moe@engine.mps_thread_percent=40"
+      echo quit | nvidia-cuda-mps-control
+      step e2e_async_h200_s8 240 python bench/e2e_gpu.py --device cuda --steps 16 --out "$OUT/e2e_async_h200_s8.json" \
+           --cases moe-sync,moe ;;
     *) echo "unknown suite step $s" >&2 ;;
   esac
 done
