@@ -92,7 +92,7 @@ def _run(ex: Experts, impl: str, x: torch.Tensor, ids: torch.Tensor, w: torch.Te
     w = w.detach().clone().requires_grad_(True)
     ex.impl = impl
     y = ex(x, ids, w)
-    (y.float() * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+    (y.float() * torch.linspace(-1, 1, y.numel(), device=y.device).view_as(y)).sum().backward()
     grads = {"x": x.grad, "w": w.grad, "gate_up": ex.gate_up_proj.grad, "down": ex.down_proj.grad}
     return y.detach(), {n: t.detach().clone() for n, t in grads.items()}
 
