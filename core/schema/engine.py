@@ -51,7 +51,9 @@ class EngineConfig:
         "CUDA MPS: the share of the GPU's SMs this engine's kernels may occupy "
         "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, set in the engine process before CUDA starts), so that a "
         "colocated trainer's kernels run beside decode instead of time-sliced with it; takes effect "
-        "only while an MPS control daemon runs (nvidia-cuda-mps-control -d); 0 = no limit",
+        "only while an MPS control daemon runs (nvidia-cuda-mps-control -d); the engine checks its bf16/fp16 "
+        "GEMMs at start and refuses where the BLAS is wrong under the limit (cuBLAS on the H200 with "
+        "torch 2.11+cu130 at 40%: docs/orchestration.md); 0 = no limit",
         "%",
     )
     cuda_graphs: bool = opt(True, "torch engine on CUDA: replay decode steps as CUDA graphs per batch-size bucket")
