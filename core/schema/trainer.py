@@ -199,7 +199,7 @@ class TrainerConfig:
     micro_batch_tokens: int = opt(
         8192,
         "token budget of one packed micro-batch (sequences concatenated, no padding); on a GPU larger "
-        "packs cost fewer kernel launches per token (H200: 32768 gave 1.2-1.4x the tokens/s of 16384, "
+        "packs cost fewer kernel launches per token (H200: 32768 gave 1.2-1.6x the tokens/s of 16384, "
         "docs/models.md)",
         "tokens",
     )
