@@ -21,6 +21,9 @@ head_dim x mean context), over the peak measured by a bf16 8192^3 GEMM on the sa
 (reported; --peak-tflops overrides). The head counts only for the response tokens (the
 step needs no other logits, and the chunked head computes none); `*_mfu_head_all_tokens`
 counts it for every token, as pretraining MFU does (and as this bench did before).
+Each mode also reports its median process CPU seconds per step (`*_host_cpu_s`) and the run its
+host's CPU model: where the CPU time nears the step time the step is launch-bound, and the same
+command then measures differently on a different host (26-36 % dense MFU on three H200 hosts).
 The last line is one JSON object.
 """
 
@@ -30,9 +33,12 @@ import argparse
 import contextlib
 import functools
 import json
+import os
+import platform
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -228,16 +234,35 @@ def _unfused_head() -> Iterator[None]:
         fsdp_mod.packed_forward = orig  # type: ignore[assignment]
 
 
-def _steps(trainers: dict[str, FSDPTrainer], batch: TrainBatch, steps: int) -> dict[str, float]:
+def _steps(trainers: dict[str, FSDPTrainer], batch: TrainBatch, steps: int,
+           host_cpu: dict[str, float] | None = None) -> dict[str, float]:
     """Median step time per trainer after one warm-up step each at this batch's shapes; steps
-    alternate between trainers so that any drift affects all alike."""
+    alternate between trainers so that any drift affects all alike. `host_cpu` gets each
+    trainer's median process CPU seconds per step: near the wall time, the step is bound by
+    the host launching kernels, and its speed follows the host's CPU."""
     for t in trainers.values():
         t.train_step(batch)
     times: dict[str, list[float]] = {k: [] for k in trainers}
+    cpu: dict[str, list[float]] = {k: [] for k in trainers}
     for _ in range(steps):
         for k, t in trainers.items():
+            c0 = time.process_time()
             times[k].append(_timed(t, batch))
+            cpu[k].append(time.process_time() - c0)
+    if host_cpu is not None:
+        host_cpu.update({k: statistics.median(v) for k, v in cpu.items()})
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def host_description() -> str:
+    """The CPU model and core count: the same GPU step measured 26-36 % MFU on different hosts."""
+    model = platform.processor() or "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return f"{model}, {os.cpu_count()} cores"
 
 
 def _profile(t: FSDPTrainer, batch: TrainBatch, label: str, result: dict[str, float]) -> None:
@@ -402,11 +427,13 @@ def _cuda_model(name: str, spec: ModelSpec, args: argparse.Namespace, peak: floa
     for seq, batch in batches.items():
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-        times = _steps(trainers, batch, args.steps)
+        host_cpu: dict[str, float] = {}
+        times = _steps(trainers, batch, args.steps, host_cpu)
         if torch.cuda.is_available():
             result[f"{name}_s{seq}_peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         for tag, dt in times.items():
             record(tag, seq, dt, batch.num_tokens)
+            result[f"{name}_s{seq}_{tag}_host_cpu_s"] = host_cpu[tag]
         if "r3" in times:
             result[f"{name}_s{seq}_r3_overhead"] = times["r3"] / times["live"] - 1.0
     first = args.seqs[0]
@@ -477,6 +504,8 @@ def main() -> None:
     args.seqs = [int(x) for x in args.seqs.split(",")]
     result: dict[str, float] = {}
     rows: list[tuple] = []
+    host = host_description()
+    print(f"host: {host}")
     if args.device == "cpu":
         torch.set_num_threads(max(1, torch.get_num_threads()))
         spec = _spec("qwen3_moe", vocab_size=512, hidden_size=128, num_hidden_layers=2)
@@ -499,7 +528,7 @@ def main() -> None:
     print(f"{'model':<16}{'mode':<26}{'tokens/s':>12}{'step s':>10}{'MFU':>8}")
     for name, mode, tps, dt, *mfu in rows:
         print(f"{name:<16}{mode:<26}{tps:>12.1f}{dt:>10.3f}" + (f"{mfu[0]:>8.3f}" if mfu else ""))
-    print(json.dumps(result))
+    print(json.dumps({**result, "host": host}))
 
 
 if __name__ == "__main__":
