@@ -118,6 +118,21 @@ async def each(step: str, names: list[str], call: Call, dead: list[str]) -> list
     return await asyncio.gather(*(one(n) for n in names))
 
 
+async def drain(pending: list[asyncio.Future[Any]], timeout_s: float) -> None:
+    """After a failed push: cancel what is still in flight and wait for it, bounded (a channel
+    call that ignores cancellation must not hang the abort). Buckets that failed meanwhile are
+    consumed here: the push raises the first failure, and the others (the same version, being
+    aborted) must not surface later as "exception was never retrieved" at garbage collection."""
+    for f in pending:
+        f.cancel()
+    if not pending:
+        return
+    await asyncio.wait(pending, timeout=timeout_s)
+    for f in pending:
+        if f.done() and not f.cancelled():
+            f.exception()
+
+
 async def _both(asks: asyncio.Future[Any], tx: asyncio.Future[Any]) -> None:
     """One bucket: the receivers' asks and this side's transmit; the first failure wins.
 
@@ -297,11 +312,7 @@ class GatheredCoordinator:
             while inflight:
                 await inflight.popleft()
         except BaseException:
-            pending = [*inflight, *([chain] if chain is not None else [])]
-            for f in pending:
-                f.cancel()
-            if pending:  # bounded: a channel call that ignores cancellation must not hang the abort
-                await asyncio.wait(pending, timeout=self.cfg.step_timeout_s)
+            await drain([*inflight, *([chain] if chain is not None else [])], self.cfg.step_timeout_s)
             raise
         return deferred
 

@@ -37,7 +37,7 @@ import xxhash
 from miles.core.errors import SyncError
 from miles.core.logging import get_logger
 from miles.transport.bulk.base import dtype_of
-from miles.transport.bulk.coordinator import EngineLink, SyncReport, adopt, each
+from miles.transport.bulk.coordinator import EngineLink, SyncReport, adopt, drain, each
 from miles.transport.bulk.rank_group import RankGroup
 from miles.transport.bulk.shard_channels import SHARDED_TAG, ShardSender
 from miles.transport.bulk.shard_delta import IDX_BYTES, encode
@@ -339,11 +339,7 @@ class ShardedCoordinator:
             while inflight:
                 await inflight.popleft()
         except BaseException:
-            pending = [*inflight, *(c for c in chains.values() if c is not None)]
-            for f in pending:
-                f.cancel()
-            if pending:
-                await asyncio.wait(pending, timeout=self.sender.timeout_s)
+            await drain([*inflight, *(c for c in chains.values() if c is not None)], self.sender.timeout_s)
             raise
         return {"bytes": wire, "full": total, "buckets": len(buckets)}
 
