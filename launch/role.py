@@ -65,17 +65,16 @@ def main(argv: list[str] | None = None) -> int:
 
             if cfg.engine.mps_thread_percent:  # read when the CUDA context is created (validated at launch)
                 os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(cfg.engine.mps_thread_percent)
-            if cfg.engine.device.startswith("cuda:"):
-                import torch
-
-                # NCCL groups (broadcast weight sync) use the current device: make it the engine's.
-                torch.cuda.set_device(cfg.engine.device)
-            if cfg.engine.mps_thread_percent and cfg.engine.device.startswith("cuda"):
+            if cfg.engine.device.startswith("cuda"):
                 import torch
 
                 from miles.engines.mps_check import check_gemms_under_sm_limit
 
-                check_gemms_under_sm_limit(torch.device(cfg.engine.device), cfg.engine.mps_thread_percent)
+                if cfg.engine.device.startswith("cuda:"):
+                    # NCCL groups (broadcast weight sync) use the current device: make it the engine's.
+                    torch.cuda.set_device(cfg.engine.device)
+                if cfg.engine.mps_thread_percent:
+                    check_gemms_under_sm_limit(torch.device(cfg.engine.device), cfg.engine.mps_thread_percent)
             engine = ENGINES.get(cfg.engine.type).from_config(cfg.engine, cfg.model)
             name = "eval-engine" if a.role == "eval_engine" else f"engine-{a.index}"
             await host.add(EngineActor(engine), name)

@@ -93,13 +93,13 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, src: torch.Tensor,
                 slot_row: torch.Tensor, k: int) -> torch.Tensor:
-        ctx.save_for_backward(src, slot_row)
+        ctx.save_for_backward(slot_row)
         ctx.k = k  # type: ignore[attr-defined]
         return _gather_padded(x, src)
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        _, slot_row = ctx.saved_tensors  # type: ignore[attr-defined]
+        (slot_row,) = ctx.saved_tensors  # type: ignore[attr-defined]
         return _gather_sum(g, slot_row, ctx.k), None, None, None  # type: ignore[attr-defined]
 
 
@@ -110,13 +110,12 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, ys: torch.Tensor, src: torch.Tensor,
                 slot_row: torch.Tensor, k: int) -> torch.Tensor:
-        ctx.save_for_backward(src, slot_row)
-        ctx.k = k  # type: ignore[attr-defined]
+        ctx.save_for_backward(src)
         return _gather_sum(ys, slot_row, k)
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        src, _ = ctx.saved_tensors  # type: ignore[attr-defined]
+        (src,) = ctx.saved_tensors  # type: ignore[attr-defined]
         return _gather_padded(g, src), None, None, None
 
 

@@ -13,12 +13,10 @@ import os
 
 import torch
 
+from miles.bench.e2e_gpu import MOE_SMALL
 from miles.models.config import ModelSpec
 from miles.models.presets import tiny_config
 from miles.models.registry import build_model
-
-MOE_SMALL = {"hidden_size": 1024, "num_hidden_layers": 12, "num_experts": 64, "num_experts_per_tok": 8,
-             "moe_intermediate_size": 256, "num_attention_heads": 16, "num_key_value_heads": 4}
 
 
 def main() -> None:
