@@ -86,13 +86,39 @@ class DecodeGraphs:
         if not self.capture:
             logits, routed = self._fwd(host.to(self.pool.k[0].device), r, want_routed)
             return logits[:n], None if routed is None else routed[:n]
-        key = (b, r, want_routed, self._weights())
-        g = self._graphs.get(key)
-        if g is None:
-            g = self._graphs[key] = self._capture(b, r, want_routed)
+        g = self._graph(b, r, want_routed)
         g.inputs.copy_(host)
         g.graph.replay()
         return g.logits[:n], None if g.routed is None else g.routed[:n].clone()
+
+    def run_fed(
+        self, ids: torch.Tensor, pos: torch.Tensor, read: int, want_routed: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`run` with the inputs already on the device (ids [n], positions [n] int64; `read` > every
+        position): a pipelined step feeds the ids the previous step sampled without the host
+        reading them first, and nothing here waits for the GPU."""
+        n = ids.shape[0]
+        b, r = self.buckets(n, read)
+        if not self.capture:
+            inputs = torch.stack((ids, pos))
+            pad = torch.tensor([[0], [self.scratch]], dtype=torch.long, device=ids.device).expand(2, b - n)
+            logits, routed = self._fwd(torch.cat((inputs, pad), dim=1), r, want_routed)
+            return logits[:n], None if routed is None else routed[:n]
+        g = self._graph(b, r, want_routed)
+        g.inputs[0, :n].copy_(ids)
+        g.inputs[1, :n].copy_(pos)
+        if n < b:  # pad rows: token 0 at the scratch column (a bucket's inputs may hold another batch's rows)
+            g.inputs[0, n:].zero_()
+            g.inputs[1, n:].fill_(self.scratch)
+        g.graph.replay()
+        return g.logits[:n], None if g.routed is None else g.routed[:n].clone()
+
+    def _graph(self, b: int, read: int, want_routed: bool) -> _Graph:
+        key = (b, read, want_routed, self._weights())
+        g = self._graphs.get(key)
+        if g is None:
+            g = self._graphs[key] = self._capture(b, read, want_routed)
+        return g
 
     def _weights(self) -> tuple[int, int]:
         """Which weight storage the parameters live in now (a graph holds its pointers).

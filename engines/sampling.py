@@ -32,13 +32,24 @@ def _truncate(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return scaled
 
 
-def choose_tokens(
+def to_device(values: list[int] | list[float], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A small host list as a tensor on `device`; to CUDA through pinned memory without blocking,
+    since a plain host-to-device copy waits for the stream, which would stall a pipelined step
+    (engines/stepper.py) on the step still running."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def sample_tokens(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     shared: torch.Generator | None = None,
-) -> tuple[list[int], list[float]]:
-    """logits [B, V] -> (token ids, logprobs under softmax(logits / T) before truncation).
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] -> (token ids [B] int64, their fp32 logprobs [B] under softmax(logits / T)
+    before truncation), on the logits' device and without waiting for it.
 
     A sampled row draws with its generator (a request with a seed), or without one (no
     seed: nothing to reproduce) from `shared`, in one draw for all such rows."""
@@ -48,38 +59,58 @@ def choose_tokens(
     if len(distinct) == 1:
         scaled = scale_logits(logits, distinct.pop())
     else:
-        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits.device)
+        temps = to_device([p.temperature for p in params], logits.device, torch.float32)
         scaled = scale_logits(logits, temps.unsqueeze(-1))
     logp = torch.log_softmax(scaled, dim=-1)
-    tokens = torch.argmax(scaled, dim=-1)
     rows = [i for i, p in enumerate(params) if p.temperature > 0]
-    if rows:
-        tokens[rows] = _sample(scaled, rows, params, generators, shared)
-    chosen = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    # one device-to-host copy for both (ids are exact in float64)
-    ids, lps = torch.stack((tokens.to(torch.float64), chosen.to(torch.float64))).tolist()
-    if any(lp != lp for lp in lps):  # NaN: the model's logits are not finite
+    if len(rows) == len(params):  # every row samples (RL rollouts): no argmax, no row index
+        tokens = _sample(scaled, None, params, generators, shared)
+    else:
+        tokens = torch.argmax(scaled, dim=-1)
+        if rows:
+            tokens[to_device(rows, logits.device, torch.long)] = _sample(scaled, rows, params, generators, shared)
+    return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def host_tokens(ids_logps: list[list[float]]) -> tuple[list[int], list[float]]:
+    """[[ids as floats], [logprobs]] (one device-to-host copy of both; ids are exact in float64)
+    -> (ids, logprobs); a NaN logprob means the model's logits were not finite."""
+    ids, lps = ids_logps
+    if any(lp != lp for lp in lps):
         raise ValueError("sampling: non-finite logits (NaN logprob of a chosen token)")
     return [int(t) for t in ids], lps
 
 
+def choose_tokens(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    shared: torch.Generator | None = None,
+) -> tuple[list[int], list[float]]:
+    """`sample_tokens`, brought to the host: (token ids, logprobs)."""
+    tokens, chosen = sample_tokens(logits, params, generators, shared)
+    return host_tokens(torch.stack((tokens.to(torch.float64), chosen.to(torch.float64))).tolist())
+
+
 def _sample(
     scaled: torch.Tensor,
-    rows: list[int],
+    rows: list[int] | None,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     shared: torch.Generator | None,
 ) -> torch.Tensor:
-    """Token ids of `rows`, each drawn from softmax of its (truncated) scaled logits with its
-    own generator: argmax(p / E), E ~ Exp(1) drawn from the row's generator, which is what
-    `torch.multinomial(p, 1, generator=g)` computes (the same ids for the same seed), with one
-    batched softmax and argmax and no host sync per row (multinomial checks its input with
-    one)."""
-    sub = scaled[rows]
-    for j, i in enumerate(rows):
-        p = params[i]
-        if p.top_k > 0 or p.top_p < 1.0:
-            sub[j] = _truncate(sub[j], p.top_k, p.top_p)
+    """Token ids of `rows` (None: every row), each drawn from softmax of its (truncated) scaled
+    logits with its own generator: argmax(p / E), E ~ Exp(1) drawn from the row's generator,
+    which is what `torch.multinomial(p, 1, generator=g)` computes (the same ids for the same
+    seed), with one batched softmax and argmax and no host sync per row (multinomial checks
+    its input with one)."""
+    rows = list(range(len(params))) if rows is None else rows
+    truncated = [j for j, i in enumerate(rows) if params[i].top_k > 0 or params[i].top_p < 1.0]
+    # a copy only where rows are picked or truncated in place (scaled may be the logits themselves)
+    sub = scaled[rows] if len(rows) < scaled.shape[0] else scaled.clone() if truncated else scaled
+    for j in truncated:
+        p = params[rows[j]]
+        sub[j] = _truncate(sub[j], p.top_k, p.top_p)
     probs = torch.softmax(sub, dim=-1)
     race = torch.empty_like(probs)
     if any(generators[i] is None for i in rows):  # unseeded rows: one draw for all of them

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -15,7 +16,13 @@ from miles.core.logging import get_logger
 from miles.engines.cuda_graph import DecodeGraphs
 from miles.engines.kv_cache import KVPool, RowPool
 from miles.engines.paged_kv import PagedDecodeGraphs, PagedPool
-from miles.engines.sampling import choose_tokens, make_generator
+from miles.engines.sampling import (
+    choose_tokens,
+    host_tokens,
+    make_generator,
+    sample_tokens,
+    to_device,
+)
 from miles.engines.sequence import Sequence
 from miles.models.decoder import CausalLM
 from miles.models.invariant import BatchInvariant, triton_kernels
@@ -27,6 +34,18 @@ log = get_logger("miles.engine")
 StepOut = dict[Sequence, tuple[int, float] | None]
 
 
+@dataclass
+class PendingDecode:
+    """A decode step launched on the GPU whose tokens the host has not read yet (`Stepper.launch`)."""
+
+    seqs: list[Sequence]
+    tokens: torch.Tensor  # [n] int64 on the device: the ids sampled, the next step's input
+    pos: torch.Tensor  # [n] int64 on the device: the positions this step fed
+    host: torch.Tensor  # [2, n] float64 (pinned on CUDA): ids and logprobs, copied without blocking
+    ready: torch.cuda.Event | None  # recorded after that copy; None on the CPU (already done)
+    routed: bool  # routing was recorded for this step (dropped with it)
+
+
 class Stepper:
     def __init__(
         self,
@@ -36,6 +55,7 @@ class Stepper:
         batch_invariant: bool = False,
         cuda_graphs: bool = True,
         compile_decode: bool = False,
+        overlap: bool = True,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -60,6 +80,67 @@ class Stepper:
             self.graphs = DecodeGraphs(model, pool, compiled=compiled)
         elif use_graphs and isinstance(pool, PagedPool):  # not compiled: its bind has a host side
             self.graphs = PagedDecodeGraphs(model, pool)
+        self.overlap = overlap  # engine.overlap_decode
+
+    def can_pipeline(self, seqs: list[Sequence]) -> bool:
+        """Whether decode steps of `seqs` may be launched ahead (`launch` / `collect`): decode graphs
+        in use over the row pool (a paged pool reserves blocks on the host every step), rows from 0."""
+        g = self.graphs
+        return (self.overlap and g is not None and not g.failed and not self.pool.reserves
+                and bool(seqs) and seqs[0].row == 0)
+
+    @torch.inference_mode()
+    def launch(self, seqs: list[Sequence], prev: PendingDecode | None) -> PendingDecode | None:
+        """Launch one decode step of `seqs` (rows 0..n-1) and its sampling, and return without
+        waiting for the GPU. Fed from `prev` (the same rows' previous step, not yet read by the
+        host) its sampled ids go in on the device, so this step queues behind it while the host
+        reads `prev`; the ids of rows that `prev` finishes are computed and then dropped (`collect`).
+        None when the decode graphs fail (the engine decodes eagerly from then on, as `step` does)."""
+        assert self.graphs is not None
+        mode = BatchInvariant() if self.batch_invariant else contextlib.nullcontext()
+        with mode:
+            want = any(s.req.return_routed_experts for s in seqs)
+            if prev is None:
+                ids = to_device([s.tokens[-1] for s in seqs], self.device, torch.long)
+                pos = to_device([s.kv_len for s in seqs], self.device, torch.long)
+            else:
+                ids, pos = prev.tokens, prev.pos + 1
+            try:
+                logits, routed = self.graphs.run_fed(ids, pos, max(s.kv_len for s in seqs) + 1, want)
+            except Exception as exc:  # noqa: BLE001 - a capture the model cannot take: decode eagerly from now on
+                self.graphs.failed = True
+                log.warning("decode_graphs_disabled", error=f"{type(exc).__name__}: {exc}")
+                return None
+            tokens, logps = sample_tokens(logits, [s.req.sampling for s in seqs], [s.generator for s in seqs],
+                                          self.rng)
+            both = torch.stack((tokens.to(torch.float64), logps.to(torch.float64)))
+            ready = None
+            if self.device.type == "cuda":
+                both = both.to("cpu", non_blocking=True)  # into pinned memory
+                ready = torch.cuda.Event()
+                ready.record()
+        for i, s in enumerate(seqs):
+            if s.req.return_routed_experts and routed is not None:
+                s.routed.append(routed[i])
+            s.kv_len += 1
+        return PendingDecode(seqs, tokens, pos, both, ready, want)
+
+    def collect(self, p: PendingDecode) -> StepOut:
+        """Wait for a launched step and read its tokens. A sequence that finished after the step
+        was launched (by `prev`'s tokens) drops its token, and the step's KV and routing no longer
+        count for it; one still flushing gets None (its last token is now fed), as in `step`."""
+        if p.ready is not None:
+            p.ready.synchronize()
+        ids, lps = host_tokens(p.host.tolist())
+        out: StepOut = {}
+        for s, t, lp in zip(p.seqs, ids, lps, strict=True):
+            if s.done_pending or (s.finish is not None and not s.flushing):
+                s.kv_len -= 1
+                if p.routed and s.req.return_routed_experts:
+                    s.routed.pop()
+                continue
+            out[s] = None if s.flushing else (t, lp)
+        return out
 
     @torch.inference_mode()
     def step(self, decode: list[Sequence], prefill: list[Sequence]) -> StepOut:

@@ -81,7 +81,8 @@ class TorchEngine(Engine):
         else:
             self.pool = RowPool(self.spec, self.cfg.max_batch_size, self.max_seq_len, self.dtype, self.device)
         self.stepper = Stepper(
-            model, self.pool, self.device, batch_invariant, self.cfg.cuda_graphs, self.cfg.compile_decode
+            model, self.pool, self.device, batch_invariant, self.cfg.cuda_graphs, self.cfg.compile_decode,
+            overlap=self.cfg.overlap_decode,
         )
         self.sessions = SessionStore(self.cfg.kv_budget_tokens)
         self.stager = WeightStager(hf_tensor_views(model), self.fp8_block)
@@ -326,14 +327,38 @@ class TorchEngine(Engine):
         """Worker thread: step until a sequence finishes or the loop needs a boundary
         (new request, pause, abort, commit), at most `_MAX_STEPS_PER_HOP` steps."""
         t_end = time.monotonic() + _MAX_HOP_S
-        for i in range(_MAX_STEPS_PER_HOP):
-            self._apply(self.stepper.step(decode, prefill) if i == 0 else self.stepper.step(decode, []))
-            if i == 0:
-                decode = decode + prefill
-            if self._boundary or any(s.done_pending for s in decode):
+        self._apply(self.stepper.step(decode, prefill))
+        decode = decode + prefill
+        if self._hop_over(decode, t_end):
+            return
+        if self.stepper.can_pipeline(decode):
+            self._run_pipelined(decode, t_end)
+            return
+        for _ in range(_MAX_STEPS_PER_HOP - 1):
+            self._apply(self.stepper.step(decode, []))
+            if self._hop_over(decode, t_end):
                 return
-            if time.monotonic() > t_end:
+
+    def _run_pipelined(self, decode: list[Sequence], t_end: float) -> None:
+        """The decode steps of a hop with one step always queued ahead (engine.overlap_decode):
+        step k+1 is launched from step k's ids on the GPU before the host reads step k, so the
+        host's per-token work (reading, stop checks, the next launch) runs while the GPU computes
+        instead of between its steps. The hop ends as `_run_steps` does, after reading the step
+        in flight, whose ids count only for sequences that had not finished."""
+        pending = self.stepper.launch(decode, None)
+        for _ in range(_MAX_STEPS_PER_HOP - 2):
+            if pending is None:  # the graphs failed: the next hop decodes eagerly
                 return
+            ahead = self.stepper.launch(decode, pending)
+            self._apply(self.stepper.collect(pending))
+            pending = ahead
+            if self._hop_over(decode, t_end):
+                break
+        if pending is not None:
+            self._apply(self.stepper.collect(pending))
+
+    def _hop_over(self, decode: list[Sequence], t_end: float) -> bool:
+        return self._boundary or any(s.done_pending for s in decode) or time.monotonic() > t_end
 
     def _reap_aborts(self) -> None:
         for seq in [*self._running, *self._queue]:

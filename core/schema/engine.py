@@ -63,6 +63,13 @@ class EngineConfig:
         "torch engine on CUDA with cuda_graphs, dense models: torch.compile the decode forward before capturing "
         "it (fused kernels; one dynamic-shape compile, about a minute, at the first decode step)",
     )
+    overlap_decode: bool = opt(
+        True,
+        "torch engine with decode CUDA graphs over kv_layout=rows: launch decode step k+1 from step k's "
+        "sampled ids on the GPU before the host reads step k, so the scheduler's per-token work runs while the "
+        "GPU computes (a sequence that finishes at step k has its step-k+1 token computed and dropped); "
+        "false = the host reads every step before launching the next",
+    )
     share_prompts: bool = opt(
         True,
         "torch engine: compute a prompt's KV once and copy it: requests admitted together with identical ids "
