@@ -14,8 +14,12 @@ unless said):
 
 Models (`--models`): cpu tiny dense / MoE; cuda a Qwen2.5-0.5B-shaped dense and a Qwen3-MoE
 (64 experts top-8, hidden 1024, 12 layers), random weights (fp32 on cpu, bf16 on cuda). The
-engine replays decode steps as CUDA graphs (captured in the warm-up run) and prefills a group's
-shared prompt once (`engine.share_prompts`); grouped cases also run it with sharing off.
+engine runs with its defaults (`--engine-set KEY=VALUE` changes one): on cuda it replays decode
+steps as CUDA graphs of a torch.compile'd forward, launched one step ahead of the host
+(`engine.compile_decode`, `engine.overlap_decode`; compiled and captured in an untimed first run
+per engine, whose time is printed), and it prefills a group's shared prompt once
+(`engine.share_prompts`); grouped cases also run it with sharing off. `--plain-cases` runs cases
+once more with graphs alone (neither compiled nor overlapped).
 The baseline is transformers `generate`: on cuda with `cache_implementation="static"`, which
 torch.compiles the decode forward (compiled in its warm-up run), only for the `--hf` cases
 (compiling is slow); on cpu with its defaults, for every case.
@@ -38,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import json
 import signal
@@ -80,6 +85,16 @@ def timed(fn: Any) -> float:
     return time.perf_counter() - t0
 
 
+def prime(run: EngineRun, what: str) -> None:
+    """One untimed run before the timed ones: the decode compile and graph captures happen here,
+    so that the warm-up of `rounds` (which sizes the number of rounds) is a steady-state run."""
+    t = timed(run)
+    g = run.engine.stepper.graphs
+    state = "no graphs" if g is None else "graphs failed" if g.failed else "compiled" if g.compiled else "uncompiled"
+    if run.engine.device.type == "cuda":
+        print(f"# {what}: {t:.1f} s ({state} decode graphs)", flush=True)
+
+
 def rounds(repeats: int, fns: list[Any], budget_s: float) -> list[list[float]]:
     """Warm every fn up, then `repeats` rounds of one timed run each, the order rotating per
     round (at least one round; fewer when the warm-up says they would overrun the budget)."""
@@ -98,10 +113,11 @@ class EngineRun:
     """One engine sized for the case; `__call__` generates the whole batch once."""
 
     def __init__(
-        self, model: CausalLM, device: str, case: Case, prompts: torch.Tensor, share: bool, compiled: bool = False
+        self, model: CausalLM, device: str, case: Case, prompts: torch.Tensor, share: bool,
+        settings: dict[str, Any] | None = None,
     ) -> None:
         cfg = EngineConfig(device=device, max_batch_size=case.batch, max_seq_len=case.prompt + case.new + 8,
-                           kv_budget_tokens=0, share_prompts=share, compile_decode=compiled)
+                           kv_budget_tokens=0, share_prompts=share, **(settings or {}))
         self.engine = TorchEngine(model, cfg)
         self.loop = asyncio.new_event_loop()
         self.case = case
@@ -232,9 +248,11 @@ def bench_case(
 ) -> tuple[dict[str, float], list[list[float]]]:
     """Fill `runs` (the caller closes them) and time them -> (tok/s per run, times per run)."""
     prompts = prompts_for(case, vocab)
-    runs["engine"] = EngineRun(model, args.device, case, prompts, share=True)
+    runs["engine"] = EngineRun(model, args.device, case, prompts, share=True, settings=args.engine_set)
     if case.samples > 1 and not args.no_unshared:
-        runs["engine_unshared"] = EngineRun(model, args.device, case, prompts, share=False)
+        runs["engine_unshared"] = EngineRun(model, args.device, case, prompts, share=False, settings=args.engine_set)
+    for key in [k for k in runs if k.startswith("engine")]:
+        prime(runs[key], f"{key} first run")
     if hf is not None:
         run = hf_baseline(hf, prompts, case, args.device == "cuda")
         if run is not None:
@@ -247,11 +265,12 @@ def bench_case(
     return tok, times
 
 
-def bench_compiled(args: argparse.Namespace, out: dict[str, Any]) -> None:
-    """The `--compile-cases` again with engine.compile_decode (after everything else: each
-    engine compiles its decode forward in its warm-up, about a minute on cuda)."""
+def bench_plain(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    """The `--plain-cases` again with the decode graphs neither compiled nor overlapped
+    (engine.compile_decode=false, overlap_decode=false: the engine before those defaults), after
+    everything else."""
     by_model: dict[str, list[str]] = {}
-    for item in args.compile_cases:
+    for item in args.plain_cases:
         kind, name = item.split(":")
         by_model.setdefault(kind, []).append(name)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -260,15 +279,12 @@ def bench_compiled(args: argparse.Namespace, out: dict[str, Any]) -> None:
         model = build_model(ModelSpec.from_hf(cfg), dtype=dtype, device=args.device, seed=0)
         for name in names:
             case = CASES[args.device][name]
-            run = EngineRun(model, args.device, case, prompts_for(case, cfg["vocab_size"]), True, compiled=True)
-            t0 = time.perf_counter()
-            run()  # compile + capture
-            print(f"# {kind} {name}+compile: first run {time.perf_counter() - t0:.1f} s "
-                  f"(graphs failed: {run.engine.stepper.graphs.failed if run.engine.stepper.graphs else 'none'})",
-                  flush=True)
+            run = EngineRun(model, args.device, case, prompts_for(case, cfg["vocab_size"]), True,
+                            settings={**args.engine_set, "compile_decode": False, "overlap_decode": False})
+            prime(run, f"{kind} {name}+plain first run")
             (times,) = rounds(args.repeats, [run], args.budget_s)
             run.close()
-            report(kind, f"{name}+compile", case, {"engine": case.batch * case.new / statistics.median(times)},
+            report(kind, f"{name}+plain", case, {"engine": case.batch * case.new / statistics.median(times)},
                    [times], out, args.device)
         del model
         gc.collect()
@@ -278,7 +294,7 @@ def report(
     kind: str, name: str, case: Case, tok: dict[str, float], times: list[list[float]],
     out: dict[str, Any], device: str, sgl_run: SGLangRun | None = None,
 ) -> None:
-    i21 = SGLANG_ISSUE21.get((kind, name.removesuffix("+compile"))) if device == "cuda" else None
+    i21 = SGLANG_ISSUE21.get((kind, name.removesuffix("+plain"))) if device == "cuda" else None
     en, sgl = tok["engine"], tok.get("sglang")
 
     def cell(v: float | None, w: int, d: int = 1) -> str:
@@ -334,8 +350,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hf", default=None,
                     help="comma list of model:case run with the HF baseline too, or 'all' "
                          "(cpu default: all; cuda default: dense:b32,dense:b128, each compiles ~1 min)")
-    ap.add_argument("--compile-cases", default="",
-                    help="comma list of model:case run once more, last, with engine.compile_decode (cuda)")
+    ap.add_argument("--engine-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="an [engine] option for every torch engine run, e.g. compile_decode=false (repeatable)")
+    ap.add_argument("--plain-cases", default="",
+                    help="comma list of model:case run once more, last, with engine.compile_decode=false and "
+                         "overlap_decode=false (decode graphs only: the engine before those defaults)")
     ap.add_argument("--no-unshared", action="store_true", help="grouped cases: skip the share_prompts=false run")
     ap.add_argument("--repeats", type=int, default=None, help="timed runs per side (cpu: 7; cuda: 3)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads for both sides")
@@ -362,17 +381,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.models = args.models.split(",")
     if any(m not in MODELS[args.device] for m in args.models):
         sys.exit(f"--models: choose from {list(MODELS[args.device])}, got {args.models}")
-    args.compile_cases = [c for c in args.compile_cases.split(",") if c]
-    for item in args.compile_cases:
+    args.plain_cases = [c for c in args.plain_cases.split(",") if c]
+    for item in args.plain_cases:
         kind, _, name = item.partition(":")
         if kind not in MODELS[args.device] or name not in CASES[args.device]:
-            sys.exit(f"--compile-cases: {item!r} is not model:case of {args.device}")
+            sys.exit(f"--plain-cases: {item!r} is not model:case of {args.device}")
+    args.engine_set = parse_engine_set(args.engine_set)
     hf = args.hf if args.hf is not None else ("dense:b32,dense:b128" if gpu else "all")
     args.hf_all = hf == "all"
     args.hf = set(hf.split(",")) if hf and not args.hf_all else set()
     args.repeats = args.repeats or (3 if gpu else 7)
     args.budget_s = args.budget_s or (20.0 if gpu else float("inf"))
     return args
+
+
+def parse_engine_set(items: list[str]) -> dict[str, Any]:
+    """--engine-set KEY=VALUE items -> EngineConfig keyword arguments, each checked against the
+    dataclass (unknown keys and bad values exit with the option named)."""
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or key not in fields:
+            sys.exit(f"--engine-set {item!r}: expected KEY=VALUE with KEY one of EngineConfig's fields")
+        default = getattr(EngineConfig(), key)
+        if isinstance(default, bool):
+            if raw.lower() not in ("true", "false"):
+                sys.exit(f"--engine-set {item!r}: {key} takes true or false")
+            out[key] = raw.lower() == "true"
+        else:
+            try:
+                out[key] = type(default)(raw)
+            except ValueError:
+                sys.exit(f"--engine-set {item!r}: {key} takes a {type(default).__name__}")
+    return out
 
 
 def main() -> None:
@@ -395,10 +437,10 @@ def main() -> None:
     for kind in args.models:
         bench_model(kind, args, out)
     try:
-        bench_compiled(args, out)
-    except Exception as exc:  # noqa: BLE001 - an experimental variant must not cost the JSON line
-        print(f"# compiled cases failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-        out["compiled_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        bench_plain(args, out)
+    except Exception as exc:  # noqa: BLE001 - a comparison variant must not cost the JSON line
+        print(f"# plain cases failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        out["plain_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     save_json(out, args)
     print(json.dumps(out))

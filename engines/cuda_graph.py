@@ -5,7 +5,7 @@ Python, the GPU mostly waits for the host. Here the whole forward (mask, rotary,
 scatter, attention, MLP / MoE, LM head) is captured once per bucket and replayed with one
 launch. Shapes are made static by padding:
 
-- the batch to the next bucket (powers of two up to the pool's row count): pad rows get
+- the batch to the next bucket (powers of two from 2 up to the pool's row count): pad rows get
   position `max_seq_len`, the pool's scratch column, so their KV writes land where no
   sequence reads and their outputs are ignored;
 - the key length to the next power of two >= 256 (at most the pool's width), with the
@@ -22,8 +22,11 @@ steps under its lock).
 
 from __future__ import annotations
 
+import functools
 import gc
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -45,6 +48,13 @@ class _Graph:
     routed: torch.Tensor | None  # [B, 1, L_moe, k]
 
 
+@functools.cache
+def _compiled_forward(cls: type[DecodeGraphs]) -> Callable[..., Any]:
+    """`cls._forward` under torch.compile, made once per process: one code object for every
+    engine, so engines of one model share a compile (dynamic shapes cover their buckets)."""
+    return torch.compile(cls._forward, dynamic=True)
+
+
 def _pow2_at_least(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -60,14 +70,16 @@ class DecodeGraphs:
         # compiled (engine.compile_decode): the captured forward is torch.compile'd first, so one
         # graph replays fused kernels (norms, rotary, activations) instead of hundreds of small
         # ones. Dynamic shapes: one compile serves every (batch, key length) bucket; it runs in
-        # a bucket's warm-up, outside the capture.
-        self._fwd = torch.compile(self._forward, dynamic=True) if compiled else self._forward
+        # a bucket's warm-up, outside the capture. A compile or capture that fails falls back to
+        # the uncompiled forward (`_graph`), not to eager decode.
+        self.compiled = compiled
         self._graphs: dict[tuple[int, int, bool, tuple[int, int]], _Graph] = {}
         self._mempool: tuple[int, int] | None = None
         self.failed = False  # a capture failed: the engine falls back to eager decode for good
 
     def buckets(self, n: int, read: int) -> tuple[int, int]:
-        b = min(_pow2_at_least(n), self.rows)
+        # at least 2 rows: a compiled forward specializes a size of 1, and would compile again for it
+        b = min(max(_pow2_at_least(n), 2), self.rows)
         r = min(max(_pow2_at_least(read), _MIN_READ), self.scratch + 1)
         return b, r
 
@@ -84,7 +96,7 @@ class DecodeGraphs:
         host[0, :n] = torch.tensor(ids)
         host[1, :n] = torch.tensor(lens)
         if not self.capture:
-            logits, routed = self._fwd(host.to(self.pool.k[0].device), r, want_routed)
+            logits, routed = self._fwd_call(host.to(self.pool.k[0].device), r, want_routed)
             return logits[:n], None if routed is None else routed[:n]
         g = self._graph(b, r, want_routed)
         g.inputs.copy_(host)
@@ -102,7 +114,7 @@ class DecodeGraphs:
         if not self.capture:
             inputs = torch.stack((ids, pos))
             pad = torch.tensor([[0], [self.scratch]], dtype=torch.long, device=ids.device).expand(2, b - n)
-            logits, routed = self._fwd(torch.cat((inputs, pad), dim=1), r, want_routed)
+            logits, routed = self._fwd_call(torch.cat((inputs, pad), dim=1), r, want_routed)
             return logits[:n], None if routed is None else routed[:n]
         g = self._graph(b, r, want_routed)
         g.inputs[0, :n].copy_(ids)
@@ -117,7 +129,14 @@ class DecodeGraphs:
         key = (b, read, want_routed, self._weights())
         g = self._graphs.get(key)
         if g is None:
-            g = self._graphs[key] = self._capture(b, read, want_routed)
+            try:
+                g = self._capture(b, read, want_routed)
+            except Exception as exc:  # noqa: BLE001 - the uncompiled forward is captured instead
+                if not self.compiled:
+                    raise
+                self._uncompile(exc)
+                g = self._capture(b, read, want_routed)
+            self._graphs[key] = g
         return g
 
     def _weights(self) -> tuple[int, int]:
@@ -129,6 +148,28 @@ class DecodeGraphs:
         """
         st = next(self.model.parameters()).untyped_storage()
         return st.data_ptr(), st.nbytes()
+
+    def _fwd_call(self, inputs: torch.Tensor, read: int, want_routed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.compiled:
+            # loaded with torch.compile anyway
+            from torch.fx.experimental import _config as fx_config
+
+            try:
+                # No duck sizing: the first batch bucket often equals the pool's row count, and a
+                # compile that assumed them equal would compile again for every smaller bucket.
+                with fx_config.patch(use_duck_shape=False):
+                    out: tuple[torch.Tensor, torch.Tensor | None] = _compiled_forward(type(self))(
+                        self, inputs, read, want_routed)
+                return out
+            except Exception as exc:  # noqa: BLE001 - the compile failed: run the forward uncompiled
+                if inputs.is_cuda and torch.cuda.is_current_stream_capturing():
+                    raise  # `_graph` captures the uncompiled forward instead
+                self._uncompile(exc)
+        return self._forward(inputs, read, want_routed)
+
+    def _uncompile(self, exc: Exception) -> None:
+        log.warning("decode_compile_disabled", error=f"{type(exc).__name__}: {str(exc)[:500]}")
+        self.compiled = False
 
     def _forward(
         self, inputs: torch.Tensor, read: int, want_routed: bool
@@ -154,7 +195,7 @@ class DecodeGraphs:
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             for _ in range(2):  # warm-up outside the graph: lazy inits, autotuning, workspaces
-                self._fwd(inputs, read, want_routed)
+                self._fwd_call(inputs, read, want_routed)
         torch.cuda.current_stream(dev).wait_stream(side)
         if self._mempool is None:
             self._mempool = torch.cuda.graph_pool_handle()
@@ -166,7 +207,7 @@ class DecodeGraphs:
         gc.disable()
         try:
             with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
-                logits, routed = self._fwd(inputs, read, want_routed)
+                logits, routed = self._fwd_call(inputs, read, want_routed)
         finally:
             if gc_was_on:
                 gc.enable()

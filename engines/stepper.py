@@ -71,10 +71,9 @@ class Stepper:
         # the kernels do not cover: it decodes eagerly in this mode.
         use_graphs = cuda_graphs and device.type == "cuda" and (
             not batch_invariant or (triton_kernels() is not None and model.spec.model_type != "qwen3_next"))
-        # compile_decode stays off under batch-invariant mode (its kernels intercept the eager ops)
-        # and for MoE models (their expert dispatch depends on whether the stream is capturing,
-        # which a trace made in the warm-up would fix to "not capturing")
-        compiled = compile_decode and not batch_invariant and not model.spec.is_moe
+        # compile_decode stays off under batch-invariant mode (its kernels intercept the eager ops);
+        # a MoE model's experts run densely under the compile's trace, as in a capture (models/moe.py)
+        compiled = compile_decode and not batch_invariant
         self.graphs: DecodeGraphs | None = None
         if use_graphs and isinstance(pool, RowPool):
             self.graphs = DecodeGraphs(model, pool, compiled=compiled)

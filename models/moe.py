@@ -71,9 +71,10 @@ class Experts(nn.Module):
         e, two_i, h = self.gate_up_proj.shape
         extra_macs = n * (e - k) * (two_i + self.inter) * h
         fused = x.is_cuda and grouped_mm_supported(x, self.gate_up_proj, self.down_proj)
-        if impl == "dense" or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-            # (graph capture: the loop needs per-expert counts on the host; a decode batch
-            # is small enough that dense wins anyway)
+        if impl == "dense" or (x.is_cuda and (torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling())):
+            # (graph capture, and the engine's compiled decode that is captured next: the other
+            # paths need per-expert counts on the host; a decode batch is small enough that
+            # dense wins anyway)
             return self._dense(x, ids, weights)
         if fused:
             if extra_macs <= _GROUPED_MM_OVERHEAD_MACS:

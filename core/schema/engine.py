@@ -59,9 +59,11 @@ class EngineConfig:
     )
     cuda_graphs: bool = opt(True, "torch engine on CUDA: replay decode steps as CUDA graphs per batch-size bucket")
     compile_decode: bool = opt(
-        False,
-        "torch engine on CUDA with cuda_graphs, dense models: torch.compile the decode forward before capturing "
-        "it (fused kernels; one dynamic-shape compile, about a minute, at the first decode step)",
+        True,
+        "torch engine on CUDA with cuda_graphs over kv_layout=rows, outside batch_invariant: torch.compile the "
+        "decode forward before capturing it (fused norms, rotary, activations; a MoE model's experts run densely "
+        "on the decode batch). One dynamic-shape compile per process, 30-60 s at the first decode step (one more "
+        "the first time routed experts are asked for); a compile that fails falls back to the uncompiled graphs",
     )
     overlap_decode: bool = opt(
         True,

@@ -1,7 +1,8 @@
 """engine.compile_decode: the torch.compile'd decode forward, captured as CUDA graphs (dynamic
 shapes, so several batch and key-length buckets share one compile), gives the tokens and
-logprobs of the uncompiled graphs (dense models; MoE decode stays uncompiled, see
-engines/stepper.py). GPU only: on 2 CPU cores the compile alone takes ~45 s."""
+logprobs of the uncompiled graphs, and for a MoE model the same routing (its experts run densely
+under the compile's trace, as under a capture). GPU only (the compile without capture on the CPU:
+test_engines_compile_cpu.py)."""
 
 from __future__ import annotations
 
@@ -20,12 +21,12 @@ from .conftest import tiny_model
 pytestmark = pytest.mark.timeout(240)
 
 
-async def _generate(model, compiled: bool):
+async def _generate(model, compiled: bool, routed: bool = False):
     cfg = EngineConfig(device="cuda", max_batch_size=8, max_seq_len=300, kv_budget_tokens=0, compile_decode=compiled)
     eng = TorchEngine(model, cfg)
     # 2 then 5 rows (buckets 2 and 8), keys past 256 (buckets 256 and 300): one compile serves all
     prompts = [[1, 2, 3], [4] * 17, [5, 6], [7, 8, 9, 10, 11], list(range(40))]
-    reqs = [GenerateRequest(input_ids=p,
+    reqs = [GenerateRequest(input_ids=p, return_routed_experts=routed,
                             sampling=SamplingParams(temperature=1.0, seed=i, max_new_tokens=n))
             for i, (p, n) in enumerate(zip(prompts, (4, 260, 3, 4, 6), strict=True))]
     try:
@@ -37,15 +38,22 @@ async def _generate(model, compiled: bool):
     finally:
         graphs = eng.stepper.graphs
         assert graphs is not None and not graphs.failed  # captured, not fallen back to eager
+        assert graphs.compiled == compiled  # a compiled engine did not fall back to the uncompiled forward
         await eng.close()
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (compiled decode captured as CUDA graphs)")
-async def test_compiled_decode_matches_uncompiled_graphs() -> None:
-    model = tiny_model("qwen3", num_hidden_layers=2).cuda()  # fp32; MoE models decode uncompiled
-    eager = await _generate(model, False)
-    compiled = await _generate(model, True)
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+async def test_compiled_decode_matches_uncompiled_graphs(arch: str) -> None:
+    kw = {"num_hidden_layers": 3, "mlp_only_layers": [1]} if arch == "qwen3_moe" else {"num_hidden_layers": 2}
+    model = tiny_model(arch, **kw).cuda()  # fp32
+    routed = arch == "qwen3_moe"
+    eager = await _generate(model, False, routed)
+    compiled = await _generate(model, True, routed)
     for a, b in zip(eager, compiled, strict=True):
         assert a.output_ids == b.output_ids
         assert np.allclose(a.logprobs, b.logprobs, atol=1e-4)
+        if routed:
+            assert a.routed_experts is not None and b.routed_experts is not None
+            assert np.array_equal(a.routed_experts, b.routed_experts)

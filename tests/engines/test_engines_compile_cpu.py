@@ -1,0 +1,63 @@
+"""engine.compile_decode on the CPU: the decode graphs' forward under torch.compile (run without
+capture here) gives the tokens of the uncompiled forward; engines of one process share one
+compile, whatever their pool size; and a compile that fails falls back to the uncompiled forward
+instead of failing requests. (The CUDA-graph capture of it: test_engines_compiled_decode.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from torch._dynamo.utils import counters
+
+from miles.core.schema.engine import EngineConfig
+from miles.engines import cuda_graph
+from miles.engines.base import GenerateRequest, GenerateResult, SamplingParams
+from miles.engines.cuda_graph import DecodeGraphs
+from miles.engines.torch_engine import TorchEngine
+from miles.models.decoder import CausalLM
+
+from .conftest import tiny_model
+
+pytestmark = pytest.mark.timeout(240)
+
+
+async def _generate(model: CausalLM, rows: int, compiled: bool) -> tuple[list[GenerateResult], DecodeGraphs]:
+    eng = TorchEngine(model, EngineConfig(max_batch_size=rows, max_seq_len=64, kv_budget_tokens=0))
+    graphs = eng.stepper.graphs = DecodeGraphs(eng.model, eng.pool, capture=False, compiled=compiled)
+    prompts = [[1, 2, 3], [4] * 9, [5, 6]]
+    reqs = [GenerateRequest(input_ids=p, sampling=SamplingParams(temperature=1.0, seed=i, max_new_tokens=8 + i))
+            for i, p in enumerate(prompts)]
+    try:
+        return list(await asyncio.gather(*(eng.generate(r) for r in reqs))), graphs
+    finally:
+        await eng.close()
+
+
+async def test_compiled_decode_equals_uncompiled_and_compiles_once() -> None:
+    model = tiny_model("qwen3", num_hidden_layers=1)
+    plain, _ = await _generate(model, 4, compiled=False)
+    before = counters["stats"]["unique_graphs"]
+    first, g1 = await _generate(model, 4, compiled=True)
+    second, g2 = await _generate(model, 8, compiled=True)  # another pool size: the same compile
+    assert g1.compiled and g2.compiled  # neither fell back
+    assert counters["stats"]["unique_graphs"] - before == 1
+    for a, b, c in zip(plain, first, second, strict=True):
+        assert a.output_ids == b.output_ids == c.output_ids
+        assert np.allclose(a.logprobs, b.logprobs, atol=1e-4) and np.allclose(a.logprobs, c.logprobs, atol=1e-4)
+
+
+async def test_a_failing_compile_falls_back_to_the_uncompiled_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(cls: type) -> object:  # fault injection: the compiler raises as Inductor would
+        def run(*args: object) -> object:
+            raise RuntimeError("InductorError: simulated compile failure")
+        return run
+
+    model = tiny_model("qwen3", num_hidden_layers=1)
+    plain, _ = await _generate(model, 4, compiled=False)
+    monkeypatch.setattr(cuda_graph, "_compiled_forward", broken)
+    fell_back, graphs = await _generate(model, 4, compiled=True)
+    assert not graphs.compiled and not graphs.failed  # uncompiled, still the decode graphs' path
+    for a, b in zip(plain, fell_back, strict=True):
+        assert a.output_ids == b.output_ids and a.logprobs == b.logprobs
