@@ -74,6 +74,14 @@ for s in $SUITE; do
       echo quit | nvidia-cuda-mps-control
       step e2e_async_h200_s8 240 python bench/e2e_gpu.py --device cuda --steps 16 --out "$OUT/e2e_async_h200_s8.json" \
            --cases moe-sync,moe ;;
+    engine21b)  # overlap_decode + compile_decode (the new defaults): the engine's GPU tests, tok/s
+      # against the plain graphs (neither), then where the decode time goes now
+      step engine_gpu_tests_h200_s9 240 "${PYTEST[@]}" tests/engines/test_engines_overlap.py \
+           tests/engines/test_engines_compiled_decode.py tests/engines/test_engines_sampling.py \
+           tests/engines/test_engines_paged_kv.py
+      step engine_h200_s9 330 python bench/engine.py --device cuda --models dense,moe --cases b32,b128 --hf "" \
+           --plain-cases dense:b128,moe:b128 --repeats 3 --budget-s 15 --out "$OUT/engine_h200_s9.json"
+      step decode_profile_h200_s9 150 python bench/gpu/decode_profile.py --models dense,moe --cases b128 --top 15 ;;
     *) echo "unknown suite step $s" >&2 ;;
   esac
 done

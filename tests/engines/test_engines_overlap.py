@@ -10,6 +10,7 @@ import asyncio
 
 import numpy as np
 import pytest
+import torch
 
 from miles.core.schema.engine import EngineConfig
 from miles.engines.base import GenerateRequest, GenerateResult, SamplingParams
@@ -105,3 +106,20 @@ async def test_overlapped_decode_equals_step_by_step(arch: str, monkeypatch: pyt
     if routed:  # routing covers every fed token: prompt + output - 1, plus the flushed last one
         for r, p_len in zip(stepwise[:7], (3, 17, 2, 5, 40, 2, 30), strict=True):
             assert r.routed_experts is not None and r.routed_experts.shape[0] == p_len + len(r.output_ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (captured decode graphs, pinned copies)")
+async def test_overlapped_captured_decode_equals_step_by_step_on_cuda() -> None:
+    """The same on real CUDA graphs (uncompiled, fp32): ids fed on the device, the tokens read
+    through pinned memory after an event, rows dropped at finish."""
+    model = tiny_model("qwen3_moe", num_hidden_layers=3, mlp_only_layers=[1]).cuda()
+
+    def engine(overlap: bool) -> TorchEngine:
+        cfg = EngineConfig(device="cuda", max_batch_size=8, max_seq_len=200, kv_budget_tokens=4000,
+                           overlap_decode=overlap, compile_decode=False)
+        return TorchEngine(model, cfg)
+
+    stepwise = await _workload(engine(False), True)
+    overlapped = await _workload(engine(True), True)
+    _assert_same(stepwise, overlapped)
