@@ -63,8 +63,11 @@ class RowPool:
             self.v.append(torch.zeros((rows, heads, max_seq_len + 1, vd), dtype=dtype, device=device))
         self.max_seq_len = max_seq_len
         self._r0 = 0
-        self._index: dict[tuple[int, int], torch.Tensor] = {}
-        self._shapes = sorted({(c.shape[1], c.shape[3]) for c in (*self.k, *self.v)})  # (heads, dim)
+        # head index per distinct head count, [1, heads, 1]: with the rows and positions of `bind`
+        # it addresses each written (row, head, position) of the pool tensors themselves
+        self._heads = {h: torch.arange(h, device=device)[None, :, None] for h in {c.shape[1] for c in self.k}}
+        self._rows = torch.zeros(0, 1, 1, dtype=torch.long, device=device)
+        self._at = torch.zeros(0, 1, 1, dtype=torch.long, device=device)
         self._read = 0
 
     def bytes_per_token(self) -> int:
@@ -73,19 +76,22 @@ class RowPool:
 
     def bind(self, r0: int, pos: torch.Tensor, read_len: int) -> None:
         """The next forward writes rows r0..r0+n-1 at positions pos [n, T] and reads :read_len."""
-        n, t = pos.shape
+        n = pos.shape[0]
         self._r0 = r0
-        # one scatter index per distinct cache shape: [n, heads, T, dim] positions along dim 2
-        at = pos.clamp(max=self.max_seq_len)[:, None, :, None]
-        self._index = {(h, d): at.expand(n, h, t, d) for h, d in self._shapes}
+        self._rows = torch.arange(r0, r0 + n, device=pos.device)[:, None, None]
+        self._at = pos.clamp(max=self.max_seq_len)[:, None, :]
         self._read = read_len
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        n = k.shape[0]
-        kr, vr = self.k[layer][self._r0 : self._r0 + n], self.v[layer][self._r0 : self._r0 + n]
-        kr.scatter_(2, self._index[(kr.shape[1], kr.shape[3])], k)
-        vr.scatter_(2, self._index[(vr.shape[1], vr.shape[3])], v)
-        return kr[:, :, : self._read], vr[:, :, : self._read]
+        # index_put_ into the pool tensors, not a scatter into a row slice: under torch.compile
+        # (engine.compile_decode) a slice's in-place scatter becomes a copy of the whole slice
+        # every layer and step, while an index_put_ on the tensor stays one in-place store
+        kc, vc = self.k[layer], self.v[layer]
+        at = (self._rows, self._heads[kc.shape[1]], self._at)
+        kc.index_put_(at, k)
+        vc.index_put_(at, v)
+        n, r0 = k.shape[0], self._r0
+        return kc[r0 : r0 + n, :, : self._read], vc[r0 : r0 + n, :, : self._read]
 
     def move(self, src: int, dst: int, length: int) -> None:
         for t in (*self.k, *self.v):

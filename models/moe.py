@@ -68,14 +68,14 @@ class Experts(nn.Module):
             return self._grouped(x, ids, weights)
         if impl == "grouped_mm":
             return grouped_swiglu_experts(x, ids, weights, self.gate_up_proj, self.down_proj)
+        # graph capture, and the engine's compiled decode that is captured next: the other paths
+        # need per-expert counts on the host; a decode batch is small enough that dense wins
+        # anyway. (is_compiling first: under a trace, the capture query would break the graph.)
+        if impl == "dense" or (x.is_cuda and (torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing())):
+            return self._dense(x, ids, weights)
         e, two_i, h = self.gate_up_proj.shape
         extra_macs = n * (e - k) * (two_i + self.inter) * h
         fused = x.is_cuda and grouped_mm_supported(x, self.gate_up_proj, self.down_proj)
-        if impl == "dense" or (x.is_cuda and (torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling())):
-            # (graph capture, and the engine's compiled decode that is captured next: the other
-            # paths need per-expert counts on the host; a decode batch is small enough that
-            # dense wins anyway)
-            return self._dense(x, ids, weights)
         if fused:
             if extra_macs <= _GROUPED_MM_OVERHEAD_MACS:
                 return self._dense(x, ids, weights)
