@@ -2,8 +2,9 @@
 # Issue 21: the torch engine against SGLang 0.5.17 (CUDA graphs on) in the same run on one H200:
 # `bench/engine.py --device cuda --sglang` on the dense and MoE models, cases b32, b128, group8x8
 # and b256. The last call of the SGLang recipe (bench/gpu/README.md, "Torch engine vs SGLang in one
-# run"): calls 1-7 carry .wheels/p0..p6, this one carries p7, joins, installs, runs:
-#   run(command="MILES_COMMIT=<sha> bash bench/gpu/engine_vs_sglang.sh", carry=[".wheels/p7"], timeout_s=600)
+# run"): calls 1-8 carry .wheels/p0..p7, this one carries p8 (the last chunk and the sha), joins,
+# installs, runs:
+#   run(command="MILES_COMMIT=<sha> bash bench/gpu/engine_vs_sglang.sh", carry=[".wheels/p8"], timeout_s=600)
 # ENGINE_ARGS: more bench/engine.py arguments (later ones win, e.g. --hf dense:b32); LIMIT_S: the
 # bench's time limit (s). Output in $OUT: engine_vs_sglang.txt (table + JSON line),
 # engine_vs_sglang.json (written after every case, so a cut run keeps its finished cases),
@@ -14,8 +15,8 @@ SGL_DIR=/tmp/miles-bench-sglang
 mkdir -p "$OUT" /root/sglw /tmp/pkg
 if [ ! -d /tmp/sgl-site/sglang ]; then  # a warm machine keeps the install of the previous call
   # join + check + install: as bench/gpu/run_sglang_h200.sh
-  cp .wheels/p7/* /root/sglw/
-  cd /root/sglw && cat c.0 c.1 c.2 c.3 c.4 c.5 c.6 c.7 > sglw.tar && sed -i "s|/tmp/sglw.tar|sglw.tar|" sglw.sha \
+  cp .wheels/p*/* /root/sglw/  # the one part this call carries (.wheels/ is not in the tree)
+  cd /root/sglw && cat $(ls c.* | sort -V) > sglw.tar && sed -i "s|/tmp/sglw.tar|sglw.tar|" sglw.sha \
     && sha256sum -c sglw.sha | sed "s|^|sha: |" && mkdir -p whl && tar xf sglw.tar -C whl && rm -f c.* sglw.tar \
     || { echo "join failed"; ls -la; exit 3; }
   cd - > /dev/null
