@@ -12,21 +12,8 @@
 set -u
 OUT="${OUT:-/tmp/out}"
 SGL_DIR=/tmp/miles-bench-sglang
-mkdir -p "$OUT" /root/sglw /tmp/pkg
-if [ ! -d /tmp/sgl-site/sglang ]; then  # a warm machine keeps the install of the previous call
-  # join + check + install: as bench/gpu/run_sglang_h200.sh
-  cp .wheels/p*/* /root/sglw/  # the one part this call carries (.wheels/ is not in the tree)
-  cd /root/sglw && cat $(ls c.* | sort -V) > sglw.tar && sed -i "s|/tmp/sglw.tar|sglw.tar|" sglw.sha \
-    && sha256sum -c sglw.sha | sed "s|^|sha: |" && mkdir -p whl && tar xf sglw.tar -C whl && rm -f c.* sglw.tar \
-    || { echo "join failed"; ls -la; exit 3; }
-  cd - > /dev/null
-  t0=$(date +%s)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/sgl-site \
-    /root/sglw/whl/*.whl > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 4; }
-  echo "install: $(( $(date +%s) - t0 )) s"
-fi
-ln -sfn "$PWD" /tmp/pkg/miles
-export PYTHONPATH="/tmp/sgl-site:/tmp/pkg" SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1 PYTHONUNBUFFERED=1
+# shellcheck source=bench/gpu/sglang_install.sh
+source bench/gpu/sglang_install.sh
 { echo "# issue 21, H200, commit ${MILES_COMMIT:-unknown}, $(date -u '+%Y-%m-%d %H:%M UTC'), bench/gpu/engine_vs_sglang.sh"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | sed 's/^/# /'
   python3 -c "from importlib.metadata import version as v; print('# sglang', v('sglang'), 'torch', v('torch'), \

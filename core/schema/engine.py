@@ -27,8 +27,9 @@ class EngineConfig:
         "its length needs, a GRPO group's prompt blocks shared by reference (engines/paged_kv.py); a request is "
         "admitted once the pool can reserve prompt + max_new_tokens (less the prompt blocks it shares); attention "
         "reads K/V gathered through the block tables (a copy per layer and step); cuda_graphs apply, compile_decode "
-        "does not. H200 (bench/results/paged_kv_h200.txt): KV in use 8x smaller than rows, at 0.83x / 0.68x "
-        "the rows' tok/s at batch 32 / 128 and 0.39x on 8x8 groups of 1k-token prompts (no paged attention kernel)",
+        "and overlap_decode do not. H200 (bench/results/paged_kv_h200.txt): KV in use 8x smaller than rows, at 0.83x / 0.68x "
+        "the rows' tok/s at batch 32 / 128 and 0.39x on 8x8 groups of 1k-token prompts (no paged attention kernel; rows "
+        "then uncompiled and step by step)",
     )
     kv_block_tokens: int = opt(16, "kv_layout=paged: tokens per KV block", "tokens")
     kv_pool_tokens: int = opt(
