@@ -115,6 +115,11 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def close(self) -> None: ...
 
+    async def warm_up(self) -> None:
+        """Work to do before serving (compiles, graph captures), so that it does not count against
+        the first requests' deadlines; by default nothing."""
+        return None
+
 
 class RequestTotals:
     """Counters every engine keeps for `stats()`: prompt, cached and generated tokens, requests.

@@ -73,6 +73,7 @@ class DecodeGraphs:
         # a bucket's warm-up, outside the capture. A compile or capture that fails falls back to
         # the uncompiled forward (`_graph`), not to eager decode.
         self.compiled = compiled
+        self.moe = model.spec.is_moe
         self._graphs: dict[tuple[int, int, bool, tuple[int, int]], _Graph] = {}
         self._mempool: tuple[int, int] | None = None
         self.failed = False  # a capture failed: the engine falls back to eager decode for good
@@ -96,12 +97,12 @@ class DecodeGraphs:
         host[0, :n] = torch.tensor(ids)
         host[1, :n] = torch.tensor(lens)
         if not self.capture:
-            logits, routed = self._fwd_call(host.to(self.pool.k[0].device), r, want_routed)
-            return logits[:n], None if routed is None else routed[:n]
-        g = self._graph(b, r, want_routed)
+            logits, routed = self._fwd_call(host.to(self.pool.k[0].device), r, self._routed(want_routed))
+            return logits[:n], None if routed is None or not want_routed else routed[:n]
+        g = self._graph(b, r, self._routed(want_routed))
         g.inputs.copy_(host)
         g.graph.replay()
-        return g.logits[:n], None if g.routed is None else g.routed[:n].clone()
+        return g.logits[:n], None if g.routed is None or not want_routed else g.routed[:n].clone()
 
     def run_fed(
         self, ids: torch.Tensor, pos: torch.Tensor, read: int, want_routed: bool
@@ -114,16 +115,33 @@ class DecodeGraphs:
         if not self.capture:
             inputs = torch.stack((ids, pos))
             pad = torch.tensor([[0], [self.scratch]], dtype=torch.long, device=ids.device).expand(2, b - n)
-            logits, routed = self._fwd_call(torch.cat((inputs, pad), dim=1), r, want_routed)
-            return logits[:n], None if routed is None else routed[:n]
-        g = self._graph(b, r, want_routed)
+            logits, routed = self._fwd_call(torch.cat((inputs, pad), dim=1), r, self._routed(want_routed))
+            return logits[:n], None if routed is None or not want_routed else routed[:n]
+        g = self._graph(b, r, self._routed(want_routed))
         g.inputs[0, :n].copy_(ids)
         g.inputs[1, :n].copy_(pos)
         if n < b:  # pad rows: token 0 at the scratch column (a bucket's inputs may hold another batch's rows)
             g.inputs[0, n:].zero_()
             g.inputs[1, n:].fill_(self.scratch)
         g.graph.replay()
-        return g.logits[:n], None if g.routed is None else g.routed[:n].clone()
+        return g.logits[:n], None if g.routed is None or not want_routed else g.routed[:n].clone()
+
+    def _routed(self, want: bool) -> bool:
+        """Whether the forward records routing: always for a MoE model (a few ids per token), so
+        that one compile and one graph per bucket serve requests with and without R3."""
+        return want or self.moe
+
+    def warm_up(self) -> None:
+        """Compile (engine.compile_decode) and capture the smallest bucket now, before requests
+        arrive: the compile takes 30-100 s on an H200, which at the first decode step would count
+        against the first requests' deadlines. Later buckets reuse the compile."""
+        b, r = self.buckets(2, 1)
+        if self.capture:
+            self._graph(b, r, self.moe)
+            return
+        dev = self.pool.k[0].device
+        inputs = torch.tensor([[0] * b, [self.scratch] * b], dtype=torch.long, device=dev)
+        self._fwd_call(inputs, r, self.moe)
 
     def _graph(self, b: int, read: int, want_routed: bool) -> _Graph:
         key = (b, read, want_routed, self._weights())

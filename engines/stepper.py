@@ -81,6 +81,19 @@ class Stepper:
             self.graphs = PagedDecodeGraphs(model, pool)
         self.overlap = overlap  # engine.overlap_decode
 
+    def warm_up(self) -> None:
+        """Compile and capture the decode forward before serving (`DecodeGraphs.warm_up`); a
+        failure leaves decode eager, as a failed capture at a step does."""
+        g = self.graphs
+        if g is None or g.failed:
+            return
+        try:
+            with BatchInvariant() if self.batch_invariant else contextlib.nullcontext(), torch.inference_mode():
+                g.warm_up()
+        except Exception as exc:  # noqa: BLE001 - a capture the model cannot take: decode eagerly
+            g.failed = True
+            log.warning("decode_graphs_disabled", error=f"{type(exc).__name__}: {exc}")
+
     def can_pipeline(self, seqs: list[Sequence]) -> bool:
         """Whether decode steps of `seqs` may be launched ahead (`launch` / `collect`): decode graphs
         in use over the row pool (a paged pool reserves blocks on the host every step), rows from 0."""

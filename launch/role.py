@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                 if cfg.engine.mps_thread_percent:
                     check_gemms_under_sm_limit(torch.device(cfg.engine.device), cfg.engine.mps_thread_percent)
             engine = ENGINES.get(cfg.engine.type).from_config(cfg.engine, cfg.model)
+            await engine.warm_up()  # before it is found: compiles must not eat the first requests' deadlines
             name = "eval-engine" if a.role == "eval_engine" else f"engine-{a.index}"
             await host.add(EngineActor(engine), name)
         elif a.role == "rollout":

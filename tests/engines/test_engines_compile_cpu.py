@@ -61,3 +61,19 @@ async def test_a_failing_compile_falls_back_to_the_uncompiled_forward(monkeypatc
     assert not graphs.compiled and not graphs.failed  # uncompiled, still the decode graphs' path
     for a, b in zip(plain, fell_back, strict=True):
         assert a.output_ids == b.output_ids and a.logprobs == b.logprobs
+
+
+async def test_warm_up_compiles_before_the_first_request() -> None:
+    model = tiny_model("qwen3", num_hidden_layers=1, hidden_size=48)  # a shape no other test compiled
+    eng = TorchEngine(model, EngineConfig(max_batch_size=4, max_seq_len=64, kv_budget_tokens=0))
+    graphs = eng.stepper.graphs = DecodeGraphs(eng.model, eng.pool, capture=False, compiled=True)
+    before = counters["stats"]["unique_graphs"]
+    try:
+        await eng.warm_up()
+        assert counters["stats"]["unique_graphs"] - before == 1 and graphs.compiled
+        await asyncio.gather(*(eng.generate(GenerateRequest(input_ids=[1, 2, 3 + i],
+                                                            sampling=SamplingParams(max_new_tokens=5)))
+                               for i in range(3)))
+        assert counters["stats"]["unique_graphs"] - before == 1  # the requests reused it
+    finally:
+        await eng.close()

@@ -67,3 +67,20 @@ async def test_padded_decode_of_moe_returns_the_same_routing() -> None:
         assert a.output_ids == b.output_ids
         assert a.routed_experts is not None and b.routed_experts is not None
         assert np.array_equal(a.routed_experts, b.routed_experts)
+
+
+async def test_moe_graphs_serve_requests_with_and_without_routing_together() -> None:
+    """A MoE model's decode graphs always record routing (one graph per bucket for both kinds of
+    request); only the requests that ask for it get it back."""
+    model = tiny_model("qwen3_moe", num_hidden_layers=3, mlp_only_layers=[1])
+    reqs = [r if i % 2 else GenerateRequest(input_ids=r.input_ids, sampling=r.sampling)
+            for i, r in enumerate(_reqs(True)[:4])]
+    plain = await _run(_engine(model, False), reqs)
+    padded = await _run(_engine(model, True), reqs)
+    for i, (a, b) in enumerate(zip(plain, padded, strict=True)):
+        assert a.output_ids == b.output_ids
+        if i % 2:
+            assert a.routed_experts is not None and b.routed_experts is not None
+            assert np.array_equal(a.routed_experts, b.routed_experts)
+        else:
+            assert a.routed_experts is None and b.routed_experts is None
