@@ -43,7 +43,7 @@ class PendingDecode:
     pos: torch.Tensor  # [n] int64 on the device: the positions this step fed
     host: torch.Tensor  # [2, n] float64 (pinned on CUDA): ids and logprobs, copied without blocking
     ready: torch.cuda.Event | None  # recorded after that copy; None on the CPU (already done)
-    routed: bool  # routing was recorded for this step (dropped with it)
+    routed: bool  # routing was appended for this step's routed requests (dropped with the step)
 
 
 class Stepper:
@@ -135,7 +135,7 @@ class Stepper:
             if s.req.return_routed_experts and routed is not None:
                 s.routed.append(routed[i])
             s.kv_len += 1
-        return PendingDecode(seqs, tokens, pos, both, ready, want)
+        return PendingDecode(seqs, tokens, pos, both, ready, routed is not None)
 
     def collect(self, p: PendingDecode) -> StepOut:
         """Wait for a launched step and read its tokens. A sequence that finished after the step
