@@ -413,7 +413,7 @@ def parse_engine_set(items: list[str]) -> dict[str, Any]:
             try:
                 out[key] = type(default)(raw)
             except ValueError:
-                sys.exit(f"--engine-set {item!r}: {key} takes a {type(default).__name__}")
+                sys.exit(f"--engine-set {item!r}: {key} takes a value of type {type(default).__name__}")
     return out
 
 

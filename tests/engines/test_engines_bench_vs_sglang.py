@@ -260,3 +260,13 @@ def test_sglang_that_cannot_start_keeps_the_torch_engine_numbers(tmp_path: Path)
     assert out["cpu_dense_b8_engine_tok_s"] > 0 and "cpu_dense_b8_sglang_tok_s" not in out
     assert not (tmp_path / "dense" / "server.pid").exists()  # the server was stopped (closed)
     assert "cpu_dense_b8_engine_tok_s" in (tmp_path / "out.json").read_text()
+
+
+def test_engine_set_options_are_checked_against_the_engine_config() -> None:
+    got = bench.parse_engine_set(["compile_decode=false", "max_batch_size=4", "kv_layout=paged"])
+    assert got == {"compile_decode": False, "max_batch_size": 4, "kv_layout": "paged"}
+    EngineConfig(**got)  # what the bench passes on
+    for bad, says in (("no_such_option=1", "EngineConfig's fields"), ("overlap_decode=yes", "true or false"),
+                      ("max_batch_size=many", "of type int"), ("compile_decode", "KEY=VALUE")):
+        with pytest.raises(SystemExit, match=says):
+            bench.parse_engine_set([bad])
