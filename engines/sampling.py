@@ -68,7 +68,8 @@ def sample_tokens(
     else:
         tokens = torch.argmax(scaled, dim=-1)
         if rows:
-            tokens[to_device(rows, logits.device, torch.long)] = _sample(scaled, rows, params, generators, shared)
+            at = to_device(rows, logits.device, torch.long)
+            tokens[at] = _sample(scaled.index_select(0, at), rows, params, generators, shared)
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
@@ -93,21 +94,23 @@ def choose_tokens(
 
 
 def _sample(
-    scaled: torch.Tensor,
+    sub: torch.Tensor,
     rows: list[int] | None,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     shared: torch.Generator | None,
 ) -> torch.Tensor:
-    """Token ids of `rows` (None: every row), each drawn from softmax of its (truncated) scaled
-    logits with its own generator: argmax(p / E), E ~ Exp(1) drawn from the row's generator,
-    which is what `torch.multinomial(p, 1, generator=g)` computes (the same ids for the same
-    seed), with one batched softmax and argmax and no host sync per row (multinomial checks
-    its input with one)."""
+    """Token ids of `rows` (None: every row), whose scaled logits are `sub` (one row each, a
+    fresh tensor when rows are picked; else the batch's, which may be the logits themselves),
+    each drawn from softmax of its (truncated) scaled logits with its own generator:
+    argmax(p / E), E ~ Exp(1) drawn from the row's generator, which is what
+    `torch.multinomial(p, 1, generator=g)` computes (the same ids for the same seed), with one
+    batched softmax and argmax and no host sync per row (multinomial checks its input with one)."""
+    every = rows is None
     rows = list(range(len(params))) if rows is None else rows
     truncated = [j for j, i in enumerate(rows) if params[i].top_k > 0 or params[i].top_p < 1.0]
-    # a copy only where rows are picked or truncated in place (scaled may be the logits themselves)
-    sub = scaled[rows] if len(rows) < scaled.shape[0] else scaled.clone() if truncated else scaled
+    if every and truncated:  # truncation writes in place: not into the logits
+        sub = sub.clone()
     for j in truncated:
         p = params[rows[j]]
         sub[j] = _truncate(sub[j], p.top_k, p.top_p)

@@ -91,3 +91,18 @@ def test_non_finite_logits_are_an_error() -> None:
     logits[1, 3] = float("nan")
     with pytest.raises(ValueError, match="non-finite"):
         choose_tokens(logits, [SamplingParams(temperature=0.0)] * 2, [None, None])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_all_rows_sampled_with_truncation_equal_multinomial_and_leave_the_logits(device: str) -> None:
+    """Every row sampling (the RL case) takes the path without a row index; truncation must then
+    work on a copy, not on the caller's logits (e.g. a decode graph's static output)."""
+    g = torch.Generator().manual_seed(3)
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p)
+              for t, k, p in [(1.0, 5, 1.0), (1.0, 0, 0.9), (1.0, 0, 1.0), (1.0, 20, 0.95)]]  # T = 1: scaled is the logits
+    dev = torch.device(device)
+    logits = (torch.randn(len(params), 2048, generator=g) * 3).to(device)
+    before = logits.clone()
+    ids, _ = choose_tokens(logits, params, [make_generator(10 + i, dev) for i in range(len(params))])
+    assert ids == one_by_one(logits, params, [make_generator(10 + i, dev) for i in range(len(params))])
+    assert torch.equal(logits, before)
