@@ -32,6 +32,7 @@ import torch
 
 from miles.core.logging import get_logger
 from miles.engines.kv_cache import RowPool
+from miles.engines.sampling import to_device
 from miles.models.decoder import CausalLM
 from miles.models.masks import cached_causal_mask
 
@@ -90,19 +91,9 @@ class DecodeGraphs:
         """Decode rows 0..n-1 (last token ids, cached lengths) -> (logits [n, V], routed [n, 1, L, k]).
 
         The logits are the graph's static output, valid until the next replay; routed is a copy."""
-        n = len(ids)
-        b, r = self.buckets(n, max(lens) + 1)
-        host = torch.full((2, b), self.scratch, dtype=torch.long)
-        host[0] = 0
-        host[0, :n] = torch.tensor(ids)
-        host[1, :n] = torch.tensor(lens)
-        if not self.capture:
-            logits, routed = self._fwd_call(host.to(self.pool.k[0].device), r, self._routed(want_routed))
-            return logits[:n], None if routed is None or not want_routed else routed[:n]
-        g = self._graph(b, r, self._routed(want_routed))
-        g.inputs.copy_(host)
-        g.graph.replay()
-        return g.logits[:n], None if g.routed is None or not want_routed else g.routed[:n].clone()
+        dev = self.pool.k[0].device
+        return self.run_fed(to_device(ids, dev, torch.long), to_device(lens, dev, torch.long), max(lens) + 1,
+                            want_routed)
 
     def run_fed(
         self, ids: torch.Tensor, pos: torch.Tensor, read: int, want_routed: bool
@@ -113,18 +104,19 @@ class DecodeGraphs:
         n = ids.shape[0]
         b, r = self.buckets(n, read)
         if not self.capture:
-            inputs = torch.stack((ids, pos))
             pad = torch.tensor([[0], [self.scratch]], dtype=torch.long, device=ids.device).expand(2, b - n)
-            logits, routed = self._fwd_call(torch.cat((inputs, pad), dim=1), r, self._routed(want_routed))
-            return logits[:n], None if routed is None or not want_routed else routed[:n]
-        g = self._graph(b, r, self._routed(want_routed))
-        g.inputs[0, :n].copy_(ids)
-        g.inputs[1, :n].copy_(pos)
-        if n < b:  # pad rows: token 0 at the scratch column (a bucket's inputs may hold another batch's rows)
-            g.inputs[0, n:].zero_()
-            g.inputs[1, n:].fill_(self.scratch)
-        g.graph.replay()
-        return g.logits[:n], None if g.routed is None or not want_routed else g.routed[:n].clone()
+            logits, routed = self._fwd_call(torch.cat((torch.stack((ids, pos)), pad), dim=1), r,
+                                            self._routed(want_routed))
+        else:
+            g = self._graph(b, r, self._routed(want_routed))
+            g.inputs[0, :n].copy_(ids)
+            g.inputs[1, :n].copy_(pos)
+            if n < b:  # pad rows: token 0 at the scratch column (a bucket's inputs may hold another batch's rows)
+                g.inputs[0, n:].zero_()
+                g.inputs[1, n:].fill_(self.scratch)
+            g.graph.replay()
+            logits, routed = g.logits, None if g.routed is None or not want_routed else g.routed[:n].clone()
+        return logits[:n], None if routed is None or not want_routed else routed[:n]
 
     def _routed(self, want: bool) -> bool:
         """Whether the forward records routing: always for a MoE model (a few ids per token), so

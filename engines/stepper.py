@@ -46,6 +46,15 @@ class PendingDecode:
     routed: bool  # routing was appended for this step's routed requests (dropped with the step)
 
 
+def _fed_one(seqs: list[Sequence], routed: torch.Tensor | None) -> None:
+    """A decode step fed each sequence one token: its KV grew by one, and a routed request keeps
+    the step's routing ([n, 1, L, k], row i for seqs[i])."""
+    for i, s in enumerate(seqs):
+        if s.req.return_routed_experts and routed is not None:
+            s.routed.append(routed[i])
+        s.kv_len += 1
+
+
 class Stepper:
     def __init__(
         self,
@@ -81,6 +90,16 @@ class Stepper:
             self.graphs = PagedDecodeGraphs(model, pool)
         self.overlap = overlap  # engine.overlap_decode
 
+    def _mode(self) -> contextlib.AbstractContextManager[object]:
+        """The kernels' mode for a step: batch-invariant (true on-policy) or the default ops."""
+        return BatchInvariant() if self.batch_invariant else contextlib.nullcontext()
+
+    def _graphs_failed(self, exc: Exception) -> None:
+        """A capture the model cannot take: decode eagerly from now on."""
+        assert self.graphs is not None
+        self.graphs.failed = True
+        log.warning("decode_graphs_disabled", error=f"{type(exc).__name__}: {exc}")
+
     def warm_up(self) -> None:
         """Compile and capture the decode forward before serving (`DecodeGraphs.warm_up`); a
         failure leaves decode eager, as a failed capture at a step does."""
@@ -88,11 +107,10 @@ class Stepper:
         if g is None or g.failed:
             return
         try:
-            with BatchInvariant() if self.batch_invariant else contextlib.nullcontext(), torch.inference_mode():
+            with self._mode(), torch.inference_mode():
                 g.warm_up()
-        except Exception as exc:  # noqa: BLE001 - a capture the model cannot take: decode eagerly
-            g.failed = True
-            log.warning("decode_graphs_disabled", error=f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - decode eagerly instead
+            self._graphs_failed(exc)
 
     def can_pipeline(self, seqs: list[Sequence]) -> bool:
         """Whether decode steps of `seqs` may be launched ahead (`launch` / `collect`): decode graphs
@@ -109,8 +127,7 @@ class Stepper:
         reads `prev`; the ids of rows that `prev` finishes are computed and then dropped (`collect`).
         None when the decode graphs fail (the engine decodes eagerly from then on, as `step` does)."""
         assert self.graphs is not None
-        mode = BatchInvariant() if self.batch_invariant else contextlib.nullcontext()
-        with mode:
+        with self._mode():
             want = any(s.req.return_routed_experts for s in seqs)
             if prev is None:
                 ids = to_device([s.tokens[-1] for s in seqs], self.device, torch.long)
@@ -119,9 +136,8 @@ class Stepper:
                 ids, pos = prev.tokens, prev.pos + 1
             try:
                 logits, routed = self.graphs.run_fed(ids, pos, max(s.kv_len for s in seqs) + 1, want)
-            except Exception as exc:  # noqa: BLE001 - a capture the model cannot take: decode eagerly from now on
-                self.graphs.failed = True
-                log.warning("decode_graphs_disabled", error=f"{type(exc).__name__}: {exc}")
+            except Exception as exc:  # noqa: BLE001 - decode eagerly instead
+                self._graphs_failed(exc)
                 return None
             tokens, logps = sample_tokens(logits, [s.req.sampling for s in seqs], [s.generator for s in seqs],
                                           self.rng)
@@ -131,10 +147,7 @@ class Stepper:
                 both = both.to("cpu", non_blocking=True)  # into pinned memory
                 ready = torch.cuda.Event()
                 ready.record()
-        for i, s in enumerate(seqs):
-            if s.req.return_routed_experts and routed is not None:
-                s.routed.append(routed[i])
-            s.kv_len += 1
+        _fed_one(seqs, routed)
         return PendingDecode(seqs, tokens, pos, both, ready, routed is not None)
 
     def collect(self, p: PendingDecode) -> StepOut:
@@ -157,8 +170,7 @@ class Stepper:
     @torch.inference_mode()
     def step(self, decode: list[Sequence], prefill: list[Sequence]) -> StepOut:
         out: StepOut = {}
-        mode = BatchInvariant() if self.batch_invariant else contextlib.nullcontext()
-        with mode:  # entered here: the step runs in the engine's worker thread
+        with self._mode():  # entered here: the step runs in the engine's worker thread
             if prefill:
                 out.update(self._prefill(prefill))
             if decode:
@@ -233,10 +245,7 @@ class Stepper:
     def _decode(self, seqs: list[Sequence]) -> StepOut:
         want = any(s.req.return_routed_experts for s in seqs)
         logits, routed = self._decode_forward(seqs, want)
-        for i, s in enumerate(seqs):
-            if s.req.return_routed_experts and routed is not None:
-                s.routed.append(routed[i])
-            s.kv_len += 1
+        _fed_one(seqs, routed)
         live = [i for i, s in enumerate(seqs) if not s.flushing]
         if len(live) == len(seqs):  # the usual case: no gather of the logits
             return self._choose(seqs, logits)
@@ -254,9 +263,8 @@ class Stepper:
                 if self.pool.reserves:  # blocks and tables, outside the graph
                     self.pool.prepare(0, lens)
                 return self.graphs.run([s.tokens[-1] for s in seqs], lens, want)
-            except Exception as exc:  # noqa: BLE001 - a capture the model cannot take: decode eagerly from now on
-                self.graphs.failed = True
-                log.warning("decode_graphs_disabled", error=f"{type(exc).__name__}: {exc}")
+            except Exception as exc:  # noqa: BLE001 - decode eagerly instead
+                self._graphs_failed(exc)
         dev = self.device
         lens = torch.tensor([s.kv_len for s in seqs], device=dev)
         ids = torch.tensor([[s.tokens[-1]] for s in seqs], device=dev)
