@@ -125,7 +125,7 @@ class DecodeGraphs:
 
     def warm_up(self) -> None:
         """Compile (engine.compile_decode) and capture the smallest bucket now, before requests
-        arrive: the compile takes 30-100 s on an H200, which at the first decode step would count
+        arrive: the compile takes 50-110 s on an H200 for the bench models, which at the first decode step would count
         against the first requests' deadlines. Later buckets reuse the compile."""
         b, r = self.buckets(2, 1)
         if self.capture:

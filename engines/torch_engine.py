@@ -282,7 +282,7 @@ class TorchEngine(Engine):
         return {k: v.detach().clone() for k, v in hf_tensor_views(self.model).items()}
 
     async def warm_up(self) -> None:
-        """Compile and capture the decode graphs now (engine.compile_decode: 30-100 s on an H200)."""
+        """Compile and capture the decode graphs now (engine.compile_decode: 50-110 s on an H200 for the bench models)."""
         if self.stepper.graphs is None:
             return
         t0 = time.monotonic()

@@ -63,8 +63,8 @@ class EngineConfig:
         True,
         "torch engine on CUDA with cuda_graphs over kv_layout=rows, outside batch_invariant: torch.compile the "
         "decode forward before capturing it (fused norms, rotary, activations; a MoE model's experts run densely "
-        "on the decode batch). One dynamic-shape compile per process, made before the engine serves (30-100 s on "
-        "an H200, Engine.warm_up); a compile that fails falls back to the uncompiled graphs",
+        "on the decode batch). One dynamic-shape compile per process, made before the engine serves (50-110 s on "
+        "an H200 for bench/engine.py's models, Engine.warm_up); a compile that fails falls back to the uncompiled graphs",
     )
     overlap_decode: bool = opt(
         True,
