@@ -23,6 +23,7 @@ from miles.models.arch_config import (
     sliding_fields,
 )
 from miles.models.rope import RopeSpec
+from miles.models.vl_config import VL_TYPES, VisionSpec, text_view, vl_fields
 
 # HF architecture class name -> model_type; the families miles implements.
 ARCHITECTURES: dict[str, str] = {
@@ -34,6 +35,9 @@ ARCHITECTURES: dict[str, str] = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "GptOssForCausalLM": "gpt_oss",
     "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    # miles-defined: Qwen2.5-VL's tower and M-RoPE over a Qwen3-MoE-style language side (models/vl_config.py)
+    "Qwen2_5_VLMoeForConditionalGeneration": "qwen2_5_vl_moe",
 }
 MODEL_TYPES: dict[str, str] = {v: k for k, v in ARCHITECTURES.items()}
 
@@ -74,6 +78,7 @@ class ModelSpec:
     mla: MLASpec | None = None
     deltanet: DeltaNetDims | None = None  # qwen3_next: dims of its Gated DeltaNet layers
     linear_layers: tuple[int, ...] = ()  # qwen3_next: the Gated DeltaNet layers
+    vision: VisionSpec | None = None  # qwen2_5_vl(_moe): the vision tower and M-RoPE (models/vl_config.py)
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -117,6 +122,9 @@ class ModelSpec:
         if not isinstance(cfg, dict):
             raise ConfigError(f"model config must be a dict (config.json), got {type(cfg).__name__}")
         model_type = _model_type(cfg)
+        nested = cfg
+        if model_type in VL_TYPES:  # the language side is parsed from the flat text view
+            cfg = text_view(cfg)
 
         def get(key: str, default: Any = ..., kind: type | tuple[type, ...] = int) -> Any:
             if key not in cfg or cfg[key] is None:
@@ -155,6 +163,8 @@ class ModelSpec:
             extra.update(gpt_oss_fields(cfg, n_layers, get))
         if model_type == "qwen3_next":
             extra.update(qwen3_next_fields(cfg, n_layers, get))
+        if model_type in VL_TYPES:
+            extra.update(vl_fields(nested, cfg, head_dim))
         rope_dim = extra["mla"].qk_rope_head_dim if "mla" in extra else head_dim
         rope = RopeSpec.from_hf(cfg, model_type, rope_dim)
         rope_theta = rope.theta
@@ -172,14 +182,14 @@ class ModelSpec:
             rope_theta=rope_theta,
             max_position_embeddings=get("max_position_embeddings", 32768),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=True if model_type == "qwen2" else attn_bias,
-            o_bias=False if model_type in ("qwen2", "glm4_moe") else attn_bias,
+            qkv_bias=True if model_type in ("qwen2", *VL_TYPES) else attn_bias,
+            o_bias=False if model_type in ("qwen2", "glm4_moe", *VL_TYPES) else attn_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)) if model_type == "llama" else False,
             qk_norm=model_type in ("qwen3", "qwen3_moe") or bool(cfg.get("use_qk_norm", False)),
             rope=None if rope.rope_type == "default" and rope.dim == head_dim else rope,
             **extra,
         )
-        if model_type in ("qwen3_moe", "qwen3_next"):
+        if model_type in ("qwen3_moe", "qwen3_next", "qwen2_5_vl_moe"):
             n_exp = cfg.get("num_experts", cfg.get("num_local_experts"))
             if not isinstance(n_exp, int) or n_exp < 0:
                 raise ConfigError(f"model config (qwen3_moe): num_experts={n_exp!r} must be an int >= 0")
@@ -204,7 +214,7 @@ class ModelSpec:
                 norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
                 moe_layers=moe_layers,
             )
-        out = dict(cfg)
+        out = dict(nested)
         out.setdefault("architectures", [MODEL_TYPES[model_type]])
         out.setdefault("model_type", model_type)
         return cls(**spec, hf_config=out)

@@ -221,6 +221,8 @@ class CausalLM(nn.Module):
         target_ids: torch.Tensor | None = None,
         temperature: float = 1.0,
         return_entropy: bool = False,
+        inputs_embeds: torch.Tensor | None = None,
+        rope_position_ids: torch.Tensor | None = None,
     ) -> CausalLMOutput:
         """Run the LM.
 
@@ -248,6 +250,10 @@ class CausalLM(nn.Module):
             the per-token logprobs of these tokens under softmax(logits / temperature)
             (`out.logprobs`, and `out.entropy` with `return_entropy`), computed by the chunked
             head (models/chunked_logprobs.py) without materialising [M, V] logits.
+        inputs_embeds: [B, T, H] used instead of the token embeddings (a VL model's image
+            features scattered in, models/qwen2_5_vl.py); input_ids still give the shape.
+        rope_position_ids: [3, B, T] multimodal rotary positions (M-RoPE) for the rotary tables;
+            position_ids keep giving the sequence index for masks and windows.
         """
         spec = self.spec
         if input_ids.dim() != 2:
@@ -294,7 +300,7 @@ class CausalLM(nn.Module):
                     f"target_ids must be [M]=({m},) matching logits_index (not logits_at), "
                     f"got shape {tuple(target_ids.shape)}"
                 )
-        h = self.model.embed_tokens(input_ids)
+        h = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         bias: torch.Tensor | PackedSeqs | None = packed
         window_bias = None
         if attention_mask is not None:
@@ -302,7 +308,8 @@ class CausalLM(nn.Module):
         if spec.sliding_layers:
             window = sliding_window_mask(attention_mask, position_ids, kv_cache is not None, spec.sliding_window)
             window_bias = grouped_bias(window, spec.attn_groups, h.dtype)
-        cos, sin = rotary_tables(*self.model.rotary(position_ids, h.dtype))
+        rope_pos = position_ids if rope_position_ids is None else rope_position_ids
+        cos, sin = rotary_tables(*self.model.rotary(rope_pos, h.dtype))
         used: list[torch.Tensor] = []
         j = 0
         for layer in self.model.layers:

@@ -26,6 +26,8 @@ MODELS = Registry(
         "DeepseekV3ForCausalLM": "miles.models.decoder:CausalLM",
         "GptOssForCausalLM": "miles.models.decoder:CausalLM",
         "Qwen3NextForCausalLM": "miles.models.decoder:CausalLM",
+        "Qwen2_5_VLForConditionalGeneration": "miles.models.qwen2_5_vl:VLCausalLM",
+        "Qwen2_5_VLMoeForConditionalGeneration": "miles.models.qwen2_5_vl:VLCausalLM",
     },
 )
 
