@@ -18,6 +18,7 @@ import torch
 
 from miles.core.clock import new_id
 from miles.core.hooks import Registry
+from miles.core.images import ImageInput
 
 FinishReason = Literal["stop", "length", "abort"]
 PauseMode = Literal["abort", "retract", "in_place"]
@@ -48,6 +49,9 @@ class GenerateRequest:
     session_key: str | None = None  # keeps this session's KV for the next turn (prefix reuse)
     return_routed_experts: bool = False
     request_id: str = field(default_factory=lambda: new_id("req-"))
+    # every image of input_ids, in order (a VL model); the ids hold each image's placeholders
+    # already expanded (core/images.py), so engine and trainer see the same token ids
+    images: ImageInput | None = None
 
 
 @dataclass

@@ -49,18 +49,19 @@ class PromptShare:
         first (contiguous rows; they prefill), then each leader's followers in a run (marked by
         `share_from`). `restores(seq)`: it has a stored session, which it restores instead."""
         for seq in taken:
-            seq.prompt_key = tuple(seq.tokens) if self.enabled else None
+            # a request with images never shares: equal placeholder ids may stand for other pixels
+            seq.prompt_key = tuple(seq.tokens) if self.enabled and seq.req.images is None else None
         if not self.enabled or len(taken) < 2:
             return taken
         leaders: dict[tuple[int, ...], Sequence] = {}
         followers: dict[int, list[Sequence]] = {}  # id(leader) -> its followers
         order: list[Sequence] = []
         for seq in taken:
-            assert seq.prompt_key is not None
-            lead = None if restores(seq) else leaders.get(seq.prompt_key)
+            key = seq.prompt_key
+            lead = None if restores(seq) or key is None else leaders.get(key)
             if lead is None:
-                if not restores(seq):
-                    leaders[seq.prompt_key] = seq
+                if not restores(seq) and key is not None:
+                    leaders[key] = seq
                 order.append(seq)
             else:
                 seq.share_from = lead

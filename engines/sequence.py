@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from miles.engines.base import FinishReason, GenerateRequest, GenerateResult
+from miles.engines.vl_inputs import VLState
 from miles.models.config import ModelSpec
 from miles.models.moe import compact_expert_ids, expert_id_dtype
 
@@ -38,6 +39,7 @@ class Sequence:
     flushing: bool = False  # finished; fed once more so its last token's KV/routing exist
     abort_requested: bool = False
     done_pending: bool = False  # finished in the worker; the loop finalizes it
+    vl: VLState | None = None  # a VL model's image features and M-RoPE positions (engines/vl_inputs.py)
 
     @property
     def wants_flush(self) -> bool:

@@ -24,6 +24,7 @@ from miles.engines.sampling import (
     to_device,
 )
 from miles.engines.sequence import Sequence
+from miles.engines.vl_inputs import choose_unbanned, decode_positions, is_vl, prefill_inputs
 from miles.models.decoder import CausalLM
 from miles.models.invariant import BatchInvariant, triton_kernels
 from miles.models.masks import cached_causal_mask
@@ -78,7 +79,9 @@ class Stepper:
         # without an invariant kernel fails its capture, and decode stays eager (DecodeGraphs.failed).
         # Qwen3-Next's DeltaNet recurrence reduces with torch ops over the graph's padded batch, which
         # the kernels do not cover: it decodes eagerly in this mode.
-        use_graphs = cuda_graphs and device.type == "cuda" and (
+        # a VL model decodes eagerly: its rotary positions (kv_len + delta) are not the graphs' KV slots
+        self.vl = is_vl(model)
+        use_graphs = cuda_graphs and device.type == "cuda" and not self.vl and (
             not batch_invariant or (triton_kernels() is not None and model.spec.model_type != "qwen3_next"))
         # compile_decode stays off under batch-invariant mode (its kernels intercept the eager ops);
         # a MoE model's experts run densely under the compile's trace, as in a capture (models/moe.py)
@@ -227,6 +230,7 @@ class Stepper:
         write = torch.where(real, pos, torch.full_like(pos, scratch))
         read = max(len(s.tokens) for s in seqs)
         self.pool.bind(seqs[0].row, write, read)
+        extra = prefill_inputs(self.model, seqs, ids, new_lens) if self.vl else {}  # type: ignore[arg-type]
         res = self.model(
             ids,
             pos,
@@ -234,6 +238,7 @@ class Stepper:
             kv_cache=self.pool,
             return_routed_experts=want,
             logits_at=torch.tensor(new_lens, device=dev) - 1,
+            **extra,
         )
         for i, s in enumerate(seqs):
             if s.req.return_routed_experts and res.routed_experts is not None:
@@ -273,17 +278,22 @@ class Stepper:
         # rows of one length (e.g. the samples of one prompt, decoding in lockstep) attend
         # to every cached key: no mask to build, and attention takes its unmasked kernel
         uniform = all(s.kv_len == seqs[0].kv_len for s in seqs)
+        extra = {"rope_position_ids": decode_positions(seqs, lens)} if self.vl else {}
         res = self.model(
             ids,
             lens[:, None],
             attention_mask=None if uniform else cached_causal_mask(lens, 1, read),
             kv_cache=self.pool,
             return_routed_experts=want,
+            **extra,
         )
         assert res.logits is not None
         return res.logits[:, 0], res.routed_experts
 
     def _choose(self, seqs: list[Sequence], logits: torch.Tensor) -> StepOut:
         params, gens = [s.req.sampling for s in seqs], [s.generator for s in seqs]
-        tokens, logps = choose_tokens(logits, params, gens, self.rng)
+        if self.vl:  # a VL model never samples an image placeholder (engines/vl_inputs.py)
+            tokens, logps = choose_unbanned(self.model, logits, params, gens, self.rng)
+        else:
+            tokens, logps = choose_tokens(logits, params, gens, self.rng)
         return {s: (t, lp) for s, t, lp in zip(seqs, tokens, logps, strict=True)}

@@ -37,6 +37,7 @@ from miles.engines.sampling import make_generator
 from miles.engines.sequence import Sequence
 from miles.engines.stepper import StepOut, Stepper
 from miles.engines.validate import validate_request
+from miles.engines.vl_inputs import check_request, is_vl
 from miles.engines.weights import WeightStager
 from miles.models.decoder import CausalLM
 from miles.models.factory import model_from_config
@@ -71,6 +72,8 @@ class TorchEngine(Engine):
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.max_seq_len = min(self.cfg.max_seq_len, self.spec.max_position_embeddings)
+        if is_vl(model) and self.cfg.kv_layout == "paged":
+            raise EngineError("engine.kv_layout='paged' does not serve vision-language models yet; use 'rows'")
         self.pool: KVPool
         if self.cfg.kv_layout == "paged":
             tokens = self.cfg.kv_pool_tokens or self.cfg.max_batch_size * self.max_seq_len
@@ -113,6 +116,7 @@ class TorchEngine(Engine):
         if self._closed:
             raise EngineError("engine is closed")
         validate_request(req, self.spec.vocab_size, self.max_seq_len)
+        check_request(req, self.model)
         self.pool.check_fits(req)
         if len(self._queue) >= self.cfg.max_queue:
             raise EngineError(f"engine queue is full ({self.cfg.max_queue} requests waiting)")

@@ -109,5 +109,33 @@ def tiny_config(arch: str, vocab_size: int = 256, **overrides: Any) -> dict[str,
             rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                              "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0},
         )
+    if model_type in ("qwen2_5_vl", "qwen2_5_vl_moe"):
+        return _vl(cfg, model_type, vocab_size, overrides)
     cfg.update(overrides)
     return cfg
+
+
+_VL_TOP = ("vision_config", "image_token_id", "vision_start_token_id", "vision_end_token_id", "tie_word_embeddings")
+
+
+def _vl(text: dict[str, Any], model_type: str, vocab_size: int, overrides: dict[str, Any]) -> dict[str, Any]:
+    """A tiny Qwen2.5-VL-style config: the language side nested as `text_config` (M-RoPE over
+    head_dim 16: 2 + 3 + 3 pairs), a 2-block tower (patch 4, 2 frames, merge 2, 16-pixel
+    windows, block 1 full attention); image / vision start / end ids are the last three ids."""
+    text.update(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                rms_norm_eps=1e-5)
+    if model_type == "qwen2_5_vl_moe":
+        text.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                    decoder_sparse_step=1, mlp_only_layers=[])
+    text.update({k: v for k, v in overrides.items() if k not in _VL_TOP})
+    top = {k: v for k, v in overrides.items() if k in _VL_TOP}
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, temporal_patch_size=2,
+                  spatial_merge_size=2, window_size=16, out_hidden_size=text["hidden_size"],
+                  fullatt_block_indexes=[1], in_channels=3, hidden_act="silu")
+    vision.update(top.pop("vision_config", {}))
+    return {
+        "architectures": text["architectures"], "model_type": model_type,
+        "image_token_id": vocab_size - 1, "vision_start_token_id": vocab_size - 3,
+        "vision_end_token_id": vocab_size - 2, "tie_word_embeddings": bool(text.get("tie_word_embeddings")),
+        **top, "text_config": text, "vision_config": vision,
+    }
