@@ -29,6 +29,7 @@ from miles.actors.messages import (
 from miles.actors.runtime.actor import Actor, handler
 from miles.actors.sync_messages import BulkClose, BulkOpen, BulkPlan, BulkRecv, FlatRange, Stage
 from miles.core.errors import EngineError, PlanMissing, SyncError
+from miles.core.images import ImageInput
 from miles.core.logging import get_logger
 from miles.engines.base import Engine, GenerateRequest, GenerateResult, SamplingParams
 from miles.engines.weights import WeightStager
@@ -58,6 +59,10 @@ def sampling_from_wire(d: dict[str, Any]) -> SamplingParams:
     return SamplingParams(**d)
 
 
+def images_from_wire(d: dict[str, Any] | None) -> ImageInput | None:
+    return None if d is None else ImageInput.from_wire(d, "Generate.images")
+
+
 class EngineActor(Actor):
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -78,7 +83,7 @@ class EngineActor(Actor):
     @handler(Generate, concurrency=1024)
     async def generate(self, msg: Generate) -> dict[str, Any]:
         req = GenerateRequest(msg.input_ids, sampling_from_wire(msg.sampling), msg.session_key,
-                              msg.return_routed_experts)
+                              msg.return_routed_experts, images=images_from_wire(msg.images))
         if msg.request_id:
             req.request_id = msg.request_id
         return result_to_wire(await self.engine.generate(req))
@@ -87,13 +92,18 @@ class EngineActor(Actor):
     async def generate_many(self, msg: GenerateMany) -> list[dict[str, Any]]:
         if len(msg.input_ids) != len(msg.sampling):
             raise EngineError(f"GenerateMany: {len(msg.input_ids)} prompts for {len(msg.sampling)} samplings")
+        images = msg.images or [None] * len(msg.input_ids)
+        if len(images) != len(msg.input_ids):
+            raise EngineError(f"GenerateMany: {len(msg.input_ids)} prompts for {len(images)} image sets")
 
-        async def one(ids: list[int], sampling: dict[str, Any]) -> dict[str, Any]:
-            req = GenerateRequest(ids, sampling_from_wire(sampling), None, msg.return_routed_experts)
+        async def one(ids: list[int], sampling: dict[str, Any], imgs: dict[str, Any] | None) -> dict[str, Any]:
+            req = GenerateRequest(ids, sampling_from_wire(sampling), None, msg.return_routed_experts,
+                                  images=images_from_wire(imgs))
             return result_to_wire(await self.engine.generate(req))
 
         # Submitted together, so the engine admits them in one step (and shares their prompt).
-        done = await asyncio.gather(*(one(i, s) for i, s in zip(msg.input_ids, msg.sampling, strict=True)),
+        done = await asyncio.gather(*(one(i, s, m) for i, s, m in zip(msg.input_ids, msg.sampling, images,
+                                                                      strict=True)),
                                     return_exceptions=True)
         out: list[dict[str, Any]] = []
         for r in done:

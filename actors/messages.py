@@ -20,6 +20,8 @@ class Generate:
     session_key: str | None = None
     return_routed_experts: bool = False
     request_id: str = ""
+    # a VL request's images ({pixels, grid} numpy arrays: zero-copy frames, core/images.py)
+    images: dict[str, Any] | None = None
 
 
 @message("engine.GenerateMany")
@@ -32,6 +34,7 @@ class GenerateMany:
     input_ids: list[list[int]]
     sampling: list[dict[str, Any]]
     return_routed_experts: bool = False
+    images: list[dict[str, Any] | None] = field(default_factory=list)  # per request; empty = none
 
 
 @message("engine.Pause")

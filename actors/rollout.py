@@ -33,6 +33,7 @@ from miles.actors.runtime.actor import Actor, handler
 from miles.core.errors import KNOWN_ERRORS, ActorDeadError, EngineError, RemoteError
 from miles.core.files import atomic_write_text
 from miles.core.hooks import resolve_hook
+from miles.core.images import ImageInput
 from miles.core.logging import get_logger
 from miles.core.schema import MilesConfig
 from miles.rollout.buffer import RolloutBuffer, Work
@@ -48,7 +49,8 @@ _DEAD_ENGINE_BACKOFF_S = 0.5
 log = get_logger("miles.rollout")
 
 # A request waiting to be sent: (prompt ids, sampling params, the future its reply lands in).
-_Queued = tuple[list[int], dict[str, Any], "asyncio.Future[dict[str, Any]]"]
+# (ids, sampling, future, a VL request's images on the wire or None)
+_Queued = tuple[list[int], dict[str, Any], "asyncio.Future[dict[str, Any]]", dict[str, Any] | None]
 
 
 def _item_error(r: dict[str, Any]) -> Exception:
@@ -204,14 +206,16 @@ class RolloutActor(Actor):
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
-    async def _engine_call(self, key: str, prompt_ids: list[int], sampling: dict[str, Any]) -> EngineOutput:
+    async def _engine_call(self, key: str, prompt_ids: list[int], sampling: dict[str, Any],
+                           images: ImageInput | None = None) -> EngineOutput:
         params = {**self.sampling, **sampling}
         budget = int(params["max_new_tokens"])
         ids: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
         while True:
-            r = await self._generate_once(key, prompt_ids + ids, {**params, "max_new_tokens": budget - len(ids)})
+            r = await self._generate_once(key, prompt_ids + ids, {**params, "max_new_tokens": budget - len(ids)},
+                                          images)
             ids += r["output_ids"]
             logprobs += r["logprobs"]
             versions += r["versions"]
@@ -232,18 +236,19 @@ class RolloutActor(Actor):
         self.gen_tokens += len(ids)
         return EngineOutput(ids, logprobs, finish, versions, routed)
 
-    async def _generate_once(self, key: str, input_ids: list[int], sampling: dict[str, Any]) -> dict[str, Any]:
+    async def _generate_once(self, key: str, input_ids: list[int], sampling: dict[str, Any],
+                             images: ImageInput | None = None) -> dict[str, Any]:
         engine = self.router.route(key, len(input_ids))
         cached: int | None = None
         try:
-            r = await self._queue_generate(engine, input_ids, sampling)
+            r = await self._queue_generate(engine, input_ids, sampling, images)
             cached = int(r["cached_tokens"])
         finally:
             self.router.finish(engine, len(input_ids), cached)
         return r
 
-    def _queue_generate(self, engine: str, input_ids: list[int],
-                        sampling: dict[str, Any]) -> asyncio.Future[dict[str, Any]]:
+    def _queue_generate(self, engine: str, input_ids: list[int], sampling: dict[str, Any],
+                        images: ImageInput | None = None) -> asyncio.Future[dict[str, Any]]:
         """Queue one request for `engine`; the requests queued in one loop iteration go out as
         one message. A group's n trajectories start together and reach here in the same
         iteration, so a group costs one message each way instead of n (~0.1 ms CPU per message
@@ -254,7 +259,7 @@ class RolloutActor(Actor):
         if queued is None:
             queued = self._queued[engine] = []
             loop.call_soon(self._send_queued, engine)
-        queued.append((input_ids, sampling, fut))
+        queued.append((input_ids, sampling, fut, None if images is None else images.to_wire()))
         return fut
 
     def _send_queued(self, engine: str) -> None:
@@ -269,14 +274,16 @@ class RolloutActor(Actor):
         rr = self.cfg.trainer.routing_replay
         try:
             if len(batch) == 1:
-                replies = [await self.ref(engine).ask(Generate(batch[0][0], batch[0][1], None, rr), timeout=timeout)]
+                replies = [await self.ref(engine).ask(Generate(batch[0][0], batch[0][1], None, rr, images=batch[0][3]),
+                                                      timeout=timeout)]
             else:
+                imgs = [q[3] for q in batch] if any(q[3] is not None for q in batch) else []
                 replies = await self.ref(engine).ask(
-                    GenerateMany([q[0] for q in batch], [q[1] for q in batch], rr), timeout=timeout)
+                    GenerateMany([q[0] for q in batch], [q[1] for q in batch], rr, imgs), timeout=timeout)
                 if len(replies) != len(batch):
                     raise EngineError(f"{engine}: {len(replies)} replies to {len(batch)} requests")
         except BaseException as exc:
-            for _, _, fut in batch:  # every request of the message fails as its own ask would
+            for _, _, fut, _ in batch:  # every request of the message fails as its own ask would
                 if not fut.done():
                     if isinstance(exc, Exception):
                         fut.set_exception(exc)
@@ -285,7 +292,7 @@ class RolloutActor(Actor):
             if not isinstance(exc, Exception):
                 raise
             return
-        for (_, _, fut), r in zip(batch, replies, strict=True):
+        for (_, _, fut, _), r in zip(batch, replies, strict=True):
             if not fut.done():
                 if "error_type" in r:
                     fut.set_exception(_item_error(r))
@@ -295,8 +302,8 @@ class RolloutActor(Actor):
     async def _run(self, work: Work) -> None:
         key = f"{work.group_id}/{work.sample_index}"
 
-        async def engine_fn(ids: list[int], sampling: dict[str, Any]) -> EngineOutput:
-            return await self._engine_call(key, ids, sampling)
+        async def engine_fn(ids: list[int], sampling: dict[str, Any], images: ImageInput | None = None) -> EngineOutput:
+            return await self._engine_call(key, ids, sampling, images)
 
         client = (LocalSessionClient(self.store, engine_fn) if self.http is None
                   else _FrontedClient(self.store, engine_fn, self.http_url, self.http_token))
@@ -340,7 +347,8 @@ class RolloutActor(Actor):
         session of one turn only records that turn, which cost ~1/3 of the rollout's CPU here.
         The sample is the same (tests/rollout/test_rollout_one_turn.py) less its session_id."""
         turn = self.store.prepare_one(ctx.prompt["messages"], ctx.tools, {"prompt_id": ctx.prompt.get("id")})
-        out = await engine_fn(turn.prompt_ids, dict(ctx.sampling))
+        out = await engine_fn(turn.prompt_ids, dict(ctx.sampling), **({} if turn.images is None else
+                                                                         {"images": turn.images}))
         sample, message, finish = self.store.commit_one(turn, out.ids, out.logprobs, out.routed_experts,
                                                         out.version, out.finish_reason)
         sample.metadata.update({"response": message.get("content", ""), "finish_reason": finish})

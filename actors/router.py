@@ -72,7 +72,7 @@ class RouterActor(Actor):
             try:
                 r: dict[str, Any] = await self.ref(engine).ask(
                     Generate(msg.input_ids, msg.sampling, msg.session_key, msg.return_routed_experts,
-                             msg.request_id),
+                             msg.request_id, msg.images),
                     timeout=self.engine_timeout_s)
             except (ActorDeadError, PeerGone) as exc:
                 self.policy.finish(engine, n)

@@ -25,6 +25,7 @@ from miles.actors.session_messages import (
     ServerInfo,
 )
 from miles.actors.session_service import SessionService
+from miles.core.images import ImageInput
 from miles.rollout.session_store import SessionStore
 
 
@@ -53,8 +54,10 @@ class SessionActor(Actor):
         if self.http is not None:
             await self.http.stop()
 
-    async def _engine(self, key: str, prompt_ids: list[int], sampling: dict[str, Any]) -> dict[str, Any]:
-        msg = Generate(prompt_ids, sampling, key, self.return_routed_experts)
+    async def _engine(self, key: str, prompt_ids: list[int], sampling: dict[str, Any],
+                      images: ImageInput | None = None) -> dict[str, Any]:
+        msg = Generate(prompt_ids, sampling, key, self.return_routed_experts,
+                       images=None if images is None else images.to_wire())
         result: dict[str, Any] = await self.ref(self.router).ask(msg, timeout=self.engine_timeout_s)
         return result
 

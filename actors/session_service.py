@@ -24,7 +24,8 @@ log = get_logger("miles.session")
 
 # (routing key, prompt ids, engine sampling params) -> the engine's result dict
 # (output_ids, logprobs, finish_reason, versions, cached_tokens, routed_experts, ...)
-EngineCall = Callable[[str, list[int], dict[str, Any]], Awaitable[dict[str, Any]]]
+# (routing key, prompt ids, sampling) -> engine result; a VL turn also passes `images=`
+EngineCall = Callable[..., Awaitable[dict[str, Any]]]
 EndSessionCall = Callable[[str], Awaitable[Any]]
 SAMPLING_KEYS = frozenset({"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "seed"})
 
@@ -67,7 +68,9 @@ class SessionService:
         params = {**self.sampling, **check_sampling(sampling or {})}
         plan = self.store.prepare_turn(session_id, messages, tools)
         try:
-            r = await self.engine(plan.routing_key, plan.prompt_ids, params)
+            # images only when the turn has some: text-only engine functions keep their signature
+            extra = {} if plan.images is None else {"images": plan.images}
+            r = await self.engine(plan.routing_key, plan.prompt_ids, params, **extra)
         except BaseException:
             self.store.cancel_turn(session_id, plan)
             raise

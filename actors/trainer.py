@@ -41,10 +41,16 @@ def samples_from_wire(groups: list[dict[str, Any]]) -> TrainBatch:
                 prompt_ids=s["prompt_ids"], response_ids=s["response_ids"], reward=float(s["reward"] or 0.0),
                 group_index=gi, loss_mask=s["loss_mask"], rollout_logprobs=s["rollout_logprobs"],
                 routed_experts=s.get("routed_experts"), versions=s["versions"],
+                **_images(s.get("images")),
             ))
     if not out:
         raise TrainerError("the rollout side returned an empty batch")
     return TrainBatch(out)
+
+
+def _images(images: dict[str, Any] | None) -> dict[str, Any]:
+    """A VL sample's images as TrainSample fields ({} without images)."""
+    return {} if images is None else {"pixels": images["pixels"], "image_grid": images["grid"]}
 
 
 class TrainerActor(Actor):

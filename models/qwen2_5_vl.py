@@ -67,21 +67,33 @@ class VLCausalLM(CausalLM):
                                   f"but the images give {features.shape[0]} feature rows")
         return h.masked_scatter(slots.unsqueeze(-1), features.to(h.dtype))
 
-    def rope_positions(self, input_ids: torch.Tensor, grid: torch.Tensor | None) -> torch.Tensor:
-        """[3, B, T] M-RoPE positions of unpadded rows (images assigned to rows in order)."""
-        rows, k = [], 0
-        merge = self.vision.spatial_merge_size
+    def rope_positions(self, input_ids: torch.Tensor, grid: torch.Tensor | None,
+                       cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """[3, B, T] M-RoPE positions of B rows, or of the sequences of one packed row
+        (`cu_seqlens`); images are assigned to rows / sequences in order, each taking as many
+        as its placeholders cover (`mrope_positions` refuses a run that does not line up)."""
+        merge, image_id = self.vision.spatial_merge_size, self.vision.image_token_id
         grid_rows = [] if grid is None else grid.tolist()
         per = image_tokens(grid_rows, merge)
-        for row in input_ids.tolist():
-            n_img, tokens = 0, row.count(self.vision.image_token_id)
+        flat = input_ids.tolist()
+        if cu_seqlens is None:
+            seqs = flat
+        else:
+            cu = cu_seqlens.tolist()
+            seqs = [flat[0][a:b] for a, b in zip(cu[:-1], cu[1:], strict=True)]
+        parts, k = [], 0
+        for seq in seqs:
+            n_img, tokens = 0, seq.count(image_id)
             while tokens > 0 and k + n_img < len(per):
                 tokens -= per[k + n_img]
                 n_img += 1
-            pos, _ = mrope_positions(row, grid_rows[k: k + n_img], self.vision.image_token_id, merge)
-            rows.append(pos)
+            pos, _ = mrope_positions(seq, grid_rows[k: k + n_img], image_id, merge)
+            parts.append(pos)
             k += n_img
-        return torch.stack(rows, dim=1).to(input_ids.device)
+        if k != len(grid_rows):
+            raise ModelInputError(f"{len(grid_rows)} image grids given but the ids' placeholders cover {k}")
+        out = torch.stack(parts, dim=1) if cu_seqlens is None else torch.cat(parts, dim=1).unsqueeze(1)
+        return out.to(input_ids.device)
 
     def forward(  # type: ignore[override]
         self,
@@ -96,14 +108,15 @@ class VLCausalLM(CausalLM):
         """`CausalLM.forward` with images: `pixel_values` [patches, C*tp*p*p] and
         `image_grid_thw` [n, 3] (or their `image_features` [tokens, hidden], computed once
         and reused) fill the image placeholders of `input_ids`, in order. Without
-        `rope_position_ids` ([3, B, T]) they are derived from the ids and grids for plain rows
-        (B rows, no cache, no packing); otherwise position_ids alone (text) drive the rotary."""
+        `rope_position_ids` ([3, B, T]) they are derived from the ids and grids, per row or per
+        packed sequence (`cu_seqlens`); rows must start at position 0 (no KV cache: the engine
+        passes its own, engines/vl_inputs.py). Without images, position_ids drive the rotary."""
         if pixel_values is not None and image_grid_thw is None:
             raise ModelInputError("pixel_values need image_grid_thw ([n, 3] patch grid per image)")
         has_images = pixel_values is not None or image_features is not None
         if has_images:
             kw["inputs_embeds"] = self.embed(input_ids, pixel_values, image_grid_thw, image_features)
-        if (has_images and kw.get("rope_position_ids") is None and position_ids is None
-                and kw.get("cu_seqlens") is None and kw.get("kv_cache") is None):
-            kw["rope_position_ids"] = self.rope_positions(input_ids, image_grid_thw)
+        if has_images and kw.get("rope_position_ids") is None and kw.get("kv_cache") is None:
+            cu = kw.get("cu_seqlens")
+            kw["rope_position_ids"] = self.rope_positions(input_ids, image_grid_thw, cu)  # type: ignore[arg-type]
         return super().forward(input_ids, position_ids, **kw)  # type: ignore[arg-type]

@@ -60,10 +60,12 @@ class VisionAttention(nn.Module):
         # rotation in fp32, as the reference does for the tower
         q = apply_rotary_thd(q.float(), cos, sin).to(x.dtype)
         k = apply_rotary_thd(k.float(), cos, sin).to(x.dtype)
+        # [1, heads, N, hd]: the 4-D layout every attention kernel (and the batch-invariant one) takes
+        q, k, v = (x_.transpose(0, 1).unsqueeze(0) for x_ in (q, k, v))
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=self.hd**-0.5
+            q, k, v, attn_mask=None if mask is None else mask[None, None], scale=self.hd**-0.5
         )
-        return self.proj(out.transpose(0, 1).reshape(n, -1))
+        return self.proj(out[0].transpose(0, 1).reshape(n, -1))
 
 
 class VisionBlock(nn.Module):

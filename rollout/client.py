@@ -27,8 +27,8 @@ class EngineOutput:
     routed_experts: np.ndarray | None = None
 
 
-# (prompt_ids, sampling params) -> what the engine sampled
-EngineFn = Callable[[list[int], dict[str, Any]], Awaitable[EngineOutput]]
+# (prompt ids, sampling) -> output; a VL turn also passes `images=` (an ImageInput)
+EngineFn = Callable[..., Awaitable[EngineOutput]]
 
 
 @runtime_checkable
@@ -68,7 +68,8 @@ class LocalSessionClient:
                    sampling: dict[str, Any] | None = None) -> dict[str, Any]:
         plan = self.store.prepare_turn(session_id, messages, tools)
         try:
-            out = await self.engine(plan.prompt_ids, dict(sampling or {}))
+            extra = {} if plan.images is None else {"images": plan.images}  # a VL turn's images
+            out = await self.engine(plan.prompt_ids, dict(sampling or {}), **extra)
         except BaseException:
             self.store.cancel_turn(session_id, plan)
             raise

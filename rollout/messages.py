@@ -20,16 +20,33 @@ ROLES = ("system", "user", "assistant", "tool")
 _SIMPLE = frozenset(("user", "assistant", "system"))
 
 
-def _content(v: Any, where: str) -> str:
+# Where an image part stood in a message's content: Qwen2-VL / Qwen2.5-VL templates' own text
+# for one image; the session store expands its <|image_pad|> (rollout/vl_placeholders.py).
+IMAGE_MARKER = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def _content(v: Any, where: str, images: list[Any] | None = None) -> str:
     if v is None:
         return ""
     if isinstance(v, str):
         return v
-    if isinstance(v, list):  # OpenAI content parts; only text parts are supported
+    if isinstance(v, list):  # OpenAI content parts: text, and images when `images` collects them
         out = []
         for i, part in enumerate(v):
+            if images is not None and isinstance(part, dict) and part.get("type") == "image":
+                from miles.core.images import ImageInput
+
+                img = part.get("image")
+                if not isinstance(img, ImageInput):
+                    raise SessionError(f"{where}.content[{i}].image: expected an ImageInput (core/images.py), "
+                                       f"got {type(img).__name__}")
+                images.append(img)
+                out.append(IMAGE_MARKER)
+                continue
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise SessionError(f"{where}.content[{i}]: only {{'type': 'text', 'text': str}} parts are supported")
+                raise SessionError(f"{where}.content[{i}]: only {{'type': 'text', 'text': str}} parts are supported"
+                                   + (" (and {'type': 'image', 'image': ImageInput} in user messages)"
+                                      if images is not None else ""))
             out.append(part["text"])
         return "".join(out)
     raise SessionError(f"{where}.content: expected a string or a list of text parts, got {type(v).__name__}")
@@ -70,7 +87,10 @@ def normalize(messages: Any, where: str = "messages") -> list[Message]:
         role = m.get("role")
         if role not in ROLES:
             raise SessionError(f"{w}.role: {role!r} is not one of {', '.join(ROLES)}")
-        n: Message = {"role": role, "content": _content(m.get("content"), w)}
+        images: list[Any] = []
+        n: Message = {"role": role, "content": _content(m.get("content"), w, images if role == "user" else None)}
+        if images:  # kept beside the text: the store expands their placeholders and carries them
+            n["images"] = images
         if role == "system" and i != 0:
             raise SessionError(f"{w}: a system message is only allowed first")
         if role == "assistant":

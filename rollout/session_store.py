@@ -22,6 +22,7 @@ from typing import Any, Literal
 import numpy as np
 
 from miles.core.errors import Diverged, NotAppendOnly, ProtocolError, SessionError
+from miles.core.images import ImageInput
 from miles.core.schema.rollout import RolloutConfig
 from miles.rollout.messages import (
     Message,
@@ -34,6 +35,7 @@ from miles.rollout.session_tree import Node, leaves, trajectory
 from miles.rollout.tokenizer import Tokenizer
 from miles.rollout.tool_parser import get_tool_parser, split_reasoning
 from miles.rollout.types import Sample
+from miles.rollout.vl_placeholders import Placeholders, message_images, turn_images
 
 SessionPolicy = Literal["linear", "branching"]
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -50,6 +52,7 @@ class TurnPlan:
     prompt_ids: list[int]
     num_cached: int  # leading prompt ids already stored (the engine's prefix-cache candidate)
     routing_key: str = ""
+    images: ImageInput | None = None  # every image of prompt_ids, in order (send with the ids)
 
     def to_wire(self) -> dict[str, Any]:
         return {"session_id": self.session_id, "plan_id": self.plan_id, "parent": self.parent,
@@ -147,6 +150,7 @@ class OneTurn:
 
     prompt_ids: list[int]
     metadata: dict[str, Any]
+    images: ImageInput | None = None  # every image of prompt_ids, in order
 
 
 class SessionStore:
@@ -166,6 +170,8 @@ class SessionStore:
         self.reasoning_tags = reasoning_tags
         self.max_sessions = max_sessions
         self._sessions: dict[str, _Session] = {}
+        # a VL policy's image placeholders (`enable_images`); None: image parts are refused
+        self.placeholders: Placeholders | None = None
         from miles.rollout.template_check import FALLBACKS, check_local_render, check_template
 
         if template_fallback != "none" and template_fallback not in FALLBACKS:
@@ -193,6 +199,18 @@ class SessionStore:
         tags = cfg.reasoning_tags
         return cls(tokenizer, cfg.session_policy, cfg.match_policy, cfg.tool_parser, cfg.template_fallback,
                    (tags[0], tags[1]) if tags else None, cfg.max_sessions, render_mode=cfg.render_mode)
+
+    def enable_images(self, image_token_id: int, merge: int) -> None:
+        """Accept image parts in user messages, for a VL model with this placeholder id and
+        spatial merge size (rollout/vl_placeholders.py)."""
+        self.placeholders = Placeholders(image_token_id, merge)
+
+    def _expand(self, ids: list[int], new: list[Message]) -> list[int]:
+        if self.placeholders is None:
+            if message_images(new):
+                raise SessionError("a message holds an image but the policy is not a vision-language model")
+            return ids
+        return self.placeholders.expand(ids, new)
 
     # -- lifecycle -------------------------------------------------------------
     def create(self, session_id: str | None = None, routing_key: str | None = None,
@@ -271,9 +289,9 @@ class SessionStore:
         if not new:
             raise SessionError(f"session {s.id!r}: the request appends no message to the stored history")
         text, prompt_text, gen_tail = self._new_text(s, node, msgs, pos)
-        new_ids = self.tok.encode(text)
+        new_ids = self._expand(self.tok.encode(text), new)
         plan = TurnPlan(s.id, "plan-" + os.urandom(6).hex(), node.id, node.token_ids() + new_ids,
-                        node.n_tokens, s.routing_key)
+                        node.n_tokens, s.routing_key, turn_images(node.all_messages(), new))
         s.pending[plan.plan_id] = _Pending(plan, node, msgs, new, new_ids, prompt_text, gen_tail)
         return plan
 
@@ -420,7 +438,7 @@ class SessionStore:
         msgs = normalize(messages)
         check_ends_for_generation(msgs)
         text = self.tok.apply_chat_template([for_template(m) for m in msgs], tools, True)
-        return OneTurn(self.tok.encode(text), dict(metadata or {}))
+        return OneTurn(self._expand(self.tok.encode(text), msgs), dict(metadata or {}), turn_images([], msgs))
 
     def commit_one(self, turn: OneTurn, sampled_ids: list[int], logprobs: list[float],
                    routed_experts: np.ndarray | None = None, versions: int | list[int] = 0,
@@ -433,7 +451,9 @@ class SessionStore:
         node = Node(id=1, parent=Node(id=0, parent=None, messages=[]), messages=[message], n_spliced=n_prompt,
                     ids=turn.prompt_ids + sampled, logprobs=[float(x) for x in logprobs], versions=vers,
                     experts=experts, finish_reason=finish_reason)
-        return trajectory(node, turn.metadata), self._openai_message(message), oa_finish
+        sample = trajectory(node, turn.metadata)
+        sample.images = turn.images
+        return sample, self._openai_message(message), oa_finish
 
     # -- export ----------------------------------------------------------------
     def export(self, session_id: str) -> list[Sample]:

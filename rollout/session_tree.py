@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from miles.core.images import ImageInput
 from miles.rollout.messages import Message
 from miles.rollout.types import NOT_SAMPLED, Sample, Status
 
@@ -109,6 +110,12 @@ def trajectory(leaf: Node, metadata: dict[str, Any]) -> Sample:
             break
     routed = np.concatenate(experts, axis=0) if experts else None
     return Sample(prompt_ids=prompt, response_ids=resp, loss_mask=mask, rollout_logprobs=lps,
-                  versions=vers, routed_experts=routed, status=status,
+                  versions=vers, routed_experts=routed, status=status, images=path_images(path),
                   metadata={**metadata, "num_turns": len(path), "leaf": leaf.id,
                             "finish_reason": leaf.finish_reason})
+
+
+def path_images(path: list[Node]) -> ImageInput | None:
+    """Every image of the messages along `path`, in order (None when there is none)."""
+    found = [img for n in path for m in n.messages for img in m.get("images", ())]
+    return ImageInput.concat(found) if found else None

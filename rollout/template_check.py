@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miles.core.errors import NotAppendOnly
-from miles.rollout.messages import Message, for_template, normalize
+from miles.rollout.messages import IMAGE_MARKER, Message, for_template, normalize
 from miles.rollout.tokenizer import Tokenizer
 
 FALLBACKS: dict[str, str] = {
@@ -69,6 +69,13 @@ CANONICAL: dict[str, tuple[list[Message], list[dict[str, Any]] | None]] = {
         {"role": "user", "content": "times 2?"},
         {"role": "assistant", "reasoning_content": "11 times 2 is 22", "content": "22"},
         {"role": "user", "content": "thanks"},
+    ], None),
+    # a VL conversation as the session store renders it: each image part is the template's marker
+    # text, and a second image arrives in a later turn (rollout/vl_placeholders.py expands them)
+    "images": ([
+        {"role": "user", "content": f"{IMAGE_MARKER}What colour is the shape?"},
+        {"role": "assistant", "content": "red"},
+        {"role": "user", "content": f"And here?{IMAGE_MARKER}"},
     ], None),
 }
 

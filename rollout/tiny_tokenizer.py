@@ -20,6 +20,9 @@ from miles.rollout.tokenizer import HFTokenizer, load_tokenizer
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
                   "<unk>"]
 WORD_TOKENS = ["system", "user", "assistant", "tool", "<think>", "</think>"]
+# with `vision=True` only, after every other id (the text ids stay as they are): the
+# Qwen2-VL image marker's tokens; the tiny VL preset's start / end / image ids (vocab - 3 .. - 1)
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
 CHARS = string.digits + string.ascii_letters + string.punctuation + " \n"
 
 # ChatML. Every message renders independently of later ones, so the template is
@@ -44,27 +47,31 @@ CHATML_TEMPLATE = (
 )
 
 
-def build_tiny_tokenizer() -> _HFTok:
+def _special(vision: bool) -> list[str]:
+    return SPECIAL_TOKENS + (VISION_TOKENS if vision else [])
+
+
+def build_tiny_tokenizer(vision: bool = False) -> _HFTok:
     """The character-level `tokenizers.Tokenizer` (deterministic ids)."""
-    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + WORD_TOKENS + list(CHARS))}
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + WORD_TOKENS + list(CHARS) + (VISION_TOKENS if vision else []))}
     # BPE without merges = one token per character, and faster than a per-character pre-tokenizer
     tok = _HFTok(models.BPE(vocab, [], unk_token="<unk>"))
     tok.decoder = decoders.Fuse()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in _special(vision)])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in WORD_TOKENS])
     return tok
 
 
-def save_tiny_tokenizer(out_dir: str | Path, chat_template: str = CHATML_TEMPLATE) -> Path:
+def save_tiny_tokenizer(out_dir: str | Path, chat_template: str = CHATML_TEMPLATE, vision: bool = False) -> Path:
     """Write the tiny tokenizer as HF files into `out_dir`; returns the directory."""
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
-    tok = build_tiny_tokenizer()
+    tok = build_tiny_tokenizer(vision)
     tok.save(str(d / "tokenizer.json"))
     added = {
-        str(tok.token_to_id(t)): {"content": t, "special": t in SPECIAL_TOKENS, "normalized": False,
+        str(tok.token_to_id(t)): {"content": t, "special": t in _special(vision), "normalized": False,
                                   "lstrip": False, "rstrip": False, "single_word": False}
-        for t in SPECIAL_TOKENS + WORD_TOKENS
+        for t in _special(vision) + WORD_TOKENS
     }
     cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -81,6 +88,6 @@ def save_tiny_tokenizer(out_dir: str | Path, chat_template: str = CHATML_TEMPLAT
     return d
 
 
-def tiny_tokenizer(tmp_dir: str | Path) -> HFTokenizer:
+def tiny_tokenizer(tmp_dir: str | Path, vision: bool = False) -> HFTokenizer:
     """Save the tiny tokenizer under `tmp_dir` and load it back through the HF-file path."""
-    return load_tokenizer(save_tiny_tokenizer(tmp_dir))
+    return load_tokenizer(save_tiny_tokenizer(tmp_dir, vision=vision))

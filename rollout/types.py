@@ -19,6 +19,7 @@ from typing import Any, Literal, cast
 import numpy as np
 
 from miles.core.errors import ProtocolError
+from miles.core.images import ImageInput
 
 Status = Literal["completed", "truncated", "aborted", "failed"]
 STATUSES: tuple[str, ...] = ("completed", "truncated", "aborted", "failed")
@@ -89,6 +90,8 @@ class Sample:
     status: Status = "completed"
     index: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
+    # every image of the ids, in order (a VL policy); the ids hold their placeholders expanded
+    images: ImageInput | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -147,6 +150,8 @@ class Sample:
             "status": self.status,
             "index": self.index,
             "metadata": dict(self.metadata),
+            **({} if self.images is None else {"images": {
+                k: array_to_wire(a, arrays_as_bytes) for k, a in self.images.to_wire().items()}}),
         }
 
     @classmethod
@@ -154,7 +159,7 @@ class Sample:
         if not isinstance(d, dict):
             raise ProtocolError(f"{where}: expected a dict, got {type(d).__name__}")
         known = {"v", "prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "versions",
-                 "routed_experts", "reward", "status", "index", "metadata"}
+                 "routed_experts", "reward", "status", "index", "metadata", "images"}
         extra = set(d) - known
         if extra:
             raise ProtocolError(f"{where}: unknown fields {sorted(extra)}")
@@ -175,6 +180,12 @@ class Sample:
         if status not in STATUSES:
             raise ProtocolError(f"{where}.status: {status!r} is not one of {', '.join(STATUSES)}")
         re = d.get("routed_experts")
+        imgs = d.get("images")
+        if imgs is not None:
+            if not isinstance(imgs, dict):
+                raise ProtocolError(f"{where}.images: expected {{pixels, grid}}, got {type(imgs).__name__}")
+            imgs = ImageInput.from_wire({k: array_from_wire(v, f"{where}.images.{k}") for k, v in imgs.items()},
+                                        f"{where}.images")
         try:
             return cls(
                 prompt_ids=_int_list(d["prompt_ids"], f"{where}.prompt_ids"),
@@ -187,6 +198,7 @@ class Sample:
                 status=cast(Status, status),
                 index=index,
                 metadata=meta,
+                images=imgs,
             )
         except ProtocolError as exc:
             # __post_init__ names the object "sample"; re-anchor the message at `where`.

@@ -46,6 +46,10 @@ class TrainSample:
     rollout_logprobs: np.ndarray | None = None
     routed_experts: np.ndarray | None = None
     versions: np.ndarray | None = None
+    # a VL sample's images, as the engine got them (core/images.py): pixels [patches, patch_dim]
+    # float32 and grid [n, 3] (t, h, w); the ids hold their placeholders already expanded
+    pixels: np.ndarray | None = None
+    image_grid: np.ndarray | None = None
     where: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
@@ -88,6 +92,15 @@ class TrainSample:
             if re_.dtype.type not in _ROUTE_DTYPES:
                 raise TrainerError(f"{w}.routed_experts: integer dtype expected, got {re_.dtype}")
             self.routed_experts = re_
+        if (self.pixels is None) != (self.image_grid is None):
+            raise TrainerError(f"{w}: pixels and image_grid come together (a VL sample's images)")
+        if self.pixels is not None and self.image_grid is not None:
+            g = np.asarray(self.image_grid, dtype=np.int64)
+            p = np.asarray(self.pixels, dtype=np.float32)
+            if g.ndim != 2 or g.shape[1] != 3 or p.ndim != 2 or int(g.prod(axis=1).sum()) != p.shape[0]:
+                raise TrainerError(f"{w}: image grid {list(g.shape)} and pixels {list(p.shape)} do not agree "
+                                   "(grid [n, 3] whose t*h*w sum to the pixel rows)")
+            self.pixels, self.image_grid = p, g
 
     @property
     def total_len(self) -> int:

@@ -109,6 +109,7 @@ def packed_forward(
             target_ids=mb.resp_targets,
             temperature=temperature,
             return_entropy=with_entropy,
+            **mb.image_kwargs(),
         )
         return ForwardOut(logp=out.logprobs, entropy=out.entropy, logits=None)
     out = model(
@@ -116,6 +117,7 @@ def packed_forward(
         mb.position_ids.unsqueeze(0),
         cu_seqlens=mb.cu_seqlens,
         routed_experts=routes,
+        **mb.image_kwargs(),
     )
     logits = out.logits
     sel = logits[0, mb.resp_pos]
@@ -170,5 +172,6 @@ def padded_forward(
         target_ids=mb.resp_targets,
         temperature=temperature,
         return_entropy=with_entropy,
+        **mb.image_kwargs(),
     )
     return ForwardOut(logp=out.logprobs, entropy=out.entropy, logits=None, token_index=index)

@@ -33,6 +33,9 @@ class MicroBatch:
     sample_ids: list[int]  # index of each packed sequence in the caller's sample list
     fields: dict[str, torch.Tensor] = field(default_factory=dict)  # more [M] per-token values
     route_valid: torch.Tensor | None = None  # [N] bool: False where a route row was padded
+    pixels: torch.Tensor | None = None  # VL: the packed sequences' images, in order [patches, patch_dim]
+    image_grid: torch.Tensor | None = None  # VL: [images, 3] (t, h, w) patches per image
+    images_per_seq: list[int] = field(default_factory=list)  # VL: images of each packed sequence
 
     @property
     def num_tokens(self) -> int:
@@ -58,7 +61,25 @@ class MicroBatch:
             sample_ids=list(self.sample_ids),
             fields={k: v.to(device) for k, v in self.fields.items()},
             route_valid=mv(self.route_valid),
+            pixels=mv(self.pixels),
+            image_grid=self.image_grid,  # stays on the host: the tower reads it there
+            images_per_seq=list(self.images_per_seq),
         )
+
+    def image_kwargs(self, seq: slice | None = None) -> dict[str, torch.Tensor]:
+        """`pixel_values` / `image_grid_thw` for the model (models/qwen2_5_vl.py): of the whole
+        micro-batch, or of the packed sequences `seq`; {} without images."""
+        if self.pixels is None or self.image_grid is None:
+            return {}
+        counts = self.images_per_seq
+        lo, hi = (0, len(counts)) if seq is None else (seq.start or 0, seq.stop)
+        a, b = sum(counts[:lo]), sum(counts[:hi])
+        if a == b:
+            return {}
+        grid = self.image_grid
+        rows = grid.prod(dim=1).tolist()
+        p0, p1 = sum(rows[:a]), sum(rows[:b])
+        return {"pixel_values": self.pixels[p0:p1], "image_grid_thw": grid[a:b]}
 
 
 def plan_micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
@@ -104,6 +125,9 @@ def pack(
     rpos, rtgt, rseq, rmask = [], [], [], []
     routes: list[np.ndarray] = []
     valid: list[np.ndarray] = []
+    pixels: list[np.ndarray] = []
+    grids: list[np.ndarray] = []
+    per_seq: list[int] = []
     offset = 0
     for j, i in enumerate(indices):
         s = samples[i]
@@ -128,6 +152,10 @@ def pack(
             routes.append(re_.astype(np.int64))
         offset += t
         cu.append(offset)
+        if s.pixels is not None and s.image_grid is not None:
+            pixels.append(s.pixels)
+            grids.append(s.image_grid)
+        per_seq.append(0 if s.image_grid is None else int(s.image_grid.shape[0]))
     fields: dict[str, torch.Tensor] = {}
     for name, arrays in (per_token or {}).items():
         fields[name] = torch.from_numpy(
@@ -145,6 +173,9 @@ def pack(
         sample_ids=list(indices),
         fields=fields,
         route_valid=torch.from_numpy(np.concatenate(valid)) if replay else None,
+        pixels=torch.from_numpy(np.concatenate(pixels)) if pixels else None,
+        image_grid=torch.from_numpy(np.concatenate(grids)) if grids else None,
+        images_per_seq=per_seq if pixels else [],
     )
 
 

@@ -47,11 +47,11 @@ def invariant_forward(
     seen = len(probe.logits) if probe is not None else 0
     parts = []
     with BatchInvariant():
-        for s, e in zip(cu[:-1], cu[1:], strict=True):
+        for j, (s, e) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
             routes = None
             if replay and mb.routed_experts is not None:
                 routes = mb.routed_experts[s:e].unsqueeze(0)
-            out = model(mb.input_ids[s:e].unsqueeze(0), routed_experts=routes)
+            out = model(mb.input_ids[s:e].unsqueeze(0), routed_experts=routes, **mb.image_kwargs(slice(j, j + 1)))
             parts.append(out.logits[0])
     if probe is not None and len(probe.logits) > seen:
         per_seq = probe.logits[seen:]
@@ -86,7 +86,7 @@ def _packed(model: nn.Module, mb: MicroBatch, *, temperature: float, replay: boo
     try:
         with BatchInvariant():
             out = model(mb.input_ids.unsqueeze(0), mb.position_ids.unsqueeze(0), cu_seqlens=mb.cu_seqlens,
-                        routed_experts=routes, logits_index=mb.resp_pos)
+                        routed_experts=routes, logits_index=mb.resp_pos, **mb.image_kwargs())
     finally:
         model.packed_attention = saved
     sel = out.logits
