@@ -28,7 +28,7 @@ from miles.core.schema import MilesConfig
 from miles.models.config import ModelSpec
 from miles.models.fp8_layout import fp8_block
 from miles.trainer.backends import check_lora_launch, data_parallel, make_trainer
-from miles.trainer.batch import TrainBatch, TrainSample, shard_batch
+from miles.trainer.batch import TrainBatch, TrainSample, image_token_counts, shard_batch
 
 log = get_logger("miles.trainer")
 
@@ -235,6 +235,13 @@ class TrainerActor(Actor):
             PullBatch(self.trainer.step, self.trainer.weight_version, self.cfg.buffer.batch_groups),
             timeout=self.cfg.sync.step_timeout_s * 10)
         batch = samples_from_wire(reply["groups"])
+        if self.spec.vision is not None:  # token exactness of the image placeholders, every step
+            v = self.spec.vision
+            bad, n = image_token_counts(batch, v.image_token_id, v.spatial_merge_size)
+            reply["metrics"].update({"train/image_token_mismatches": bad, "train/image_tokens": n})
+            if bad:
+                raise TrainerError(f"step {self.trainer.step}: {bad} image token(s) do not line up with their "
+                                   "samples' image grids; the engine and the trainer would fill different slots")
         shard = shard_batch(batch, self.dp_size)[self.dp_rank] if self.dp_size > 1 else batch
         return shard, reply["metrics"]
 

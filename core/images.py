@@ -104,9 +104,13 @@ def expand_placeholders(ids: Sequence[int], counts: Sequence[int], image_token_i
 
 
 def image_token_mismatches(ids: Sequence[int], images: ImageInput | None, image_token_id: int, merge: int) -> int:
-    """Image tokens that do not line up with the images' grids: |tokens - sum of counts| plus,
-    run by run, any run whose length is not its image's count. 0 when the expansion is exact."""
-    counts = [] if images is None else images.tokens(merge)
+    """Image tokens that do not line up with the images' grids (`placeholder_mismatches`)."""
+    return placeholder_mismatches(ids, [] if images is None else images.tokens(merge), image_token_id)
+
+
+def placeholder_mismatches(ids: Sequence[int], counts: Sequence[int], image_token_id: int) -> int:
+    """|image tokens - sum of counts|, or, when the totals agree, the tokens of images that a
+    run of placeholders cuts short. 0 when every image's placeholders stand together."""
     runs: list[int] = []
     n = 0
     for t in ids:

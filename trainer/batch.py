@@ -212,3 +212,19 @@ def split_mini_batches(samples: Sequence[TrainSample], n: int) -> list[list[Trai
         lo, hi = j * len(groups) // n, (j + 1) * len(groups) // n
         out.append([s for g in groups[lo:hi] for s in g])
     return out
+
+
+def image_token_counts(batch: TrainBatch, image_token_id: int, merge: int) -> tuple[int, int]:
+    """(image tokens that do not line up with their sample's image grids, image tokens) over
+    the batch (core/images.py `placeholder_mismatches`): what the engine fed and what the
+    trainer will scatter features into must be the same slots, so the first is 0."""
+    from miles.core.images import image_token_counts as per_image
+    from miles.core.images import placeholder_mismatches
+
+    bad = total = 0
+    for s in batch.samples:
+        ids = np.concatenate([s.prompt_ids, s.response_ids]).tolist()
+        total += ids.count(image_token_id)
+        counts = [] if s.image_grid is None else per_image(s.image_grid, merge)
+        bad += placeholder_mismatches(ids, counts, image_token_id)
+    return bad, total
