@@ -44,6 +44,7 @@ from miles.rollout.routing import RouterPolicy
 from miles.rollout.session_store import SessionStore
 from miles.rollout.tokenizer import Tokenizer
 from miles.rollout.types import Group, Sample
+from miles.rollout.vl_placeholders import placeholders_from_checkpoint
 
 _DEAD_ENGINE_BACKOFF_S = 0.5
 log = get_logger("miles.rollout")
@@ -97,6 +98,7 @@ class RolloutActor(Actor):
             # sync / one_step_off generate at most one batch ahead: exactly a batch of slots.
             self.buffer.capacity = bc.batch_groups * rc.n_samples_per_prompt
         self.store = SessionStore.from_config(rc, tokenizer)
+        self.store.placeholders = placeholders_from_checkpoint(cfg.model.path)  # a VL policy's images
         self.router = RouterPolicy(engines, rc.router_affinity)
         self.agent = load_layer("agent", rc.agent_fn or self.env.agent)
         self.generate = load_layer("generate", rc.generate_fn or "miles.rollout.layers:default_generate")

@@ -14,6 +14,7 @@ into the same slots. numpy only: the rollout process does not import torch.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -73,6 +74,28 @@ class ImageInput:
             raise ProtocolError(f"{where}: pixels and grid must arrive as arrays (zero-copy frames), got "
                                 f"{type(p).__name__} and {type(g).__name__}")
         return cls(pixels=p, grid=g.astype(np.int64, copy=False))
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able form for prompts (the buffer dumps its prompts as JSON to resume): the
+        pixels as base64 of their float32 bytes. Not for the wire: there the arrays travel as frames."""
+        return {"grid": self.grid.tolist(), "shape": list(self.pixels.shape),
+                "pixels_b64": base64.b64encode(np.ascontiguousarray(self.pixels).tobytes()).decode()}
+
+    @classmethod
+    def coerce(cls, v: Any, where: str = "image") -> ImageInput:
+        """An ImageInput, or its `to_json` form."""
+        if isinstance(v, ImageInput):
+            return v
+        if isinstance(v, dict) and set(v) == {"grid", "shape", "pixels_b64"}:
+            try:
+                raw = np.frombuffer(base64.b64decode(v["pixels_b64"]), dtype=np.float32)
+                pixels = raw.reshape([int(x) for x in v["shape"]])
+                grid = np.asarray(v["grid"], dtype=np.int64).reshape(-1, 3)
+            except (TypeError, ValueError) as exc:
+                raise ProtocolError(f"{where}: bad image {{grid, shape, pixels_b64}}: {exc}") from exc
+            return cls(pixels, grid)
+        raise ProtocolError(f"{where}: expected an ImageInput or its JSON form {{grid, shape, pixels_b64}}, "
+                            f"got {type(v).__name__}")
 
     @classmethod
     def concat(cls, parts: Sequence[ImageInput]) -> ImageInput:

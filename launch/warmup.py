@@ -56,13 +56,14 @@ def ensure_initial_checkpoint(cfg: MilesConfig) -> str:
         return str(out)
     import torch
 
+    from miles.launch.warmup_vl import is_vl_arch
     from miles.models.factory import model_from_config
     from miles.models.hf_io import save_model
     from miles.rollout.tiny_tokenizer import save_tiny_tokenizer
     from miles.rollout.tokenizer import load_tokenizer
 
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    save_tiny_tokenizer(tmp)
+    save_tiny_tokenizer(tmp, vision=is_vl_arch(cfg.model.arch))  # VL: the image marker's tokens too
     tok = load_tokenizer(tmp)
     torch.manual_seed(cfg.run.seed)
     model = model_from_config(cfg.model, vocab_size=tok.vocab_size, dtype="float32")
@@ -98,8 +99,16 @@ def _sft(cfg: MilesConfig, model: torch.nn.Module, tok: Any, batch: int = 32) ->
     rng = random.Random(cfg.run.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.run.warmup_lr)
     steps = cfg.run.warmup_sft_steps
+    vision = getattr(getattr(model, "spec", None), "vision", None)
+    env = resolve_hook(cfg.rollout.env, "rollout.env")(**cfg.rollout.env_args) if vision is not None else None
     for step in range(steps):
-        ex = _examples(cfg, tok, batch, rng)
+        if vision is not None:  # a VL preset: prompts with images (launch/warmup_vl.py)
+            from miles.launch.warmup_vl import vl_examples, vl_logits
+
+            vex = vl_examples(env, tok, batch, rng, vision.image_token_id, vision.spatial_merge_size)
+            ex = [(ids, start) for ids, start, _ in vex]
+        else:
+            ex = _examples(cfg, tok, batch, rng)
         width = max(len(ids) for ids, _ in ex)
         inp = torch.zeros(len(ex), width, dtype=torch.long)
         tgt = torch.full((len(ex), width), -100, dtype=torch.long)
@@ -107,7 +116,7 @@ def _sft(cfg: MilesConfig, model: torch.nn.Module, tok: Any, batch: int = 32) ->
             inp[i, : len(ids)] = torch.tensor(ids)
             tgt[i, start - 1: len(ids) - 1] = torch.tensor(ids[start:])
         # Right padding only: causal attention never looks at the pad positions of a row.
-        logits = model(inp).logits
+        logits = vl_logits(model, inp, vex) if vision is not None else model(inp).logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
         opt.zero_grad()
         loss.backward()

@@ -34,13 +34,13 @@ def _content(v: Any, where: str, images: list[Any] | None = None) -> str:
         out = []
         for i, part in enumerate(v):
             if images is not None and isinstance(part, dict) and part.get("type") == "image":
+                from miles.core.errors import ProtocolError
                 from miles.core.images import ImageInput
 
-                img = part.get("image")
-                if not isinstance(img, ImageInput):
-                    raise SessionError(f"{where}.content[{i}].image: expected an ImageInput (core/images.py), "
-                                       f"got {type(img).__name__}")
-                images.append(img)
+                try:  # an ImageInput, or its JSON form (prompts stay JSON-able: the buffer dumps them)
+                    images.append(ImageInput.coerce(part.get("image"), f"{where}.content[{i}].image"))
+                except ProtocolError as exc:
+                    raise SessionError(str(exc)) from None
                 out.append(IMAGE_MARKER)
                 continue
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):

@@ -45,3 +45,19 @@ def turn_images(history: Iterable[Message], new: Iterable[Message]) -> ImageInpu
     """Every image of the conversation so far, in order: what the engine needs with the ids."""
     found = message_images(history) + message_images(new)
     return ImageInput.concat(found) if found else None
+
+
+def placeholders_from_checkpoint(path: str) -> Placeholders | None:
+    """The placeholders of the VL model at `path` (its config.json, read without torch), or
+    None for a text model or no checkpoint."""
+    import json
+    from pathlib import Path
+
+    p = Path(path) / "config.json" if path else None
+    if p is None or not p.is_file():
+        return None
+    cfg = json.loads(p.read_text())
+    vision = cfg.get("vision_config")
+    if not isinstance(vision, dict) or "image_token_id" not in cfg:
+        return None
+    return Placeholders(int(cfg["image_token_id"]), int(vision.get("spatial_merge_size", 2)))

@@ -8,7 +8,8 @@ from typing import Literal
 from miles.core.config import opt
 from miles.core.errors import ConfigError
 
-PRESETS = ("llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss", "qwen3_next")
+PRESETS = ("llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss", "qwen3_next",
+           "qwen2_5_vl", "qwen2_5_vl_moe")
 
 
 @dataclass
@@ -17,7 +18,7 @@ class ModelConfig:
     arch: str = opt(
         "qwen3_moe",
         "tiny preset used when path is '': llama | qwen2 | qwen3 | qwen3_moe | glm4_moe | deepseek_v3 | gpt_oss "
-        "| qwen3_next (random weights)",
+        "| qwen3_next | qwen2_5_vl | qwen2_5_vl_moe (vision-language, docs/models.md) (random weights)",
     )
     vocab_size: int = opt(0, "vocab size of the tiny preset; 0 = the tokenizer's size")
     overrides: dict[str, int | float | bool | str] = opt({}, "extra HF config keys for the tiny preset")
