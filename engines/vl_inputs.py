@@ -107,12 +107,13 @@ def choose_unbanned(model: Any, logits: torch.Tensor, params: list[SamplingParam
     be one image token more than the images fill, in the engine's ids and the trainer's. Like
     top-k / top-p, it truncates the choice only: the reported logprob stays the one under the
     full softmax(logits / T) (engines/base.py), which is what the trainer computes."""
-    from miles.engines.sampling import host_tokens, sample_tokens
+    from miles.engines.sampling import host_tokens, sample_tokens, to_device
     from miles.models.logprobs import token_logprobs
 
-    banned = logits.clone()
-    banned[:, model.spec.vision.image_token_id] = float("-inf")
+    banned = logits.index_fill(1, to_device([model.spec.vision.image_token_id], logits.device, torch.long),
+                               float("-inf"))
     tokens, _ = sample_tokens(banned, params, gens, rng)
-    lps = [token_logprobs(logits[i: i + 1], tokens[i: i + 1], p.temperature)[0] for i, p in enumerate(params)]
-    both = torch.stack((tokens.to(torch.float64), torch.stack(lps).to(torch.float64)))
+    temps = to_device([p.temperature for p in params], logits.device, torch.float32).unsqueeze(-1)
+    lps = token_logprobs(logits, tokens, temps)  # the full softmax: the trainer's definition
+    both = torch.stack((tokens.to(torch.float64), lps.to(torch.float64)))
     return host_tokens(both.tolist())
