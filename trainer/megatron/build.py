@@ -27,6 +27,9 @@ from miles.trainer.megatron.available import transformer_engine_installed
 
 def check_parallel(mc: MegatronConfig, spec: ModelSpec, world: int) -> tuple[int, int, int]:
     """(tp, ep, dp) for `world` ranks; ConfigError naming the field when they do not fit."""
+    if spec.vision is not None:  # the vision tower and M-RoPE have no megatron mapping
+        raise ConfigError(f"the megatron backend does not map {spec.model_type} (vision tower, M-RoPE); "
+                          "train it with trainer.backend='fsdp'")
     if spec.model_type in ("glm4_moe", "deepseek_v3", "gpt_oss", "qwen3_next"):
         # the layout maps fused GQA q/k/v and a softmax router; MLA, the sigmoid group-limited
         # router with its bias correction, shared experts, attention sinks, biased experts and
