@@ -106,6 +106,11 @@ class _Session:
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
+def _plain(m: Message) -> Message:
+    """A message as JSON (images become their count: the pixels stay out of a summary)."""
+    return m if "images" not in m else {**{k: v for k, v in m.items() if k != "images"}, "images": len(m["images"])}
+
+
 def _tools_key(tools: list[dict[str, Any]] | None) -> str:
     return json.dumps(tools or [], sort_keys=True)
 
@@ -469,4 +474,4 @@ class SessionStore:
         return {"session_id": s.id, "routing_key": s.routing_key, "policy": self.policy,
                 "turns": s.next_node - 1, "in_flight": len(s.pending), "trajectories": len(ls),
                 "tokens": [leaf.n_tokens for leaf in ls],
-                "messages": [leaf.all_messages() for leaf in ls]}
+                "messages": [[_plain(m) for m in leaf.all_messages()] for leaf in ls]}

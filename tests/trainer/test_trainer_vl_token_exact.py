@@ -115,3 +115,25 @@ async def test_images_refused_without_a_vision_model(tmp_path) -> None:
     store = SessionStore(tiny_tokenizer(tmp_path / "tok", vision=True))
     with pytest.raises(SessionError, match="not a vision-language model"):
         store.prepare_one([user("hi", shape_image(0, 8, 8))])
+
+
+async def test_moe_vl_routing_recorded_over_image_tokens_replays_in_the_trainer() -> None:
+    """R3 with images: the engine records every token's experts (image placeholders included),
+    the trainer replays them and gets the engine's logprobs."""
+    model = build_model(ModelSpec.from_hf(tiny_config("qwen2_5_vl_moe", vocab_size=VOCAB, initializer_range=0.1)),
+                        seed=4)
+    eng = TorchEngine(model, EngineConfig(max_batch_size=4, max_seq_len=256))
+    try:
+        img = shape_image(3, 16, 24)
+        ids = [5, 6, 108, *[IMG] * img.tokens(MERGE)[0], 109, 7, 8]
+        r = await eng.generate(GenerateRequest(ids, SamplingParams(temperature=1.0, max_new_tokens=6, seed=2),
+                                               images=img, return_routed_experts=True))
+    finally:
+        await eng.close()
+    assert r.routed_experts is not None and r.routed_experts.shape[0] in (len(ids) + len(r.output_ids),
+                                                                         len(ids) + len(r.output_ids) - 1)
+    t = TrainSample(ids, r.output_ids, 1.0, rollout_logprobs=r.logprobs, routed_experts=r.routed_experts,
+                    pixels=img.pixels, image_grid=img.grid)
+    with torch.no_grad():
+        got = packed_forward(model, pack([t], [0], replay=True), temperature=1.0, replay=True, with_entropy=False).logp
+    assert (got - torch.tensor(r.logprobs)).abs().max().item() <= 1e-4
