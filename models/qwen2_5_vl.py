@@ -41,6 +41,9 @@ class VLCausalLM(CausalLM):
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, std: float | None = None) -> None:
+        if std is None:  # the nested config keeps initializer_range in text_config (or at the top)
+            text = self.spec.hf_config.get("text_config") or {}
+            std = float(text.get("initializer_range", self.spec.hf_config.get("initializer_range", 0.02)))
         super().init_weights(seed, std)
         for m in self.visual.modules():  # the tower's norms (norm1, norm2, ln_q) start as identity scales
             if hasattr(m, "eps") and isinstance(getattr(m, "weight", None), torch.nn.Parameter):
