@@ -49,8 +49,8 @@ from miles.rollout.vl_placeholders import placeholders_from_checkpoint
 _DEAD_ENGINE_BACKOFF_S = 0.5
 log = get_logger("miles.rollout")
 
-# A request waiting to be sent: (prompt ids, sampling params, the future its reply lands in).
-# (ids, sampling, future, a VL request's images on the wire or None)
+# A request waiting to be sent: (prompt ids, sampling params, the future its reply lands in,
+# a VL request's images in wire form or None).
 _Queued = tuple[list[int], dict[str, Any], "asyncio.Future[dict[str, Any]]", dict[str, Any] | None]
 
 
