@@ -45,7 +45,9 @@ def test_two_turn_images_are_token_exact_through_a_launched_run(tmp_path: Path) 
 
 def test_the_shipped_one_turn_recipe_learns(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    run("vlm.toml", out, tmp_path / "cache")
+    # 120 of the shipped 200 steps keep CI time down: the climb to ~0.5 is over by step ~75
+    # (bench/results/vlm_cpu.json's curve)
+    run("vlm.toml", out, tmp_path / "cache", "--set", "run.steps=120")
     rows = metrics(out)
     rewards = [r["rollout/reward_mean"] for r in rows]
     q = len(rewards) // 4
