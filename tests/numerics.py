@@ -40,3 +40,13 @@ def assert_reduced_close(actual: torch.Tensor | Sequence[float], expected: torch
     scale = float(e.detach().abs().max()) if e.numel() else 1.0
     torch.testing.assert_close(a, e, **reduction_tol(dtype or e.dtype, k, depth, scale),
                                msg=(lambda report: f"{what}: {report}") if what else None)
+
+
+def forward_sums(spec: object, tokens: int = 0) -> tuple[int, int]:
+    """(k, depth) of a decoder's forward over `tokens` tokens (attention keys, and the sum over
+    tokens in a weight's gradient): the widest of its hidden, MLP, expert-MLP, vocabulary
+    (log-softmax) and token axes, once per layer and once in the head. Double the depth for
+    gradients (the backward runs the chain again)."""
+    widths = [getattr(spec, a, 0) or 0 for a in ("hidden_size", "intermediate_size", "moe_intermediate_size",
+                                                  "vocab_size")]
+    return max(*widths, tokens), int(spec.num_layers)  # type: ignore[attr-defined] + 1

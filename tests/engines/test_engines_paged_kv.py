@@ -18,6 +18,7 @@ import asyncio
 import numpy as np
 import pytest
 import torch
+from numerics import assert_reduced_close
 
 from miles.core.config import load_config
 from miles.core.errors import ConfigError, EngineError
@@ -27,8 +28,6 @@ from miles.engines.cuda_graph import DecodeGraphs
 from miles.engines.paged_kv import PagedDecodeGraphs, PagedPool
 from miles.engines.torch_engine import TorchEngine
 from miles.models.decoder import CausalLM
-
-from numerics import assert_reduced_close
 
 from .conftest import tiny_model
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from numerics import assert_reduced_close
 
 from miles.models import chunked_logprobs as ch
 from miles.models.config import ModelSpec
@@ -18,7 +19,6 @@ from miles.trainer.batch import TrainSample
 from miles.trainer.forward import packed_forward
 from miles.trainer.kl import entropy_from_logits
 from miles.trainer.packing import pack
-from numerics import assert_reduced_close
 
 pytestmark = pytest.mark.timeout(60)
 

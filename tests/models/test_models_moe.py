@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from numerics import assert_reduced_close
 
 from miles.models.config import ModelSpec
 from miles.models.errors import ModelInputError
@@ -12,7 +13,6 @@ from miles.models.logprobs import token_logprobs
 from miles.models.moe import compact_expert_ids, expert_id_dtype
 from miles.models.presets import tiny_config
 from miles.models.registry import build_model
-from numerics import assert_reduced_close
 
 
 def moe_model(**kw: object) -> torch.nn.Module:
