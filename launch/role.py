@@ -102,7 +102,11 @@ def main(argv: list[str] | None = None) -> int:
 
             await _wait_engines(host, cfg)
             await host.lookup("rollout", timeout=300)
-            sink = MetricsSink(cfg.run.dir, wandb=wandb_settings(cfg)) if a.index == 0 else None
+            from miles.launch.run_dir import checkpoint_step
+
+            resume = os.environ.get("MILES_RESUME", "")
+            sink = MetricsSink(cfg.run.dir, wandb=wandb_settings(cfg),
+                               resume_step=checkpoint_step(resume) if resume else None) if a.index == 0 else None
             done = asyncio.Event()
             actor = TrainerActor(cfg, ModelSpec.from_dir(cfg.model.path), a.index, cfg.trainer.world_size,
                                  engine_names(cfg), cfg.model.path, done, sink,

@@ -123,6 +123,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(_render(plan, cfg), end="")
         return 0
+    from miles.launch.run_dir import check_fresh
+
+    check_fresh(cfg.run.dir)  # one run per directory (launch/run_dir.py)
     if env.in_allocation and env.num_nodes and env.num_nodes < plan.nodes:
         raise ConfigError(f"the plan needs {plan.nodes} nodes but allocation {env.job_id} has {env.num_nodes}: "
                           "allocate more nodes or lower --nodes / --place")
