@@ -18,6 +18,7 @@ from typing import IO, Any
 from miles.core.logging import readable_line
 
 SUMMARIZED = {"event_loop_lag"}  # counted, not printed
+SHOWN_BY_LAUNCHER = {"role_failed"}  # a role's crash: the launcher's decision line carries its cause
 REPEATS_SHOWN = 3  # per (role, event)
 
 
@@ -130,6 +131,8 @@ class Console:
         except json.JSONDecodeError:
             return
         name = str(ev.get("event"))
+        if name in SHOWN_BY_LAUNCHER:
+            return
         if name in SUMMARIZED:
             self.counted[name] = self.counted.get(name, 0) + 1
             return

@@ -121,9 +121,16 @@ def main(argv: list[str] | None = None) -> int:
 
             host._finish_task = asyncio.create_task(finish())  # type: ignore[attr-defined]
             await host.add(actor, f"trainer-{a.index}")
+        code["started"] = 1  # its actors serve: a crash from now on is not a failure at start
 
-    rc = uvloop.run(serve(setup, cfg=cfg.transport, directory=a.directory, ready_file=a.ready,
-                          stop_event=stop))
+    try:
+        rc = uvloop.run(serve(setup, cfg=cfg.transport, directory=a.directory, ready_file=a.ready,
+                              stop_event=stop))
+    except Exception as exc:  # noqa: BLE001 - reported for the supervisor (launch/supervision.py), then exit 1
+        from miles.launch.supervision import report_crash
+
+        report_crash(exc, started=bool(code.get("started")))
+        return 1
     return code["rc"] or rc
 
 
