@@ -129,8 +129,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if env.in_allocation and env.num_nodes and env.num_nodes < plan.nodes:
         raise ConfigError(f"the plan needs {plan.nodes} nodes but allocation {env.job_id} has {env.num_nodes}: "
                           "allocate more nodes or lower --nodes / --place")
+    # auto: events as JSON to run_dir/logs/launcher.log, warnings and errors as one readable line
+    # here (as `miles train`); the roles' events go to their steps' logs
+    log_file = Path(cfg.run.dir) / "logs" / "launcher.log" if cfg.run.log_json == "auto" else None
     configure_logging(cfg.run.log_level, None if cfg.run.log_json == "auto" else cfg.run.log_json == "json",
-                      run=cfg.run.name, role="launcher")
+                      file=log_file, run=cfg.run.name, role="launcher")
     cfg = prepare(cfg)
     script = write_run_files(cfg, _render(plan, cfg))
     if env.in_allocation:
