@@ -31,7 +31,7 @@ from miles.core.logging import get_logger
 from miles.core.schema.sync import SyncConfig
 from miles.models.config import ModelSpec
 from miles.models.fp8_layout import fp8_block
-from miles.models.fp8_linear import fp8_export
+from miles.models.fp8_model import fp8_export
 from miles.transport.bulk.flat import FlatWeights
 
 log = get_logger("miles.trainer")

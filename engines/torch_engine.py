@@ -41,7 +41,8 @@ from miles.engines.weights import WeightStager
 from miles.models.decoder import CausalLM
 from miles.models.factory import model_from_config
 from miles.models.fp8_layout import fp8_block
-from miles.models.fp8_linear import to_fp8_weights, weights_changed
+from miles.models.fp8_linear import weights_changed
+from miles.models.fp8_model import to_fp8_weights
 from miles.models.hf_io import checksums, hf_tensor_views
 from miles.models.lora import is_adapter_name
 
