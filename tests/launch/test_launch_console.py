@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from miles.launch.console import REPEATS_SHOWN, Console, progress_line
+from miles.launch.console import REPEATS_SHOWN, Console
+from miles.metrics.progress import progress_line
 from miles.launch.metrics import MetricsSink
 from miles.launch.run_summary import format_table, summarize_run
 
