@@ -40,6 +40,7 @@ from miles.trainer.megatron.build import build_gpt, check_parallel, init_paralle
 from miles.trainer.megatron.forward import mcore_forward
 from miles.trainer.megatron.grads import GroupCollectives, reduce_and_clip
 from miles.trainer.megatron.replay import MegatronRouting
+from miles.trainer.megatron.shard_export import MegatronShards
 from miles.trainer.megatron.weights import iter_hf, load_hf
 from miles.trainer.optim import lr_at, set_lr
 from miles.trainer.optim_stream import build_optimizer
@@ -48,6 +49,7 @@ from miles.trainer.rank_state import Offloader, load_rank, save_rank
 from miles.trainer.rl_step import RLStep
 from miles.trainer.sharding import build_policy, compute_dtype
 from miles.transport.bulk.flat import FlatWeights
+from miles.transport.bulk.shard_megatron import MegatronParallel
 from miles.transport.bulk.shard_plan import ShardExport
 
 
@@ -129,6 +131,7 @@ class MegatronTrainer:
             lambda: [self.trainable] + [m for m in (self.ref, self.teacher) if m is not None],
             lambda: self.opt, self.device)
         self._flat_export = FlatExportBuffer()
+        self._shards: MegatronShards | None = None  # the sharded export, built at its first use
 
     def _build(self, checkpoint: str, seed: int) -> nn.Module:
         """GPTModel with the weights FSDP2 would start from (checkpoint, or seeded init)."""
@@ -190,7 +193,19 @@ class MegatronTrainer:
         return self._flat_export.fill(self.export_hf_state(), dtype)
 
     def export_sharded_state(self, dtype: torch.dtype | None = None) -> ShardExport:
-        raise TrainerError("export_sharded_state(): sync.sharded needs trainer.backend = 'fsdp'")
+        """This rank's own tensor-/expert-parallel slices of every HF weight, cast to `dtype` (None:
+        the parameters' dtype), by the Megatron transfer plan: what a sharded sync sends from
+        every rank (trainer/megatron/shard_export.py). Not a collective, no gather."""
+        self.ensure_loaded()
+        params = dict(self.policy.named_parameters())
+        if self._shards is None:
+            from megatron.core import parallel_state as ps
+
+            tp, ep, dp = check_parallel(self.cfg.megatron, self.spec, self.global_world)
+            self._shards = MegatronShards(self.spec, params.keys(), MegatronParallel(tp=tp, ep=ep, dp=dp),
+                                          self.rank, ps.get_expert_model_parallel_rank())
+        wire = dtype if dtype is not None else next(iter(params.values())).dtype
+        return self._shards.export(params, str(wire).removeprefix("torch."))
 
     def export_hf_checkpoint(self, path: str | Path) -> None:
         """config.json + model.safetensors (fp32) from rank 0; every rank must call."""
