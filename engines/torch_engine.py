@@ -28,6 +28,7 @@ from miles.engines.base import (
     GenerateResult,
     PauseMode,
     RequestTotals,
+    Staging,
 )
 from miles.engines.kv_cache import KVPool, RowPool, SessionKV, SessionStore, common_prefix
 from miles.engines.lora import AdapterMerge
@@ -217,6 +218,10 @@ class TorchEngine(Engine):
         if mixed:
             raise EngineError(f"stage(version={version}): a version carries full weights or adapters, not both")
         return self.adapters.stage(version, lora) if lora else self.stager.stage(version, full)
+
+    def staging(self) -> Staging:
+        """Its staging slots (`stager`, bound to `model`) take bulk buckets and byte ranges in place."""
+        return self
 
     def mark_staged(self, version: int, names: list[str]) -> int:
         """Full-weight tensors a receiver wrote into their slots (a flat export's range)."""
