@@ -19,9 +19,7 @@ from miles.actors.engine_yield import EngineYield
 from miles.actors.evaluator import Evaluator, run_external
 from miles.actors.messages import DumpState, Health, PullBatch, RunEval, SetVersion
 from miles.actors.runtime.actor import Actor
-from miles.actors.shard_publisher import ShardedPublisher
 from miles.actors.sync import ShardedWeightSync, WeightSync
-from miles.actors.weight_publisher import WeightPublisher
 from miles.core.clock import Phases
 from miles.core.errors import MilesError, TrainerError
 from miles.core.logging import get_logger
@@ -29,6 +27,8 @@ from miles.core.schema import MilesConfig
 from miles.metrics.progress import Progress
 from miles.models.config import ModelSpec
 from miles.models.fp8_layout import fp8_block
+from miles.publish.gathered import WeightPublisher
+from miles.publish.sharded import ShardedPublisher
 from miles.trainer.backends import check_lora_launch, data_parallel, make_trainer
 from miles.trainer.batch import TrainBatch, TrainSample, shard_batch
 

@@ -30,7 +30,7 @@ def _load(args: argparse.Namespace) -> MilesConfig:
 def cmd_train(args: argparse.Namespace) -> int:
 
     from miles.launch.local import LocalLauncher
-    from miles.launch.warmup import with_initial_checkpoint
+    from miles.warmup.sft import with_initial_checkpoint
 
     resume = ""
     if args.resume:
@@ -101,7 +101,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 # registers the command and sets `fn` (args -> exit code). Add one line per module.
 SUBCOMMAND_MODULES: list[str] = [
     "miles.launch.slurm",
-    "miles.launch.perftest",
+    "miles.perftest.cli",
     "miles.launch.data_check",
     "miles.launch.report",
     "miles.diffusion.cli",

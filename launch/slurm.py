@@ -23,8 +23,8 @@ from miles.core.config import dump_toml, to_dict
 from miles.core.errors import ConfigError
 from miles.core.logging import configure_logging
 from miles.core.schema import MilesConfig
+from miles.core.slurm_env import SlurmEnv
 from miles.launch.cli import _load, add_config_args
-from miles.launch.slurm_env import SlurmEnv
 from miles.launch.slurm_script import ROLES, SlurmOptions, SlurmPlan, make_plan, render_script
 
 
@@ -58,7 +58,7 @@ def _render(plan: SlurmPlan, cfg: MilesConfig) -> str:
 
 def prepare(cfg: MilesConfig) -> MilesConfig:
     """Absolute run dir and a real initial checkpoint, so every step on every node loads the same one."""
-    from miles.launch.warmup import with_initial_checkpoint
+    from miles.warmup.sft import with_initial_checkpoint
 
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(Path(cfg.run.dir).resolve())))
     return with_initial_checkpoint(cfg)

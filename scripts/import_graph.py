@@ -47,6 +47,10 @@ def imports_of(path: Path, name: str, modules: dict[str, Path]) -> list[tuple[st
     is_pkg = path.name == "__init__.py"
     here = name.split(".") if is_pkg else name.split(".")[:-1]
     found: list[tuple[str, bool]] = []
+    # Logger names ("miles.trainer") read like modules but load nothing.
+    log_names = {id(arg) for node in ast.walk(tree) if isinstance(node, ast.Call)
+                 and getattr(node.func, "id", getattr(node.func, "attr", "")) == "get_logger"
+                 for arg in node.args}
     for node in ast.walk(tree):
         targets: list[str] = []
         named = False
@@ -60,7 +64,7 @@ def imports_of(path: Path, name: str, modules: dict[str, Path]) -> list[tuple[st
             else:
                 mod = node.module or ""
             targets = [mod] + [f"{mod}.{alias.name}" for alias in node.names]
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in log_names:
             # A module named in a string (importlib.import_module, a registry's "pkg.mod:attr")
             # is a dependency too, loaded later.
             text = node.value.partition(":")[0]

@@ -25,7 +25,6 @@ from typing import Any, Protocol
 
 import torch
 
-from miles.actors.sync import SyncReport, WeightSync
 from miles.core.errors import MilesError
 from miles.core.logging import get_logger
 from miles.core.schema.sync import SyncConfig
@@ -33,10 +32,18 @@ from miles.models.config import ModelSpec
 from miles.models.fp8_layout import fp8_block
 from miles.models.fp8_model import fp8_export
 from miles.transport.bulk.flat import FlatWeights
+from miles.transport.bulk.push_round import SyncReport
 
 log = get_logger("miles.trainer")
 
 Named = Iterable[tuple[str, torch.Tensor]]
+
+
+class Pusher(Protocol):
+    """Rank 0's way to the engines (actors/sync.py `WeightSync`: the coordinator over actor asks)."""
+
+    async def push(self, version: int, named: Any) -> SyncReport: ...
+    async def catch_up(self, engine: str, version: int, named: Named) -> SyncReport: ...
 
 
 class Exporter(Protocol):
@@ -86,7 +93,7 @@ def hand_off_metrics(rep: SyncReport, export_s: float, total_s: float, payload_b
 class WeightPublisher:
     """Exports a trainer's weights and, on rank 0, pushes them and catches engines up."""
 
-    def __init__(self, cfg: SyncConfig, exporter: Exporter, sync: WeightSync | None,
+    def __init__(self, cfg: SyncConfig, exporter: Exporter, sync: Pusher | None,
                  fp8_spec: ModelSpec | None = None) -> None:
         self.cfg = cfg
         self.exporter = exporter

@@ -1,6 +1,6 @@
 """Every trainer rank's weight hand-off for a sharded sync: export its own slices, push them.
 
-The sharded counterpart of `WeightPublisher` (actors/weight_publisher.py), with the same
+The sharded counterpart of `WeightPublisher` (publish/gathered.py), with the same
 surface the trainer loop uses (`hand_off`, `lock`, `last_version`, `source`, `catch_up`):
 
 - every rank exports (`export_sharded_state`: its slices cast into its send buffer, in a
@@ -20,13 +20,24 @@ from typing import Any, Protocol
 
 import torch
 
-from miles.actors.sync import ShardedWeightSync
-from miles.actors.weight_publisher import hand_off_metrics
 from miles.core.logging import get_logger
 from miles.core.schema.sync import SyncConfig
+from miles.publish.gathered import hand_off_metrics
+from miles.transport.bulk.push_round import SyncReport
+from miles.transport.bulk.rank_group import RankGroup
 from miles.transport.bulk.shard_plan import ShardExport
+from miles.transport.bulk.sharded import ShardedCoordinator
 
 log = get_logger("miles.trainer")
+
+
+class ShardPusher(Protocol):
+    """Every rank's way to the engines (actors/sync.py `ShardedWeightSync`)."""
+
+    group: RankGroup
+    coordinator: ShardedCoordinator
+
+    async def push(self, version: int, export: ShardExport) -> SyncReport: ...
 
 
 class ShardExporter(Protocol):
@@ -36,7 +47,7 @@ class ShardExporter(Protocol):
 
 
 class ShardedPublisher:
-    def __init__(self, cfg: SyncConfig, exporter: ShardExporter, sync: ShardedWeightSync) -> None:
+    def __init__(self, cfg: SyncConfig, exporter: ShardExporter, sync: ShardPusher) -> None:
         self.cfg, self.exporter, self.sync = cfg, exporter, sync
         self.rank = sync.group.rank
         self.lock = asyncio.Lock()
