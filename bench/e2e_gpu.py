@@ -43,8 +43,8 @@ from miles.core.config import load_config  # noqa: E402
 from miles.core.logging import configure_logging  # noqa: E402
 from miles.core.schema import MilesConfig  # noqa: E402
 from miles.launch.local import LocalLauncher  # noqa: E402
-from miles.launch.metrics import read_metrics  # noqa: E402
-from miles.launch.warmup import with_initial_checkpoint  # noqa: E402
+from miles.metrics.sink import read_metrics  # noqa: E402
+from miles.warmup.sft import with_initial_checkpoint  # noqa: E402
 
 DENSE_13B = {"hidden_size": 1536, "num_hidden_layers": 28, "intermediate_size": 8960,
              "num_attention_heads": 12, "num_key_value_heads": 2}

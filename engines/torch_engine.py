@@ -28,6 +28,7 @@ from miles.engines.base import (
     GenerateResult,
     PauseMode,
     RequestTotals,
+    Staging,
 )
 from miles.engines.kv_cache import KVPool, RowPool, SessionKV, SessionStore, common_prefix
 from miles.engines.lora import AdapterMerge
@@ -41,7 +42,8 @@ from miles.engines.weights import WeightStager
 from miles.models.decoder import CausalLM
 from miles.models.factory import model_from_config
 from miles.models.fp8_layout import fp8_block
-from miles.models.fp8_linear import to_fp8_weights, weights_changed
+from miles.models.fp8_linear import weights_changed
+from miles.models.fp8_model import to_fp8_weights
 from miles.models.hf_io import checksums, hf_tensor_views
 from miles.models.lora import is_adapter_name
 
@@ -216,6 +218,10 @@ class TorchEngine(Engine):
         if mixed:
             raise EngineError(f"stage(version={version}): a version carries full weights or adapters, not both")
         return self.adapters.stage(version, lora) if lora else self.stager.stage(version, full)
+
+    def staging(self) -> Staging:
+        """Its staging slots (`stager`, bound to `model`) take bulk buckets and byte ranges in place."""
+        return self
 
     def mark_staged(self, version: int, names: list[str]) -> int:
         """Full-weight tensors a receiver wrote into their slots (a flat export's range)."""

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from miles.launch.console import REPEATS_SHOWN, Console, progress_line
-from miles.launch.metrics import MetricsSink
+from miles.launch.console import REPEATS_SHOWN, Console
 from miles.launch.run_summary import format_table, summarize_run
+from miles.metrics.progress import progress_line
+from miles.metrics.sink import MetricsSink
 
 pytestmark = pytest.mark.timeout(60)
 
