@@ -135,6 +135,28 @@ class DecodeGraphs:
         inputs = torch.tensor([[0] * b, [self.scratch] * b], dtype=torch.long, device=dev)
         self._fwd_call(inputs, r, self.moe)
 
+    def compile_aside(self) -> bool:
+        """Make the decode forward's compile (engine.compile_decode) without touching what this
+        object serves: the compiled forward runs once over a 2-row pool of its own (its KV
+        writes land there), so the engine can keep decoding with its uncompiled graphs while
+        this runs in another thread (engine.compile_background). The compile is per process
+        (`_compiled_forward`) and dynamic in the pool's rows, so `use_compiled` then reuses
+        it. Whether it compiled (False: it failed and was logged; stay uncompiled)."""
+        p = self.pool
+        with torch.inference_mode(False):  # tensors like the live pool's (made outside it): the same guards
+            small = RowPool(self.model.spec, 2, p.max_seq_len, p.k[0].dtype, p.k[0].device)
+        aside = DecodeGraphs(self.model, small, capture=False, compiled=True)
+        aside.warm_up()
+        return aside.compiled
+
+    def use_compiled(self) -> None:
+        """Serve compiled from now on (after `compile_aside`): the uncompiled graphs are dropped
+        and each bucket is captured again, from the compiled forward, at its next use (the
+        smallest one now). Call between steps: no replay may be in flight."""
+        self.compiled = True
+        self._graphs.clear()
+        self.warm_up()
+
     def _graph(self, b: int, read: int, want_routed: bool) -> _Graph:
         key = (b, read, want_routed, self._weights())
         g = self._graphs.get(key)

@@ -112,6 +112,25 @@ class Stepper:
         except Exception as exc:  # noqa: BLE001 - decode eagerly instead
             self._graphs_failed(exc)
 
+    def compile_aside(self) -> bool:
+        """Worker thread, while the engine serves: the decode compile (`DecodeGraphs.compile_aside`)."""
+        g = self.graphs
+        if g is None or g.failed:
+            return False
+        with self._mode(), torch.inference_mode():
+            return g.compile_aside()
+
+    def use_compiled(self) -> None:
+        """Between steps: swap the compiled decode in (a failure leaves decode eager, as at a step)."""
+        g = self.graphs
+        if g is None or g.failed:
+            return
+        try:
+            with self._mode(), torch.inference_mode():
+                g.use_compiled()
+        except Exception as exc:  # noqa: BLE001 - decode eagerly instead
+            self._graphs_failed(exc)
+
     def can_pipeline(self, seqs: list[Sequence]) -> bool:
         """Whether decode steps of `seqs` may be launched ahead (`launch` / `collect`): decode graphs
         in use over the row pool (a paged pool reserves blocks on the host every step), rows from 0."""
