@@ -97,6 +97,7 @@ async def launch_watching(cfg: MilesConfig, metrics: Path, poll_s: float = 0.1) 
     while not task.done():
         if first is None and metrics.exists() and metrics.stat().st_size > 0:
             first = time.perf_counter() - t0
+            print(f"# first step after {first:.1f} s", flush=True)  # kept even if a time limit cuts the run
         await asyncio.wait([task], timeout=poll_s)
     if first is None and metrics.exists() and metrics.stat().st_size > 0:
         first = time.perf_counter() - t0  # landed within the last poll
