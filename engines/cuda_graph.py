@@ -126,13 +126,17 @@ class DecodeGraphs:
         that one compile and one graph per bucket serve requests with and without R3."""
         return want or self.moe
 
-    def warm_up(self) -> None:
+    def warm_up(self, every_batch: bool = False) -> None:
         """Compile (engine.compile_decode) and capture the smallest bucket now, before requests
         arrive: the compile takes 50-110 s on an H200 for the bench models, which at the first decode step would count
-        against the first requests' deadlines. Later buckets reuse the compile."""
+        against the first requests' deadlines. Later buckets reuse the compile. `every_batch`:
+        capture every batch bucket at the shortest key length (what a run's first steps use),
+        for uncompiled graphs that serve while a compile runs aside and may capture nothing new."""
         b, r = self.buckets(2, 1)
         if self.capture:
-            self._graph(b, r, self.moe)
+            sizes = sorted({self.buckets(n, 1)[0] for n in range(2, self.rows + 1)}) if every_batch else [b]
+            for size in sizes:
+                self._graph(size, r, self.moe)
             return
         dev = self.pool.k[0].device
         inputs = torch.tensor([[0] * b, [self.scratch] * b], dtype=torch.long, device=dev)

@@ -293,8 +293,8 @@ class TorchEngine(Engine):
         background = g.compiled and self.cfg.compile_background
         if background:
             g.compiled = False  # serve with uncompiled graphs until the compile is ready
-        async with self._lock:
-            await asyncio.to_thread(self.stepper.warm_up)
+        async with self._lock:  # background: every batch bucket, uncompiled (seconds), as no capture may overlap it
+            await asyncio.to_thread(self.stepper.warm_up, background)
         log.info("engine_warmed_up", seconds=round(time.monotonic() - t0, 1), compiled=g.compiled,
                  graphs_failed=g.failed, compiling_in_background=background and not g.failed)
         if background and not g.failed:
