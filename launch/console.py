@@ -23,6 +23,20 @@ SHOWN_BY_LAUNCHER = {"role_failed"}  # a role's crash: the launcher's decision l
 REPEATS_SHOWN = 3  # per (role, event)
 
 
+def _startup(ev: dict[str, Any]) -> str | None:
+    """What a start-up event says the run is waiting on, as one line (info events otherwise stay
+    in the logs): the decode compile, the slow part of a cold start on a GPU."""
+    who = f"{ev.get('role')}-{ev.get('rank')}"
+    name = ev.get("event")
+    if name == "decode_compile_started":
+        return f"{who}: compiling the decode graphs in the background; serving with uncompiled graphs meanwhile"
+    if name == "decode_compile_ready":
+        return f"{who}: decode compile ready after {ev.get('compile_s')} s; serving compiled decode graphs"
+    if name == "engine_warmed_up" and ev.get("compiled"):
+        return f"{who}: decode graphs compiled and captured in {ev.get('seconds')} s before serving"
+    return None
+
+
 def _size(path: Path) -> int:
     try:
         return path.stat().st_size
@@ -87,6 +101,14 @@ class Console:
             self._print(line)
 
     def _on_log(self, ln: str) -> None:
+        if '"level": "info"' in ln and ('decode_compile_' in ln or 'engine_warmed_up' in ln):
+            try:
+                line = _startup(json.loads(ln))
+            except json.JSONDecodeError:
+                return
+            if line is not None:
+                self._print(line)
+            return
         if '"level": "warning"' not in ln and '"level": "error"' not in ln:
             return
         try:
