@@ -1,4 +1,4 @@
-"""The supervised warm-up of a vision-language preset (launch/warmup.py): examples with images.
+"""The supervised warm-up of a vision-language preset (warmup/sft.py): examples with images.
 
 The prompt is rendered and tokenized as the rollout's session store does it (image parts as
 the template's marker, each placeholder expanded to its image's tokens: rollout/
