@@ -156,6 +156,9 @@ class SGLangEngine(Engine):
     # ---- requests -----------------------------------------------------------------
     async def generate(self, req: GenerateRequest) -> GenerateResult:
         validate_request(req, self.facts.vocab_size, self.max_seq_len)
+        if req.images is not None:  # not dropped silently: the request would run without its pixels
+            raise EngineError(f"request {req.request_id}: images are served by the torch engine only "
+                              "(engine.type='torch'); the SGLang engine does not take them yet")
         await self.start()
         await self._resumed.wait()  # pause(): new requests wait, like the embedded engine's queue
         task = asyncio.get_running_loop().create_task(self._generate(req))
