@@ -45,12 +45,13 @@ def test_two_turn_images_are_token_exact_through_a_launched_run(tmp_path: Path) 
 
 def test_the_shipped_one_turn_recipe_learns(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    # 120 of the shipped 200 steps keep CI time down: the climb to ~0.5 is over by step ~75
-    # (bench/results/vlm_cpu.json's curve)
-    run("vlm.toml", out, tmp_path / "cache", "--set", "run.steps=120")
+    # 100 of the shipped 300 steps keep CI time down: the reward is ~0.85 by step 100
+    # (bench/results/vlm_cpu.json's curve; ~0.3 over the first 20 steps)
+    run("vlm.toml", out, tmp_path / "cache", "--set", "run.steps=100")
     rows = metrics(out)
     rewards = [r["rollout/reward_mean"] for r in rows]
     q = len(rewards) // 4
     first, last = sum(rewards[:q]) / q, sum(rewards[-q:]) / q
     assert all(r["train/image_token_mismatches"] == 0 for r in rows)
-    assert last - first >= 0.08, f"reward first quarter {first:.3f} -> last quarter {last:.3f}"
+    # the bench's rise over these steps is ~+0.5; the margin keeps a loaded CI machine green
+    assert last - first >= 0.2, f"reward first quarter {first:.3f} -> last quarter {last:.3f}"
