@@ -39,6 +39,8 @@ def progress_line(rec: dict[str, Any], total: int, rewards: list[float], elapsed
         parts.append(f"len_ratio {rec['rollout/fully_async/len_ratio']:.2f}")
     if "train/train_rollout_logprob_abs_diff" in rec:
         parts.append(f"Δlogp {rec['train/train_rollout_logprob_abs_diff']:.4f}")
+    if "eval/reward_mean" in rec:
+        parts.append(eval_part(rec))
     if "perf/step_time_s" in rec:
         parts.append(f"step {rec['perf/step_time_s']:.2f}s")
     if "perf/sync_s" in rec:
@@ -46,6 +48,16 @@ def progress_line(rec: dict[str, Any], total: int, rewards: list[float], elapsed
     rate = done / elapsed if elapsed > 0 and done else 0.0
     parts.append(f"ETA {_fmt_eta((total - step) / rate)}" if rate else "ETA -")
     return " | ".join(parts)
+
+
+def eval_part(rec: dict[str, Any]) -> str:
+    """`eval@40 greedy 0.125 avg@8 0.094 pass@8 0.312` from an evaluation's metrics."""
+    acc = rec.get("eval/greedy_accuracy", rec["eval/reward_mean"])
+    out = f"eval@{int(rec.get('eval/step', rec.get('step', 0)))} greedy {acc:.3f}"
+    k = int(rec.get("eval/samples", 0))
+    if k:
+        out += f" avg@{k} {rec.get(f'eval/avg_at_{k}', 0.0):.3f} pass@{k} {rec.get(f'eval/pass_at_{k}', 0.0):.3f}"
+    return out
 
 
 def _size(path: Path) -> int:
