@@ -143,6 +143,7 @@ class TrainerActor(Actor):
 
     async def _run_eval(self, step: int, version: int, run_dir: Path) -> None:
         ec = self.cfg.eval
+        t_ready = time.monotonic() - getattr(self, "_t_loop", time.monotonic())
         try:
             if ec.mode == "shared":
                 m = await self.ref("rollout").ask(RunEval(step, version), timeout=ec.timeout_s)
@@ -167,7 +168,7 @@ class TrainerActor(Actor):
         except (MilesError, TimeoutError, OSError) as exc:
             log.error("eval_failed", step=step, mode=ec.mode, error=f"{type(exc).__name__}: {exc}")
             m = {"eval/failed": 1.0}
-        m = {**m, "eval/step": float(step), "eval/version": float(version),
+        m = {**m, "eval/step": float(step), "eval/version": float(version), "eval/loop_s": t_ready,
              "eval/lag_steps": float(self.trainer.step - step)}
         self._eval_done.append(m)
         with (run_dir / "eval.jsonl").open("a") as f:
@@ -185,12 +186,12 @@ class TrainerActor(Actor):
         """pull -> train -> hand off the new version -> (offload, eval, checkpoint) -> report."""
         self.publisher = self._make_publisher()
         await self._resume()
+        self._t_loop = time.monotonic()  # evaluations record the loop time their weights were ready at
         if self.cfg.eval.at_start and self.cfg.eval.mode != "none" and self.trainer.step == 0:
             await self._eval_at_start()
         limit = self.cfg.run.time_limit_s
-        t_start = time.monotonic()
         while self.trainer.step < self.cfg.run.steps:
-            if limit and time.monotonic() - t_start > limit:
+            if limit and time.monotonic() - self._t_loop > limit:
                 log.warning("time_limit_reached", step=self.trainer.step, limit_s=limit)
                 break
             ph = Phases()
