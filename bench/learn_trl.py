@@ -5,7 +5,7 @@ batch and optimiser settings as examples/gsm8k.toml, for the miles-vs-TRL time-t
 
 Data: GSM8K train/test (DIR/train.jsonl, DIR/test.jsonl) through miles' gsm8k env (the
 max_calc_steps cut, the prompt template, the math reward); 16 prompts x 8 samples per step,
-256 new tokens, temperature 1, lr 3e-6 constant, grad clip 1, no KL, bf16 on CUDA. TRL
+256 new tokens, temperature 1, lr 5e-6 constant, grad clip 1, no KL, bf16 on CUDA. TRL
 generates with transformers' `generate` (its default without vLLM, which the device lacks).
 Held-out greedy accuracy on the first 128 test rows of the cut, before training and at the
 end, by transformers' greedy `generate` scored by the same reward. Training stops at the
@@ -29,7 +29,7 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--lr", type=float, default=3e-6)
+    ap.add_argument("--lr", type=float, default=5e-6)
     ap.add_argument("--time-limit", type=float, default=300.0, help="stop at the first step after this [s]")
     ap.add_argument("--max-steps", type=int, default=1000)
     ap.add_argument("--eval-prompts", type=int, default=128)
