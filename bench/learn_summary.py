@@ -42,8 +42,10 @@ def run_record(label: str, run_dir: Path) -> dict[str, Any]:
               "greedy": e.get("eval/greedy_accuracy"), f"avg@{k}": e.get(f"eval/avg_at_{k}"),
               f"pass@{k}": e.get(f"eval/pass_at_{k}")} for e in evals]
     q = quarters(rew)
+    errors = run_dir / "errors.txt"
     return {
-        "kind": "run", "mode": mode, "seed": int(seed or 0), "run_dir": run_dir.name, "steps": len(rows),
+        "kind": "run", "mode": mode, "failed": not rows,
+        "error": errors.read_text()[:400] if not rows and errors.is_file() else "", "seed": int(seed or 0), "run_dir": run_dir.name, "steps": len(rows),
         "eval_curve": curve,
         "eval_accuracy_before": curve[0]["greedy"] if curve and curve[0]["step"] == 0 else None,
         "eval_accuracy_after": curve[-1]["greedy"] if curve else None,
@@ -68,6 +70,9 @@ def _mean(xs: list[float | None]) -> float | None:
 
 
 def gsm8k_summary(runs: list[dict[str, Any]], head: dict[str, Any]) -> dict[str, Any]:
+    failed = [f"{r['mode']}:{r['seed']}" for r in runs if r["failed"]]
+    runs = [r for r in runs if not r["failed"]]  # a run that trained no step has no 'after'
+    head = {**head, "failed_runs": failed}
     by = {m: [r for r in runs if r["mode"] == m] for m in sorted({r["mode"] for r in runs})}
     main = by.get("fully_async") or runs
     before, after = _mean([r["eval_accuracy_before"] for r in main]), _mean([r["eval_accuracy_after"] for r in main])
@@ -102,9 +107,20 @@ def agentic_summary(runs: list[dict[str, Any]], head: dict[str, Any], run_dirs: 
 
 
 def trl_summary(runs: list[dict[str, Any]], trl: dict[str, Any], head: dict[str, Any]) -> dict[str, Any]:
+    runs = [r for r in runs if not r["failed"]]
     target, t_trl = trl["eval_accuracy_after"], trl["train_s"]
     out = {**head, "mode": "fully_async vs TRL", "trl": {k: v for k, v in trl.items() if k not in ("landed_s",)},
-           "trl_final_accuracy": target, "trl_train_s": t_trl}
+           "trl_final_accuracy": target, "trl_train_s": t_trl,
+           "trl_improved": target > trl["eval_accuracy_before"]}
+    # The same batch (16 prompts x 8 samples, 256 new tokens) per step on both sides.
+    out["trl_step_s_median"] = trl.get("step_s_median")
+    for r in runs:
+        out[f"{r['mode']}_seed{r['seed']}_step_s_median"] = r["step_s_median"]
+    if not out["trl_improved"]:
+        out["time_to_accuracy"] = ("not measurable: TRL ended at or below its own step-0 accuracy, so "
+                                   "there is no TRL gain for miles to reach")
+        out["goal_2x_faster"] = None
+        return out
     for r in runs:
         hit = next((e for e in r["eval_curve"] if e["greedy"] is not None and e["greedy"] >= target), None)
         key = f"{r['mode']}_seed{r['seed']}"

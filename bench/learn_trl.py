@@ -67,6 +67,8 @@ def main() -> int:
 
     tok = AutoTokenizer.from_pretrained(a.model)
     tok.padding_side = "left"
+    if tok.pad_token is None:  # the GGUF-built tokenizer has none; the end token pads (masked out)
+        tok.pad_token = tok.eos_token
     dev = torch.device(a.device)
 
     @torch.no_grad()

@@ -9,7 +9,7 @@ Prompts are the calculator env's ("What is a*b+c?"); the agent is its `calculato
 each reply with `<tool_call>{"name": "calc", ...}</tool_call>` (parsed by the json_tags tool
 parser) gets the result back as a `tool` message; a reply without one is the answer, scored
 by its last number. Chat templates that drop `tools` (SmolLM2's does) never show the model
-the tool, hence the system prompt and one worked exchange before the question.
+the tool, hence the system prompt with one worked exchange.
 
 Token-exact sessions: the session store keeps the engine's sampled ids as they are and
 tokenizes only the new suffix (the tool result) onto them. The reward checks it on every
@@ -28,17 +28,14 @@ from miles.rollout.layers import Prompt
 from miles.rollout.rewards import last_number_reward
 from miles.rollout.types import Sample
 
+# One worked exchange in the system prompt: a 135M model copies a demonstrated format far more
+# often than it follows a described one (as text: a `tool` message needs a structured call before it).
 SYSTEM = ("You can use a calculator tool. To use it, write exactly one line like:\n"
           '<tool_call>{"name": "calc", "arguments": {"expr": "12*34+5"}}</tool_call>\n'
-          "You will get the result back. Then reply with the final number only.")
-# One worked exchange before the question: a 135M model copies a demonstrated format far more
-# often than it follows a described one.
-EXAMPLE = [
-    {"role": "user", "content": "What is 7*8+9? Use the calc tool, then answer with the number."},
-    {"role": "assistant", "content": '<tool_call>{"name": "calc", "arguments": {"expr": "7*8+9"}}</tool_call>'},
-    {"role": "tool", "content": "65"},
-    {"role": "assistant", "content": "65"},
-]
+          "You will get the result back. Then reply with the final number only.\n\n"
+          "Example:\nuser: What is 7*8+9?\n"
+          'assistant: <tool_call>{"name": "calc", "arguments": {"expr": "7*8+9"}}</tool_call>\n'
+          "tool: 65\nassistant: 65")
 
 
 class TokenDrift(MilesError):
@@ -67,7 +64,7 @@ class ToolMathPrompts(CalculatorPrompts):
     def item(self, i: int) -> Prompt:
         p = super().item(i)
         return {**p, "id": p["id"].replace("calc-", "toolmath-", 1),
-                "messages": [{"role": "system", "content": SYSTEM}, *EXAMPLE, *p["messages"]]}
+                "messages": [{"role": "system", "content": SYSTEM}, *p["messages"]]}
 
 
 def make_env(seed: int = 0, max_operand: int = 30) -> Environment:
