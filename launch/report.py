@@ -73,7 +73,7 @@ def _eval_plot(evals: list[dict[str, Any]]) -> list[str]:
         keys.update({f"avg@{k}": f"eval/avg_at_{k}", f"pass@{k}": f"eval/pass_at_{k}"})
     lines = {name: [(int(e["step"]), float(e[key])) for e in evals if key in e] for name, key in keys.items()}
     return [line_plot({n: v for n, v in lines.items() if v}, title="held-out evaluation", ylabel="accuracy",
-                      index=90)]
+                      index=8)]
 
 
 def figure5_panels(rows: list[dict[str, Any]]) -> list[str]:
@@ -81,11 +81,11 @@ def figure5_panels(rows: list[dict[str, Any]]) -> list[str]:
     divergence per step, and raw reward with a 9-step moving average."""
     reward = series(rows, REWARD)
     return [
-        line_plot({"step time": series(rows, "perf/step_time_s")}, title="step time", ylabel="seconds", index=80),
+        line_plot({"step time": series(rows, "perf/step_time_s")}, title="step time", ylabel="seconds", index=5),
         line_plot({"mean": series(rows, MISMATCH)}, title="|logp engine - logp trainer| per step",
-                  ylabel="nats", index=81),
+                  ylabel="nats", index=6),
         line_plot({"raw": reward, "9-step moving average": trailing_mean(reward, 9)}, title="raw reward",
-                  ylabel="reward", index=82, faint={"raw"}),
+                  ylabel="reward", index=7, faint={"raw"}),
     ]
 
 
