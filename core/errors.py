@@ -16,6 +16,12 @@ class ConfigError(MilesError):
     """A config file, override or hook is wrong; the message names the dotted path."""
 
 
+class StartupError(MilesError):
+    """A role cannot start, and would fail the same way on every try (missing weights, a missing
+    package, a refused config, an external server that will not come up): its supervisor does
+    not restart it (launch/supervision.py)."""
+
+
 class ProtocolError(MilesError):
     """A wire message is malformed: bad frame, schema, type or size."""
 

@@ -36,7 +36,7 @@ def wandb_settings(cfg: MilesConfig) -> Any:
     if not cfg.run.wandb_project:
         return None
     from miles.core.config import to_dict
-    from miles.launch.metrics import WandbSettings
+    from miles.metrics.sink import WandbSettings
 
     return WandbSettings(cfg.run.wandb_project, cfg.run.wandb_mode, cfg.run.name, to_dict(cfg))
 
@@ -97,12 +97,16 @@ def main(argv: list[str] | None = None) -> int:
             await host.add(actor, "rollout")
         else:
             from miles.actors.trainer import TrainerActor
-            from miles.launch.metrics import MetricsSink
+            from miles.metrics.sink import MetricsSink
             from miles.models.config import ModelSpec
 
             await _wait_engines(host, cfg)
             await host.lookup("rollout", timeout=300)
-            sink = MetricsSink(cfg.run.dir, wandb=wandb_settings(cfg)) if a.index == 0 else None
+            from miles.metrics.run_dir import checkpoint_step
+
+            resume = os.environ.get("MILES_RESUME", "")
+            sink = MetricsSink(cfg.run.dir, wandb=wandb_settings(cfg),
+                               resume_step=checkpoint_step(resume) if resume else None) if a.index == 0 else None
             done = asyncio.Event()
             actor = TrainerActor(cfg, ModelSpec.from_dir(cfg.model.path), a.index, cfg.trainer.world_size,
                                  engine_names(cfg), cfg.model.path, done, sink,
@@ -117,9 +121,16 @@ def main(argv: list[str] | None = None) -> int:
 
             host._finish_task = asyncio.create_task(finish())  # type: ignore[attr-defined]
             await host.add(actor, f"trainer-{a.index}")
+        code["started"] = 1  # its actors serve: a crash from now on is not a failure at start
 
-    rc = uvloop.run(serve(setup, cfg=cfg.transport, directory=a.directory, ready_file=a.ready,
-                          stop_event=stop))
+    try:
+        rc = uvloop.run(serve(setup, cfg=cfg.transport, directory=a.directory, ready_file=a.ready,
+                              stop_event=stop))
+    except Exception as exc:  # noqa: BLE001 - reported for the supervisor (launch/supervision.py), then exit 1
+        from miles.launch.supervision import report_crash
+
+        report_crash(exc, started=bool(code.get("started")))
+        return 1
     return code["rc"] or rc
 
 

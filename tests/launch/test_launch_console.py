@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from miles.launch.console import REPEATS_SHOWN, Console, progress_line
-from miles.launch.metrics import MetricsSink
+from miles.launch.console import REPEATS_SHOWN, Console
 from miles.launch.run_summary import format_table, summarize_run
+from miles.metrics.progress import progress_line
+from miles.metrics.sink import MetricsSink
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -34,6 +35,20 @@ def test_progress_line_shows_step_eta_sync_and_len_ratio() -> None:
     assert "ETA 0:45" in line  # 90 steps left at 2 steps/s
     assert "\n" not in line
     assert "len_ratio" not in progress_line(_row(1), 10, [0.1], 0.0, 0)
+
+
+def test_eta_of_rows_read_in_one_poll_is_not_zero(tmp_path: Path) -> None:
+    """Steps 1-3 land between two polls (wall time between them ~0): the ETA of step 2 and 3
+    comes from the steps' own times (0.1 s each: 97 steps left ~ 0:10), not an infinite rate."""
+    sink = MetricsSink(tmp_path, tensorboard=False)
+    out = io.StringIO()
+    con = Console(tmp_path, 100, out=out)
+    for step in (1, 2, 3):
+        sink.write(_row(step))
+    con.poll()
+    etas = [ln.rsplit("ETA ", 1)[1] for ln in out.getvalue().splitlines()]
+    assert etas[0] == "0:10" and etas[1] == "0:10" and etas[2] == "0:10", etas
+    sink.close()
 
 
 def test_console_follows_metrics_and_role_logs(tmp_path: Path) -> None:
@@ -121,3 +136,18 @@ def test_summary_table_names_reward_drops_sync_and_outputs(tmp_path: Path) -> No
     assert "aborted 2, stale 12" in table and "30 / 16" in table
     assert "median 12.0 ms" in table and "10.00 steps/s" in table
     assert "warning event_loop_lag x1" in table and str(tmp_path) in table
+
+
+def test_console_says_when_the_engine_compiles_its_decode(tmp_path: Path) -> None:
+    (tmp_path / "logs").mkdir()
+    out = io.StringIO()
+    con = Console(tmp_path, 4, out=out)
+    with (tmp_path / "logs" / "engine-0.log").open("a") as log:
+        log.write(_event("info", "engine_warmed_up", seconds=0.4, compiled=False, compiling_in_background=True) + "\n")
+        log.write(_event("info", "decode_compile_started") + "\n")
+        log.write(_event("info", "decode_compile_ready", compile_s=51.2, swap_s=1.1, compiled=True) + "\n")
+        log.write(_event("info", "engine_ready") + "\n")
+    con.poll()
+    assert out.getvalue().splitlines() == [
+        "engine-0: compiling the decode graphs in the background; serving with uncompiled graphs meanwhile",
+        "engine-0: decode compile ready after 51.2 s; serving compiled decode graphs"]

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from miles.actors.evaluator import pass_at_k
-from miles.launch.console import eval_part
 from miles.launch.report import render_html
 from miles.launch.run_summary import format_table, read_evals, summarize_run
+from miles.metrics.progress import eval_part
 
 pytestmark = pytest.mark.timeout(60)
 
