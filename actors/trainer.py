@@ -142,8 +142,16 @@ class TrainerActor(Actor):
             return
         self._eval_task = asyncio.create_task(self._run_eval(step, version, run_dir), name="eval")
 
+    async def _eval_at_start(self) -> None:
+        """Step 0: the initial weights, evaluated before any training (the 'before' of a run)."""
+        if self.cfg.eval.mode == "external":
+            self.trainer.export_hf_checkpoint(self.run_dir / "eval" / "step_000000")
+        if self.rank == 0:
+            await self._run_eval(0, self.trainer.weight_version, self.run_dir)
+
     async def _run_eval(self, step: int, version: int, run_dir: Path) -> None:
         ec = self.cfg.eval
+        t_ready = time.monotonic() - getattr(self, "_t_loop", time.monotonic())
         try:
             if ec.mode == "shared":
                 m = await self.ref("rollout").ask(RunEval(step, version), timeout=ec.timeout_s)
@@ -153,9 +161,10 @@ class TrainerActor(Actor):
                                                                  pause_mode="none"), ["eval-engine"])
                 async with self.publisher.lock:  # the export buffer is not refilled meanwhile
                     got = await self.publisher.source()
-                    if got is None:
+                    if got is None and step > 0:
                         raise TrainerError("snapshot eval: no weight version has been pushed yet")
-                    await snap.push(got[0], got[1])
+                    if got is not None:  # none at step 0: the eval engine holds the initial weights
+                        await snap.push(got[0], got[1])
                 if self._evaluator is None:
                     from miles.rollout.tokenizer import load_tokenizer
 
@@ -167,7 +176,7 @@ class TrainerActor(Actor):
         except (MilesError, TimeoutError, OSError) as exc:
             log.error("eval_failed", step=step, mode=ec.mode, error=f"{type(exc).__name__}: {exc}")
             m = {"eval/failed": 1.0}
-        m = {**m, "eval/step": float(step), "eval/version": float(version),
+        m = {**m, "eval/step": float(step), "eval/version": float(version), "eval/loop_s": t_ready,
              "eval/lag_steps": float(self.trainer.step - step)}
         self._eval_done.append(m)
         with (run_dir / "eval.jsonl").open("a") as f:
@@ -185,7 +194,14 @@ class TrainerActor(Actor):
         """pull -> train -> hand off the new version -> (offload, eval, checkpoint) -> report."""
         self.publisher = self._make_publisher()
         await self._resume()
+        self._t_loop = time.monotonic()  # evaluations record the loop time their weights were ready at
+        if self.cfg.eval.at_start and self.cfg.eval.mode != "none" and self.trainer.step == 0:
+            await self._eval_at_start()
+        limit = self.cfg.run.time_limit_s
         while self.trainer.step < self.cfg.run.steps:
+            if limit and time.monotonic() - self._t_loop > limit:
+                log.warning("time_limit_reached", step=self.trainer.step, limit_s=limit)
+                break
             ph = Phases()
             with ph("wait_rollout"):
                 batch, rollout_metrics = await self._pull()
@@ -276,6 +292,12 @@ class TrainerActor(Actor):
                 await asyncio.wait_for(asyncio.shield(self._eval_task), cfg.eval.timeout_s)
             except TimeoutError:
                 log.warning("eval_abandoned_at_end")
+        step = self.trainer.step
+        if cfg.eval.at_end and cfg.eval.mode != "none" and step > 0 and step % cfg.eval.every_steps != 0:
+            if cfg.eval.mode == "external":
+                self.trainer.export_hf_checkpoint(self.run_dir / "eval" / f"step_{step:06d}")
+            if self.rank == 0:
+                await self._run_eval(step, self.trainer.weight_version, self.run_dir)
         if self.rank == 0:
             state = await self.ref("rollout").ask(DumpState(), timeout=cfg.transport.default_deadline_s)
             _write_json(self.run_dir / "ledger.json", state["buffer"]["ledger"])

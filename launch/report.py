@@ -1,7 +1,7 @@
 """`miles report RUN_DIR`: one self-contained HTML page of a run, and a text summary.
 
-The page holds inline SVG plots (reward, response length, staleness, step-time phases,
-logprob mismatch), the end-of-run table, the ledger (generated / trained / dropped by
+The page holds inline SVG plots (held-out evaluation, reward, response length, staleness, step-time phases,
+logprob mismatch; the seed's Figure 5 panels), the end-of-run table, the ledger (generated / trained / dropped by
 reason), warnings from the logs and the resolved config; nothing is fetched from anywhere.
 """
 
@@ -21,6 +21,7 @@ from miles.launch.run_summary import (
     STALENESS,
     RunSummary,
     format_table,
+    read_evals,
     series,
     summarize_run,
 )
@@ -62,6 +63,32 @@ def _plots(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def _eval_plot(evals: list[dict[str, Any]]) -> list[str]:
+    """Held-out accuracy against the training step (step 0 = before RL, when eval.at_start)."""
+    if not evals:
+        return []
+    k = int(evals[-1].get("eval/samples", 0))
+    keys = {"greedy accuracy": "eval/greedy_accuracy"}
+    if k:
+        keys.update({f"avg@{k}": f"eval/avg_at_{k}", f"pass@{k}": f"eval/pass_at_{k}"})
+    lines = {name: [(int(e["step"]), float(e[key])) for e in evals if key in e] for name, key in keys.items()}
+    return [line_plot({n: v for n, v in lines.items() if v}, title="held-out evaluation", ylabel="accuracy",
+                      index=8)]
+
+
+def figure5_panels(rows: list[dict[str, Any]]) -> list[str]:
+    """The seed paper's Figure 5 panels of an agentic run: step time, the engine-trainer logprob
+    divergence per step, and raw reward with a 9-step moving average."""
+    reward = series(rows, REWARD)
+    return [
+        line_plot({"step time": series(rows, "perf/step_time_s")}, title="step time", ylabel="seconds", index=5),
+        line_plot({"mean": series(rows, MISMATCH)}, title="|logp engine - logp trainer| per step",
+                  ylabel="nats", index=6),
+        line_plot({"raw": reward, "9-step moving average": trailing_mean(reward, 9)}, title="raw reward",
+                  ylabel="reward", index=7, faint={"raw"}),
+    ]
+
+
 def _ledger_table(s: RunSummary) -> str:
     led = s.ledger
     if not led:
@@ -88,13 +115,16 @@ def render_html(run_dir: str | Path) -> str:
             name = json.loads(cj.read_text()).get("run", {}).get("name", name)
         except json.JSONDecodeError:
             pass
-    figs = "".join(f"<figure>{svg}</figure>" for svg in _plots(rows))
+    figs = "".join(f"<figure>{svg}</figure>" for svg in _eval_plot(read_evals(run)) + _plots(rows))
+    fig5 = "".join(f"<figure>{svg}</figure>" for svg in figure5_panels(rows))
     warn = "".join(f"<tr><td>{html.escape(k)}</td><td>{v}</td></tr>" for k, v in sorted(s.warnings.items()))
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>miles run {html.escape(name)}</title>"
             f"<style>{CSS}</style></head><body><h1>miles run: {html.escape(name)}</h1>"
             f"<p>{html.escape(str(run.resolve()))}</p>"
             f"<h2>Summary</h2><pre>{html.escape(format_table(s))}</pre>"
             f"<h2>Plots</h2><div class='plots'>{figs}</div>"
+            f"<h2>Step time, logprob divergence, raw reward (the seed's Figure 5 panels)</h2>"
+            f"<div class='plots'>{fig5}</div>"
             f"<h2>Ledger</h2>{_ledger_table(s)}"
             f"<h2>Warnings and errors in the logs</h2>"
             f"{'<table>' + warn + '</table>' if warn else '<p>none</p>'}"

@@ -52,6 +52,22 @@ class RunSummary:
     ledger: dict[str, Any] = field(default_factory=dict)  # generated/trained/dropped by reason
     warnings: dict[str, int] = field(default_factory=dict)  # event -> count over the role logs
     outputs: list[str] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)  # eval.jsonl rows, by step
+
+
+def read_evals(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's evaluations (eval.jsonl), in step order; a failed one is left out."""
+    rows = [r for r in read_metrics(run_dir / "eval.jsonl") if "eval/reward_mean" in r]
+    return sorted(rows, key=lambda r: int(r.get("step", 0)))
+
+
+def eval_row(e: dict[str, Any]) -> str:
+    acc = e.get("eval/greedy_accuracy", e["eval/reward_mean"])
+    k = int(e.get("eval/samples", 0))
+    out = f"greedy {acc:.3f}"
+    if k:
+        out += f", avg@{k} {e.get(f'eval/avg_at_{k}', 0.0):.3f}, pass@{k} {e.get(f'eval/pass_at_{k}', 0.0):.3f}"
+    return out
 
 
 def _median(xs: list[float]) -> float | None:
@@ -121,6 +137,7 @@ def summarize_run(run_dir: str | Path) -> RunSummary:
         if med is not None:
             s.phases[k] = med
     s.ledger = ledger_summary(run)
+    s.evals = read_evals(run)
     s.warnings = warning_counts(run)
     s.outputs = [str(run / n) for n in ("metrics.jsonl", "report.html", "final_hf", "logs", "tb")
                  if (run / n).exists()]
@@ -147,6 +164,11 @@ def format_table(s: RunSummary) -> str:
         rows.append(("weight sync", f"median {s.sync_median_s * 1e3:.1f} ms, total {_f(s.sync_total_s, '.2f')} s"))
     if s.mismatch_mean is not None:
         rows.append(("|logp train - rollout| (mean)", f"{s.mismatch_mean:.4f}"))
+    if s.evals:
+        first, last = s.evals[0], s.evals[-1]
+        rows.append((f"held-out eval, step {int(first.get('step', 0))}", eval_row(first)))
+        if len(s.evals) > 1:
+            rows.append((f"held-out eval, step {int(last.get('step', 0))}", eval_row(last)))
     led = s.ledger
     if led:
         rows.append(("groups generated / trained", f"{led.get('groups_started')} / {led.get('groups_trained')}"))

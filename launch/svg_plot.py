@@ -12,7 +12,7 @@ import math
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
 # the drawing-area tint of plot k (k mod len): near-white, distinct, never a line colour
 PLOT_TINTS = [(252, 252, 246), (246, 252, 252), (252, 246, 252), (246, 252, 246), (252, 249, 242),
-              (242, 249, 252), (249, 242, 252), (252, 242, 249)]
+              (242, 249, 252), (249, 242, 252), (252, 242, 249), (246, 246, 252)]
 
 Series = list[tuple[float, float]]
 

@@ -60,6 +60,12 @@ def validate_launch(cfg: MilesConfig) -> None:
                               "pip install 'miles[wandb]' (or leave run.wandb_project empty)")
     if cfg.eval.mode != "none" and cfg.eval.every_steps < 1:
         raise ConfigError(f"eval.every_steps must be >= 1, got {cfg.eval.every_steps}")
+    if cfg.run.time_limit_s < 0 or (cfg.run.time_limit_s > 0 and cfg.trainer.world_size > 1):
+        raise ConfigError(f"run.time_limit_s = {cfg.run.time_limit_s}: must be >= 0, and > 0 only with one "
+                          f"trainer rank (ranks would stop at different steps), got world_size "
+                          f"{cfg.trainer.world_size}")
+    if cfg.eval.samples < 0:
+        raise ConfigError(f"eval.samples must be >= 0 (0 = greedy only), got {cfg.eval.samples}")
     from miles.models.fp8_checks import fp8_launch_errors
 
     fp8 = fp8_launch_errors(cfg)

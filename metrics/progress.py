@@ -11,6 +11,16 @@ def fmt_eta(s: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
+def eval_part(rec: dict[str, Any]) -> str:
+    """`eval@40 greedy 0.125 avg@8 0.094 pass@8 0.312` from an evaluation's metrics."""
+    acc = rec.get("eval/greedy_accuracy", rec["eval/reward_mean"])
+    out = f"eval@{int(rec.get('eval/step', rec.get('step', 0)))} greedy {acc:.3f}"
+    k = int(rec.get("eval/samples", 0))
+    if k:
+        out += f" avg@{k} {rec.get(f'eval/avg_at_{k}', 0.0):.3f} pass@{k} {rec.get(f'eval/pass_at_{k}', 0.0):.3f}"
+    return out
+
+
 def progress_line(rec: dict[str, Any], total: int, rewards: list[float], elapsed: float, done: int) -> str:
     """`step  12/120  10% | reward 0.39 (avg10 0.35) | ... | ETA 0:12` for one metrics row:
     learning, staleness and bias, mismatch, speed, where the time went, and the ETA from `done`
@@ -28,6 +38,8 @@ def progress_line(rec: dict[str, Any], total: int, rewards: list[float], elapsed
         parts.append(f"Δlogp {rec['train/train_rollout_logprob_abs_diff']:.4f}")
     if "train/tokens_per_s" in rec:
         parts.append(f"tok/s {rec['train/tokens_per_s']:.0f}")
+    if "eval/reward_mean" in rec:
+        parts.append(eval_part(rec))
     if "perf/step_time_s" in rec:
         train = f" (train {rec['perf/train_s']:.2f}s)" if "perf/train_s" in rec else ""
         parts.append(f"step {rec['perf/step_time_s']:.2f}s{train}")

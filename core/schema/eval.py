@@ -22,6 +22,13 @@ class EvalConfig:
         {"seed": 1_000_003}, "make_env keyword arguments for the eval set (a seed disjoint from training)"
     )
     max_new_tokens: int = opt(32, "most tokens sampled per eval answer", "tokens")
+    at_start: bool = opt(False, "also evaluate the initial weights before the first training step (step 0)")
+    at_end: bool = opt(False, "also evaluate the final weights when the last step is not an every_steps one")
+    samples: int = opt(
+        0, "k: sampled answers per prompt besides the greedy one, for eval/avg_at_k (mean reward of the "
+        "k) and eval/pass_at_k (share of prompts with at least one correct answer); 0 = greedy only", "samples")
+    temperature: float = opt(1.0, "sampling temperature of the k sampled eval answers")
+    correct_reward: float = opt(1.0, "an answer counts as correct (greedy_accuracy, pass@k) at a reward >= this")
     command: str = opt(
         "", "external mode: shell command run on each exported checkpoint; '{checkpoint}' and '{step}' "
         "are substituted; a JSON object on its last stdout line becomes eval/external/* metrics"

@@ -20,6 +20,9 @@ class RunConfig:
         "the console, one readable line each); json = JSON on stderr; console = readable on stderr",
     )
     steps: int = opt(20, "training steps (weight versions) the run makes", "steps")
+    time_limit_s: float = opt(
+        0.0, "stop at the first step boundary after this much training-loop time (from the loop's "
+        "start: the step-0 evaluation and later ones included), even before `steps`; 0 = no limit; one trainer rank only", "s")
     warmup_sft_steps: int = opt(
         300, "supervised warm-up steps on the env's answers when no checkpoint is given; 0 = none", "steps"
     )

@@ -68,17 +68,20 @@ def run_tool(call: dict[str, Any]) -> str:
 async def calculator_agent(ctx: AgentContext) -> dict[str, Any]:
     messages = list(ctx.prompt["messages"])
     reply: dict[str, Any] = {"message": {"content": ""}, "finish_reason": "stop"}
-    turns = 0
+    turns = sampled = 0
     for turns in range(1, ctx.max_turns + 1):  # noqa: B007 - turns is reported below
         reply = await ctx.client.chat(ctx.session_id, messages, ctx.tools, ctx.sampling)
+        sampled += int(reply.get("usage", {}).get("completion_tokens", 0))
         msg = reply["message"]
         messages.append(msg)
         if not msg.get("tool_calls") or reply["finish_reason"] not in ("tool_calls", "stop"):
             break
         for call in msg["tool_calls"]:
             messages.append({"role": "tool", "tool_call_id": call.get("id", ""), "content": run_tool(call)})
+    # sampled_tokens: what the engine sampled over all turns, as the session answered each turn;
+    # the tool env checks the trained sample against it (rollout/envs/tool_math.py)
     return {"response": reply["message"].get("content") or "", "turns": turns,
-            "finish_reason": reply["finish_reason"]}
+            "finish_reason": reply["finish_reason"], "sampled_tokens": sampled}
 
 
 @dataclass

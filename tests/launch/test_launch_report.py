@@ -16,7 +16,7 @@ from miles.launch.svg_plot import PLOT_TINTS
 from miles.metrics.sink import MetricsSink
 
 pytestmark = pytest.mark.timeout(120)
-N_PLOTS = 5  # reward, response length, staleness, step-time phases, logprob mismatch
+N_PLOTS = 8  # reward, response length, staleness, step-time phases, logprob mismatch + the 3 Figure 5 panels
 
 
 def _fake_run(run: Path, steps: int = 60) -> None:

