@@ -205,6 +205,8 @@ def sample_to_json(s: Sample) -> dict[str, Any]:
     re = d["routed_experts"]
     if re is not None:
         d["routed_experts"] = {**re, "data": base64.b64encode(re["data"]).decode("ascii")}
+    if "images" in d:  # a VL sample's pixels and grid, the same way
+        d["images"] = {k: {**a, "data": base64.b64encode(a["data"]).decode("ascii")} for k, a in d["images"].items()}
     return d
 
 
@@ -216,5 +218,12 @@ def sample_from_json(d: Any, where: str = "sample") -> Sample:
         except (ValueError, TypeError) as exc:
             raise ProtocolError(f"{where}.routed_experts.data: not base64 ({exc})") from exc
         d = {**d, "routed_experts": {**re, "data": data}}
+    if isinstance(d, dict) and isinstance(d.get("images"), dict):
+        try:
+            imgs = {k: {**a, "data": base64.b64decode(a.get("data", ""), validate=True)}
+                    for k, a in d["images"].items()}
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise ProtocolError(f"{where}.images: arrays must be {{dtype, shape, data: base64}} ({exc})") from exc
+        d = {**d, "images": imgs}
     return Sample.from_wire(d, where)
 

@@ -52,3 +52,16 @@ def test_wire_form_keeps_arrays_and_refuses_lists() -> None:
         ImageInput.from_wire({"pixels": a.pixels.tolist(), "grid": a.grid})
     with pytest.raises(ProtocolError, match="hold 4 patches"):
         ImageInput(np.zeros((3, 96), np.float32), np.array([[1, 2, 2]]))
+
+
+def test_a_sample_with_images_round_trips_through_the_http_json_form() -> None:
+    from miles.actors.session_openai import sample_from_json, sample_to_json
+    from miles.rollout.types import Sample
+
+    a = patchify(np.random.default_rng(1).random((8, 16, 3)), 4, 2, 2)
+    s = Sample(prompt_ids=[1, IMG, IMG, 2], response_ids=[3], loss_mask=[1], rollout_logprobs=[-0.5], versions=[0],
+               images=a)
+    import json
+
+    back = sample_from_json(json.loads(json.dumps(sample_to_json(s))))
+    assert back.images is not None and back.images.digest() == a.digest()
