@@ -54,6 +54,18 @@ class EngineError(MilesError):
     """A rollout engine rejected a request or crashed."""
 
 
+class EngineStartError(EngineError):
+    """An engine could not start (its server exited or never answered during start-up). The same
+    config fails the same way again, so it is not restarted; the message carries the cause."""
+
+    deterministic = True
+
+
+class EngineDown(EngineError):
+    """The engine's server is down (crashed, restarting): the request never ran, through no fault
+    of its prompt; route it elsewhere or retry once the engine's health says ok again."""
+
+
 class SessionError(MilesError):
     """A session-server request cannot be served."""
 
@@ -96,6 +108,8 @@ KNOWN_ERRORS: dict[str, type[MilesError]] = {
         PeerGone,
         ActorDeadError,
         EngineError,
+        EngineStartError,
+        EngineDown,
         SessionError,
         Diverged,
         NotAppendOnly,

@@ -68,6 +68,9 @@ class GenerateResult:
 class Engine(abc.ABC):
     """What every rollout engine offers (torch embedded, sglang external)."""
 
+    # what sync.pause_mode = "auto" means for this engine (a pause that keeps every token attributable)
+    default_pause_mode: PauseMode = "in_place"
+
     @abc.abstractmethod
     async def generate(self, req: GenerateRequest) -> GenerateResult: ...
 

@@ -28,6 +28,7 @@ from miles.core.files import atomic_write_bytes
 from miles.core.logging import get_logger
 from miles.core.schema import MilesConfig
 from miles.launch.console import Console
+from miles.launch.role import EXIT_START_FAILED
 from miles.transport.curve import apply_cluster_keys
 
 log = get_logger("miles.launch")
@@ -181,6 +182,12 @@ class LocalLauncher:
                     # in-flight prompts, so stop and let the user resume from the last checkpoint.
                     log.error("rollout_crashed", code=code, log=str(c.log_path),
                               hint=f"resume with: miles train --resume {self.run_dir}")
+                    return 1
+                if code == EXIT_START_FAILED:
+                    # deterministic (e.g. an SGLang server whose kernels refuse the model): a restart
+                    # would fail the same way; the cause is the role's own last error line
+                    log.error("role_failed_at_start", role=c.role, index=c.index, cause=_last_error(c.log_path),
+                              log=str(c.log_path))
                     return 1
                 if c.restarts >= self.max_restarts:
                     log.error("role_gave_up", role=c.role, index=c.index, code=code, log=str(c.log_path))

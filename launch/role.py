@@ -16,10 +16,15 @@ from typing import Any
 from miles.actors.runtime.host import Host
 from miles.actors.runtime.process import serve
 from miles.core.config import from_dict
+from miles.core.errors import EngineStartError
 from miles.core.logging import configure_logging, get_logger
 from miles.core.schema import MilesConfig
 
 log = get_logger("miles.role")
+
+# A role's exit status when it failed at start with a deterministic error (EngineStartError): the
+# launcher does not restart it (the same config would fail the same way) and shows the cause.
+EXIT_START_FAILED = 78
 
 
 def engine_names(cfg: MilesConfig) -> list[str]:
@@ -75,8 +80,18 @@ def main(argv: list[str] | None = None) -> int:
                     torch.cuda.set_device(cfg.engine.device)
                 if cfg.engine.mps_thread_percent:
                     check_gemms_under_sm_limit(torch.device(cfg.engine.device), cfg.engine.mps_thread_percent)
-            engine = ENGINES.get(cfg.engine.type).from_config(cfg.engine, cfg.model)
-            await engine.warm_up()  # before it is found: compiles must not eat the first requests' deadlines
+            # each engine its own server port (and GPUs); a snapshot eval engine comes after the others
+            index = cfg.engine.num_engines if a.role == "eval_engine" else a.index
+            engine = ENGINES.get(cfg.engine.type).from_config(cfg.engine.for_engine(index), cfg.model)
+            try:
+                # before it is found: compiles and a server's start must not eat the first requests' deadlines
+                await engine.warm_up()
+            except EngineStartError as exc:
+                await engine.close()
+                log.error("engine_start_failed", role=a.role, index=a.index, error=str(exc))
+                code["rc"] = EXIT_START_FAILED
+                stop.set()
+                return
             name = "eval-engine" if a.role == "eval_engine" else f"engine-{a.index}"
             await host.add(EngineActor(engine), name)
         elif a.role == "rollout":

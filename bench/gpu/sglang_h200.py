@@ -97,7 +97,7 @@ async def main(out: Path) -> dict[str, Any]:
     m0 = make_model(0, 0.08)
     save_model(m0, base)
     cfg = EngineConfig(type="sglang", dtype="bfloat16", sglang_model_path=str(base), sglang_port=30111,
-                       sglang_return_routed_experts=True, pause_mode="retract", max_batch_size=128,
+                       sglang_return_routed_experts=True, max_batch_size=128,
                        max_seq_len=4096, sglang_python="python3", sglang_startup_timeout_s=330,
                        sglang_request_timeout_s=120, sglang_stage_dir=str(work),
                        sglang_extra_args=["--attention-backend", "triton", "--sampling-backend", "pytorch",

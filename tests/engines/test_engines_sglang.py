@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 import torch
 
+from miles.core.config import from_dict, load_config
 from miles.core.errors import ConfigError, EngineError, ProtocolError
+from miles.core.schema import MilesConfig
 from miles.core.schema.engine import EngineConfig
 from miles.engines.base import GenerateRequest, SamplingParams
 from miles.engines.sglang import SGLangEngine
@@ -109,12 +111,23 @@ def test_routed_experts_keep_only_moe_layers_and_check_sizes() -> None:
 
 
 def test_config_checks_for_sglang() -> None:
-    with pytest.raises(ConfigError, match="sglang_url"):
-        EngineConfig(type="sglang", pause_mode="retract")
-    with pytest.raises(ConfigError, match="in_place"):
-        EngineConfig(type="sglang", sglang_url="http://h:1")
+    cfg = EngineConfig(type="sglang", sglang_model_path="/m")
+    assert cfg.dtype == "bfloat16" and cfg.default_pause_mode == "retract"  # defaults that SGLang can run
+    assert EngineConfig().dtype == "float32" and EngineConfig().default_pause_mode == "in_place"
     with pytest.raises(ConfigError, match="mem_fraction"):
-        EngineConfig(type="sglang", sglang_url="http://h:1", pause_mode="abort", sglang_mem_fraction=1.5)
+        EngineConfig(type="sglang", sglang_url="http://h:1", sglang_mem_fraction=1.5)
+    with pytest.raises(ConfigError, match="removed.*sync.pause_mode"):
+        load_config(MilesConfig, None, ["engine.pause_mode=retract"])
+    with pytest.raises(ConfigError, match="removed.*sync.pause_mode"):
+        from_dict(MilesConfig, {"engine": {"pause_mode": "retract"}})
+
+
+def test_each_engine_gets_its_own_port() -> None:
+    cfg = EngineConfig(type="sglang", sglang_port=31000, sglang_tp=2, sglang_placement="spread")
+    e0, e1 = cfg.for_engine(0), cfg.for_engine(1)
+    assert (e0.sglang_port, e1.sglang_port) == (31000, 31001)
+    assert (e0.sglang_base_gpu, e1.sglang_base_gpu) == (0, 2)
+    assert "--base-gpu-id 2" in " ".join(launch_args(e1, "/m", 0, 64))
 
 
 @pytest.fixture
@@ -122,7 +135,7 @@ def engine(tmp_path: Path) -> SGLangEngine:
     model = build_model(ModelSpec.from_hf(DATA["model"]), seed=0)
     save_model(model.to(torch.bfloat16), tmp_path / "ckpt")
     cfg = EngineConfig(type="sglang", dtype="bfloat16", sglang_model_path=str(tmp_path / "ckpt"),
-                       pause_mode="retract", sglang_return_routed_experts=True, sglang_port=30123,
+                       sglang_return_routed_experts=True, sglang_port=30123,
                        sglang_stage_dir=str(tmp_path / "stage"), sglang_extra_args=["--disable-cuda-graph"])
     return SGLangEngine(cfg)
 
@@ -156,7 +169,7 @@ async def test_stage_and_commit_refuse_bad_input_before_any_http(engine: SGLangE
     with pytest.raises(EngineError, match="nothing staged"):
         await engine.commit(1)
     with pytest.raises(EngineError, match="in_place"):
-        await engine.pause("in_place")
+        await engine.pause("in_place")  # the runtime guard under the launch check
     with pytest.raises(EngineError, match="vocabulary"):
         await engine.generate(GenerateRequest([DATA["model"]["vocab_size"]]))
     assert set(engine.checksums()) == set(hf)
