@@ -117,6 +117,7 @@ class SGLangEngine(Engine):
         self._fatal = ""  # why the server cannot serve any more (restarts exhausted / failed)
         self._inflight: dict[str, asyncio.Task[GenerateResult]] = {}
         self._aborted: set[str] = set()  # rids this client asked the server to abort
+        self._http: dict[str, asyncio.Future[Any]] = {}  # each request's HTTP call
         self._paused = False
         self._resumed = asyncio.Event()
         self._resumed.set()
@@ -234,8 +235,16 @@ class SGLangEngine(Engine):
                 self._inflight.pop(req.request_id, None)
 
     async def _generate(self, req: GenerateRequest) -> GenerateResult:
+        call = asyncio.ensure_future(self._call("POST", "/generate", generate_payload(req)))
+        self._http[req.request_id] = call
         try:
-            body = await self._call("POST", "/generate", generate_payload(req))
+            body = await call
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if call.cancelled() and req.request_id in self._aborted and not (task and task.cancelling()):
+                # dropped by pause(): the server held it unscheduled (module doc); nothing was delivered
+                return GenerateResult(req.request_id, [], [], "abort", [], len(req.input_ids), 0)
+            raise
         except EngineError:
             if req.request_id not in self._aborted:
                 raise
@@ -244,6 +253,7 @@ class SGLangEngine(Engine):
             return GenerateResult(req.request_id, [], [], "abort", [], len(req.input_ids), 0)
         finally:
             self._aborted.discard(req.request_id)
+            self._http.pop(req.request_id, None)
         res = parse_generate(body, req, self.facts)
         self._totals.requests += 1
         self._totals.prompt += res.prompt_tokens
@@ -291,6 +301,7 @@ class SGLangEngine(Engine):
         # no record of where the version changed; miles' retract returns them to the caller instead,
         # which is SGLang's 'abort' plus the retracted flag (partial output is kept).
         await self._call("POST", "/pause_generation", {"mode": "abort"})
+        await self._drop_held(running)
         out: list[GenerateResult] = []
         for t in running:
             try:
@@ -301,6 +312,25 @@ class SGLangEngine(Engine):
                 res.retracted = True
             out.append(res)
         return out
+
+    async def _drop_held(self, running: list[asyncio.Task[GenerateResult]], quiet_s: float = 0.5) -> None:
+        """Requests the scheduler had come back at once, aborted with their partial output. One that
+        reached the server after the pause is held unscheduled until /continue_generation (SGLang's
+        tokenizer manager waits on the pause; /abort_request cannot reach it yet), so it would never
+        answer here: once answers stop coming for `quiet_s`, the remaining calls are dropped on this
+        side (the caller gets an empty abort and resubmits; the server computes it after resume and
+        finds the connection closed)."""
+        pending = {t for t in running if not t.done()}
+        while pending:
+            done, pending = await asyncio.wait(pending, timeout=quiet_s, return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                break
+        for t in pending:
+            rid = next((r for r, task in self._inflight.items() if task is t), None)
+            call = self._http.get(rid) if rid is not None else None
+            if call is not None:
+                log.info("sglang_request_dropped_at_pause", request_id=rid)
+                call.cancel()
 
     async def resume(self) -> None:
         await self.start()

@@ -63,7 +63,9 @@ def test_recorded_responses_parse_into_results() -> None:
         assert res.versions == [0] * len(res.output_ids)
         assert res.prompt_tokens == len(req.input_ids)
         assert res.routed_experts is not None and res.routed_experts.dtype == np.uint8
-        assert res.routed_experts.shape == (len(req.input_ids) + len(res.output_ids) - 1, 4, 2)
+        # one row per token as the engine contract has it: SGLang's last row repeated for the last token
+        assert res.routed_experts.shape == (len(req.input_ids) + len(res.output_ids), 4, 2)
+        assert (res.routed_experts[-1] == res.routed_experts[-2]).all()
         assert int(res.routed_experts.max()) < 8
         # Two distinct experts per token and layer (top-k without repeats).
         assert (res.routed_experts[..., 0] != res.routed_experts[..., 1]).all()

@@ -89,7 +89,7 @@ async def test_warm_up_pause_commit_versions(ckpt: Path, tmp_path: Path, update:
         assert h["ok"] and h["version"] == 0 and h["weight_update"] == update
         res = await eng.generate(req())
         assert len(res.output_ids) == 6 and res.versions == [0] * 6 and all(lp <= 0 for lp in res.logprobs)
-        assert res.routed_experts is not None and res.routed_experts.shape == (4 + 6 - 1, 2, 2)
+        assert res.routed_experts is not None and res.routed_experts.shape == (4 + 6, 2, 2)
         # pause(retract): long requests come back with their partial output, marked retracted
         long = [asyncio.create_task(eng.generate(req(200, seed=i))) for i in range(3)]
         while eng.stats()["running"] < 3 or not eng._totals.requests:  # noqa: ASYNC110 - polling the engine
@@ -157,5 +157,26 @@ async def test_start_failure_shows_the_server_error_and_is_not_restarted(
         await asyncio.sleep(1.5)  # the watchdog would have restarted it by now
         assert eng.server is not None and eng.server.starts == 1 and eng.server.restarts == 0
         assert not eng.health()["ok"] and "simulated kernel refusal" in eng.health()["fatal"]
+    finally:
+        await eng.close()
+
+
+async def test_pause_drops_a_request_the_server_holds_unscheduled(ckpt: Path, tmp_path: Path) -> None:
+    """A request that reaches the server after /pause_generation is held there until resume and
+    never answers; pause() must not wait for it (it did: the trainer's pause timed out)."""
+    eng = SGLangEngine(sim_config(ckpt, tmp_path))
+    try:
+        await eng.warm_up()
+        await eng._call("POST", "/pause_generation", {"mode": "abort"})  # the server pauses first
+        held = asyncio.create_task(eng.generate(req()))
+        while not eng._http:  # noqa: ASYNC110 - its HTTP call is out
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)
+        back = await asyncio.wait_for(eng.pause(), 20)
+        res = await asyncio.wait_for(held, 5)
+        assert [r.request_id for r in back] == [res.request_id]
+        assert res.retracted and res.finish_reason == "abort" and res.output_ids == []
+        await eng.resume()
+        assert len((await eng.generate(req())).output_ids) == 6
     finally:
         await eng.close()
