@@ -170,14 +170,15 @@ class SGLangEngine(Engine):
                     raise
             elif not self._started:
                 await wait_healthy(self._session, self.url, Deadline.after(self.cfg.sglang_startup_timeout_s))
-            if restarted and self._started:
-                # the restarted server loaded the last committed folder (disk) or the launch weights
-                # (tensor: the committed buffers are sent again before anything is served)
-                await self.update.replay(self.version, self._call)
             if restarted or not self._started:
                 info = await self._call("GET", "/get_model_info")
                 served = parse_version(info.get("weight_version"), "sglang /get_model_info")
-                if served != self.version:
+                if served != self.version and self._started:
+                    # a restart serves the launch weights (tensor) or a folder older than a commit made
+                    # while it was down: the committed version is sent again before anything is served
+                    await self.update.replay(self.version, self._call)
+                    log.info("sglang_version_replayed", served=served, version=self.version)
+                elif served != self.version:
                     log.info("sglang_version_adopted", configured=self.version, served=served)
                     self.version = served
             self._started = True
@@ -292,15 +293,16 @@ class SGLangEngine(Engine):
             )
         if mode not in ("abort", "retract"):
             raise EngineError(f"pause: unknown mode {mode!r}; valid: abort, retract")
-        await self.start()
         self._paused = True
         self._resumed.clear()
         running = list(self._inflight.values())
         self._aborted.update(self._inflight)
         # SGLang's own 'retract' keeps requests on the server and resumes them after the pause, with
         # no record of where the version changed; miles' retract returns them to the caller instead,
-        # which is SGLang's 'abort' plus the retracted flag (partial output is kept).
-        await self._call("POST", "/pause_generation", {"mode": "abort"})
+        # which is SGLang's 'abort' plus the retracted flag (partial output is kept). A server that is
+        # down runs nothing: paused already (its requests failed with EngineDown).
+        if not await self._control("/pause_generation", {"mode": "abort"}):
+            log.info("sglang_pause_while_down")
         await self._drop_held(running)
         out: list[GenerateResult] = []
         for t in running:
@@ -332,9 +334,22 @@ class SGLangEngine(Engine):
                 log.info("sglang_request_dropped_at_pause", request_id=rid)
                 call.cancel()
 
+    async def _control(self, path: str, body: dict[str, Any]) -> bool:
+        """A control call that a down server makes moot (it restarts unpaused, on the committed
+        version): False, without waiting for its restart (60-150 s, over a sync step's deadline)."""
+        if self._down():
+            return False
+        try:
+            await self._call("POST", path, body)
+        except EngineDown:
+            return False
+        return True
+
+    def _down(self) -> bool:
+        return self.server is not None and self._started and not (self.server.alive and self.server.served)
+
     async def resume(self) -> None:
-        await self.start()
-        await self._call("POST", "/continue_generation", {})
+        await self._control("/continue_generation", {})
         self._paused = False
         self._resumed.set()
 
@@ -370,10 +385,16 @@ class SGLangEngine(Engine):
             more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
             raise EngineError(f"commit(version={version}): {len(missing)} tensors not staged: "
                               f"{', '.join(missing[:3])}{more}")
-        await self.start()
-        await self.update.commit(version, self._call)
+        deferred = self._down()
+        if not deferred:
+            try:
+                await self.update.commit(version, self._call)
+            except EngineDown:
+                deferred = True
+        if deferred:  # the restart (or the replay after it) brings the server to this version
+            await asyncio.to_thread(self.update.adopt, version)
         self.version, self._staged_version, self._staged = version, None, set()
-        log.info("engine_weights_committed", version=version, update=self.update.kind)
+        log.info("engine_weights_committed", version=version, update=self.update.kind, deferred=deferred)
 
     async def abort_version(self, version: int) -> None:
         if self._staged_version == version:

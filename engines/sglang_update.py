@@ -54,6 +54,9 @@ class WeightUpdate(Protocol):
 
     def abort(self, version: int) -> None: ...
 
+    def adopt(self, version: int) -> None:
+        """Commit without the server (it is down): the restarted server is brought to this version."""
+
     async def replay(self, version: int, call: Call) -> None:
         """After a server restart: make it serve the last committed version again."""
 
@@ -73,9 +76,13 @@ class DiskUpdate:
     def __init__(self, stage_root: Path, model_path: str, on_commit: Callable[[str, int], None]) -> None:
         self.stage_root, self.model_path, self.on_commit = stage_root, model_path, on_commit
         self.committed_dir: Path | None = None
+        self._attempts = 0
+        self._stale: list[Path] = []  # earlier committed folders, deleted once the server is up
 
     def _dir(self, version: int) -> Path:
-        return self.stage_root / f"v{version}"
+        # one folder per staging attempt: a version pushed again (a catch-up after a restart) never
+        # writes into the folder the server loads on its next restart
+        return self.stage_root / f"v{version}.{self._attempts}"
 
     async def stage(self, version: int, bucket: dict[str, torch.Tensor]) -> None:
         d = self._dir(version)
@@ -85,17 +92,32 @@ class DiskUpdate:
                                 {"format": "pt"})
 
     def begin(self, version: int) -> None:
+        self._attempts += 1
         shutil.rmtree(self._dir(version), ignore_errors=True)
 
     async def commit(self, version: int, call: Call) -> None:
         d = self._dir(version)
         await asyncio.to_thread(self._finish, d)
+        await self._load(d, version, call)
+        self.adopt(version)
+        # the server is up and no longer reads them (a restart may still be loading a stale folder
+        # while a commit is deferred: those wait for this point)
+        for old in self._stale:
+            shutil.rmtree(old, ignore_errors=True)
+        self._stale = []
+
+    async def _load(self, d: Path, version: int, call: Call) -> None:
         body = {"model_path": str(d), "weight_version": str(version), "flush_cache": True}
         _check(await call("POST", "/update_weights_from_disk", body), version, "/update_weights_from_disk")
+
+    def adopt(self, version: int) -> None:
+        d = self._dir(version)
+        if not (d / "model.safetensors.index.json").is_file():
+            self._finish(d)
         old, self.committed_dir = self.committed_dir, d
         self.on_commit(str(d), version)  # a restarted server loads this folder
         if old is not None and old != d:
-            shutil.rmtree(old, ignore_errors=True)
+            self._stale.append(old)
 
     def _finish(self, d: Path) -> None:
         for f in Path(self.model_path).iterdir():  # config, generation config, tokenizer: all but weights
@@ -111,7 +133,8 @@ class DiskUpdate:
         shutil.rmtree(self._dir(version), ignore_errors=True)
 
     async def replay(self, version: int, call: Call) -> None:
-        return None  # the server was restarted on the committed folder with its version
+        if self.committed_dir is not None:  # a restart launched before the commit that moved the folder
+            await self._load(self.committed_dir, version, call)
 
     def committed(self) -> dict[str, torch.Tensor] | None:
         return None if self.committed_dir is None else dict(iter_checkpoint(self.committed_dir))
@@ -159,6 +182,9 @@ class TensorUpdate:
 
     async def commit(self, version: int, call: Call) -> None:
         await self._send(self._staged, version, call)
+        self.adopt(version)
+
+    def adopt(self, version: int) -> None:
         self._committed, self._staged = self._staged, {}
 
     async def _send(self, tensors: dict[str, torch.Tensor], version: int, call: Call) -> None:
