@@ -5,12 +5,14 @@
 # It (re)installs when the virtualenv is missing or pyproject.toml (the dependency list) has
 # changed since the last install: the marker file holds the hash of the pyproject.toml it
 # installed from. MILES_VENV picks another virtualenv directory.
+# It runs in the caller's directory: paths given to it (configs, data, run dirs) are relative
+# to where it is called from, as for `.venv/bin/miles` itself; only the install runs in the repo.
 set -euo pipefail
-cd "$(dirname "$0")"
-VENV="${MILES_VENV:-.venv}"
+ROOT="$(cd "$(dirname "$0")" && pwd)"
+VENV="${MILES_VENV:-$ROOT/.venv}"
 MARKER="$VENV/.miles-installed"
 say() { echo "miles.sh: $*" >&2; }
-want="$(python3 -c 'import hashlib,sys; print(hashlib.sha256(open("pyproject.toml","rb").read()).hexdigest())')"
+want="$(python3 -c 'import hashlib,sys; print(hashlib.sha256(open(sys.argv[1],"rb").read()).hexdigest())' "$ROOT/pyproject.toml")"
 have="$(cat "$MARKER" 2>/dev/null || true)"
 if [ ! -x "$VENV/bin/python" ] || [ "$have" != "$want" ]; then
   if ! python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
@@ -30,14 +32,18 @@ if [ ! -x "$VENV/bin/python" ] || [ "$have" != "$want" ]; then
   say "installing torch==2.13.0 (CPU) ..."
   "$VENV/bin/pip" install -q torch==2.13.0
   say "installing miles with extras dev,tb,ucx (editable) ..."
-  "$VENV/bin/pip" install -q -e '.[dev,tb,ucx]'  # ucx: UCXX over TCP on CPU too
+  (cd "$ROOT" && "$VENV/bin/pip" install -q -e '.[dev,tb,ucx]')  # ucx: UCXX over TCP on CPU too
   echo "$want" > "$MARKER"
   say "done; $VENV is up to date with pyproject.toml"
 fi
 cmd="${1:-}"
 shift || true
 case "$cmd" in
-  test) exec "$VENV/bin/python" -m pytest -q "$@" ;;
+  # the repo's pytest settings wherever it is called from; no test path given: the repo's tests
+  test) given=0
+        for a in "$@"; do [ -e "${a%%::*}" ] && given=1; done
+        [ "$given" = 1 ] || set -- "$@" "$ROOT/tests"
+        exec "$VENV/bin/python" -m pytest -q -c "$ROOT/pyproject.toml" --rootdir "$ROOT" "$@" ;;
   "") echo "usage: ./miles.sh train CONFIG.toml | test | <any miles subcommand>" >&2; exit 2 ;;
   *) exec "$VENV/bin/miles" "$cmd" "$@" ;;
 esac

@@ -109,7 +109,8 @@ def apply_overrides(cls: type, data: dict[str, Any], overrides: list[str]) -> di
     """Apply 'a.b.c=value' overrides onto a raw dict, typed by the schema of `cls`."""
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. trainer.lr=1e-6")
+            # the example is a key of every config (miles train and miles diffusion alike)
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set run.steps=100")
         key, _, raw = item.partition("=")
         key = key.strip()
         tp = _field_type(cls, key)

@@ -16,6 +16,12 @@ class ConfigError(MilesError):
     """A config file, override or hook is wrong; the message names the dotted path."""
 
 
+class StartupError(MilesError):
+    """A role cannot start, and would fail the same way on every try (missing weights, a missing
+    package, a refused config, an external server that will not come up): its supervisor does
+    not restart it (launch/supervision.py)."""
+
+
 class ProtocolError(MilesError):
     """A wire message is malformed: bad frame, schema, type or size."""
 
@@ -54,11 +60,10 @@ class EngineError(MilesError):
     """A rollout engine rejected a request or crashed."""
 
 
-class EngineStartError(EngineError):
-    """An engine could not start (its server exited or never answered during start-up). The same
-    config fails the same way again, so it is not restarted; the message carries the cause."""
-
-    deterministic = True
+class EngineStartError(EngineError, StartupError):
+    """An engine's server could not start (it exited or never answered during start-up), or could
+    not be started again: the same config fails the same way, so neither the engine nor its
+    supervisor restarts it; the message ends with the server's own error lines."""
 
 
 class EngineDown(EngineError):

@@ -16,7 +16,12 @@ def cmd_diffusion(args: argparse.Namespace) -> int:
     if args.print_config:
         print(dump_toml(cfg, with_docs=True), end="")
         return 0
-    configure_logging(cfg.run.log_level, None, run=cfg.run.name, role="diffusion")
+    from pathlib import Path
+
+    # every event as JSON to run_dir/logs/diffusion.log; the console gets info and up (the step
+    # lines included) as one readable line each, whether or not stderr is a terminal
+    configure_logging(cfg.run.log_level, None, file=Path(cfg.run.dir) / "logs" / "diffusion.log",
+                      console_level="info", run=cfg.run.name, role="diffusion")
     from miles.diffusion.plots import write_diffusion_plots
     from miles.diffusion.recipe import run_recipe
     from miles.launch.plots import write_plots

@@ -120,9 +120,10 @@ class SGLangServer:
         return True
 
     def _cause(self) -> str:
+        """' (log: PATH): <the server's own error lines>' - last, where a one-line report keeps them."""
         lines = error_lines(self.log_path)
-        where = f"; log: {self.log_path}"
-        return f": {' | '.join(lines)}{where}" if lines else where
+        where = f" (log: {self.log_path})"
+        return f"{where}: {' | '.join(lines)}" if lines else where
 
     async def _start(self, session: aiohttp.ClientSession) -> None:
         if _port_taken(self.cfg.sglang_host, self.cfg.sglang_port):

@@ -29,17 +29,23 @@ def _load(args: argparse.Namespace) -> MilesConfig:
 
 def cmd_train(args: argparse.Namespace) -> int:
 
+    from miles.launch import run_dir as rd
     from miles.launch.local import LocalLauncher
     from miles.launch.warmup import with_initial_checkpoint
 
     resume = ""
     if args.resume:
         cfg, resume = _resume_config(args.resume, args.set)
+        if not resume:  # finished (see launch/run_dir.py)
+            return 0
     else:
         cfg = _load(args)
+        rd.check_fresh(cfg.run.dir)  # one run per directory: never append to another run's files
     from miles.launch.validate import validate_launch
 
     validate_launch(cfg)  # before anything is written: a refused run leaves no run directory
+    if resume:  # the steps after the checkpoint run again: drop what they wrote before
+        rd.truncate_step_records(cfg.run.dir, rd.checkpoint_step(resume))
     # auto: events as JSON to run_dir/logs/launcher.log, warnings and errors as one line each here
     log_file = Path(cfg.run.dir) / "logs" / "launcher.log" if cfg.run.log_json == "auto" else None
     configure_logging(cfg.run.log_level, None if cfg.run.log_json == "auto" else cfg.run.log_json == "json",
@@ -55,7 +61,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _resume_config(run_dir: str, overrides: list[str]) -> tuple[MilesConfig, str]:
-    """The config a run was started with (plus overrides) and its newest complete checkpoint."""
+    """The config a run was started with (plus overrides) and its newest complete checkpoint;
+    no checkpoint ("") for a run that already finished all its steps (said on stdout)."""
     import json
 
     from miles.actors.trainer import latest_checkpoint
@@ -67,11 +74,20 @@ def _resume_config(run_dir: str, overrides: list[str]) -> tuple[MilesConfig, str
         raise ConfigError(f"--resume {run_dir!r}: no config.resolved.json there; is it a miles run directory?")
     data = apply_overrides(MilesConfig, json.loads(resolved.read_text()), overrides)
     data.setdefault("run", {})["dir"] = str(run_dir)
+    cfg = from_dict(MilesConfig, data)
+    from miles.launch.run_dir import finished_at
+
+    done = finished_at(run_dir, cfg.run.steps)
+    if done is not None:
+        print(f"miles: {run_dir} already finished (step {done} of run.steps={cfg.run.steps}); nothing to "
+              f"resume. To train further: miles train --resume {run_dir} --set run.steps=N with N > {done}",
+              flush=True)
+        return cfg, ""
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
         raise ConfigError(f"--resume {run_dir!r}: no checkpoint yet; set trainer.checkpoint_interval "
                           "to a number of steps so runs can be resumed")
-    return from_dict(MilesConfig, data), str(ckpt)
+    return cfg, str(ckpt)
 
 
 def cmd_config(args: argparse.Namespace) -> int:

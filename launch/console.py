@@ -18,6 +18,7 @@ from typing import IO, Any
 from miles.core.logging import readable_line
 
 SUMMARIZED = {"event_loop_lag"}  # counted, not printed
+SHOWN_BY_LAUNCHER = {"role_failed"}  # a role's crash: the launcher's decision line carries its cause
 REPEATS_SHOWN = 3  # per (role, event)
 
 
@@ -91,6 +92,7 @@ class Console:
         self.rewards: list[float] = []
         self.started: float | None = None  # when the first step landed (ETA excludes start-up)
         self.first_step = 0
+        self._steps_s = 0.0  # perf/step_time_s of the steps after the first
         self.counted: dict[str, int] = {}
 
     def poll(self) -> None:
@@ -113,12 +115,17 @@ class Console:
         if "rollout/reward_mean" in rec:
             self.rewards.append(float(rec["rollout/reward_mean"]))
         step = int(rec.get("step", 0))
+        step_s = float(rec.get("perf/step_time_s", 0.0))
         if self.started is None:
             self.started, self.first_step = now, step
             # one step's time stands in for the rate until there are two
-            elapsed, done = float(rec.get("perf/step_time_s", 0.0)), 1
+            elapsed, done = step_s, 1
         else:
-            elapsed, done = now - self.started, step - self.first_step
+            # Rows arrive in bursts (one poll reads every row written since the last): the wall
+            # time since the first row can be ~0 for the next ones, which made the rate infinite
+            # and the ETA 0:00 on step 2. The steps' own times bound the elapsed time from below.
+            self._steps_s += step_s
+            elapsed, done = max(now - self.started, self._steps_s), step - self.first_step
         if self.progress:
             self._print(progress_line(rec, self.total, self.rewards or [0.0], elapsed, done))
 
@@ -130,6 +137,8 @@ class Console:
         except json.JSONDecodeError:
             return
         name = str(ev.get("event"))
+        if name in SHOWN_BY_LAUNCHER:
+            return
         if name in SUMMARIZED:
             self.counted[name] = self.counted.get(name, 0) + 1
             return

@@ -28,7 +28,7 @@ from miles.core.files import atomic_write_bytes
 from miles.core.logging import get_logger
 from miles.core.schema import MilesConfig
 from miles.launch.console import Console
-from miles.launch.role import EXIT_START_FAILED
+from miles.launch.supervision import RestartPolicy, crash_report
 from miles.transport.curve import apply_cluster_keys
 
 log = get_logger("miles.launch")
@@ -44,6 +44,12 @@ class Child:
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     started: float = field(default_factory=time.monotonic)
+    served: bool = False  # its ready file appeared once: a later exit is not a failure at start
+    log_from: int = 0  # where this incarnation's lines begin in log_path (the log is appended to)
+
+    @property
+    def ready_path(self) -> Path:
+        return self.log_path.with_suffix(".ready")
 
 
 def _die_with_parent() -> None:
@@ -61,21 +67,6 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _last_error(log_path: Path) -> str:
-    """The last error event a role logged (JSON lines), to show the cause on the launcher's console."""
-    try:
-        lines = log_path.read_text(errors="replace").splitlines()[-200:]
-    except OSError:
-        return ""
-    for ln in reversed(lines):
-        if '"level": "error"' in ln:
-            try:
-                return str(json.loads(ln).get("error", ""))[:500]
-            except json.JSONDecodeError:
-                return ln[:500]
-    return ""
 
 
 def role_threads(role: str, roles: list[tuple[str, int]]) -> dict[str, str]:
@@ -101,11 +92,14 @@ class LocalLauncher:
         self.run_dir = Path(cfg.run.dir)
         self.children: list[Child] = []
         self.max_restarts = max_restarts
+        self.policy = RestartPolicy(max_restarts)
         self._stop = asyncio.Event()
         self.console = Console(self.run_dir, cfg.run.steps, progress=cfg.run.progress,
                                forward_warnings=cfg.run.log_json == "auto")
 
     def _spawn(self, c: Child) -> None:
+        c.ready_path.unlink(missing_ok=True)  # written by this incarnation once it serves
+        c.log_from = c.log_path.stat().st_size if c.log_path.exists() else 0
         log_f = c.log_path.open("ab")
         # stdout (prints, progress) apart from the JSON events; the console shows progress
         # from metrics.jsonl and warnings from the logs, so no role writes to the terminal
@@ -142,10 +136,12 @@ class LocalLauncher:
         if self.cfg.eval.mode == "snapshot":
             roles.insert(0, ("eval_engine", 0))  # a dedicated engine that evaluates weight snapshots
         for role, i in roles:
-            argv = [*base, role, "--config", str(cfg_path), "--index", str(i), "--directory", host.address]
+            log_path = self.run_dir / "logs" / f"{role}-{i}.log"
+            argv = [*base, role, "--config", str(cfg_path), "--index", str(i), "--directory", host.address,
+                    "--ready", str(log_path.with_suffix(".ready"))]
             c = Child(role, i, argv, {**env, "RANK": str(i), "WORLD_SIZE": str(self.cfg.trainer.world_size),
                                       **role_threads(role, roles)},
-                      self.run_dir / "logs" / f"{role}-{i}.log")
+                      log_path)
             self.children.append(c)
             self._spawn(c)
         console_done = asyncio.Event()
@@ -168,33 +164,33 @@ class LocalLauncher:
                 code = c.proc.poll()
                 if code is None:
                     continue
+                c.served = c.served or c.ready_path.exists()
                 if c.role == "trainer":
                     if code == 0 and all(t.proc and t.proc.poll() is not None for t in self.children
                                          if t.role == "trainer"):
                         return 0
                     if code != 0:
-                        log.error("trainer_exited", rank=c.index, code=code, cause=_last_error(c.log_path),
+                        log.error("trainer_exited", rank=c.index, code=code, cause=crash_report(c.log_path, c.log_from).reason,
                                   hint=f"see {c.log_path}; the last checkpoint is kept")
                         return code
                     continue
+                report = crash_report(c.log_path, c.log_from)
                 if c.role == "rollout":
                     # The buffer lives in the rollout process: restarting it empty would lose the
                     # in-flight prompts, so stop and let the user resume from the last checkpoint.
-                    log.error("rollout_crashed", code=code, log=str(c.log_path),
-                              hint=f"resume with: miles train --resume {self.run_dir}")
+                    log.error("rollout_crashed" if c.served else "role_failed_at_start", role=c.role, code=code,
+                              cause=report.reason, log=str(c.log_path),
+                              hint=f"resume with: miles train --resume {self.run_dir}" if c.served else
+                              "it would fail again: fix the cause and start again")
                     return 1
-                if code == EXIT_START_FAILED:
-                    # deterministic (e.g. an SGLang server whose kernels refuse the model): a restart
-                    # would fail the same way; the cause is the role's own last error line
-                    log.error("role_failed_at_start", role=c.role, index=c.index, cause=_last_error(c.log_path),
-                              log=str(c.log_path))
-                    return 1
-                if c.restarts >= self.max_restarts:
-                    log.error("role_gave_up", role=c.role, index=c.index, code=code, log=str(c.log_path))
+                decision = self.policy.decide(served=c.served, fatal=report.fatal, restarts=c.restarts)
+                if decision.action == "stop":
+                    log.error(decision.why, role=c.role, index=c.index, code=code, cause=report.reason,
+                              log=str(c.log_path), restarts=c.restarts)
                     return 1
                 c.restarts += 1
-                log.warning("role_crashed_restarting", role=c.role, index=c.index, code=code,
-                            restart=c.restarts)
+                log.warning(decision.why, role=c.role, index=c.index, code=code, restart=c.restarts,
+                            cause=report.reason)
                 # A restarted engine loads the initial weights; the trainer's next push (every
                 # version is a full push) brings it to the current version, and anything it
                 # generates before that is dropped as stale by the buffer.

@@ -26,11 +26,16 @@ class MetricsSink:
     """Appends step records to `<dir>/metrics.jsonl`; mirrors scalars to TensorBoard if available
     and to a Weights & Biases run when `wandb` settings are given."""
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True, wandb: WandbSettings | None = None) -> None:
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, wandb: WandbSettings | None = None,
+                 resume_step: int | None = None) -> None:
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
         _drop_torn_tail(self.path)  # a resumed run must not append onto a killed run's fragment
+        if resume_step is not None:  # the steps after the checkpoint run again (launch/run_dir.py)
+            from miles.launch.run_dir import truncate_step_records
+
+            truncate_step_records(self.dir, resume_step)
         self._f = self.path.open("a")
         self._tb: Any = None
         if tensorboard:
@@ -39,7 +44,10 @@ class MetricsSink:
             except ImportError:
                 log.info("tensorboard_unavailable", hint="pip install 'miles[tb]' for event files")
             else:
-                self._tb = SummaryWriter(str(self.dir / "tb"))
+                # event files are append-only: on resume, TensorBoard hides the events of the
+                # steps past the checkpoint (written again now) instead
+                self._tb = SummaryWriter(str(self.dir / "tb"),
+                                         purge_step=None if resume_step is None else resume_step + 1)
         self._wandb: Any = None
         if wandb is not None:
             import wandb as wb  # checked at launch (launch/validate.py)

@@ -16,15 +16,10 @@ from typing import Any
 from miles.actors.runtime.host import Host
 from miles.actors.runtime.process import serve
 from miles.core.config import from_dict
-from miles.core.errors import EngineStartError
 from miles.core.logging import configure_logging, get_logger
 from miles.core.schema import MilesConfig
 
 log = get_logger("miles.role")
-
-# A role's exit status when it failed at start with a deterministic error (EngineStartError): the
-# launcher does not restart it (the same config would fail the same way) and shows the cause.
-EXIT_START_FAILED = 78
 
 
 def engine_names(cfg: MilesConfig) -> list[str]:
@@ -86,12 +81,9 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 # before it is found: compiles and a server's start must not eat the first requests' deadlines
                 await engine.warm_up()
-            except EngineStartError as exc:
-                await engine.close()
-                log.error("engine_start_failed", role=a.role, index=a.index, error=str(exc))
-                code["rc"] = EXIT_START_FAILED
-                stop.set()
-                return
+            except BaseException:
+                await engine.close()  # a launched server is not left behind; the error is reported below
+                raise
             name = "eval-engine" if a.role == "eval_engine" else f"engine-{a.index}"
             await host.add(EngineActor(engine), name)
         elif a.role == "rollout":
@@ -117,7 +109,11 @@ def main(argv: list[str] | None = None) -> int:
 
             await _wait_engines(host, cfg)
             await host.lookup("rollout", timeout=300)
-            sink = MetricsSink(cfg.run.dir, wandb=wandb_settings(cfg)) if a.index == 0 else None
+            from miles.launch.run_dir import checkpoint_step
+
+            resume = os.environ.get("MILES_RESUME", "")
+            sink = MetricsSink(cfg.run.dir, wandb=wandb_settings(cfg),
+                               resume_step=checkpoint_step(resume) if resume else None) if a.index == 0 else None
             done = asyncio.Event()
             actor = TrainerActor(cfg, ModelSpec.from_dir(cfg.model.path), a.index, cfg.trainer.world_size,
                                  engine_names(cfg), cfg.model.path, done, sink,
@@ -132,9 +128,16 @@ def main(argv: list[str] | None = None) -> int:
 
             host._finish_task = asyncio.create_task(finish())  # type: ignore[attr-defined]
             await host.add(actor, f"trainer-{a.index}")
+        code["started"] = 1  # its actors serve: a crash from now on is not a failure at start
 
-    rc = uvloop.run(serve(setup, cfg=cfg.transport, directory=a.directory, ready_file=a.ready,
-                          stop_event=stop))
+    try:
+        rc = uvloop.run(serve(setup, cfg=cfg.transport, directory=a.directory, ready_file=a.ready,
+                              stop_event=stop))
+    except Exception as exc:  # noqa: BLE001 - reported for the supervisor (launch/supervision.py), then exit 1
+        from miles.launch.supervision import report_crash
+
+        report_crash(exc, started=bool(code.get("started")))
+        return 1
     return code["rc"] or rc
 
 

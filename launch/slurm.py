@@ -123,11 +123,17 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(_render(plan, cfg), end="")
         return 0
+    from miles.launch.run_dir import check_fresh
+
+    check_fresh(cfg.run.dir)  # one run per directory (launch/run_dir.py)
     if env.in_allocation and env.num_nodes and env.num_nodes < plan.nodes:
         raise ConfigError(f"the plan needs {plan.nodes} nodes but allocation {env.job_id} has {env.num_nodes}: "
                           "allocate more nodes or lower --nodes / --place")
+    # auto: events as JSON to run_dir/logs/launcher.log, warnings and errors as one readable line
+    # here (as `miles train`); the roles' events go to their steps' logs
+    log_file = Path(cfg.run.dir) / "logs" / "launcher.log" if cfg.run.log_json == "auto" else None
     configure_logging(cfg.run.log_level, None if cfg.run.log_json == "auto" else cfg.run.log_json == "json",
-                      run=cfg.run.name, role="launcher")
+                      file=log_file, run=cfg.run.name, role="launcher")
     cfg = prepare(cfg)
     script = write_run_files(cfg, _render(plan, cfg))
     if env.in_allocation:

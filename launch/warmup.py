@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,18 +62,30 @@ def ensure_initial_checkpoint(cfg: MilesConfig) -> str:
     from miles.rollout.tiny_tokenizer import save_tiny_tokenizer
     from miles.rollout.tokenizer import load_tokenizer
 
+    _remove_orphans(out)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    save_tiny_tokenizer(tmp)
-    tok = load_tokenizer(tmp)
-    torch.manual_seed(cfg.run.seed)
-    model = model_from_config(cfg.model, vocab_size=tok.vocab_size, dtype="float32")
-    if cfg.run.warmup_sft_steps > 0:
-        _sft(cfg, model, tok)
-    save_model(model, tmp)
-    if not out.exists():  # another launcher may have finished the same warm-up meanwhile
-        os.replace(tmp, out)
+    try:
+        save_tiny_tokenizer(tmp)
+        tok = load_tokenizer(tmp)
+        torch.manual_seed(cfg.run.seed)
+        model = model_from_config(cfg.model, vocab_size=tok.vocab_size, dtype="float32")
+        if cfg.run.warmup_sft_steps > 0:
+            _sft(cfg, model, tok)
+        save_model(model, tmp)
+        if not out.exists():  # another launcher may have finished the same warm-up meanwhile
+            os.replace(tmp, out)
+    finally:  # Ctrl-C or an error mid-way: no half-written warm-up left in the cache
+        shutil.rmtree(tmp, ignore_errors=True)
     log.info("warmup_saved", path=str(out))
     return str(out)
+
+
+def _remove_orphans(out: Path) -> None:
+    """Warm-up temp dirs of launchers that no longer run (killed with SIGKILL mid-warm-up)."""
+    for d in out.parent.glob(out.name + ".tmp*"):
+        pid = d.name.rsplit(".tmp", 1)[1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _examples(cfg: MilesConfig, tok: Any, n: int, rng: random.Random) -> list[tuple[list[int], int]]:

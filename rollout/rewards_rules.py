@@ -155,7 +155,16 @@ class MathReward:
         # math-verify falls back to the raw string when sympy cannot read it
         if not any(not isinstance(x, str) for x in _parse_gold(gold, self.timeout_s)):
             return f"math: label {gold!r} cannot be parsed as a math answer"
+        # ... and reads a word as a product of one-letter symbols ('forty' = f*o*r*t*y), which no
+        # answer would ever equal: a label in words is a data error, not an expression
+        if _WORDS.fullmatch(gold.strip()) and gold.strip().lower() not in _MATH_WORDS:
+            return (f"math: label {gold!r} is a word, not a math answer (it would read as a product of "
+                    "symbols); write it as a number or expression, or use the `normalized` reward")
         return None
+
+
+_WORDS = re.compile(r"[A-Za-z]{3,}(?:[ -][A-Za-z]+)*")
+_MATH_WORDS = {"inf", "infty", "infinity", "oo", "pi", "nan"}
 
 
 # ---- string matches ------------------------------------------------------------------------

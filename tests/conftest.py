@@ -14,6 +14,7 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS / "actors" / "procs"))
+sys.path.insert(0, str(TESTS))  # tests/numerics.py: `from numerics import ...` from any test folder
 
 
 class Procs:

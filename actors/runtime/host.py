@@ -87,6 +87,11 @@ class Host:
         self.stale_replies = 0  # replies to asks already failed (deadline, death): refused
         self.loop_lag_ms = 0.0
         self.max_loop_lag_ms = 0.0
+        # True while the process sets up its actors (serve(): imports, model loads and compiles
+        # run on the loop), and when that ended: a stall that began before then is expected and
+        # logged at debug, not warned about (it is measured only when the loop gets back)
+        self.starting = False
+        self.serving_since = 0.0
         self._stopping = False
         self._last_tick = time.monotonic()  # the loop's last sign of life (lag monitor)
         self._beat_stop = threading.Event()
@@ -469,7 +474,10 @@ class Host:
             self.loop_lag_ms = 0.8 * self.loop_lag_ms + 0.2 * lag
             self.max_loop_lag_ms = max(self.max_loop_lag_ms, lag)
             if lag > 500:
-                log.warning("event_loop_lag", lag_ms=round(lag, 1))
+                if self.starting or t0 < self.serving_since:
+                    log.debug("event_loop_lag_at_start", lag_ms=round(lag, 1))
+                else:
+                    log.warning("event_loop_lag", lag_ms=round(lag, 1))
 
     def _on_death(self, notice: DeathNotice) -> None:
         if notice.host_id == self.host_id and notice.names:

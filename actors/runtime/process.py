@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from collections.abc import Awaitable, Callable
 
 import uvloop
@@ -51,7 +52,11 @@ async def serve(setup: Setup, cfg: TransportConfig | None = None, directory: str
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
-    await setup(host)
+    host.starting = True  # the set-up's loop stalls (imports, loads) are no event-loop lag to warn of
+    try:
+        await setup(host)
+    finally:
+        host.starting, host.serving_since = False, time.monotonic()
     if ready_file:
         # Written last, atomically, so a parent polling for it sees a fully started host.
         atomic_write_text(ready_file, host.address)

@@ -43,6 +43,17 @@ def test_bad_overrides_name_the_path(override, needle) -> None:
     assert needle in str(ei.value)
 
 
+def test_the_key_value_example_is_itself_a_valid_override() -> None:
+    """The error's example works as given, for `miles train` and `miles diffusion` configs."""
+    from miles.diffusion.config import DiffusionConfig
+
+    with pytest.raises(ConfigError) as ei:
+        load_config(MilesConfig, None, ["run.steps"])
+    example = str(ei.value).rsplit("e.g. --set ", 1)[1]
+    for cls in (MilesConfig, DiffusionConfig):
+        assert load_config(cls, None, [example]).run.steps == 100
+
+
 def test_bad_files(tmp_path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(MilesConfig, tmp_path / "missing.toml")

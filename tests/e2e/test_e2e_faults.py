@@ -41,8 +41,8 @@ def test_kill_9_whole_run_then_resume(tmp_path: Path) -> None:
     assert before
     q = resume_run(run, cache)
     assert wait(q, 300) == 0, (tmp_path / "run.launcher.log").read_text()[-3000:]
-    steps = [r["step"] for r in metrics(run)]
-    assert steps[-1] == 10 and set(range(1, 11)) <= set(steps)
+    # the steps after the checkpoint ran again and replaced the killed run's rows: none repeated
+    assert [r["step"] for r in metrics(run)] == list(range(1, 11))
     final = check_ledger(run)  # ids unique, none lost, every drop has a reason
     after = {e["prompt_id"]: e["trained_version"] for e in final["buffer"]["ledger"]["entries"]
              if e["state"] == "trained"}
@@ -54,6 +54,10 @@ def test_kill_9_whole_run_then_resume(tmp_path: Path) -> None:
     groups = json.loads((run / "config.resolved.json").read_text())["buffer"]["batch_groups"]
     per_step = Counter(after.values())
     assert len(per_step) == 10 and set(per_step.values()) == {groups}, per_step
+    # resuming the finished run says so and launches nothing
+    assert wait(resume_run(run, cache), 60) == 0
+    assert "already finished (step 10 of run.steps=10)" in (tmp_path / "run.launcher.log").read_text()
+    assert [r["step"] for r in metrics(run)] == list(range(1, 11))
 
 
 def test_killed_engine_is_restarted_and_training_continues(tmp_path: Path) -> None:

@@ -36,6 +36,20 @@ def test_progress_line_shows_step_eta_sync_and_len_ratio() -> None:
     assert "len_ratio" not in progress_line(_row(1), 10, [0.1], 0.0, 0)
 
 
+def test_eta_of_rows_read_in_one_poll_is_not_zero(tmp_path: Path) -> None:
+    """Steps 1-3 land between two polls (wall time between them ~0): the ETA of step 2 and 3
+    comes from the steps' own times (0.1 s each: 97 steps left ~ 0:10), not an infinite rate."""
+    sink = MetricsSink(tmp_path, tensorboard=False)
+    out = io.StringIO()
+    con = Console(tmp_path, 100, out=out)
+    for step in (1, 2, 3):
+        sink.write(_row(step))
+    con.poll()
+    etas = [ln.rsplit("ETA ", 1)[1] for ln in out.getvalue().splitlines()]
+    assert etas[0] == "0:10" and etas[1] == "0:10" and etas[2] == "0:10", etas
+    sink.close()
+
+
 def test_console_follows_metrics_and_role_logs(tmp_path: Path) -> None:
     (tmp_path / "logs").mkdir()
     sink = MetricsSink(tmp_path, tensorboard=False)

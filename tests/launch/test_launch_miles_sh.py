@@ -59,3 +59,26 @@ def test_reinstalls_only_when_the_dependency_list_changes(tmp_path: Path) -> Non
     err, calls = _run(tmp_path, venv)
     assert "pyproject.toml changed" in err
     assert calls[0].startswith("pip install") and calls[-1] == "miles config x.toml"
+
+
+def test_relative_paths_resolve_in_the_callers_directory(tmp_path: Path) -> None:
+    """`../repo/miles.sh config sub/q.toml` from another directory reads ./sub/q.toml (the script
+    does not move to the repository), through the real `miles` command."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    shutil.copy(ROOT / "miles.sh", repo / "miles.sh")
+    shutil.copy(ROOT / "pyproject.toml", repo / "pyproject.toml")
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    os.symlink(sys.executable, venv / "bin" / "python")
+    real = venv / "bin" / "miles"
+    real.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m miles.launch.cli "$@"\n')
+    real.chmod(0o755)
+    (venv / ".miles-installed").write_text(hashlib.sha256((repo / "pyproject.toml").read_bytes()).hexdigest())
+    work = tmp_path / "work"
+    (work / "sub").mkdir(parents=True)
+    (work / "sub" / "q.toml").write_text('[run]\nname = "from_the_callers_dir"\n')
+    p = subprocess.run(["bash", "../repo/miles.sh", "config", "sub/q.toml"], capture_output=True, text=True,
+                       timeout=50, cwd=work, env={**os.environ, "MILES_VENV": str(venv)})
+    assert p.returncode == 0, p.stderr
+    assert 'name = "from_the_callers_dir"' in p.stdout

@@ -21,6 +21,7 @@ from miles.launch.slurm_env import SlurmEnv, expand_nodelist
 from miles.launch.slurm_script import SlurmOptions, make_plan, render_script
 from miles.launch.slurm_step import bind_address, local_rank, master_port, nic_address
 
+ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = "examples/quickstart.toml"
 
 
@@ -267,3 +268,26 @@ def test_example_sbatch_renders_within_its_own_allocation(name: str, monkeypatch
     per_node = int(next(ln for ln in script.splitlines() if ln.startswith("#SBATCH --ntasks-per-node="))
                    .split("=")[1])
     assert per_node <= int(header["ntasks-per-node"]), "the example allocates fewer tasks than its steps need"
+
+
+@pytest.mark.timeout(120)
+def test_launch_console_is_readable_lines_with_events_in_the_log(tmp_path: Path) -> None:
+    """`miles launch --slurm` on a console that is not a terminal: no raw JSON event lines (the
+    warm-up's events go to run_dir/logs/launcher.log); here no sbatch is on PATH, so it stops
+    at the submit with its one-line error, after writing the run's files."""
+    import json
+    import os
+
+    run = tmp_path / "run"
+    (tmp_path / "bin").mkdir()
+    p = subprocess.run([sys.executable, "-m", "miles.launch.cli", "launch", str(ROOT / "examples" / "quickstart.toml"),
+                        "--slurm", "--set", f"run.dir={run}", "--set", "run.warmup_sft_steps=0"],
+                       capture_output=True, text=True, timeout=110, cwd=tmp_path,
+                       env={**os.environ, "PATH": str(tmp_path / "bin"), "MILES_CACHE": str(tmp_path / "cache"),
+                            "SLURM_JOB_ID": "", "SLURM_NODELIST": ""})
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stdout == "" and p.stderr.splitlines() == [
+        "miles: error: ConfigError: sbatch not found on PATH: run on a Slurm login node, inside `salloc`, "
+        "or add --dry-run to print the script"]
+    events = [json.loads(ln)["event"] for ln in (run / "logs" / "launcher.log").read_text().splitlines()]
+    assert "warmup_saved" in events

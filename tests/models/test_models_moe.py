@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from numerics import assert_reduced_close
 
 from miles.models.config import ModelSpec
 from miles.models.errors import ModelInputError
@@ -80,8 +81,12 @@ def test_dense_and_grouped_expert_paths_agree_with_gradients() -> None:
         (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
         outs.append(y.detach())
         grads.append(block.experts.gate_up_proj.grad.clone())
-    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
+    # one GEMM per expert against one grouped GEMM: other blockings of the hidden / expert-MLP
+    # sums (and of the sum over tokens in the weight gradient)
+    sp = model.spec
+    k = max(sp.hidden_size, sp.moe_intermediate_size, x.shape[0])
+    assert_reduced_close(outs[0], outs[1], k=k, depth=2)
+    assert_reduced_close(grads[0], grads[1], k=k, depth=4)
 
 
 def test_moe_block_outputs_are_not_views() -> None:

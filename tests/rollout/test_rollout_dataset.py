@@ -96,6 +96,7 @@ def test_train_eval_split_is_disjoint_and_independent_of_the_shuffle_seed(data: 
     ({"q": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], "a": "1"}, {},
      "'q': the last message is the assistant's"),
     ({"q": "x", "a": "\\frac{"}, {}, "cannot be parsed as a math answer"),
+    ({"q": "x", "a": "forty"}, {}, "math: label 'forty' is a word, not a math answer"),  # docs/datasets.md
     ({"q": "x", "a": "E"}, {"rewards": [{"type": "multiple_choice"}], "good": "B"}, "not one of the letters 'ABCD'"),
     ({"q": "x", "a": "assert f(1) =="}, {"rewards": [{"type": "code_tests", "network": "allow"}]},
      "does not compile"),

@@ -12,6 +12,7 @@ from miles.core.errors import ConfigError
 from miles.rollout.rewards_code import CodeTestsReward, extract_code
 from miles.rollout.rewards_rules import (
     RULE_REWARDS,
+    MathReward,
     build_rewards,
     extract_answer,
     extract_boxed,
@@ -143,3 +144,11 @@ def test_sandbox_has_no_network() -> None:
         srv.close()
     assert allowed.ok and allowed.stdout.strip() == "0"  # the same code reaches the listener outside
     assert denied.ok and denied.network_isolated and denied.stdout.strip() != "0"
+
+
+def test_math_labels_in_words_are_refused_and_expressions_kept() -> None:
+    r = MathReward()
+    for word in ("forty", "Forty two", "twenty-one", "yes"):
+        assert "is a word, not a math answer" in (r.check_label(word) or ""), word
+    for ok in ("40", "x", "2x", "a+b", "\\frac{1}{2}", "pi", "\\infty", "#### 72"):
+        assert r.check_label(ok) is None, ok
