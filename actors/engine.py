@@ -31,7 +31,6 @@ from miles.actors.sync_messages import BulkClose, BulkOpen, BulkPlan, BulkRecv, 
 from miles.core.errors import EngineError, PlanMissing, SyncError
 from miles.core.logging import get_logger
 from miles.engines.base import Engine, GenerateRequest, GenerateResult, SamplingParams
-from miles.engines.weights import WeightStager
 from miles.models.hf_io import hf_param_views, hf_tensor_views
 from miles.transport.bulk.base import BulkReceiver, LocalWeights, make_receiver
 from miles.transport.bulk.buckets import Reassembler
@@ -66,10 +65,10 @@ class EngineActor(Actor):
         self._live: dict[str, torch.Tensor] | None = None
         self._pending: asyncio.Future[int] | None = None  # the bucket being staged in the background
         self._landing: FlatLanding | None = None  # the flat plan byte ranges land by
-        stager, model = getattr(engine, "stager", None), getattr(engine, "model", None)
-        self._stager = stager if isinstance(stager, WeightStager) else None
-        if self._stager is not None and isinstance(model, torch.nn.Module) and hasattr(model, "spec"):
-            self._stager.bind_model(model, lambda n, t: hf_param_views(model.spec, n, t))
+        self._staging = engine.staging()
+        if self._staging is not None and self._staging.model is not None:
+            model = self._staging.model
+            self._staging.stager.bind_model(model, lambda n, t: hf_param_views(model.spec, n, t))
 
     async def on_stop(self) -> None:
         await self._close_receiver()
@@ -200,15 +199,15 @@ class EngineActor(Actor):
             # Built on first use only (delta channels read the live weights; the others never
             # do): listing every HF view costs per tensor, every version.
             if self._live is None:
-                model = getattr(self.engine, "model", None)
-                # Live views (updated in place by commit); engines without a torch model give copies.
+                model = self._staging.model if self._staging is not None else None
+                # Live views (updated in place by commit); engines without a miles model give copies.
                 self._live = hf_tensor_views(model) if model is not None else self.engine.state_dict_hf()
             t = self._live.get(name)
             if t is None:
                 raise SyncError(f"engine {self.name!r} holds no tensor {name!r}")
             return t
 
-        slot = self._stager.slot if self._stager is not None else None
+        slot = self._staging.stager.slot if self._staging is not None else None
         return LocalWeights(int(self.engine.health()["version"]), get, slot)
 
     @handler(BulkOpen)
@@ -235,7 +234,7 @@ class EngineActor(Actor):
         """Take a flat plan: checked against the staging slots now, so a mismatch is refused
         before any range moves. True: taken; else the reason it is declined (the coordinator
         then sends tensors, and warns with this reason)."""
-        if self._stager is None or not hasattr(self.engine, "mark_staged"):
+        if self._staging is None:
             return f"engine {self.name!r} ({type(self.engine).__name__}) has no staging slots to land byte ranges in"
         landing = FlatLanding(FlatPlan.from_wire(msg.plan))
         await self._settle()
@@ -261,7 +260,8 @@ class EngineActor(Actor):
             raise SyncError(f"engine {self.name!r}: flat range of v{msg.version} arrived before BulkOpen")
         else:
             names = await self._receiver.recv_flat(msg.header, landing, local)
-        return self.engine.mark_staged(msg.version, names)  # type: ignore[attr-defined, no-any-return]
+        assert self._staging is not None  # a plan was taken (bulk_plan), so the engine stages
+        return self._staging.mark_staged(msg.version, names)
 
     @handler(BulkClose)
     async def bulk_close(self, msg: BulkClose) -> None:

@@ -88,16 +88,6 @@ class Checksums:
     pass
 
 
-# ------------------------------------------------------------------ broadcasts
-@message("bcast.WeightVersion")
-@dataclass
-class WeightVersion:
-    """Announced by trainer rank 0 after every engine committed `version`."""
-
-    version: int
-    step: int
-
-
 # ------------------------------------------------------------------ rollout / buffer
 @message("rollout.PullBatch")
 @dataclass

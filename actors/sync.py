@@ -19,7 +19,8 @@ from miles.actors.runtime.host import Host
 from miles.actors.sync_messages import BulkClose, BulkOpen, BulkPlan, BulkRecv, FlatRange, Stage
 from miles.core.schema.sync import SyncConfig
 from miles.transport.bulk.base import BulkSender, make_sender
-from miles.transport.bulk.coordinator import GatheredCoordinator, SyncReport
+from miles.transport.bulk.coordinator import GatheredCoordinator
+from miles.transport.bulk.push_round import SyncReport
 from miles.transport.bulk.rank_group import RankGroup, TorchRankGroup
 from miles.transport.bulk.shard_channels import make_shard_sender
 from miles.transport.bulk.shard_plan import ShardExport

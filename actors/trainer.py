@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,15 +19,16 @@ from miles.actors.engine_yield import EngineYield
 from miles.actors.evaluator import Evaluator, run_external
 from miles.actors.messages import DumpState, Health, PullBatch, RunEval, SetVersion
 from miles.actors.runtime.actor import Actor
-from miles.actors.shard_publisher import ShardedPublisher
 from miles.actors.sync import ShardedWeightSync, WeightSync
-from miles.actors.weight_publisher import WeightPublisher
 from miles.core.clock import Phases
 from miles.core.errors import MilesError, TrainerError
 from miles.core.logging import get_logger
 from miles.core.schema import MilesConfig
+from miles.metrics.progress import Progress
 from miles.models.config import ModelSpec
 from miles.models.fp8_layout import fp8_block
+from miles.publish.gathered import WeightPublisher
+from miles.publish.sharded import ShardedPublisher
 from miles.trainer.backends import check_lora_launch, data_parallel, make_trainer
 from miles.trainer.batch import TrainBatch, TrainSample, shard_batch
 
@@ -60,6 +62,7 @@ class TrainerActor(Actor):
         self.resume_from = resume_from
         self.done = done
         self.sink = sink
+        self._progress = Progress(cfg.run.steps)
         self.error: BaseException | None = None
         self._task: asyncio.Task[None] | None = None
         self._watch: asyncio.Task[None] | None = None
@@ -250,7 +253,7 @@ class TrainerActor(Actor):
                **ph.metrics()}
         self.sink.write(rec)
         if self.cfg.run.progress:
-            print(progress_line(rec), flush=True)
+            print(self._progress.line(rec, time.monotonic()), flush=True)
 
     async def _finish(self) -> None:
         """Let the last evaluation land, write the ledger (rank 0) and the final HF checkpoint."""
@@ -266,17 +269,6 @@ class TrainerActor(Actor):
             _write_json(self.run_dir / "rollout_final.json", state)
         await asyncio.to_thread(self.trainer.export_hf_checkpoint, self.run_dir / "final_hf")
         log.info("training_done", steps=self.trainer.step, version=self.trainer.weight_version)
-
-
-def progress_line(rec: dict[str, Any]) -> str:
-    """One console line per step: learning, staleness and bias, mismatch, speed, and where the time went."""
-    line = (f"step {rec['step']:4d} | reward {rec.get('rollout/reward_mean', 0):.3f} | "
-            f"staleness {rec.get('rollout/fully_async/avg_staleness', 0):.2f} | ")
-    if "rollout/fully_async/len_ratio" in rec:
-        line += f"len ratio {rec['rollout/fully_async/len_ratio']:.2f} | "
-    return line + (f"Δlogp {rec.get('train/train_rollout_logprob_abs_diff', 0):.4f} | "
-                   f"tok/s {rec.get('train/tokens_per_s', 0):.0f} | step {rec['perf/step_time_s']:.2f}s "
-                   f"(train {rec.get('perf/train_s', 0):.2f}s, sync {rec.get('perf/sync_s', 0) * 1e3:.0f}ms)")
 
 
 def _write_text(path: Path, text: str) -> None:

@@ -43,8 +43,8 @@ from miles.core.config import load_config
 from miles.core.logging import configure_logging
 from miles.core.schema import MilesConfig
 from miles.launch.local import Child, LocalLauncher
-from miles.launch.metrics import read_metrics
-from miles.launch.warmup import with_initial_checkpoint
+from miles.metrics.sink import read_metrics
+from miles.warmup.sft import with_initial_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 CORES = sorted(os.sched_getaffinity(0))

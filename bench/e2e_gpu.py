@@ -13,7 +13,8 @@ Cases (--device cuda, the H200):
 engine over zmq) so the script and the phase metrics are checked on any machine.
 
 Reported per case, over every step after the first (which fills the pipeline and pays
-start-up): median of each perf/* phase, trained response tokens/s (sum / sum of step times),
+start-up): median of each perf/* phase, the time to first step from the launch (`first_step_s`,
+role start-up, model builds and compiles included; the initial checkpoint is written before, `init_s`), trained response tokens/s (sum / sum of step times),
 the weight-update share of the step (sum perf/sync_s / sum perf/step_time_s), and the
 trained/generated response-length ratio. Defaults are the user's: only the model, the
 workload, the devices and `sync.transport` are set.
@@ -43,8 +44,8 @@ from miles.core.config import load_config  # noqa: E402
 from miles.core.logging import configure_logging  # noqa: E402
 from miles.core.schema import MilesConfig  # noqa: E402
 from miles.launch.local import LocalLauncher  # noqa: E402
-from miles.launch.metrics import read_metrics  # noqa: E402
-from miles.launch.warmup import with_initial_checkpoint  # noqa: E402
+from miles.metrics.sink import read_metrics  # noqa: E402
+from miles.warmup.sft import with_initial_checkpoint  # noqa: E402
 
 DENSE_13B = {"hidden_size": 1536, "num_hidden_layers": 28, "intermediate_size": 8960,
              "num_attention_heads": 12, "num_key_value_heads": 2}
@@ -87,6 +88,22 @@ def case_sets(case: str, device: str) -> dict[str, Any]:
     return sets
 
 
+async def launch_watching(cfg: MilesConfig, metrics: Path, poll_s: float = 0.1) -> tuple[int, float | None]:
+    """Run `miles train` and note when its first step lands in metrics.jsonl: the time to first
+    step from the launch (role processes' start-up, model builds, compiles, the first batch)."""
+    t0 = time.perf_counter()
+    task = asyncio.ensure_future(LocalLauncher(cfg).run())
+    first = None
+    while not task.done():
+        if first is None and metrics.exists() and metrics.stat().st_size > 0:
+            first = time.perf_counter() - t0
+            print(f"# first step after {first:.1f} s", flush=True)  # kept even if a time limit cuts the run
+        await asyncio.wait([task], timeout=poll_s)
+    if first is None and metrics.exists() and metrics.stat().st_size > 0:
+        first = time.perf_counter() - t0  # landed within the last poll
+    return task.result(), first
+
+
 def run_case(root: Path, case: str, device: str, steps: int, extra: list[str]) -> dict[str, Any]:
     base, *own = case.split("@")  # "moe@trainer.pause_engines=true": a case with its own --set's
     run_dir = root / case.replace("@", "_")
@@ -98,7 +115,7 @@ def run_case(root: Path, case: str, device: str, steps: int, extra: list[str]) -
     cfg = with_initial_checkpoint(cfg)
     init_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    rc = asyncio.run(LocalLauncher(cfg).run())
+    rc, first_step_s = asyncio.run(launch_watching(cfg, run_dir / "metrics.jsonl"))
     wall = time.perf_counter() - t0
     if rc != 0:
         logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2500:]}" for p in sorted((run_dir / "logs").glob("*")))
@@ -113,6 +130,7 @@ def run_case(root: Path, case: str, device: str, steps: int, extra: list[str]) -
     med = {k: statistics.median(r[k] for r in timed) for k in PHASES if all(k in r for r in timed)}
     return {
         "case": case, "device": device, "steps": len(rows), "wall_s": round(wall, 2), "init_s": round(init_s, 2),
+        "first_step_s": None if first_step_s is None else round(first_step_s, 2),
         "medians": {k.removeprefix("perf/"): round(v, 5) for k, v in med.items()},
         "sync_share": sum(r.get("perf/sync_s", 0.0) for r in timed) / step_s,
         "trained_tok_s": tokens / step_s, "trained_tokens": tokens, "sum_step_s": step_s,
@@ -128,7 +146,8 @@ def run_case(root: Path, case: str, device: str, steps: int, extra: list[str]) -
 def table(results: list[dict[str, Any]]) -> None:
     cols = ["step_time_s", "wait_rollout_s", "train_s", "sync_s", "export_s", "transfer_s", "commit_s"]
     print(f"{'case':40s} " + " ".join(f"{c.removesuffix('_s'):>12s}" for c in cols)
-          + f" {'sync share':>10s} {'tok/s':>9s} {'len ratio':>9s} {'GB/version':>10s} {'declined':>8s}")
+          + f" {'sync share':>10s} {'tok/s':>9s} {'len ratio':>9s} {'GB/version':>10s} {'declined':>8s}"
+          f" {'1st step s':>10s}")
     for r in results:
         if "error" in r:
             print(f"{r['case']:40s} FAILED: {r['error'].splitlines()[0]}")
@@ -136,7 +155,8 @@ def table(results: list[dict[str, Any]]) -> None:
         m = r["medians"]
         print(f"{r['case']:40s} " + " ".join(f"{m.get(c, float('nan')):12.4f}" for c in cols)
               + f" {r['sync_share']:10.3f} {r['trained_tok_s']:9.0f} "
-              f"{(r['len_ratio'] or 0):9.2f} {(r['sync_bytes'] or 0) / 1e9:10.3f} {r['plan_declined']:8.0f}")
+              f"{(r['len_ratio'] or 0):9.2f} {(r['sync_bytes'] or 0) / 1e9:10.3f} {r['plan_declined']:8.0f}"
+              f" {r.get('first_step_s') or float('nan'):10.1f}")
 
 
 def main() -> None:
@@ -169,6 +189,7 @@ def main() -> None:
         "sync_share": {c: round(r["sync_share"], 4) for c, r in by.items()},
         "trained_tok_s": {c: round(r["trained_tok_s"], 1) for c, r in by.items()},
         "len_ratio": {c: r["len_ratio"] and round(r["len_ratio"], 3) for c, r in by.items()},
+        "first_step_s": {c: r.get("first_step_s") for c, r in by.items()},
         "failed": [r["case"] for r in results if "error" in r],
     }
     if "moe" in by and "moe-sync" in by:

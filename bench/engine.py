@@ -6,7 +6,8 @@ unless said):
 
   cuda  b32 / b128   32 or 128 prompts of 128 tokens, 128 new (decode-heavy)
         group8x8     8 prompts x 8 samples (a GRPO group each), 1024-token prompts, 64 new
-        b256         256 prompts of 128 tokens, 512 new
+        b128_t1      b128 sampled at temperature 1 without seeds
+        b256         256 prompts of 128 tokens, 512 new (long decode)
         group8x8_t1  group8x8 sampled at temperature 1 without seeds (as RL rollouts send)
         group8x8_t1_seeded  the same with a seed per request (a generator each)
   cpu   b8           8 prompts of 32 tokens, 64 new (the CPU bench of earlier runs)
@@ -26,8 +27,10 @@ torch.compiles the decode forward (compiled in its warm-up run), only for the `-
 
 `--sglang` (cuda): a stock SGLang server per model, started through miles' SGLangEngine on the
 same weights (saved in HF layout), CUDA graphs on up to the largest batch, runs the same requests
-(greedy, ignore_eos, no stop ids, output logprobs returned); its radix cache is flushed before
-every run, untimed (bench/engine_sglang.py). A server that fails to start or dies costs only the
+(greedy, ignore_eos, no stop ids, output logprobs returned), driven two ways (`--sglang-modes`):
+`requests`, B concurrent single `/generate` requests (as a rollout sends them), and `batched`, one
+`/generate` carrying the whole batch (SGLang's native batch API); the table reports each and the
+engine's ratio to each. Its radix cache is flushed before every run, untimed (bench/engine_sglang.py). A server that fails to start or dies costs only the
 SGLang column. The `sgl_i21` column is SGLang 0.5.17 in issue 21's H200 run (not this run).
 
 Tokens/s = generated tokens / wall time of the whole batch (prefill included), the median of
@@ -72,6 +75,8 @@ from miles.models.config import ModelSpec
 from miles.models.decoder import CausalLM
 from miles.models.hf_io import save_model
 from miles.models.registry import build_model
+
+SGLANG_RUNS = {"requests": "sglang", "batched": "sglang_batched"}  # --sglang-modes -> key of the run
 
 
 def timed(fn: Any) -> float:
@@ -208,7 +213,8 @@ def bench_model(kind: str, args: argparse.Namespace, out: dict[str, Any]) -> Non
                 if isinstance(r, EngineRun):
                     r.close()
             if "engine" in tok:
-                report(kind, name, case, tok, times, out, args.device, runs.get("sglang"))
+                report(kind, name, case, tok, times, out, args.device,
+                       [r for k, r in runs.items() if k in SGLANG_RUNS.values()])
             runs.clear()
             gc.collect()
             if gpu:
@@ -258,7 +264,8 @@ def bench_case(
         if run is not None:
             runs["hf"] = run
     if sgl is not None:
-        runs["sglang"] = sgl.run(case, runs["engine"].ids)
+        for mode in args.sglang_modes:
+            runs[SGLANG_RUNS[mode]] = sgl.run(case, runs["engine"].ids, batched=mode == "batched")
     times = rounds(args.repeats, list(runs.values()), args.budget_s)
     tok = {k: case.batch * case.new / statistics.median(t) for k, t in zip(runs, times, strict=True)
            if not getattr(runs[k], "failed", "")}
@@ -292,10 +299,10 @@ def bench_plain(args: argparse.Namespace, out: dict[str, Any]) -> None:
 
 def report(
     kind: str, name: str, case: Case, tok: dict[str, float], times: list[list[float]],
-    out: dict[str, Any], device: str, sgl_run: SGLangRun | None = None,
+    out: dict[str, Any], device: str, sgl_runs: list[SGLangRun] | None = None,
 ) -> None:
     i21 = SGLANG_ISSUE21.get((kind, name.removesuffix("+plain"))) if device == "cuda" else None
-    en, sgl = tok["engine"], tok.get("sglang")
+    en, sgl, sglb = tok["engine"], tok.get("sglang"), tok.get("sglang_batched")
 
     def cell(v: float | None, w: int, d: int = 1) -> str:
         return f"{v:>{w}.{d}f}" if v is not None else f"{'-':>{w}}"
@@ -303,7 +310,8 @@ def report(
     print(f"{kind:<6}{name:<20}{case.batch:>6}{case.prompt:>7}{case.new:>5}{cell(en, 13)}"
           f"{cell(tok.get('engine_unshared'), 13)}{cell(tok.get('hf'), 12)}"
           f"{cell(en / tok['hf'] if 'hf' in tok else None, 9, 2)}{cell(sgl, 12)}"
-          f"{cell(en / sgl if sgl else None, 9, 2)}{cell(i21, 12)}"
+          f"{cell(en / sgl if sgl else None, 9, 2)}{cell(sglb, 12)}{cell(en / sglb if sglb else None, 9, 2)}"
+          f"{cell(i21, 12)}"
           f"{cell(en / i21 if i21 else None, 9, 2)}{len(times[0]):>5}", flush=True)
     key = f"{'gpu' if device == 'cuda' else 'cpu'}_{kind}_{name.replace('+', '_')}"
     out[f"{key}_engine_tok_s"] = round(en, 1)
@@ -316,11 +324,15 @@ def report(
     if sgl:
         out[f"{key}_sglang_tok_s"] = round(sgl, 1)
         out[f"{key}_vs_sglang"] = round(en / sgl, 3)
-    if sgl_run is not None:
-        if sgl_run.failed:
-            out[f"{key}_sglang_error"] = sgl_run.failed
+    if sglb:
+        out[f"{key}_sglang_batched_tok_s"] = round(sglb, 1)
+        out[f"{key}_vs_sglang_batched"] = round(en / sglb, 3)
+    for run in sgl_runs or []:
+        tag = "sglang_batched" if run.batched else "sglang"
+        if run.failed:
+            out[f"{key}_{tag}_error"] = run.failed
         else:  # prompt tokens SGLang's radix cache reused inside the last run (a group's shared prompt)
-            out[f"{key}_sglang_cached_tokens"] = sgl_run.cached_tokens
+            out[f"{key}_{tag}_cached_tokens"] = run.cached_tokens
     if i21:
         out[f"{key}_vs_sglang_issue21"] = round(en / i21, 3)
     if device == "cpu" and name == "b8":  # the keys of earlier CPU runs (bench/results/engine_cpu.txt)
@@ -364,6 +376,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sg = ap.add_argument_group("SGLang in the same run (cuda; bench/engine_sglang.py)")
     sg.add_argument("--sglang", action="store_true",
                     help="start a stock SGLang server per model (CUDA graphs on) and time it on the same requests")
+    sg.add_argument("--sglang-modes", default="requests,batched",
+                    help="comma list: requests (B concurrent single /generate requests), batched (one "
+                         "/generate with the whole batch, SGLang's batch API)")
     sg.add_argument("--sglang-python", default="", help="python that runs sglang.launch_server ('' = this one)")
     sg.add_argument("--sglang-port", type=int, default=31000, help="port of the first model's server (+1 per model)")
     sg.add_argument("--sglang-mem-fraction", type=float, default=0.5,
@@ -387,6 +402,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if kind not in MODELS[args.device] or name not in CASES[args.device]:
             sys.exit(f"--plain-cases: {item!r} is not model:case of {args.device}")
     args.engine_set = parse_engine_set(args.engine_set)
+    args.sglang_modes = [m for m in args.sglang_modes.split(",") if m]
+    if not args.sglang_modes or set(args.sglang_modes) - set(SGLANG_RUNS):
+        sys.exit(f"--sglang-modes: choose one or more of {list(SGLANG_RUNS)}, got {args.sglang_modes}")
     hf = args.hf if args.hf is not None else ("dense:b32,dense:b128" if gpu else "all")
     args.hf_all = hf == "all"
     args.hf = set(hf.split(",")) if hf and not args.hf_all else set()
@@ -429,10 +447,12 @@ def main() -> None:
     out: dict[str, Any] = {"device": args.device, "cases": {n: vars(CASES[args.device][n]) for n in args.cases}}
     base = "HF static+compile" if gpu else "HF eager"
     sgl = "SGLang in this run (CUDA graphs on)" if args.sglang else "not run (--sglang)"
-    print(f"# tok/s; engine_unshared: share_prompts=false; hf: {base}; sglang: {sgl}; "
-          "sgl_i21: SGLang 0.5.17 in issue 21's run (not this run)")
+    print(f"# tok/s; engine_unshared: share_prompts=false; hf: {base}; sglang: {sgl}, sgl_req: B concurrent "
+          "single /generate requests, sgl_batch: one batched /generate; sgl_i21: SGLang 0.5.17 in issue 21's run "
+          "(not this run)")
     print(f"{'model':<6}{'case':<20}{'batch':>6}{'prompt':>7}{'new':>5}{'engine':>13}{'unshared':>13}"
-          f"{'hf':>12}{'en/hf':>9}{'sglang':>12}{'en/sgl':>9}{'sgl_i21':>12}{'en/i21':>9}{'runs':>5}", flush=True)
+          f"{'hf':>12}{'en/hf':>9}{'sgl_req':>12}{'en/req':>9}{'sgl_batch':>12}{'en/batch':>9}{'sgl_i21':>12}"
+          f"{'en/i21':>9}{'runs':>5}", flush=True)
     t0 = time.perf_counter()
     for kind in args.models:
         bench_model(kind, args, out)

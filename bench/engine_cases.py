@@ -55,6 +55,7 @@ CASES: dict[str, dict[str, Case]] = {
     "cuda": {
         "b32": Case(32, 1, 128, 128),
         "b128": Case(128, 1, 128, 128),
+        "b128_t1": Case(128, 1, 128, 128, temperature=1.0),
         "group8x8": Case(8, 8, 1024, 64),
         "b256": Case(256, 1, 128, 512),
         "group8x8_t1": Case(8, 8, 1024, 64, temperature=1.0),

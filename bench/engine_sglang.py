@@ -7,21 +7,30 @@ runs with CUDA graphs on up to the largest batch, and keeps its radix cache (sto
 the cache is flushed before every run, untimed: a round must not reuse the prompts' KV of the
 round before, which the torch engine does not keep either. Each response carries the output
 tokens' logprobs, as the torch engine computes them too.
+
+SGLang is driven two ways (`SGLangRun(batched=...)`): B concurrent single `/generate` requests
+(what a rollout sends through SGLangEngine), and one `/generate` carrying the whole batch (its
+native batch API: lists of input_ids, sampling_params and rids), which spares the server B
+HTTP requests and lets its scheduler see the batch at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from engine_cases import Case, check_results, requests_for, sampling_for  # bench/ is on sys.path
 
 from miles.core.errors import EngineError
 from miles.core.schema.engine import EngineConfig
+from miles.engines.base import GenerateRequest, GenerateResult
 from miles.engines.sglang import SGLangEngine
+from miles.engines.sglang_wire import ModelFacts, generate_payload, parse_generate
 
 # The flags that started 0.5.17 on the H200 (bench/gpu/README.md) without its JIT-built kernels
 # (flashinfer sampling and attention, grammars), minus --disable-cuda-graph.
@@ -51,6 +60,39 @@ def sglang_config(
     )
 
 
+def batch_payload(reqs: Sequence[GenerateRequest]) -> dict[str, Any]:
+    """One `/generate` body for the whole batch (SGLang's batch form: a list per field), each
+    request's fields exactly as SGLangEngine sends them one at a time."""
+    if not reqs:
+        raise ValueError("a batched /generate needs at least one request")
+    one = [generate_payload(r) for r in reqs]
+    body: dict[str, Any] = {k: [b[k] for b in one] for k in ("rid", "input_ids", "sampling_params")}
+    for k in ("return_logprob", "logprob_start_len", "stream"):
+        vals = {json.dumps(b[k]) for b in one}
+        if len(vals) != 1:
+            raise ValueError(f"batched /generate: requests differ in {k!r}")
+        body[k] = one[0][k]
+    return body
+
+
+def parse_batch(body: Any, reqs: Sequence[GenerateRequest], facts: ModelFacts) -> list[GenerateResult]:
+    """The batched `/generate` answer (a list, in request order) -> one GenerateResult each."""
+    if not isinstance(body, list) or len(body) != len(reqs):
+        got = f"a list of {len(body)}" if isinstance(body, list) else type(body).__name__
+        raise EngineError(f"batched /generate: expected a list of {len(reqs)} results, got {got}")
+    return [parse_generate(b, r, facts) for b, r in zip(body, reqs, strict=True)]
+
+
+async def post_batch(session: aiohttp.ClientSession, url: str, reqs: Sequence[GenerateRequest],
+                     facts: ModelFacts) -> list[GenerateResult]:
+    """Send the whole batch as one `/generate` and parse the answer."""
+    async with session.post(url.rstrip("/") + "/generate", json=batch_payload(reqs)) as r:
+        text = await r.text()
+        if r.status != 200:
+            raise EngineError(f"batched /generate: HTTP {r.status}: {text[:500]}")
+    return parse_batch(json.loads(text), reqs, facts)
+
+
 class SGLangServerRun:
     """One launched server on its own event loop (the engine's HTTP session lives on it)."""
 
@@ -61,6 +103,7 @@ class SGLangServerRun:
         self.start_s = 0.0
         self.info: dict[str, Any] = {}
         self.closed = False
+        self.session: aiohttp.ClientSession | None = None  # the batched runs' own (one request at a time)
 
     def start(self) -> None:
         t0 = time.perf_counter()
@@ -88,14 +131,22 @@ class SGLangServerRun:
         server = self.engine.server
         return server.pid if server is not None else None
 
-    def run(self, case: Case, ids: list[list[int]]) -> SGLangRun:
-        return SGLangRun(self, case, ids)
+    def run(self, case: Case, ids: list[list[int]], batched: bool = False) -> SGLangRun:
+        return SGLangRun(self, case, ids, batched)
+
+    async def batch_session(self) -> aiohttp.ClientSession:
+        if self.session is None:
+            self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
+                total=self.engine.cfg.sglang_request_timeout_s))
+        return self.session
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
         try:
+            if self.session is not None:
+                self.loop.run_until_complete(self.session.close())
             self.loop.run_until_complete(self.engine.close())  # stops the server's process group
             if self.pid_file is not None:
                 self.pid_file.unlink(missing_ok=True)  # nothing left for the script to end
@@ -104,11 +155,12 @@ class SGLangServerRun:
 
 
 class SGLangRun:
-    """One case on the server; `__call__` generates the whole batch once. A failure is reported
-    once and ends SGLang for that case (`failed`), not the benchmark."""
+    """One case on the server; `__call__` generates the whole batch once: B concurrent requests,
+    or with `batched` one batched `/generate`. A failure is reported once and ends SGLang for
+    that case and way (`failed`), not the benchmark."""
 
-    def __init__(self, server: SGLangServerRun, case: Case, ids: list[list[int]]) -> None:
-        self.server, self.case, self.ids = server, case, ids
+    def __init__(self, server: SGLangServerRun, case: Case, ids: list[list[int]], batched: bool = False) -> None:
+        self.server, self.case, self.ids, self.batched = server, case, ids, batched
         self.sps = sampling_for(case)
         self.failed = ""
         self.cached_tokens = 0  # prompt tokens SGLang's radix cache served in the last run
@@ -133,8 +185,13 @@ class SGLangRun:
 
     async def _all(self) -> None:
         eng = self.server.engine
-        res = await asyncio.gather(*(eng.generate(r) for r in requests_for(self.ids, self.sps)))
-        check_results(self.case, res, "sglang")
+        reqs = requests_for(self.ids, self.sps)
+        if self.batched:
+            await eng.start()
+            res = await post_batch(await self.server.batch_session(), eng.url, reqs, eng.facts)
+        else:
+            res = await asyncio.gather(*(eng.generate(r) for r in reqs))
+        check_results(self.case, res, "sglang batched" if self.batched else "sglang")
         self.cached_tokens = sum(r.cached_tokens for r in res)
 
     def __call__(self) -> None:

@@ -38,7 +38,7 @@ pt cuda_ipc --transport cuda-ipc --pattern stream
 pt ucx_cuda --transport ucx --device cuda --pattern stream
 pt ucx_pinned --transport ucx --device pinned --pattern stream
 pt zmq_bulk_pinned --transport zmq-bulk --device pinned --pattern stream
-python -m miles.launch.perftest_plot "$R/perftest_h200.png" "$R"/perftest_h200_*.json > "$R/plot.txt" 2>&1
+python -m miles.perftest.plot "$R/perftest_h200.png" "$R"/perftest_h200_*.json > "$R/plot.txt" 2>&1
 tar czf "$OUT/sync_h200.tgz" -C "$R" .
 cp "$R/weight_sync_gpu.txt" "$OUT/" 2>/dev/null
 exit 0

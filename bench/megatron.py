@@ -94,7 +94,7 @@ def _policy_logp(t: Any, mb: Any, replay: bool) -> torch.Tensor:
     if isinstance(t, MegatronTrainer):
         return t.forward_micro_batch(mb, replay=replay).logp
     with torch.no_grad():
-        return t._forward(t.policy, mb.to(t.device), temperature=1.0, replay=replay,
+        return t.forward_model(t.policy, mb.to(t.device), temperature=1.0, replay=replay,
                           with_entropy=False).logp
 
 

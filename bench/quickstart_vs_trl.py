@@ -214,7 +214,7 @@ def main() -> None:
     from miles.core.config import load_config
     from miles.core.logging import configure_logging
     from miles.core.schema import MilesConfig
-    from miles.launch.warmup import ensure_initial_checkpoint
+    from miles.warmup.sft import ensure_initial_checkpoint
 
     configure_logging("warning")
 

@@ -27,13 +27,13 @@ import torch
 
 from miles.core.config import load_config
 from miles.core.schema import MilesConfig
-from miles.launch.warmup import ensure_initial_checkpoint
 from miles.models.config import ModelSpec
 from miles.models.registry import build_model
 from miles.trainer.dist import free_port
 from miles.trainer.fsdp import FSDPTrainer
 from miles.trainer.synthetic import engine_batch
 from miles.transport.bulk.shard_delta import IDX_BYTES, encode
+from miles.warmup.sft import ensure_initial_checkpoint
 
 
 def main() -> None:

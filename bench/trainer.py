@@ -270,7 +270,7 @@ def _profile(t: FSDPTrainer, batch: TrainBatch, label: str, result: dict[str, fl
     and, in a plain step, how long the clip + optimizer step takes (synchronised around it)."""
     from torch.profiler import ProfilerActivity, profile
 
-    inner = t._clip_and_step
+    inner = t.clip_and_step
     spent: list[float] = []
 
     def timed_step() -> float:
@@ -281,9 +281,9 @@ def _profile(t: FSDPTrainer, batch: TrainBatch, label: str, result: dict[str, fl
         spent.append(time.perf_counter() - t0)
         return norm
 
-    t._clip_and_step = timed_step  # type: ignore[method-assign]
+    t.clip_and_step = timed_step  # type: ignore[method-assign]
     total = _timed(t, batch)
-    del t._clip_and_step
+    del t.clip_and_step
     result[f"{label.replace(' ', '_')}_optimizer_step_s"] = sum(spent)
     result[f"{label.replace(' ', '_')}_step_s_with_optimizer_timed"] = total
     print(f"## {label}: clip + optimizer step {sum(spent) * 1e3:.1f} ms of a {total * 1e3:.1f} ms step")

@@ -10,7 +10,7 @@ channel moving the same bytes in the same bucket sizes, measured in this run:
   ucx        a bare UCXX endpoint sending the same bytes bucket by bucket (tag sends, as
              ucx_perftest's bandwidth test), into one flat buffer of a second process
   disk_delta write + read back of the full weights as files (what a naive disk sync moves)
-  <t>-flat   transport <t> (zmq, ucx, broadcast) fed a flat export: the trainer's weights packed
+  <t>-flat   transport <t> (zmq, ucx, broadcast, disk_delta) fed a flat export: the trainer's weights packed
              in one buffer (transport/bulk/flat.py: plan once, then byte ranges; what a launched
              run sends by default); raw = <t>'s
 plus a host memcpy of the weights as the machine's limit. disk_delta sends a sparse
@@ -244,11 +244,16 @@ def raw_ucx(root: Path, total: int, bucket: int, reps: int, device: str = "cpu")
     return total / best / 1e9
 
 
-def raw_disk(root: Path, total: int, bucket: int, reps: int) -> float:
+def raw_disk(root: Path, total: int, bucket: int, reps: int, keep: int = 2) -> float:
+    """Write the model's bytes as bucket files of a fresh directory and read them back, deleting
+    directories older than the last `keep` as disk_delta does (sync.delta_keep): without the
+    deletes, dirty pages pile up and later passes run at writeback speed, a moving target."""
+    import shutil
+
     sizes = buckets_of(total, bucket)
     data = torch.ones(bucket, dtype=torch.uint8).numpy()
     best = float("inf")
-    for r in range(reps):
+    for r in range(reps + 1):  # one pass first, as disk_delta's warm-up push
         d = root / f"raw{r}"
         d.mkdir(parents=True)
         t0 = time.perf_counter()
@@ -256,7 +261,10 @@ def raw_disk(root: Path, total: int, bucket: int, reps: int) -> float:
             (d / f"b{i}").write_bytes(memoryview(data)[:s])
         for i in range(len(sizes)):
             (d / f"b{i}").read_bytes()
-        best = min(best, time.perf_counter() - t0)
+        if r >= keep:
+            shutil.rmtree(root / f"raw{r - keep}")
+        if r:
+            best = min(best, time.perf_counter() - t0)
     return total / best / 1e9
 
 
@@ -325,7 +333,7 @@ def main() -> None:
     ap.add_argument("--gloo-sink", nargs=4, type=int)
     ap.add_argument("--ucx-sink", nargs=5)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--transports", default="zmq,ucx,broadcast,disk_delta,zmq-flat,ucx-flat,broadcast-flat",
+    ap.add_argument("--transports", default="zmq,ucx,broadcast,disk_delta,zmq-flat,ucx-flat,broadcast-flat,disk_delta-flat",
                     help="comma-separated subset (ucx is skipped, with a note, when UCXX is not installed)")
     a = ap.parse_args()
     if a.serve_engine:
@@ -337,7 +345,7 @@ def main() -> None:
     if a.ucx_sink:
         return ucx_sink(a.ucx_sink[0], *map(int, a.ucx_sink[1:4]), a.ucx_sink[4])
     transports = [t for t in a.transports.split(",") if t]
-    valid = ["zmq", "ucx", "broadcast", "disk_delta", "zmq-flat", "ucx-flat", "broadcast-flat"]
+    valid = ["zmq", "ucx", "broadcast", "disk_delta", "zmq-flat", "ucx-flat", "broadcast-flat", "disk_delta-flat"]
     unknown = set(transports) - set(valid)
     if unknown:
         ap.error(f"unknown transport(s) {sorted(unknown)}; valid: {', '.join(valid)}")
@@ -369,7 +377,7 @@ def main() -> None:
                             # machine load; the ratio is the median round's.
                             pairs = []
                             for k in range(rounds):
-                                raw_g = raw_channel(tr.removesuffix("-flat"), zports, root / f"raw-{hidden}-{mib}-{k}",
+                                raw_g = raw_channel(tr.removesuffix("-flat"), zports, root / f"raw-{hidden}-{mib}-{tr}-{k}",
                                                     total, mib << 20, reps)
                                 if tr.endswith("-flat"):
                                     got = asyncio.run(miles_update(directory, packed, tr.removesuffix("-flat"), mib,

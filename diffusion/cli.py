@@ -24,7 +24,7 @@ def cmd_diffusion(args: argparse.Namespace) -> int:
                       console_level="info", run=cfg.run.name, role="diffusion")
     from miles.diffusion.plots import write_diffusion_plots
     from miles.diffusion.recipe import run_recipe
-    from miles.launch.plots import write_plots
+    from miles.metrics.plots import write_plots
 
     res = run_recipe(cfg)
     plots = write_plots(res.run_dir) + write_diffusion_plots(

@@ -34,7 +34,7 @@ from miles.diffusion.sampler import (
     step_mean_std,
     step_noise,
 )
-from miles.engines.base import Engine, GenerateRequest, GenerateResult, PauseMode
+from miles.engines.base import Engine, GenerateRequest, GenerateResult, PauseMode, Staging
 from miles.engines.weights import WeightStager
 from miles.models.hf_io import tensor_checksum
 
@@ -74,6 +74,8 @@ class _Running:
 
 class DiffusionEngine(Engine):
     """Denoises batches of images with the SDE sampler; `net` is the served FlowUNet."""
+
+    model = None  # no miles model: its staging slots are not bound to one (`Staging.model`)
 
     def __init__(self, net: torch.nn.Module, sched: SDESchedule, max_batch: int = 256,
                  version: int = 0) -> None:
@@ -213,6 +215,10 @@ class DiffusionEngine(Engine):
         if version <= self.version:
             raise EngineError(f"stage(version={version}): engine already serves version {self.version}")
         return self.stager.stage(version, named_tensors)
+
+    def staging(self) -> Staging:
+        """Its staging slots take buckets and byte ranges in place (no miles model: `model` None)."""
+        return self
 
     def mark_staged(self, version: int, names: list[str]) -> int:
         return self.stager.mark_staged(version, names)

@@ -47,7 +47,7 @@ from miles.diffusion.pretrain import PretrainPlan, pretrain
 from miles.diffusion.rewards import RewardFn, load_reward
 from miles.diffusion.sampler import SDESchedule
 from miles.diffusion.trainer import DiffusionBatch, DiffusionTrainer
-from miles.launch.metrics import MetricsSink
+from miles.metrics.sink import MetricsSink
 from miles.rollout.buffer import RolloutBuffer, Work
 from miles.rollout.types import Group, Sample
 from miles.trainer.deterministic import request_seed

@@ -11,13 +11,17 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 import torch
 
 from miles.core.clock import new_id
 from miles.core.hooks import Registry
+
+if TYPE_CHECKING:  # the contract names them; engines that stage import them anyway
+    from miles.engines.weights import WeightStager
+    from miles.models.decoder import CausalLM
 
 FinishReason = Literal["stop", "length", "abort"]
 PauseMode = Literal["abort", "retract", "in_place"]
@@ -65,8 +69,29 @@ class GenerateResult:
     routed_experts: np.ndarray | None = None
 
 
+class Staging(Protocol):
+    """The in-place weight landing an engine may offer (`Engine.staging()`): staging slots that
+    bulk channels and flat byte ranges land in directly, and the bookkeeping of what landed.
+
+    `model` is the live miles model the slots are bound to (its parameters are swapped at
+    commit), or None for an engine without one (its live weights are `state_dict_hf()` copies).
+    """
+
+    stager: WeightStager
+    model: CausalLM | None
+
+    def mark_staged(self, version: int, names: list[str]) -> int:
+        """Tensors `names` of `version` landed in their slots by byte range; returns how many
+        tensors of `version` are staged so far."""
+        ...
+
+
 class Engine(abc.ABC):
     """What every rollout engine offers (torch embedded, sglang external)."""
+
+    def staging(self) -> Staging | None:
+        """The engine's in-place landing, or None: it takes weights only through `stage()`."""
+        return None
 
     # what sync.pause_mode = "auto" means for this engine (a pause that keeps every token attributable)
     default_pause_mode: PauseMode = "in_place"

@@ -78,6 +78,7 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int, bool, tuple[int, int]], _Graph] = {}
         self._mempool: tuple[int, int] | None = None
         self.failed = False  # a capture failed: the engine falls back to eager decode for good
+        self.aside = False  # a compile runs in another thread (`compile_aside`): capture nothing new
 
     def buckets(self, n: int, read: int) -> tuple[int, int]:
         # at least 2 rows: a compiled forward specializes a size of 1, and would compile again for it
@@ -103,7 +104,9 @@ class DecodeGraphs:
         reading them first, and nothing here waits for the GPU."""
         n = ids.shape[0]
         b, r = self.buckets(n, read)
-        if not self.capture:
+        # while a compile runs aside (another thread), a bucket not captured yet runs eagerly: no
+        # capture may overlap that thread's kernel launches and synchronizations
+        if not self.capture or (self.aside and not self._has(b, r, self._routed(want_routed))):
             pad = torch.tensor([[0], [self.scratch]], dtype=torch.long, device=ids.device).expand(2, b - n)
             logits, routed = self._fwd_call(torch.cat((torch.stack((ids, pos)), pad), dim=1), r,
                                             self._routed(want_routed))
@@ -123,17 +126,57 @@ class DecodeGraphs:
         that one compile and one graph per bucket serve requests with and without R3."""
         return want or self.moe
 
-    def warm_up(self) -> None:
+    def warm_up(self, every_batch: bool = False) -> None:
         """Compile (engine.compile_decode) and capture the smallest bucket now, before requests
         arrive: the compile takes 50-110 s on an H200 for the bench models, which at the first decode step would count
-        against the first requests' deadlines. Later buckets reuse the compile."""
+        against the first requests' deadlines. Later buckets reuse the compile. `every_batch`:
+        capture every batch bucket at the shortest key length (what a run's first steps use),
+        for uncompiled graphs that serve while a compile runs aside and may capture nothing new."""
         b, r = self.buckets(2, 1)
         if self.capture:
-            self._graph(b, r, self.moe)
+            sizes = sorted({self.buckets(n, 1)[0] for n in range(2, self.rows + 1)}) if every_batch else [b]
+            for size in sizes:
+                self._graph(size, r, self.moe)
             return
         dev = self.pool.k[0].device
         inputs = torch.tensor([[0] * b, [self.scratch] * b], dtype=torch.long, device=dev)
         self._fwd_call(inputs, r, self.moe)
+
+    def compile_aside(self) -> bool:
+        """Make the decode forward's compile (engine.compile_decode) without touching what this
+        object serves: the compiled forward runs once over a 2-row pool of its own (its KV
+        writes land there), so the engine can keep decoding with its uncompiled graphs while
+        this runs in another thread (engine.compile_background). The compile is per process
+        (`_compiled_forward`) and dynamic in the pool's rows, so `use_compiled` then reuses
+        it. Whether it compiled (False: it failed and was logged; stay uncompiled)."""
+        p = self.pool
+        dev = p.k[0].device
+        with torch.inference_mode(False):  # tensors like the live pool's (made outside it): the same guards
+            small = RowPool(self.model.spec, 2, p.max_seq_len, p.k[0].dtype, dev)
+        aside = DecodeGraphs(self.model, small, capture=False, compiled=True)
+        self.aside = True
+        try:
+            if dev.type != "cuda":
+                aside.warm_up()
+                return aside.compiled
+            stream = torch.cuda.Stream(dev)  # a non-blocking stream: no implicit sync with the engine's
+            with torch.cuda.stream(stream):
+                aside.warm_up()
+            stream.synchronize()
+            return aside.compiled
+        finally:
+            self.aside = False
+
+    def use_compiled(self) -> None:
+        """Serve compiled from now on (after `compile_aside`): the uncompiled graphs are dropped
+        and each bucket is captured again, from the compiled forward, at its next use (the
+        smallest one now). Call between steps: no replay may be in flight."""
+        self.compiled = True
+        self._graphs.clear()
+        self.warm_up()
+
+    def _has(self, b: int, read: int, want_routed: bool) -> bool:
+        return (b, read, want_routed, self._weights()) in self._graphs
 
     def _graph(self, b: int, read: int, want_routed: bool) -> _Graph:
         key = (b, read, want_routed, self._weights())

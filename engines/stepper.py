@@ -100,7 +100,7 @@ class Stepper:
         self.graphs.failed = True
         log.warning("decode_graphs_disabled", error=f"{type(exc).__name__}: {exc}")
 
-    def warm_up(self) -> None:
+    def warm_up(self, every_batch: bool = False) -> None:
         """Compile and capture the decode forward before serving (`DecodeGraphs.warm_up`); a
         failure leaves decode eager, as a failed capture at a step does."""
         g = self.graphs
@@ -108,7 +108,26 @@ class Stepper:
             return
         try:
             with self._mode(), torch.inference_mode():
-                g.warm_up()
+                g.warm_up(every_batch)
+        except Exception as exc:  # noqa: BLE001 - decode eagerly instead
+            self._graphs_failed(exc)
+
+    def compile_aside(self) -> bool:
+        """Worker thread, while the engine serves: the decode compile (`DecodeGraphs.compile_aside`)."""
+        g = self.graphs
+        if g is None or g.failed:
+            return False
+        with self._mode(), torch.inference_mode():
+            return g.compile_aside()
+
+    def use_compiled(self) -> None:
+        """Between steps: swap the compiled decode in (a failure leaves decode eager, as at a step)."""
+        g = self.graphs
+        if g is None or g.failed:
+            return
+        try:
+            with self._mode(), torch.inference_mode():
+                g.use_compiled()
         except Exception as exc:  # noqa: BLE001 - decode eagerly instead
             self._graphs_failed(exc)
 

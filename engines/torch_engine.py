@@ -28,6 +28,7 @@ from miles.engines.base import (
     GenerateResult,
     PauseMode,
     RequestTotals,
+    Staging,
 )
 from miles.engines.kv_cache import KVPool, RowPool, SessionKV, SessionStore, common_prefix
 from miles.engines.lora import AdapterMerge
@@ -41,7 +42,8 @@ from miles.engines.weights import WeightStager
 from miles.models.decoder import CausalLM
 from miles.models.factory import model_from_config
 from miles.models.fp8_layout import fp8_block
-from miles.models.fp8_linear import to_fp8_weights, weights_changed
+from miles.models.fp8_linear import weights_changed
+from miles.models.fp8_model import to_fp8_weights
 from miles.models.hf_io import checksums, hf_tensor_views
 from miles.models.lora import is_adapter_name
 
@@ -97,6 +99,7 @@ class TorchEngine(Engine):
         self._boundary = False  # set from the loop: the worker should return after this step
         self._closed = False
         self._task: asyncio.Task[None] | None = None
+        self._compile_task: asyncio.Task[None] | None = None  # engine.compile_background
         self._last_error = ""
         self._totals = RequestTotals()
         self.share = PromptShare(self.cfg.share_prompts)
@@ -217,6 +220,10 @@ class TorchEngine(Engine):
             raise EngineError(f"stage(version={version}): a version carries full weights or adapters, not both")
         return self.adapters.stage(version, lora) if lora else self.stager.stage(version, full)
 
+    def staging(self) -> Staging:
+        """Its staging slots (`stager`, bound to `model`) take bulk buckets and byte ranges in place."""
+        return self
+
     def mark_staged(self, version: int, names: list[str]) -> int:
         """Full-weight tensors a receiver wrote into their slots (a flat export's range)."""
         if self.adapters.version == version:
@@ -282,14 +289,47 @@ class TorchEngine(Engine):
         return {k: v.detach().clone() for k, v in hf_tensor_views(self.model).items()}
 
     async def warm_up(self) -> None:
-        """Compile and capture the decode graphs now (engine.compile_decode: 50-110 s on an H200 for the bench models)."""
-        if self.stepper.graphs is None:
+        """Capture the decode graphs now, compiled (engine.compile_decode: 50-110 s on an H200 for
+        the bench models) or, with engine.compile_background, uncompiled at once while the
+        compile runs in a worker thread and is swapped in when ready (`compile_done`)."""
+        g = self.stepper.graphs
+        if g is None:
             return
         t0 = time.monotonic()
-        async with self._lock:
-            await asyncio.to_thread(self.stepper.warm_up)
+        background = g.compiled and self.cfg.compile_background
+        if background:
+            g.compiled = False  # serve with uncompiled graphs until the compile is ready
+        async with self._lock:  # background: every batch bucket, uncompiled (seconds), as no capture may overlap it
+            await asyncio.to_thread(self.stepper.warm_up, background)
+        log.info("engine_warmed_up", seconds=round(time.monotonic() - t0, 1), compiled=g.compiled,
+                 graphs_failed=g.failed, compiling_in_background=background and not g.failed)
+        if background and not g.failed:
+            log.info("decode_compile_started", note="serving with uncompiled decode graphs until it is ready")
+            self._compile_task = asyncio.get_running_loop().create_task(self._compile_in_background(),
+                                                                        name="decode-compile")
+
+    async def _compile_in_background(self) -> None:
+        t0 = time.monotonic()
+        ok = await asyncio.to_thread(self.stepper.compile_aside)
+        if not ok or self._closed:
+            log.warning("decode_compile_skipped", seconds=round(time.monotonic() - t0, 1),
+                        reason="engine closed" if self._closed else "the compile failed: serving uncompiled graphs")
+            return
+        t1 = time.monotonic()
+        async with self._lock:  # between hops: no decode step is in flight
+            if self._closed:
+                return
+            await asyncio.to_thread(self.stepper.use_compiled)
         g = self.stepper.graphs
-        log.info("engine_warmed_up", seconds=round(time.monotonic() - t0, 1), compiled=g.compiled, graphs_failed=g.failed)
+        log.info("decode_compile_ready", compile_s=round(t1 - t0, 1), swap_s=round(time.monotonic() - t1, 1),
+                 compiled=g is not None and g.compiled)
+
+    async def compile_done(self) -> bool:
+        """Wait for a background decode compile (if one runs); whether decode is compiled now."""
+        if self._compile_task is not None:
+            await asyncio.shield(self._compile_task)
+        g = self.stepper.graphs
+        return g is not None and g.compiled and not g.failed
 
     async def close(self) -> None:
         self._closed = True

@@ -29,14 +29,14 @@ def _load(args: argparse.Namespace) -> MilesConfig:
 
 def cmd_train(args: argparse.Namespace) -> int:
 
-    from miles.launch import run_dir as rd
     from miles.launch.local import LocalLauncher
-    from miles.launch.warmup import with_initial_checkpoint
+    from miles.metrics import run_dir as rd
+    from miles.warmup.sft import with_initial_checkpoint
 
     resume = ""
     if args.resume:
         cfg, resume = _resume_config(args.resume, args.set)
-        if not resume:  # finished (see launch/run_dir.py)
+        if not resume:  # finished (see metrics/run_dir.py)
             return 0
     else:
         cfg = _load(args)
@@ -75,7 +75,7 @@ def _resume_config(run_dir: str, overrides: list[str]) -> tuple[MilesConfig, str
     data = apply_overrides(MilesConfig, json.loads(resolved.read_text()), overrides)
     data.setdefault("run", {})["dir"] = str(run_dir)
     cfg = from_dict(MilesConfig, data)
-    from miles.launch.run_dir import finished_at
+    from miles.metrics.run_dir import finished_at
 
     done = finished_at(run_dir, cfg.run.steps)
     if done is not None:
@@ -117,7 +117,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 # registers the command and sets `fn` (args -> exit code). Add one line per module.
 SUBCOMMAND_MODULES: list[str] = [
     "miles.launch.slurm",
-    "miles.launch.perftest",
+    "miles.perftest.cli",
     "miles.launch.data_check",
     "miles.launch.report",
     "miles.diffusion.cli",

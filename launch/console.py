@@ -16,37 +16,25 @@ from pathlib import Path
 from typing import IO, Any
 
 from miles.core.logging import readable_line
+from miles.metrics.progress import Progress
 
 SUMMARIZED = {"event_loop_lag"}  # counted, not printed
 SHOWN_BY_LAUNCHER = {"role_failed"}  # a role's crash: the launcher's decision line carries its cause
 REPEATS_SHOWN = 3  # per (role, event)
 
 
-def _fmt_eta(s: float) -> str:
-    s = max(0, int(round(s)))
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
-
-
-def progress_line(rec: dict[str, Any], total: int, rewards: list[float], elapsed: float, done: int) -> str:
-    """`step  12/120  10% | reward 0.39 (avg10 0.35) | ... | ETA 0:12` for one metrics row."""
-    step = int(rec.get("step", 0))
-    avg = rewards[-10:]
-    parts = [f"step {step:{len(str(total))}d}/{total} {100 * step // max(total, 1):3d}%"]
-    if "rollout/reward_mean" in rec:
-        parts.append(f"reward {rec['rollout/reward_mean']:.3f} (avg10 {sum(avg) / len(avg):.3f})")
-    if "rollout/fully_async/avg_staleness" in rec:
-        parts.append(f"stale {rec['rollout/fully_async/avg_staleness']:.2f}")
-    if "rollout/fully_async/len_ratio" in rec:
-        parts.append(f"len_ratio {rec['rollout/fully_async/len_ratio']:.2f}")
-    if "train/train_rollout_logprob_abs_diff" in rec:
-        parts.append(f"Δlogp {rec['train/train_rollout_logprob_abs_diff']:.4f}")
-    if "perf/step_time_s" in rec:
-        parts.append(f"step {rec['perf/step_time_s']:.2f}s")
-    if "perf/sync_s" in rec:
-        parts.append(f"sync {rec['perf/sync_s'] * 1e3:.0f}ms")
-    rate = done / elapsed if elapsed > 0 and done else 0.0
-    parts.append(f"ETA {_fmt_eta((total - step) / rate)}" if rate else "ETA -")
-    return " | ".join(parts)
+def _startup(ev: dict[str, Any]) -> str | None:
+    """What a start-up event says the run is waiting on, as one line (info events otherwise stay
+    in the logs): the decode compile, the slow part of a cold start on a GPU."""
+    who = f"{ev.get('role')}-{ev.get('rank')}"
+    name = ev.get("event")
+    if name == "decode_compile_started":
+        return f"{who}: compiling the decode graphs in the background; serving with uncompiled graphs meanwhile"
+    if name == "decode_compile_ready":
+        return f"{who}: decode compile ready after {ev.get('compile_s')} s; serving compiled decode graphs"
+    if name == "engine_warmed_up" and ev.get("compiled"):
+        return f"{who}: decode graphs compiled and captured in {ev.get('seconds')} s before serving"
+    return None
 
 
 def _size(path: Path) -> int:
@@ -89,10 +77,7 @@ class Console:
         self._log_start = {f: _size(f) for f in (self.run_dir / "logs").glob("*.log")}
         self._logs: dict[Path, _Tail] = {}
         self._shown: dict[tuple[str, str], int] = {}
-        self.rewards: list[float] = []
-        self.started: float | None = None  # when the first step landed (ETA excludes start-up)
-        self.first_step = 0
-        self._steps_s = 0.0  # perf/step_time_s of the steps after the first
+        self._progress = Progress(total_steps)
         self.counted: dict[str, int] = {}
 
     def poll(self) -> None:
@@ -111,25 +96,19 @@ class Console:
                     self._on_log(ln)
 
     def _on_step(self, rec: dict[str, Any]) -> None:
-        now = time.monotonic()
-        if "rollout/reward_mean" in rec:
-            self.rewards.append(float(rec["rollout/reward_mean"]))
-        step = int(rec.get("step", 0))
-        step_s = float(rec.get("perf/step_time_s", 0.0))
-        if self.started is None:
-            self.started, self.first_step = now, step
-            # one step's time stands in for the rate until there are two
-            elapsed, done = step_s, 1
-        else:
-            # Rows arrive in bursts (one poll reads every row written since the last): the wall
-            # time since the first row can be ~0 for the next ones, which made the rate infinite
-            # and the ETA 0:00 on step 2. The steps' own times bound the elapsed time from below.
-            self._steps_s += step_s
-            elapsed, done = max(now - self.started, self._steps_s), step - self.first_step
+        line = self._progress.line(rec, time.monotonic())
         if self.progress:
-            self._print(progress_line(rec, self.total, self.rewards or [0.0], elapsed, done))
+            self._print(line)
 
     def _on_log(self, ln: str) -> None:
+        if '"level": "info"' in ln and ('decode_compile_' in ln or 'engine_warmed_up' in ln):
+            try:
+                line = _startup(json.loads(ln))
+            except json.JSONDecodeError:
+                return
+            if line is not None:
+                self._print(line)
+            return
         if '"level": "warning"' not in ln and '"level": "error"' not in ln:
             return
         try:

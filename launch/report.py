@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from miles.core.errors import ConfigError
-from miles.launch.metrics import read_metrics
 from miles.launch.run_summary import (
     MISMATCH,
     RESP_LEN,
@@ -26,6 +25,7 @@ from miles.launch.run_summary import (
     summarize_run,
 )
 from miles.launch.svg_plot import line_plot, trailing_mean
+from miles.metrics.sink import read_metrics
 
 CSS = """body{font-family:sans-serif;margin:24px;max-width:1340px;color:#222}
 h1{font-size:22px}h2{font-size:17px;margin-top:28px;border-bottom:1px solid #ddd}
@@ -113,7 +113,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
 def cmd_report(args: argparse.Namespace) -> int:
     path = write_report(args.run_dir, args.out or None)
     if args.png:
-        from miles.launch.plots import write_plots
+        from miles.metrics.plots import write_plots
 
         pngs = write_plots(args.run_dir)
         print(f"PNG plots: {', '.join(str(p) for p in pngs) or 'none (pip install matplotlib)'}")

@@ -36,7 +36,7 @@ def wandb_settings(cfg: MilesConfig) -> Any:
     if not cfg.run.wandb_project:
         return None
     from miles.core.config import to_dict
-    from miles.launch.metrics import WandbSettings
+    from miles.metrics.sink import WandbSettings
 
     return WandbSettings(cfg.run.wandb_project, cfg.run.wandb_mode, cfg.run.name, to_dict(cfg))
 
@@ -104,12 +104,12 @@ def main(argv: list[str] | None = None) -> int:
             await host.add(actor, "rollout")
         else:
             from miles.actors.trainer import TrainerActor
-            from miles.launch.metrics import MetricsSink
+            from miles.metrics.sink import MetricsSink
             from miles.models.config import ModelSpec
 
             await _wait_engines(host, cfg)
             await host.lookup("rollout", timeout=300)
-            from miles.launch.run_dir import checkpoint_step
+            from miles.metrics.run_dir import checkpoint_step
 
             resume = os.environ.get("MILES_RESUME", "")
             sink = MetricsSink(cfg.run.dir, wandb=wandb_settings(cfg),

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from miles.launch.metrics import read_metrics
+from miles.metrics.sink import read_metrics
 
 REWARD = "rollout/reward_mean"
 RESP_LEN = "rollout/response_len_mean"

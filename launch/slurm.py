@@ -23,8 +23,8 @@ from miles.core.config import dump_toml, to_dict
 from miles.core.errors import ConfigError
 from miles.core.logging import configure_logging
 from miles.core.schema import MilesConfig
+from miles.core.slurm_env import SlurmEnv
 from miles.launch.cli import _load, add_config_args
-from miles.launch.slurm_env import SlurmEnv
 from miles.launch.slurm_script import ROLES, SlurmOptions, SlurmPlan, make_plan, render_script
 
 
@@ -58,7 +58,7 @@ def _render(plan: SlurmPlan, cfg: MilesConfig) -> str:
 
 def prepare(cfg: MilesConfig) -> MilesConfig:
     """Absolute run dir and a real initial checkpoint, so every step on every node loads the same one."""
-    from miles.launch.warmup import with_initial_checkpoint
+    from miles.warmup.sft import with_initial_checkpoint
 
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(Path(cfg.run.dir).resolve())))
     return with_initial_checkpoint(cfg)
@@ -123,9 +123,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(_render(plan, cfg), end="")
         return 0
-    from miles.launch.run_dir import check_fresh
+    from miles.metrics.run_dir import check_fresh
 
-    check_fresh(cfg.run.dir)  # one run per directory (launch/run_dir.py)
+    check_fresh(cfg.run.dir)  # one run per directory (metrics/run_dir.py)
     if env.in_allocation and env.num_nodes and env.num_nodes < plan.nodes:
         raise ConfigError(f"the plan needs {plan.nodes} nodes but allocation {env.job_id} has {env.num_nodes}: "
                           "allocate more nodes or lower --nodes / --place")

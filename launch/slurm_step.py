@@ -28,7 +28,7 @@ from miles.core.config import from_dict, to_dict
 from miles.core.errors import ConfigError, MilesError
 from miles.core.logging import configure_logging, get_logger
 from miles.core.schema import MilesConfig
-from miles.launch.slurm_env import SlurmEnv
+from miles.core.slurm_env import SlurmEnv
 
 log = get_logger("miles.slurm_step")
 MASTER_PORT_BASE = 20000

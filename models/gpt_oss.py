@@ -23,6 +23,7 @@ from torch import nn
 
 from miles.models.config import ModelSpec
 from miles.models.layers import Attention, KVCache, grouped_bias, rms_norm
+from miles.models.moe import slot_ordered_experts
 from miles.models.rope import apply_rotary_thd
 
 
@@ -82,29 +83,17 @@ class BiasedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x: [N, H]; ids, weights: [N, k] -> [N, H]."""
-        n, k = ids.shape
-        if n == 0:
+        if ids.shape[0] == 0:
             return torch.zeros_like(x)
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
-        xs = x[order // k]
-        outs, start = [], 0
-        for e, c in enumerate(counts):
-            if c == 0:
-                continue
-            gu = xs[start : start + c] @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
+
+        def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+            gu = rows @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
             gate = gu[..., ::2].clamp(max=self.limit)
             up = gu[..., 1::2].clamp(min=-self.limit, max=self.limit)
             act = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-            outs.append(act @ self.down_proj[e] + self.down_proj_bias[e])
-            start += c
-        y = torch.cat(outs)[torch.argsort(order)].view(n, k, -1)  # back to (token, slot) order
-        w = weights.to(x.dtype)
-        out = y[:, 0] * w[:, :1]
-        for j in range(1, k):
-            out = out + y[:, j] * w[:, j : j + 1]
-        return out
+            return act @ self.down_proj[e] + self.down_proj_bias[e]
+
+        return slot_ordered_experts(x, ids, weights, self.gate_up_proj.shape[0], expert)
 
 
 class TopkSoftmaxMoE(nn.Module):

@@ -8,9 +8,7 @@ A checkpoint directory holds `config.json` plus `model.safetensors` or a sharded
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -22,73 +20,12 @@ from miles.core.logging import get_logger
 from miles.models.config import ModelSpec
 from miles.models.decoder import CausalLM
 from miles.models.errors import CheckpointError
-from miles.models.fp8 import SCALE_SUFFIX
-from miles.models.fp8_layout import (
-    dequantize_hf_state,
-    fp8_block,
-    quantize_hf_state,
-    scale_row_slices,
-)
+from miles.models.fp8_layout import dequantize_hf_state, fp8_block, quantize_hf_state
+from miles.models.fp8_model import fp8_hf_names
+from miles.models.hf_names import hf_param_slices
 from miles.models.registry import build_model
 
 log = get_logger("miles.models.hf_io")
-
-_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-
-
-@dataclass(frozen=True)
-class HFSlice:
-    """Where one HF tensor sits inside a model parameter: `param[expert][rows]`
-    (expert None: no expert axis; rows: a slice of the remaining first axis)."""
-
-    hf_name: str
-    expert: int | None
-    rows: slice
-
-    def view(self, param: torch.Tensor) -> torch.Tensor:
-        t = param if self.expert is None else param[self.expert]
-        return t[self.rows]
-
-
-_ALL = slice(None)
-
-
-def hf_param_slices(spec: ModelSpec, name: str, shape: Sequence[int]) -> list[HFSlice]:
-    """The HF tensors held by the model parameter `name` of shape `shape` (its full,
-    unsharded shape): fused q/k/v and gate/up projections are split into row slices,
-    stacked experts into per-expert tensors; any other parameter maps to itself."""
-    if name.endswith(SCALE_SUFFIX):  # an FP8 engine's block scales, stacked like its codes
-        return [HFSlice(n, None, rows) for n, rows in scale_row_slices(name, shape[0], spec)]
-    m = _EXPERTS.match(name)
-    if m and spec.model_type != "gpt_oss":  # gpt-oss checkpoints keep experts stacked, as we do
-        if len(shape) != 3:
-            raise CheckpointError(f"expert parameter {name!r} should be 3-D [E, rows, cols], got shape {tuple(shape)}")
-        out = []
-        for e in range(shape[0]):
-            pre = f"{m.group(1)}.{e}"
-            if m.group(2) == "gate_up_proj":
-                half = shape[1] // 2
-                out += [HFSlice(f"{pre}.gate_proj.weight", e, slice(0, half)),
-                        HFSlice(f"{pre}.up_proj.weight", e, slice(half, shape[1]))]
-            else:
-                out.append(HFSlice(f"{pre}.down_proj.weight", e, _ALL))
-        return out
-    if ".self_attn.qkv_proj." in name:
-        nq, nk = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        pre, kind = name.split(".qkv_proj.")
-        return [
-            HFSlice(f"{pre}.q_proj.{kind}", None, slice(0, nq)),
-            HFSlice(f"{pre}.k_proj.{kind}", None, slice(nq, nq + nk)),
-            HFSlice(f"{pre}.v_proj.{kind}", None, slice(nq + nk, nq + 2 * nk)),
-        ]
-    if ".gate_up_proj." in name:  # a dense MLP or a MoE layer's shared experts
-        pre, kind = name.split(".gate_up_proj.")
-        half = shape[0] // 2
-        return [
-            HFSlice(f"{pre}.gate_proj.{kind}", None, slice(0, half)),
-            HFSlice(f"{pre}.up_proj.{kind}", None, slice(half, shape[0])),
-        ]
-    return [HFSlice(name, None, _ALL)]
 
 
 def hf_param_views(spec: ModelSpec, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -218,8 +155,6 @@ def save_model(model: CausalLM, path: str | Path, max_shard_bytes: int | None = 
     views = hf_tensor_views(model).items()
     block = fp8_block(model.spec)
     if block is not None:  # an FP8 model is saved as a DeepSeek-V3-style FP8 checkpoint
-        from miles.models.fp8_linear import fp8_hf_names
-
         views = quantize_hf_state(views, block, fp8_hf_names(model.spec))
     tensors = {k: v.detach().contiguous().cpu().clone() for k, v in views}
     cfg = dict(model.spec.hf_config)

@@ -9,6 +9,8 @@ maps them to the per-expert HF names `mlp.experts.{e}.{gate,up,down}_proj.weight
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -42,6 +44,31 @@ _LOOP_OVERHEAD_MACS = {"cpu": 3e5, "cuda": 2e9}
 # The fused path's fixed cost (sort, plan, gathers: ~15 small kernels, ~50 us on an H200),
 # in multiply-adds of the dense path's wasted work: below it, dense is cheaper (decode).
 _GROUPED_MM_OVERHEAD_MACS = 2e10
+
+
+def slot_ordered_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
+                         expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """x [N, H], ids / weights [N, k] -> [N, H]: the tokens sorted by expert (one gather),
+    `expert(e, rows)` once per active expert on its segment, the outputs put back in (token,
+    slot) order and each token's k outputs summed in its own slot order, elementwise, so no
+    reduction spans tokens (what the batch-invariant paths need)."""
+    n, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    xs = x[order // k]
+    outs, start = [], 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        outs.append(expert(e, xs[start : start + c]))
+        start += c
+    y = torch.cat(outs)[torch.argsort(order)].view(n, k, -1)  # back to (token, slot) order
+    w = weights.to(x.dtype)
+    out = y[:, 0] * w[:, :1]
+    for j in range(1, k):
+        out = out + y[:, j] * w[:, j : j + 1]
+    return out
 
 
 class Experts(nn.Module):
@@ -101,26 +128,11 @@ class Experts(nn.Module):
         On CUDA: grouped Triton GEMMs with fixed tiles, no host sync (models/invariant_triton.py)."""
         if x.is_cuda and (kernels := triton_kernels()) is not None:
             return kernels.invariant_experts(x, ids, weights, self.gate_up_proj, self.down_proj, self.inter)
-        n, k = ids.shape
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
-        xs = x[order // k]
-        outs = []
-        start = 0
-        for e, c in enumerate(counts):
-            if c == 0:
-                continue
-            gu = F.linear(xs[start : start + c], self.gate_up_proj[e])
-            h = F.silu(gu[:, : self.inter]) * gu[:, self.inter :]
-            outs.append(F.linear(h, self.down_proj[e]))
-            start += c
-        y = torch.cat(outs)[torch.argsort(order)].view(n, k, -1)  # back to (token, slot) order
-        w = weights.to(x.dtype)
-        out = y[:, 0] * w[:, :1]
-        for j in range(1, k):
-            out = out + y[:, j] * w[:, j : j + 1]
-        return out
+        def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+            h = F.linear(rows, self.gate_up_proj[e])
+            return F.linear(F.silu(h[:, : self.inter]) * h[:, self.inter :], self.down_proj[e])
+
+        return slot_ordered_experts(x, ids, weights, self.gate_up_proj.shape[0], expert)
 
     def _grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Tokens sorted by expert (one gather), one matmul pair per active expert's segment:

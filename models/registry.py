@@ -9,7 +9,7 @@ from miles.core.hooks import Registry
 from miles.models.config import ModelSpec
 from miles.models.decoder import CausalLM
 from miles.models.fp8_layout import fp8_block
-from miles.models.fp8_linear import attach_fp8
+from miles.models.fp8_model import attach_fp8
 
 # Families whose every quantized projection the FP8 contract (models/fp8_linear.py) covers.
 FP8_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")

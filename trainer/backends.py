@@ -57,15 +57,12 @@ def data_parallel(trainer: Any, rank: int, world: int) -> tuple[int, int]:
 
 
 def check_lora_launch(cfg: MilesConfig) -> None:
-    """Launch checks of the weight hand-off. A sharded sync needs the FSDP layout and no
-    whole-model snapshot; LoRA runs sync only adapters (+ their scale) and the engines merge
+    """Launch checks of the weight hand-off. A sharded sync (FSDP2 shards or megatron's
+    tensor-/expert-parallel slices) needs no whole-model snapshot; LoRA runs sync only adapters (+ their scale) and the engines merge
     them: the engine and the channel must carry them as sent. Raises ConfigError naming the option."""
     if cfg.sync.sharded and cfg.eval.mode == "snapshot":
         raise ConfigError("sync.sharded: eval.mode = 'snapshot' needs the whole model on rank 0; use 'shared' "
                           "or 'external'")
-    if cfg.sync.sharded and cfg.trainer.backend != "fsdp":
-        raise ConfigError(f"sync.sharded needs trainer.backend = 'fsdp' (its transfer plan reads FSDP2 dim-0 "
-                          f"shards), got {cfg.trainer.backend!r}")
     if cfg.trainer.lora.rank < 1:
         return
     if cfg.sync.sharded:

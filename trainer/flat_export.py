@@ -19,7 +19,8 @@ import torch
 
 from miles.core.errors import TrainerError
 from miles.models.config import ModelSpec
-from miles.models.hf_io import hf_param_slices, hf_param_views
+from miles.models.hf_io import hf_param_views
+from miles.models.hf_names import hf_param_slices
 from miles.transport.bulk.flat import FlatWeights
 from miles.transport.bulk.shard_plan import (
     EngineLayout,

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Issue 21: the torch engine against SGLang 0.5.17 (CUDA graphs on) in the same run on one H200:
-# `bench/engine.py --device cuda --sglang` on the dense and MoE models, cases b32, b128, group8x8
-# and b256. The last call of the SGLang recipe (bench/gpu/README.md, "Torch engine vs SGLang in one
+# Issues 21 and 38: the torch engine against SGLang 0.5.17 (CUDA graphs on) in the same run on one
+# H200: `bench/engine.py --device cuda --sglang` on the dense and MoE models, cases b32, b128,
+# b128_t1 (temperature 1), group8x8 and b256 (x 512 new), SGLang driven both ways (B concurrent
+# single requests, and one batched /generate), the table reporting each and the ratio to each. The last call of the SGLang recipe (bench/gpu/README.md, "Torch engine vs SGLang in one
 # run"): calls 1-8 carry .wheels/p0..p7, this one carries p8 (the last chunk and the sha), joins,
 # installs, runs:
 #   run(command="MILES_COMMIT=<sha> bash bench/gpu/engine_vs_sglang.sh", carry=[".wheels/p8"], timeout_s=600)
@@ -14,7 +15,7 @@ OUT="${OUT:-/tmp/out}"
 SGL_DIR=/tmp/miles-bench-sglang
 # shellcheck source=bench/gpu/sglang_install.sh
 source bench/gpu/sglang_install.sh
-{ echo "# issue 21, H200, commit ${MILES_COMMIT:-unknown}, $(date -u '+%Y-%m-%d %H:%M UTC'), bench/gpu/engine_vs_sglang.sh"
+{ echo "# issues 21/38, H200, commit ${MILES_COMMIT:-unknown}, $(date -u '+%Y-%m-%d %H:%M UTC'), bench/gpu/engine_vs_sglang.sh"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | sed 's/^/# /'
   python3 -c "from importlib.metadata import version as v; print('# sglang', v('sglang'), 'torch', v('torch'), \
     'transformers', v('transformers'))" 2>&1 | tail -1
@@ -22,7 +23,7 @@ source bench/gpu/sglang_install.sh
 cat "$OUT/engine_vs_sglang.txt"
 # The bench stops its servers on SIGTERM (timeout's first signal); -k only if that hangs.
 timeout -k 40 "${LIMIT_S:-520}" python3 bench/engine.py --device cuda --sglang --models dense,moe \
-  --cases b32,b128,group8x8,b256 --hf "" --repeats 5 --budget-s 40 --sglang-dir "$SGL_DIR" \
+  --cases b32,b128,b128_t1,group8x8,b256 --sglang-modes requests,batched --hf "" --repeats 5 --budget-s 25 --sglang-dir "$SGL_DIR" \
   --out "$OUT/engine_vs_sglang.json" \
   ${ENGINE_ARGS:-} 2>&1 | grep --line-buffered -v 'Loading weights\|Capturing batches' | tee -a "$OUT/engine_vs_sglang.txt"
 # A server outlives a killed bench (its own session): end it by the pid the bench recorded.

@@ -48,7 +48,7 @@ from miles.models.config import ModelSpec
 from miles.models.decoder import CausalLM
 from miles.models.fp8 import FP8, SCALE_SUFFIX, dequantize_blockwise, quantize_blockwise
 from miles.models.fp8_layout import Fp8Plan, quantize_rows, with_fp8
-from miles.models.fp8_linear import fp8_hf_names
+from miles.models.fp8_model import fp8_hf_names
 from miles.models.hf_io import hf_tensor_views
 from miles.models.presets import tiny_config
 from miles.models.registry import build_model

@@ -39,7 +39,7 @@ class BufferConfig:
     schedule: Literal["deadline", "budget", "arrival"] = opt(
         "deadline",
         "fully_async only. deadline: admit a group while groups outstanding + taken this version < "
-        "(max_staleness + 1) * batch_groups, and train each by version admitted + max_staleness (the trainer "
+        "(max_staleness + 1) * batch_groups and this version's batch is not yet complete, and train each by version admitted + max_staleness (the trainer "
         "waits only for a group that would otherwise go stale): no stale drops, no bias toward short "
         "rollouts (docs/orchestration.md). budget: the same admission, arrival order, never a stale drop (as "
         "AReaL): more throughput when generation is the bottleneck, but a long group's oldest tokens may be "

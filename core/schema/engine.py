@@ -63,8 +63,17 @@ class EngineConfig:
         True,
         "torch engine on CUDA with cuda_graphs over kv_layout=rows, outside batch_invariant: torch.compile the "
         "decode forward before capturing it (fused norms, rotary, activations; a MoE model's experts run densely "
-        "on the decode batch). One dynamic-shape compile per process, made before the engine serves (50-110 s on "
-        "an H200 for bench/engine.py's models, Engine.warm_up); a compile that fails falls back to the uncompiled graphs",
+        "on the decode batch). One dynamic-shape compile per process (50-110 s on an H200 for bench/engine.py's "
+        "models), made while the engine serves (compile_background) or before; a compile that fails falls back to "
+        "the uncompiled graphs",
+    )
+    compile_background: bool = opt(
+        True,
+        "with compile_decode: the engine serves at once with uncompiled decode graphs while the compile runs in "
+        "a worker thread (on a 2-row KV pool of its own), and swaps the compiled graphs in between two decode hops "
+        "when it is ready (logged as decode_compile_started / decode_compile_ready); the first steps of a run no "
+        "longer wait for it. false = compile before the engine registers (its first requests then wait for "
+        "nothing, but the run's first step waits for the compile)",
     )
     overlap_decode: bool = opt(
         True,

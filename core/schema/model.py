@@ -21,7 +21,6 @@ class ModelConfig:
     )
     vocab_size: int = opt(0, "vocab size of the tiny preset; 0 = the tokenizer's size")
     overrides: dict[str, int | float | bool | str] = opt({}, "extra HF config keys for the tiny preset")
-    dtype: Literal["float32", "bfloat16", "float16"] = opt("float32", "parameter dtype")
     seed: int = opt(0, "seed of the random init of a tiny preset")
     fp8: Literal["off", "blockwise"] = opt(
         "off",

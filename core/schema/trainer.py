@@ -237,7 +237,6 @@ class TrainerConfig:
     )
     deterministic: bool = opt(False, "use deterministic torch algorithms (for exact-resume tests)")
     checkpoint_interval: int = opt(0, "save a checkpoint every this many steps; 0 = never", "steps")
-    checkpoint_dir: str = opt("", "where checkpoints go; empty = <run.dir>/checkpoints", "path")
     advantage: AdvantageConfig = section(AdvantageConfig, "advantage estimator and its options")
     loss: LossConfig = section(LossConfig, "policy loss, clipping, KL, entropy, aggregation")
     correction: CorrectionConfig = section(

@@ -135,6 +135,8 @@ class _SGLangWire:
         self.target, self.inflight, self.peak = target, 0, 0
         self.all_in = asyncio.Event()
         self.flushes, self.refuse_flush = 0, False
+        self.batches: list[dict[str, Any]] = []  # bodies of batched /generate calls
+        self.answer_only: int | None = None  # answer a batch with only this many results
 
     async def flush(self, _: web.Request) -> web.Response:
         if self.refuse_flush:  # what 0.5.17 answers while requests are still running
@@ -157,11 +159,18 @@ class _SGLangWire:
         except TimeoutError:
             pass
         self.inflight -= 1
-        n = body["sampling_params"]["max_new_tokens"]
-        out = [(len(body["input_ids"]) + i) % 7 for i in range(n)]
+        if body["input_ids"] and isinstance(body["input_ids"][0], list):  # SGLang's batch form
+            self.batches.append(body)
+            return web.json_response([self._one(ids, sp) for ids, sp in
+                                      zip(body["input_ids"], body["sampling_params"], strict=True)][:self.answer_only])
+        return web.json_response(self._one(body["input_ids"], body["sampling_params"]))
+
+    @staticmethod
+    def _one(ids: list[int], sp: dict[str, Any]) -> dict[str, Any]:
+        out = [(len(ids) + i) % 7 for i in range(sp["max_new_tokens"])]
         meta = {"output_token_logprobs": [[-0.5, t, None] for t in out], "finish_reason": {"type": "length"},
-                "weight_version": "default", "prompt_tokens": len(body["input_ids"]), "cached_tokens": 0}
-        return web.json_response({"output_ids": out, "meta_info": meta})
+                "weight_version": "default", "prompt_tokens": len(ids), "cached_tokens": 0}
+        return {"output_ids": out, "meta_info": meta}
 
     @staticmethod
     async def health(_: web.Request) -> web.Response:
@@ -270,3 +279,69 @@ def test_engine_set_options_are_checked_against_the_engine_config() -> None:
                       ("max_batch_size=many", "of type int"), ("compile_decode", "KEY=VALUE")):
         with pytest.raises(SystemExit, match=says):
             bench.parse_engine_set([bad])
+
+
+def test_batched_payload_is_each_request_as_sent_alone_in_lists() -> None:
+    case = cases.CASES["cuda"]["b128_t1"]
+    assert (case.batch, case.new, case.temperature) == (128, 128, 1.0)
+    reqs = _requests(cases.Case(3, 1, 5, 4, temperature=1.0), 97)
+    body = engine_sglang.batch_payload(reqs)
+    alone = [generate_payload(r) for r in reqs]
+    assert body["rid"] == [a["rid"] for a in alone] and body["input_ids"] == [a["input_ids"] for a in alone]
+    assert body["sampling_params"] == [a["sampling_params"] for a in alone]
+    assert body["return_logprob"] is True and body["logprob_start_len"] == -1 and body["stream"] is False
+    with pytest.raises(ValueError, match="at least one"):
+        engine_sglang.batch_payload([])
+
+
+def test_sglang_batched_run_sends_one_generate_for_the_batch(tmp_path: Path) -> None:
+    """Both ways of driving SGLang over the loopback wire: the batched run sends the case as one
+    /generate (lists, in request order) and parses every result; the per-request run sends B."""
+    wire = _SGLangWire(6)
+    wire_loop = asyncio.new_event_loop()
+    runner, port = wire_loop.run_until_complete(_serve(wire))
+    case = cases.Case(3, 2, 8, 4)
+    cfg = engine_sglang.sglang_config(_checkpoint(tmp_path / "ckpt"), [case], port, tmp_path / "stage")
+    cfg.sglang_url = f"http://127.0.0.1:{port}"
+    t = threading.Thread(target=wire_loop.run_forever, daemon=True)
+    t.start()
+    server = engine_sglang.SGLangServerRun(cfg)
+    try:
+        server.start()
+        ids = [p.tolist() for p in cases.prompts_for(case, 97)]
+        batched, single = server.run(case, ids, batched=True), server.run(case, ids)
+        for run in (batched, single, batched):
+            run.prepare()
+            run()
+            assert not run.failed, run.failed
+        assert len(wire.batches) == 2 and wire.peak == 6  # the single run's 6 requests were in flight at once
+        assert [len(b["input_ids"]) for b in wire.batches] == [6, 6]
+        assert wire.batches[0]["input_ids"] == ids and len(set(wire.batches[0]["rid"])) == 6
+        assert not set(wire.batches[0]["rid"]) & set(wire.batches[1]["rid"])  # fresh ids each run
+        wire.answer_only = 2  # a server answering 2 results for a batch of 6: refused, the case stops
+        batched()
+        assert "expected a list of 6 results, got a list of 2" in batched.failed
+    finally:
+        server.close()
+        wire_loop.call_soon_threadsafe(wire_loop.stop)
+        t.join(5)
+        wire_loop.run_until_complete(runner.cleanup())
+        wire_loop.close()
+
+
+def test_sglang_modes_and_the_table_columns(capsys: pytest.CaptureFixture[str]) -> None:
+    args = bench.parse_args(["--device", "cuda", "--cases", "b128_t1,b256", "--sglang-modes", "batched"])
+    assert args.sglang_modes == ["batched"] and args.cases == ["b128_t1", "b256"]
+    assert bench.parse_args([]).sglang_modes == ["requests", "batched"]
+    with pytest.raises(SystemExit, match="--sglang-modes"):
+        bench.parse_args(["--sglang-modes", "batch"])
+    case = cases.CASES["cuda"]["b256"]
+    assert (case.batch, case.new) == (256, 512)
+    out: dict[str, Any] = {}
+    bench.report("dense", "b256", case, {"engine": 200.0, "sglang": 100.0, "sglang_batched": 250.0}, [[1.0]],
+                 out, "cuda")
+    row = capsys.readouterr().out.split()
+    assert row[:5] == ["dense", "b256", "256", "128", "512"]
+    assert ["100.0", "2.00", "250.0", "0.80"] == row[9:13]  # per request, engine / it; batched, engine / it
+    assert out["gpu_dense_b256_vs_sglang"] == 2.0 and out["gpu_dense_b256_vs_sglang_batched"] == 0.8
+    assert out["gpu_dense_b256_sglang_batched_tok_s"] == 250.0

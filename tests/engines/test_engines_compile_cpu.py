@@ -1,7 +1,9 @@
 """engine.compile_decode on the CPU: the decode graphs' forward under torch.compile (run without
 capture here) gives the tokens of the uncompiled forward; engines of one process share one
 compile, whatever their pool size; and a compile that fails falls back to the uncompiled forward
-instead of failing requests. (The CUDA-graph capture of it: test_engines_compiled_decode.py.)"""
+instead of failing requests; with engine.compile_background the engine answers before its compile
+is ready and gives the same tokens after the swap. (The CUDA-graph capture of it:
+test_engines_compiled_decode.py.)"""
 
 from __future__ import annotations
 
@@ -65,7 +67,8 @@ async def test_a_failing_compile_falls_back_to_the_uncompiled_forward(monkeypatc
 
 async def test_warm_up_compiles_before_the_first_request() -> None:
     model = tiny_model("qwen3", num_hidden_layers=1, hidden_size=48)  # a shape no other test compiled
-    eng = TorchEngine(model, EngineConfig(max_batch_size=4, max_seq_len=64, kv_budget_tokens=0))
+    eng = TorchEngine(model, EngineConfig(max_batch_size=4, max_seq_len=64, kv_budget_tokens=0,
+                                          compile_background=False))
     graphs = eng.stepper.graphs = DecodeGraphs(eng.model, eng.pool, capture=False, compiled=True)
     before = counters["stats"]["unique_graphs"]
     try:
@@ -77,3 +80,50 @@ async def test_warm_up_compiles_before_the_first_request() -> None:
         assert counters["stats"]["unique_graphs"] - before == 1  # the requests reused it
     finally:
         await eng.close()
+
+
+async def test_background_compile_serves_before_it_is_ready_and_swaps_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """engine.compile_background: requests are answered while the compile is held back, and after
+    the swap the compiled forward gives the same tokens."""
+    import threading
+
+    gate = threading.Event()
+    real = cuda_graph._compiled_forward
+
+    def held(cls: type) -> object:  # the compile waits for the test, then runs for real
+        fn = real(cls)
+
+        def run(*args: object) -> object:
+            gate.wait(120)
+            return fn(*args)
+        return run
+
+    model = tiny_model("qwen3", num_hidden_layers=1, hidden_size=40)  # a shape no other test compiled
+    plain, _ = await _generate(model, 4, compiled=False)
+    monkeypatch.setattr(cuda_graph, "_compiled_forward", held)
+    eng = TorchEngine(model, EngineConfig(max_batch_size=4, max_seq_len=64, kv_budget_tokens=0))
+    assert eng.cfg.compile_background
+    graphs = eng.stepper.graphs = DecodeGraphs(eng.model, eng.pool, capture=False, compiled=True)
+    prompts = [[1, 2, 3], [4] * 9, [5, 6]]
+
+    def reqs() -> list[GenerateRequest]:
+        return [GenerateRequest(input_ids=p, sampling=SamplingParams(temperature=1.0, seed=i, max_new_tokens=8 + i))
+                for i, p in enumerate(prompts)]
+
+    before = counters["stats"]["unique_graphs"]
+    try:
+        await eng.warm_up()  # returns at once: the compile waits on the gate in a worker thread
+        assert not graphs.compiled
+        early = await asyncio.gather(*(eng.generate(r) for r in reqs()))
+        assert not graphs.compiled and not gate.is_set()  # answered while the compile had not run
+        gate.set()
+        assert await eng.compile_done() and graphs.compiled
+        assert counters["stats"]["unique_graphs"] - before == 1  # compiled once, aside
+        late = await asyncio.gather(*(eng.generate(r) for r in reqs()))
+        assert counters["stats"]["unique_graphs"] - before == 1  # the swap reused it
+    finally:
+        gate.set()
+        await eng.close()
+    for a, b, c in zip(plain, early, late, strict=True):
+        assert a.output_ids == b.output_ids == c.output_ids
+        assert np.allclose(a.logprobs, c.logprobs, atol=1e-4)

@@ -57,3 +57,36 @@ async def test_compiled_decode_matches_uncompiled_graphs(arch: str) -> None:
         if routed:
             assert a.routed_experts is not None and b.routed_experts is not None
             assert np.array_equal(a.routed_experts, b.routed_experts)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (compiled decode captured as CUDA graphs)")
+async def test_background_compile_serves_then_swaps_to_compiled_graphs() -> None:
+    """engine.compile_background on the GPU: warm_up returns with uncompiled graphs, requests of
+    several buckets run while the compile runs aside (buckets not yet captured decode eagerly, no
+    capture overlaps the compile), then the compiled graphs are swapped in; tokens equal the
+    uncompiled graphs' before and after."""
+    model = tiny_model("qwen3", num_hidden_layers=2, hidden_size=80).cuda()  # a shape no other test compiled
+    eager = await _generate(model, False)
+    cfg = EngineConfig(device="cuda", max_batch_size=8, max_seq_len=300, kv_budget_tokens=0)
+    assert cfg.compile_decode and cfg.compile_background
+    eng = TorchEngine(model, cfg)
+    prompts = [[1, 2, 3], [4] * 17, [5, 6], [7, 8, 9, 10, 11], list(range(40))]
+
+    def reqs() -> list[GenerateRequest]:
+        return [GenerateRequest(input_ids=p, sampling=SamplingParams(temperature=1.0, seed=i, max_new_tokens=n))
+                for i, (p, n) in enumerate(zip(prompts, (4, 260, 3, 4, 6), strict=True))]
+
+    try:
+        await eng.warm_up()
+        graphs = eng.stepper.graphs
+        assert graphs is not None and not graphs.compiled
+        during = await asyncio.gather(*(eng.generate(r) for r in reqs()))
+        assert await eng.compile_done()
+        after = await asyncio.gather(*(eng.generate(r) for r in reqs()))
+        assert not graphs.failed and graphs.compiled
+    finally:
+        await eng.close()
+    for a, b, c in zip(eager, during, after, strict=True):
+        assert a.output_ids == b.output_ids == c.output_ids
+        assert np.allclose(a.logprobs, c.logprobs, atol=1e-4)

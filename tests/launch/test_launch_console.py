@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from miles.launch.console import REPEATS_SHOWN, Console, progress_line
-from miles.launch.metrics import MetricsSink
+from miles.launch.console import REPEATS_SHOWN, Console
 from miles.launch.run_summary import format_table, summarize_run
+from miles.metrics.progress import progress_line
+from miles.metrics.sink import MetricsSink
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -135,3 +136,18 @@ def test_summary_table_names_reward_drops_sync_and_outputs(tmp_path: Path) -> No
     assert "aborted 2, stale 12" in table and "30 / 16" in table
     assert "median 12.0 ms" in table and "10.00 steps/s" in table
     assert "warning event_loop_lag x1" in table and str(tmp_path) in table
+
+
+def test_console_says_when_the_engine_compiles_its_decode(tmp_path: Path) -> None:
+    (tmp_path / "logs").mkdir()
+    out = io.StringIO()
+    con = Console(tmp_path, 4, out=out)
+    with (tmp_path / "logs" / "engine-0.log").open("a") as log:
+        log.write(_event("info", "engine_warmed_up", seconds=0.4, compiled=False, compiling_in_background=True) + "\n")
+        log.write(_event("info", "decode_compile_started") + "\n")
+        log.write(_event("info", "decode_compile_ready", compile_s=51.2, swap_s=1.1, compiled=True) + "\n")
+        log.write(_event("info", "engine_ready") + "\n")
+    con.poll()
+    assert out.getvalue().splitlines() == [
+        "engine-0: compiling the decode graphs in the background; serving with uncompiled graphs meanwhile",
+        "engine-0: decode compile ready after 51.2 s; serving compiled decode graphs"]

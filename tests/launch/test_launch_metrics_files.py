@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from miles.core.files import atomic_write_text
-from miles.launch.metrics import MetricsSink, read_metrics
+from miles.metrics.sink import MetricsSink, read_metrics
 
 pytestmark = pytest.mark.timeout(60)
 

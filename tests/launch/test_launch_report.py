@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from miles.launch.cli import main
-from miles.launch.metrics import MetricsSink
 from miles.launch.svg_plot import PLOT_TINTS
+from miles.metrics.sink import MetricsSink
 
 pytestmark = pytest.mark.timeout(120)
 N_PLOTS = 5  # reward, response length, staleness, step-time phases, logprob mismatch

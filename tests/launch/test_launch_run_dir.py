@@ -1,4 +1,4 @@
-"""One run per run directory (launch/run_dir.py): a fresh run into a used directory is refused,
+"""One run per run directory (metrics/run_dir.py): a fresh run into a used directory is refused,
 a resume drops the records past its checkpoint (metrics, eval, TensorBoard), and resuming a
 finished run launches nothing. The CLI cases run `miles train` as a real process."""
 
@@ -13,8 +13,8 @@ import pytest
 
 from miles.core.config import load_config, to_dict
 from miles.core.schema import MilesConfig
-from miles.launch.metrics import MetricsSink, read_metrics
-from miles.launch.run_dir import checkpoint_step, truncate_step_records
+from miles.metrics.run_dir import checkpoint_step, truncate_step_records
+from miles.metrics.sink import MetricsSink, read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "examples" / "quickstart.toml"

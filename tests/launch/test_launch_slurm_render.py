@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from miles.core.config import load_config
 from miles.core.errors import ConfigError
 from miles.core.schema import MilesConfig
+from miles.core.slurm_env import SlurmEnv, expand_nodelist
 from miles.launch.cli import main as cli_main
-from miles.launch.slurm_env import SlurmEnv, expand_nodelist
 from miles.launch.slurm_script import SlurmOptions, make_plan, render_script
 from miles.launch.slurm_step import bind_address, local_rank, master_port, nic_address
 

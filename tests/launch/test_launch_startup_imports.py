@@ -22,7 +22,8 @@ from miles.launch.cli import build_parser
 from miles.core.config import load_config
 from miles.core.schema import MilesConfig
 from miles.launch.validate import validate_launch
-from miles.launch import local, report, warmup  # noqa: F401
+from miles.launch import local, report  # noqa: F401
+from miles.warmup import sft as warmup
 build_parser()
 cfg = load_config(MilesConfig, {str(QUICKSTART)!r}, [])
 validate_launch(cfg)

@@ -40,7 +40,7 @@ def test_offline_run_holds_every_step(tmp_path: Path) -> None:
     from wandb.proto import wandb_internal_pb2 as pb
 
     code = (
-        "from miles.launch.metrics import MetricsSink, WandbSettings\n"
+        "from miles.metrics.sink import MetricsSink, WandbSettings\n"
         "s = MetricsSink('.', tensorboard=False, wandb=WandbSettings('miles-test', 'offline', 'wb', "
         "{'run': {'steps': 3}}))\n"
         "for i in range(1, 4):\n"

@@ -14,7 +14,7 @@ import pytest
 
 from miles.core.config import load_config
 from miles.core.schema import MilesConfig
-from miles.launch.warmup import ensure_initial_checkpoint
+from miles.warmup.sft import ensure_initial_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(120)

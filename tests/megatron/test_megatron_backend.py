@@ -43,7 +43,7 @@ def test_fp32_logprobs_and_loss_match_fsdp(hf: dict) -> None:
     f, m = _make("fsdp", spec), _make("megatron", spec)
     mb = pack(batch.samples, list(range(len(batch))), replay=spec.is_moe)
     with torch.no_grad():
-        lf = f._forward(f.policy, mb.to(f.device), temperature=1.0, replay=spec.is_moe,
+        lf = f.forward_model(f.policy, mb.to(f.device), temperature=1.0, replay=spec.is_moe,
                         with_entropy=False).logp.cpu()
     lm = m.forward_micro_batch(mb).logp.cpu()
     assert (lf - lm).abs().max() < 1e-4
@@ -61,7 +61,7 @@ def test_bf16_logprobs_within_rounding_of_fsdp() -> None:
     f, m = _make("fsdp", spec, "bfloat16"), _make("megatron", spec, "bfloat16")
     mb = pack(batch.samples, list(range(len(batch))), replay=True)
     with torch.no_grad():
-        lf = f._forward(f.policy, mb.to(f.device), temperature=1.0, replay=True,
+        lf = f.forward_model(f.policy, mb.to(f.device), temperature=1.0, replay=True,
                         with_entropy=False).logp.float().cpu()
     lm = m.forward_micro_batch(mb).logp.float().cpu()
     assert (lf - lm).abs().max() < 0.1

@@ -21,7 +21,7 @@ from miles.models.factory import model_from_config
 from miles.models.fp8 import FP8, dequantize_blockwise, quantize_blockwise
 from miles.models.fp8_checkpoint import convert_to_fp8
 from miles.models.fp8_layout import fp8_block, with_fp8
-from miles.models.fp8_linear import fp8_hf_names
+from miles.models.fp8_model import fp8_hf_names
 from miles.models.hf_io import hf_tensor_views, iter_checkpoint, load_model, save_model
 from miles.models.presets import tiny_config
 from miles.models.registry import build_model

@@ -16,7 +16,7 @@ from miles.engines.torch_engine import TorchEngine
 from miles.models.config import ModelSpec
 from miles.models.fp8 import SCALE_SUFFIX
 from miles.models.fp8_layout import with_fp8
-from miles.models.fp8_linear import fp8_export
+from miles.models.fp8_model import fp8_export
 from miles.models.hf_io import hf_tensor_views, tensor_checksum
 from miles.models.presets import tiny_config
 from miles.models.registry import build_model

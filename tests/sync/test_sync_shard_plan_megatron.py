@@ -273,3 +273,28 @@ def test_megatron_layout_refuses_what_megatron_cannot_split() -> None:
     plan = TransferPlan(layout, [EngineLayout.whole(layout.hf_tensors(), "float32")])
     with pytest.raises(SyncError, match="holds shape"):  # a rank handed the wrong slice
         pack_rank(plan, 0, {k: torch.zeros(3, 3) for k in (p.name for p in layout.params)})
+
+
+@pytest.mark.parametrize(("tp", "ep", "dp", "dtype"), [(2, 2, 2, "float32"), (2, 1, 1, "bfloat16")])
+async def test_the_megatron_backends_sharded_export_rebuilds_every_hf_tensor(tp: int, ep: int, dp: int,
+                                                                             dtype: str) -> None:
+    """MegatronTrainer.export_sharded_state's plain part (trainer/megatron/shard_export.py): each
+    rank's parameters by megatron name, cut as the backend's loader cuts them, become send
+    buffers whose union lands every HF tensor byte for byte."""
+    from miles.trainer.megatron.shard_export import MegatronShards
+
+    spec = _spec("qwen3_moe")
+    hf = _hf(spec, seed=3)
+    par = MegatronParallel(tp=tp, ep=ep, dp=dp)
+    exports = []
+    for r in range(par.world):
+        tp_rank, ep_rank = r % par.tp, (r // par.etp) % par.ep
+        params = {t.mcore: tp_shard(t.kind, fuse(t.kind, [hf[n] for n in t.hf], spec),
+                                    tp_rank if t.expert is None else 0, tp if t.expert is None else 1).contiguous()
+                  for t in targets(spec, set(), ep_rank, ep)}
+        shards = MegatronShards(spec, params.keys(), par, r, ep_rank)
+        exports.append(shards.export(params, dtype))
+        assert shards.export(params, dtype).plan is exports[-1].plan  # built once
+    plan = exports[0].plan
+    want = FlatWeights.copy_of([(n, hf[n]) for n in plan.engines[0].plan.names], getattr(torch, dtype)).buffer
+    assert torch.equal(await _land(plan, exports, 0, 4096), want)

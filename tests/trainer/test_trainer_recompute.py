@@ -8,7 +8,9 @@ import dataclasses
 import pytest
 import torch
 
+from miles.core.config import load_config
 from miles.core.errors import ConfigError
+from miles.core.schema import MilesConfig
 from miles.core.schema.trainer import TrainerConfig
 from miles.models.config import ModelSpec
 from miles.models.errors import ModelInputError
@@ -87,8 +89,8 @@ def test_fsdp_trainer_step_is_unchanged_by_recompute() -> None:
 
 
 def test_bad_recompute_settings_are_config_errors() -> None:
-    with pytest.raises(ConfigError, match="trainer.recompute"):
-        check_trainer_config(dataclasses.replace(TrainerConfig(), recompute="some"), False, 1)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="trainer.recompute"):  # the loader enforces the Literal
+        load_config(MilesConfig, None, ["trainer.recompute=some"])
     with pytest.raises(ConfigError, match="recompute_layers=-1"):
         check_trainer_config(dataclasses.replace(TrainerConfig(), recompute_layers=-1), False, 1)
     with pytest.raises(ModelInputError, match="recompute mode"):

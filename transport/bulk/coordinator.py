@@ -23,54 +23,29 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 import torch
 import xxhash
 
-from miles.core.errors import ActorDeadError, MilesError, PlanMissing, SyncError
+from miles.core.errors import SyncError
 from miles.core.logging import get_logger
 from miles.core.schema.sync import SyncConfig
 from miles.transport.bulk.base import BulkSender, make_sender
 from miles.transport.bulk.buckets import Bucket, iter_buckets
 from miles.transport.bulk.flat import FlatWeights
+from miles.transport.bulk.push_round import Call, PushRound, SyncReport, each
 
 log = get_logger("miles.sync")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-Call = Callable[[str], Awaitable[Any]]  # one step on one engine, by name
 
 
 def tensor_checksum(t: torch.Tensor) -> str:
     """xxh64 of a tensor's raw bytes: what engines report (models/hf_io.py computes the same;
     `transport/` may not import `models/`)."""
     return xxhash.xxh64(t.detach().contiguous().to("cpu").view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-@dataclass
-class SyncReport:
-    version: int
-    transport: str = "zmq"
-    bytes: int = 0
-    buckets: int = 0
-    seconds: float = 0.0
-    committed: list[str] = field(default_factory=list)
-    dead: list[str] = field(default_factory=list)
-    verified: bool | None = None
-    declined: list[str] = field(default_factory=list)  # engines that declined the flat plan (tensors went)
-    # phases of `seconds` (pause -> stage every bucket -> commit -> resume), for perf/* metrics
-    pause_s: float = 0.0
-    transfer_s: float = 0.0
-    commit_s: float = 0.0
-    resume_s: float = 0.0
-    full_bytes: int = 0  # sharded syncs: what the version is in full; `bytes` less with deltas
-
-    @property
-    def gbps(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
 class EngineLink(Protocol):
@@ -98,24 +73,6 @@ class EngineLink(Protocol):
     async def abort(self, engine: str, version: int) -> None: ...
     async def checksums(self, engine: str) -> dict[str, str]: ...
     async def close(self, engine: str) -> None: ...
-
-
-async def each(step: str, names: list[str], call: Call, dead: list[str]) -> list[Any]:
-    """`call` on every engine at once: a dead one joins `dead` (and answers None), and so does
-    one that restarted since it took the flat plan (`PlanMissing`: the trainer's watcher catches
-    it up with a full copy); any other failure raises SyncError naming the step and the engine."""
-
-    async def one(name: str) -> Any:
-        try:
-            return await call(name)
-        except (ActorDeadError, PlanMissing):
-            if name not in dead:  # several buckets in flight can each see the same death
-                dead.append(name)
-            return None
-        except MilesError as exc:
-            raise SyncError(f"{step} failed on engine {name!r}: {type(exc).__name__}: {exc}") from exc
-
-    return await asyncio.gather(*(one(n) for n in names))
 
 
 async def drain(pending: list[asyncio.Future[Any]], timeout_s: float) -> None:
@@ -317,21 +274,17 @@ class GatheredCoordinator:
         return deferred
 
     async def push(self, version: int, named: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
-        rep = SyncReport(version, self.sender.tag)
-        live = [n for n in self.engines]
-        t0 = time.perf_counter()
+        rnd = PushRound(self.link, version, self.sender.tag, self.engines)
+        rep = rnd.rep
         dtype = _DTYPES.get(self.cfg.dtype)
         sums: dict[str, str] = {}
         verify = self.cfg.verify_every > 0 and version % self.cfg.verify_every == 0
-        paused = False
         snd = self.sender
-        try:
-            if self.cfg.pause_mode != "none":
-                await self._all("pause", live, lambda n: self.link.pause(n, self.cfg.pause_mode), rep.dead)
-                paused = True
-            live = [n for n in live if n not in rep.dead]
-            rep.pause_s = time.perf_counter() - t0
-            await self._open(live, rep.dead)
+
+        async def body() -> None:
+            await rnd.pause(self.cfg.pause_mode)
+            rnd.mark_paused()
+            await self._open(rnd.alive(), rnd.dead)
 
             host_only = self.cfg.transport in ("zmq", "disk_delta") or (
                 self.cfg.transport == "ucx" and self.device.type == "cpu")
@@ -347,48 +300,32 @@ class GatheredCoordinator:
                         sums[n] = tensor_checksum(t)
                     yield n, t
 
-            if flat is not None and await self._send_plan(flat, live, rep):
+            if flat is not None and await self._send_plan(flat, rnd.alive(), rep):
                 if verify:
                     sums.update((n, tensor_checksum(t)) for n, t in flat)
                 msgs, depth = self._flat_msgs(version, flat), snd.flat_window
             else:
                 msgs, depth = self._bucket_msgs(version, iter_buckets(converted(), self.cfg.bucket_mib << 20)), 0
-            deferred = await self._send_buckets(version, msgs, live, rep, depth)
+            deferred = await self._send_buckets(version, msgs, rnd.alive(), rep, depth)
             await snd.finish(version)
             for seq, msg in enumerate(deferred):  # non-streaming: receivers read after finish
-                live = [n for n in live if n not in rep.dead]
-                await self._all(f"stage v{version} bucket {seq} ({snd.tag})", live, msg, rep.dead)
-            live = [n for n in live if n not in rep.dead]
-            t_staged = time.perf_counter()
-            rep.transfer_s = t_staged - t0 - rep.pause_s
-            await self._all(f"commit v{version}", live, lambda n: self.link.commit(n, version), rep.dead)
-            rep.committed = [n for n in live if n not in rep.dead]
-            rep.commit_s = time.perf_counter() - t_staged
+                await self._all(f"stage v{version} bucket {seq} ({snd.tag})", rnd.alive(), msg, rnd.dead)
+            rnd.mark_staged()
+            await rnd.commit()
+            rnd.mark_committed()
             await snd.committed(version)
             for n in rep.committed:
                 self.versions[n] = version
-        except BaseException:
+
+        async def on_failure(exc: BaseException) -> None:
             # Any failure (a channel, a peer, or the trainer's own export raising midway) drops
             # v everywhere: an engine left with v half-staged would refuse every later version.
-            self._forget()  # a failed channel is rebuilt on the next push
             await snd.abort(version)
-            await self._abort(version, [n for n in live if n not in rep.dead])
-            raise
-        finally:
-            t_resume = time.perf_counter()
-            if paused:
-                try:
-                    await self._all("resume", [n for n in live if n not in rep.dead],
-                                    self.link.resume, rep.dead)
-                except SyncError as exc:
-                    log.error("resume_failed", error=str(exc))
-            rep.resume_s = time.perf_counter() - t_resume
-        rep.seconds = time.perf_counter() - t0
+            await rnd.abort()
+
+        await rnd.run(body, on_failure, self._forget)
         if verify:
             rep.verified = await self.verify(rep.committed, sums)
-        if rep.dead:
-            self._forget()
-            log.warning("sync_engines_dead", version=version, dead=rep.dead)
         return rep
 
     async def catch_up(self, engine: str, version: int, named: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
@@ -413,13 +350,6 @@ class GatheredCoordinator:
                 log.warning("channel_close_failed", error=str(exc))
         self._open_for = None
         await self.sender.close()
-
-    async def _abort(self, version: int, names: list[str]) -> None:
-        dead: list[str] = []
-        try:
-            await self._all(f"abort v{version}", names, lambda n: self.link.abort(n, version), dead)
-        except SyncError as exc:
-            log.error("abort_version_failed", version=version, error=str(exc))
 
     async def verify(self, engines: list[str], expected: dict[str, str]) -> bool:
         """Compare each engine's per-tensor xxh64 with the trainer's; raise SyncError on mismatch."""

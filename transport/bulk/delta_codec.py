@@ -45,7 +45,9 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def digest(b: torch.Tensor) -> str:
-    return xxhash.xxh64(b.numpy()).hexdigest()
+    """128-bit XXH3 of the bytes: ~4x the speed of xxh64 here (29 vs 7 GB/s on one core), so the
+    sender can hash every entry to find the unchanged ones without comparing their bytes."""
+    return xxhash.xxh3_128(b.numpy()).hexdigest()
 
 
 # `auto` compresses an entry only when a sample of it shrinks at least this much: a slow
@@ -60,16 +62,22 @@ def _compress(compressor: str, data: memoryview) -> bytes:
 
 
 def encode(new: torch.Tensor, old: torch.Tensor | None, compressor: str,
-           sample_gate: bool = False) -> tuple[str, bytes | memoryview]:
+           sample_gate: bool = False, scratch: torch.Tensor | None = None) -> tuple[str, bytes | memoryview]:
     """Encode the uint8 bytes `new` against `old` (same length) or from scratch.
 
     With `sample_gate` (the `auto` choice), compression is tried only when a leading sample
-    compresses to at most `AUTO_MAX_RATIO` of its size.
+    compresses to at most `AUTO_MAX_RATIO` of its size. `scratch` (uint8, at least as long
+    as `new`) receives the XOR instead of a fresh tensor: a fresh large tensor is fresh pages,
+    whose first-touch faults cost as much as the XOR itself; a raw payload then is a view of
+    `scratch`, valid until its next use.
     """
     if old is not None:
         if old.numel() != new.numel():
             raise SyncError(f"delta base has {old.numel()} bytes, new tensor {new.numel()}")
-        payload = torch.bitwise_xor(new, old)
+        if scratch is not None and scratch.numel() >= new.numel():
+            payload = torch.bitwise_xor(new, old, out=scratch[:new.numel()])
+        else:
+            payload = torch.bitwise_xor(new, old)
         if not payload.any():
             return "same", b""
         kind = "xor"

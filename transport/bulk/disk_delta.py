@@ -1,10 +1,19 @@
 """`disk_delta` channel: changed bytes per tensor, written atomically to a shared directory.
 
 The trainer writes `weight_v{N}.tmp-*/bucket_{i}.bin` plus `index.json` (version, base
-version, per-entry encoding, offsets, xxh64 of the rebuilt bytes), then renames the
+version, per-entry encoding, offsets, XXH3-128 of the rebuilt bytes), then renames the
 directory to `weight_v{N}/` so readers never see a partial version. Engines read
 after the rename, patch their live copy (which must be the base version) and refuse
 any entry whose rebuilt bytes do not match the index checksum.
+
+Both sides keep their working memory across versions (the sender's copy of the last
+version and its spare, the XOR scratch, the receiver's read buffer): a fresh large tensor
+is fresh pages, and faulting them in cost as much as the copy into them (measured:
+bench/results/weight_sync_disk_delta_cpu.txt). An unchanged entry (`same`) costs no hash
+on either side: the sender reuses the last version's digest, and the receiver copies its
+own live bytes, which were checked when they arrived. The sender finds the unchanged entries
+by that digest (equal to the last version's: `same`, with no XOR pass over its bytes; a
+128-bit hash, so a changed tensor passing for unchanged is a 2^-128 event).
 """
 
 from __future__ import annotations
@@ -70,7 +79,11 @@ class DiskDeltaSender(BulkSender):
         self.sample_gate = cfg.delta_compression == "auto"
         self.base_version: int | None = None
         self._last: dict[str, torch.Tensor] = {}  # bytes of the last committed version, by entry name
-        self._next: dict[str, torch.Tensor] = {}
+        self._next: dict[str, torch.Tensor] = {}  # bytes of the version being written (changed entries)
+        self._spare: dict[str, torch.Tensor] = {}  # buffers free for the next version's bytes, by entry name
+        self._sums: dict[str, str] = {}  # digest of each entry's last committed bytes
+        self._next_sums: dict[str, str] = {}
+        self._scratch = torch.empty(0, dtype=torch.uint8)  # the XOR of one entry, reused
         self._tmp: Path | None = None
         self._index: dict[str, Any] = {}
         self._bucket: tuple[int, Bucket] | None = None
@@ -87,9 +100,21 @@ class DiskDeltaSender(BulkSender):
             self._tmp.mkdir(parents=True)
             self._index = {"version": version, "base": self.base_version, "compressor": self.compressor,
                            "buckets": {}}
-            self._next = {}
+            self._recycle()
             self.written_bytes = 0
         return self._tmp
+
+    def _recycle(self) -> None:
+        """Hand the buffers of an uncommitted version back as spares."""
+        self._spare.update(self._next)
+        self._next, self._next_sums = {}, {}
+
+    def _keep(self, name: str, new: torch.Tensor) -> torch.Tensor:
+        """A copy of `new` in a spare buffer of `name` (allocated the first time only)."""
+        buf = self._spare.pop(name, None)
+        if buf is None or buf.numel() != new.numel():
+            buf = torch.empty(new.numel(), dtype=torch.uint8)
+        return buf.copy_(new)
 
     def prepare(self, version: int, seq: int, bucket: Bucket) -> dict[str, Any]:
         self._begin(version)
@@ -106,18 +131,28 @@ class DiskDeltaSender(BulkSender):
 
     def _write_bucket(self, path: Path, bucket: Bucket) -> list[dict[str, Any]]:
         entries, pos = [], 0
+        biggest = max((t.numel() * t.element_size() for t in bucket.tensors), default=0)
+        if self._scratch.numel() < biggest:
+            self._scratch = torch.empty(biggest, dtype=torch.uint8)
         with open(path, "wb") as f:
             for name, t in zip(bucket.names, bucket.tensors, strict=True):
                 new = as_bytes(t.to("cpu"))
                 old = self._last.get(name)
-                enc, payload = encode(new, old if old is not None and old.numel() == new.numel() else None,
-                                      self.compressor, self.sample_gate)
-                f.write(payload)
+                if old is not None and old.numel() != new.numel():
+                    old = None
+                sum_ = digest(new)
+                if old is not None and self._sums.get(name) == sum_:
+                    enc, payload = "same", b""  # the bytes of the base: nothing to XOR, write or keep
+                else:
+                    enc, payload = encode(new, old, self.compressor, self.sample_gate, self._scratch)
+                    f.write(payload)  # before the next entry reuses the scratch a raw payload views
+                    if enc != "same":
+                        self._next[name] = self._keep(name, new)
+                        self._next_sums[name] = sum_
                 entries.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."),
                                 "shape": list(t.shape), "encoding": enc, "offset": pos,
-                                "length": len(payload), "nbytes": new.numel(), "xxh64": digest(new)})
+                                "length": len(payload), "nbytes": new.numel(), "xxh3": sum_})
                 pos += len(payload)
-                self._next[name] = new.clone()
         self.written_bytes += pos
         return entries
 
@@ -131,8 +166,13 @@ class DiskDeltaSender(BulkSender):
         os.replace(tmp, final)
 
     async def committed(self, version: int) -> None:
-        self._last.update(self._next)
-        self._next = {}
+        for name, buf in self._next.items():
+            prev = self._last.get(name)
+            self._last[name] = buf
+            if prev is not None:
+                self._spare[name] = prev
+        self._sums.update(self._next_sums)
+        self._next, self._next_sums = {}, {}
         self.base_version = version
         keep = sorted((int(p.name.removeprefix("weight_v")) for p in self.root.glob("weight_v*")
                        if p.name.removeprefix("weight_v").isdigit()), reverse=True)
@@ -143,11 +183,12 @@ class DiskDeltaSender(BulkSender):
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
-        self._next = {}
+        self._recycle()
 
     def reset_base(self) -> None:
         """Forget the base: the next version is written in full (e.g. after engines restarted)."""
-        self._last = {}
+        self._spare.update(self._last)
+        self._last, self._sums = {}, {}
         self.base_version = None
 
     async def close(self) -> None:
@@ -163,6 +204,7 @@ class DiskDeltaReceiver(BulkReceiver):
             raise SyncError("disk_delta open info lacks 'dir'")
         self.root = Path(str(info["dir"]))
         self._index: dict[str, Any] | None = None
+        self._buf = torch.empty(0, dtype=torch.uint8)  # one bucket file's bytes, reused
 
     def _load_index(self, version: int) -> dict[str, Any]:
         if self._index is None or self._index.get("version") != version:
@@ -176,6 +218,24 @@ class DiskDeltaReceiver(BulkReceiver):
     async def recv(self, header: dict[str, Any], local: LocalWeights) -> list[tuple[str, torch.Tensor]]:
         return await asyncio.to_thread(self._recv, int(header["version"]), int(header["seq"]), local)
 
+    def _read(self, path: Path, where: str) -> memoryview:
+        """The whole file, read into the reused buffer (grown when a file is larger)."""
+        try:
+            with open(path, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                if self._buf.numel() < size:
+                    self._buf = torch.empty(size, dtype=torch.uint8)
+                view = memoryview(self._buf.numpy())[:size]
+                got = 0
+                while got < size:
+                    n = f.readinto(view[got:])
+                    if not n:
+                        raise SyncError(f"{where}: {path.name} ended after {got} of {size} bytes")
+                    got += n
+        except OSError as exc:
+            raise SyncError(f"{where}: cannot read {path}: {exc}") from exc
+        return view
+
     def _recv(self, version: int, seq: int, local: LocalWeights) -> list[tuple[str, torch.Tensor]]:
         index = self._load_index(version)
         base = index.get("base")
@@ -186,10 +246,7 @@ class DiskDeltaReceiver(BulkReceiver):
             raise SyncError(f"disk_delta v{version} is a delta against v{base}, this engine holds "
                             f"v{local.version}; it must catch up with a full version first")
         path = version_dir(self.root, version) / f"bucket_{seq}.bin"
-        try:
-            blob = memoryview(path.read_bytes())
-        except OSError as exc:
-            raise SyncError(f"disk_delta v{version}: cannot read {path}: {exc}") from exc
+        blob = self._read(path, where=f"disk_delta v{version}")
         out = []
         for e in entries:
             where = f"disk_delta v{version} {e['name']!r}"
@@ -199,7 +256,9 @@ class DiskDeltaReceiver(BulkReceiver):
             slot = _slot(e, local)  # patch straight into the engine's staging slot when it offers one
             new = decode(e["encoding"], blob[e["offset"]:e["offset"] + e["length"]], old, e["nbytes"], where,
                          None if slot is None else as_bytes(slot))
-            if digest(new) != e["xxh64"]:
+            if "xxh3" not in e:
+                raise SyncError(f"{where}: index entry has no xxh3 digest (written by another miles version?)")
+            if e["encoding"] != "same" and digest(new) != e["xxh3"]:  # `same`: our own checked bytes
                 raise SyncError(f"{where}: checksum mismatch after patching (corrupt delta); refused")
             out.append((e["name"], slot if slot is not None else
                         new.view(getattr(torch, e["dtype"])).reshape(e["shape"])))

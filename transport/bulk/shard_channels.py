@@ -29,7 +29,6 @@ from __future__ import annotations
 import abc
 import asyncio
 import datetime
-import time
 from typing import Any, ClassVar
 
 import numpy as np
@@ -95,47 +94,29 @@ class UcxShardSender(ShardSender):
 
     def __init__(self, rank: int, world: int, timeout_s: float, advertise: str = "127.0.0.1") -> None:
         super().__init__(rank, world, timeout_s, advertise)
-        from miles.transport.bulk.ucx import import_ucxx
+        from miles.transport.bulk.ucx import UcxPeers
 
-        self.ucxx = import_ucxx()
-        self._listener: Any = None
-        self._eps: dict[int, Any] = {}
-
-    async def _accept(self, ep: Any) -> None:
-        who = np.empty(1, dtype=np.int64)
-        await ep.recv(who)
-        self._eps[int(who[0])] = ep
+        self._peers = UcxPeers()
 
     async def open(self, peers: list[str], shared: dict[str, Any]) -> list[dict[str, Any]]:
-        await self.close()
-        self._listener = self.ucxx.create_listener(self._accept)
+        port = await self._peers.listen()
         self.peers = list(peers)
-        return [{"addr": self.advertise, "port": self._listener.port} for _ in peers]
+        return [{"addr": self.advertise, "port": port} for _ in peers]
 
     async def connected(self) -> None:
-        deadline = time.monotonic() + self.timeout_s
-        while len(self._eps) < len(self.peers):
-            if time.monotonic() > deadline:
-                raise SyncError(f"ucx (rank {self.rank}): {len(self._eps)}/{len(self.peers)} engines connected "
-                                f"within {self.timeout_s}s")
-            await asyncio.sleep(0.005)
+        await self._peers.connected(len(self.peers), self.timeout_s, f"ucx (rank {self.rank})")
 
     async def send(self, peer: int, seq: int, data: torch.Tensor) -> None:
-        from miles.transport.bulk.ucx import ucx_buffer, ucx_transfer
+        from miles.transport.bulk.ucx import ucx_buffer
 
         if data.device.type == "cuda":
             torch.cuda.current_stream(data.device).synchronize()  # UCX reads outside torch's streams
-        await ucx_transfer(self._eps[peer].send, ucx_buffer(data), self.timeout_s,
-                           f"ucx (rank {self.rank}): sending {data.numel()} bytes to engine #{peer} "
-                           f"({self.peers[peer]!r})")
+        await self._peers.send(peer, ucx_buffer(data), self.timeout_s,
+                               f"ucx (rank {self.rank}): sending {data.numel()} bytes to engine #{peer} "
+                               f"({self.peers[peer]!r})")
 
     async def close(self) -> None:
-        for ep in self._eps.values():
-            await ep.close()
-        self._eps = {}
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+        await self._peers.close()
 
 
 def _make_pg(backend: str, store: Any, rank: int, world: int, timeout_s: float) -> Any:

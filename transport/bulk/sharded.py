@@ -25,7 +25,6 @@ a peer, a rank's own error), a dead engine dropped and reported, checksum verifi
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -37,7 +36,8 @@ import xxhash
 from miles.core.errors import SyncError
 from miles.core.logging import get_logger
 from miles.transport.bulk.base import dtype_of
-from miles.transport.bulk.coordinator import EngineLink, SyncReport, adopt, drain, each
+from miles.transport.bulk.coordinator import EngineLink, adopt, drain
+from miles.transport.bulk.push_round import PushRound, SyncReport, each
 from miles.transport.bulk.rank_group import RankGroup
 from miles.transport.bulk.shard_channels import SHARDED_TAG, ShardSender
 from miles.transport.bulk.shard_delta import IDX_BYTES, encode
@@ -159,96 +159,66 @@ class ShardedCoordinator:
     # ------------------------------------------------------------------ the protocol
     async def push(self, version: int, export: ShardExport) -> SyncReport:
         """Push `version` from every rank's `export` (a collective: every rank calls it)."""
-        rep = SyncReport(version, self.sender.tag)
-        t0 = time.perf_counter()
-        dead: list[str] = []
-        live = list(self.engines)
-        paused = False
+        rnd = PushRound(self.link, version, self.sender.tag, self.engines)
+        rep, dead = rnd.rep, rnd.dead
         verify = self.opts.verify_every > 0 and version % self.opts.verify_every == 0
         plan = export.plan
-        try:
-            async def begin() -> dict[str, Any]:
-                if self.opts.pause_mode != "none":
-                    await self._each("pause", live, lambda n: self.link.pause(n, self.opts.pause_mode), dead)
-                now = [n for n in live if n not in dead]
-                shared = await self.sender.setup(now) if self._open_for != now else None
-                # Deltas only against a version every live engine committed through this coordinator
-                # (a restarted engine, or a failed push, gets the full bytes); rank 0 decides for all.
-                base = self._base if self.opts.delta and self._prev is not None and now and all(
-                    self.versions.get(n) == self._base for n in now) else None
-                return {"live": now, "shared": shared, "base": base}
 
-            paused = self.rank == 0 and self.opts.pause_mode != "none"
+        async def begin() -> dict[str, Any]:
+            await rnd.pause(self.opts.pause_mode)
+            now = rnd.alive()
+            shared = await self.sender.setup(now) if self._open_for != now else None
+            # Deltas only against a version every live engine committed through this coordinator
+            # (a restarted engine, or a failed push, gets the full bytes); rank 0 decides for all.
+            base = self._base if self.opts.delta and self._prev is not None and now and all(
+                self.versions.get(n) == self._base for n in now) else None
+            return {"live": list(now), "shared": shared, "base": base}
+
+        async def send_plan() -> None:
+            live = rnd.alive()
+            if self._plan_for == (plan.digest, tuple(live)):
+                return
+            wire = plan.engines[0].plan.to_wire()
+            took = await self._each("flat plan", live, lambda n: self.link.plan(n, wire), dead)
+            why = {n: str(t) for n, t in zip(live, took, strict=True) if t is not True and t is not None}
+            if why:
+                raise SyncError(f"engines declined the sharded plan (a sharded sync lands byte ranges only; "
+                                f"set sync.dtype to the engines' dtype): {why}")
+            self._plan_for = (plan.digest, tuple(live))
+
+        async def body() -> None:
             ctl = (await self._phase("pause", begin if self.rank == 0 else None, dead))[0]
-            live = [n for n in ctl["live"] if n not in dead]
-            rep.pause_s = time.perf_counter() - t0
+            rnd.live = ctl["live"]
+            rnd.mark_paused()
             if ctl["shared"] is not None:
-                await self._open(live, ctl["shared"], dead)
-            live = [n for n in live if n not in dead]
-
-            async def send_plan() -> None:
-                if self._plan_for == (plan.digest, tuple(live)):
-                    return
-                wire = plan.engines[0].plan.to_wire()
-                took = await self._each("flat plan", live, lambda n: self.link.plan(n, wire), dead)
-                why = {n: str(t) for n, t in zip(live, took, strict=True) if t is not True and t is not None}
-                if why:
-                    raise SyncError(f"engines declined the sharded plan (a sharded sync lands byte ranges only; "
-                                    f"set sync.dtype to the engines' dtype): {why}")
-                self._plan_for = (plan.digest, tuple(live))
-
+                await self._open(rnd.alive(), ctl["shared"], dead)
             await self._phase("plan", send_plan if self.rank == 0 else None, dead)
-            live = [n for n in live if n not in dead]
-
             base = ctl["base"] if self._prev is not None else None
+            live = list(rnd.alive())
             sent = await self._phase("send", lambda: self._send(version, export, live, dead, base), dead)
             rep.bytes = sum(s["bytes"] for s in sent)
             rep.full_bytes = sum(s["full"] for s in sent)
             rep.buckets = sum(s["buckets"] for s in sent)
-            live = [n for n in live if n not in dead]
-            t_staged = time.perf_counter()
-            rep.transfer_s = t_staged - t0 - rep.pause_s
-
-            async def commit() -> None:
-                await self._each(f"commit v{version}", live, lambda n: self.link.commit(n, version), dead)
-
-            await self._phase("commit", commit if self.rank == 0 else None, dead)
-            rep.committed = [n for n in live if n not in dead]
-            rep.commit_s = time.perf_counter() - t_staged
-            for n in rep.committed:
+            rnd.mark_staged()
+            await self._phase("commit", rnd.commit if self.rank == 0 else None, dead)
+            for n in rnd.mark_committed():
                 self.versions[n] = version
             if self.opts.delta:
                 if self._prev is None or self._prev.shape != export.buffer.shape:
                     self._prev = torch.empty_like(export.buffer)
                 self._prev.copy_(export.buffer)
                 self._base = version
-        except BaseException as exc:
-            self._forget()
+
+        async def on_failure(exc: BaseException) -> None:
             self._prev, self._base = None, -1  # the next version goes in full
             if self.rank == 0:
-                names = [n for n in live if n not in dead]
-                try:
-                    await self._each(f"abort v{version}", names, lambda n: self.link.abort(n, version), [])
-                except SyncError as aexc:
-                    log.error("abort_version_failed", version=version, error=str(aexc))
+                await rnd.abort()
             if isinstance(exc, _Failed):
                 raise SyncError(f"sharded sync of v{version} aborted: {exc}") from None
-            raise
-        finally:
-            t_resume = time.perf_counter()
-            if paused:
-                try:
-                    await self._each("resume", [n for n in live if n not in dead], self.link.resume, dead)
-                except SyncError as rexc:
-                    log.error("resume_failed", error=str(rexc))
-            rep.resume_s = time.perf_counter() - t_resume
-        rep.dead = list(dead)
-        rep.seconds = time.perf_counter() - t0
+
+        await rnd.run(body, on_failure, self._forget)
         if verify:
             rep.verified = await self.verify(export, rep.committed)
-        if dead:
-            self._forget()
-            log.warning("sync_engines_dead", version=version, dead=dead)
         return rep
 
     async def _open(self, live: list[str], shared: dict[str, Any], dead: list[str]) -> None:

@@ -124,36 +124,62 @@ def ucx_buffer(t: torch.Tensor) -> Any:
     return t.numpy() if t.device.type == "cpu" else t
 
 
+class UcxPeers:
+    """The sending side's UCX endpoints: a listener each engine connects to once, announcing its
+    index first, and the endpoints by that index. Both the gathered sender (rank 0) and the
+    sharded one (every rank) send over it."""
+
+    def __init__(self) -> None:
+        self.ucxx = import_ucxx()
+        self._listener: Any = None
+        self.eps: dict[int, Any] = {}
+
+    async def _accept(self, ep: Any) -> None:
+        who = np.empty(1, dtype=np.int64)
+        await ep.recv(who)
+        self.eps[int(who[0])] = ep
+
+    async def listen(self) -> int:
+        """A fresh listener (any earlier one and its endpoints closed); returns its port."""
+        await self.close()
+        self._listener = self.ucxx.create_listener(self._accept)
+        return int(self._listener.port)
+
+    async def connected(self, n: int, timeout_s: float, who: str) -> None:
+        """Wait until `n` engines are connected; past `timeout_s` a SyncError naming `who`."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.eps) < n:
+            if time.monotonic() > deadline:
+                raise SyncError(f"{who}: {len(self.eps)}/{n} engines connected within {timeout_s}s")
+            await asyncio.sleep(0.005)
+
+    async def send(self, index: int, buf: Any, timeout_s: float, what: str) -> None:
+        """`buf` (a `ucx_buffer`) to engine #`index`, as `ucx_transfer` awaits it."""
+        await ucx_transfer(self.eps[index].send, buf, timeout_s, what)
+
+    async def close(self) -> None:
+        for ep in self.eps.values():
+            await ep.close()
+        self.eps = {}
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+
 class UcxSender(SegmentSender):
     tag = "ucx"
     direct_min = DIRECT_MIN_BYTES_GPU  # a UCX message costs a rendezvous round trip: pack all but huge runs
 
     def __init__(self, cfg: SyncConfig) -> None:
         super().__init__(cfg)
-        self.ucxx = import_ucxx()
         self.advertise = "127.0.0.1"
-        self._listener: Any = None
-        self._eps: dict[int, Any] = {}
-
-    async def _accept(self, ep: Any) -> None:
-        who = np.empty(1, dtype=np.int64)
-        await ep.recv(who)
-        self._eps[int(who[0])] = ep
+        self._peers = UcxPeers()
 
     async def open(self, peers: list[str]) -> list[dict[str, Any]]:
-        await self.close()
-        self._listener = self.ucxx.create_listener(self._accept)
+        port = await self._peers.listen()
         self.peers = list(peers)
-        return [{"addr": self.advertise, "port": self._listener.port, "index": i, "mem": self.device.type,
+        return [{"addr": self.advertise, "port": port, "index": i, "mem": self.device.type,
                  "timeout_s": self.cfg.step_timeout_s} for i in range(len(peers))]
-
-    async def _connected(self) -> None:
-        deadline = time.monotonic() + self.cfg.step_timeout_s
-        while len(self._eps) < len(self.peers):
-            if time.monotonic() > deadline:
-                raise SyncError(f"ucx: {len(self._eps)}/{len(self.peers)} engines connected "
-                                f"within {self.cfg.step_timeout_s}s")
-            await asyncio.sleep(0.005)
 
     def prepare(self, version: int, seq: int, bucket: Bucket) -> dict[str, Any]:
         header = super().prepare(version, seq, bucket)
@@ -168,25 +194,20 @@ class UcxSender(SegmentSender):
         return header
 
     async def transmit(self) -> None:
-        await self._connected()
+        await self._peers.connected(len(self.peers), self.cfg.step_timeout_s, "ucx")
         plan = self.next_plan()
         views = [ucx_buffer(b) for b in plan.sends]
 
-        async def to(index: int, ep: Any) -> None:
+        async def to(index: int) -> None:
             for v in views:  # in header order: the receiver posts its receives in the same order
-                await ucx_transfer(ep.send, v, self.cfg.step_timeout_s,
-                                   f"ucx: sending {plan.nbytes} bytes to engine #{index} ({self.peers[index]!r})")
+                await self._peers.send(index, v, self.cfg.step_timeout_s,
+                                       f"ucx: sending {plan.nbytes} bytes to engine #{index} ({self.peers[index]!r})")
 
-        await asyncio.gather(*(to(i, ep) for i, ep in self._eps.items()))
+        await asyncio.gather(*(to(i) for i in list(self._peers.eps)))
 
     async def close(self) -> None:
-        for ep in self._eps.values():
-            await ep.close()
-        self._eps = {}
+        await self._peers.close()
         self._ready.clear()
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
 
 
 class UcxReceiver(BulkReceiver):

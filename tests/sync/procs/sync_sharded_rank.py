@@ -26,13 +26,13 @@ from torch.utils._pytree import tree_leaves
 
 from miles.actors.messages import Checksums
 from miles.actors.runtime.host import Host
-from miles.actors.shard_publisher import ShardedPublisher
 from miles.actors.sync import ShardedWeightSync
 from miles.core.schema.sync import SyncConfig
 from miles.core.schema.trainer import TrainerConfig
 from miles.core.schema.transport import TransportConfig
 from miles.launch.role import exit_now
 from miles.models.hf_io import tensor_checksum
+from miles.publish.sharded import ShardedPublisher
 from miles.trainer.dist import leave_process_group
 from miles.trainer.fsdp import FSDPTrainer
 
@@ -130,7 +130,7 @@ async def run(trainer: FSDPTrainer, directory: str, out: Path, transports: list[
                                                "bytes": rep.bytes, "full_bytes": rep.full_bytes})
             finally:
                 await sync.close()
-        # The trainer loop's hand-off (actors/shard_publisher.py) on every rank: export in a worker
+        # The trainer loop's hand-off (publish/sharded.py) on every rank: export in a worker
         # thread, push with the engines paused in place, rank 0 announces.
         cfg = SyncConfig(transport="zmq", step_timeout_s=30, pause_mode="in_place", verify_every=1)
         sync = ShardedWeightSync(host, cfg, ["e0", "e1"], bucket_bytes=BUCKET)

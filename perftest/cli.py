@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.core.errors import ConfigError, MilesError, PeerTimeout, TransportError
-from miles.launch.slurm_env import SlurmEnv
+from miles.core.slurm_env import SlurmEnv
 from miles.transport.perf.control import Control
 from miles.transport.perf.patterns import PATTERNS
 from miles.transport.perf.sizes import parse_size, parse_sizes
@@ -109,7 +109,7 @@ def check_available(transport: str, device: str) -> None:
 
 
 def size_limit(transport: str) -> int:
-    from miles.launch.perftest_miles import ZMQ_CTL_LIMIT
+    from miles.perftest.miles_runner import ZMQ_CTL_LIMIT
 
     phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     # Both ends hold a payload, a staging buffer and a copy-out buffer on one machine at worst.
@@ -130,7 +130,7 @@ def cmd_perftest(a: argparse.Namespace) -> int:
         raise ConfigError("--peer and --listen exclude each other (one end listens, the other connects)")
     if a.peer:
         host, port = _hostport(a.peer, "--peer")
-        from miles.launch.perftest_roles import run_responder
+        from miles.perftest.roles import run_responder
 
         return asyncio.run(run_responder(lambda: Control.connect(host, port), host, a.connect_timeout))
     check_args(a)
@@ -149,7 +149,7 @@ def cmd_perftest(a: argparse.Namespace) -> int:
 
 
 def _slurm(a: argparse.Namespace, env: SlurmEnv, sizes: list[int], max_bytes: int) -> int:
-    from miles.launch.perftest_roles import run_responder
+    from miles.perftest.roles import run_responder
 
     rdir = Path(a.rendezvous_dir or env.submit_dir or os.getcwd())
     rfile = rdir / f".miles-perftest-{env.job_id}.{env.step_id}"
@@ -176,7 +176,7 @@ def _wait_rendezvous(path: Path, timeout_s: float) -> tuple[str, int]:
 
 def _drive(a: argparse.Namespace, sizes: list[int], max_bytes: int, bind: str, port: int,
            rendezvous: Path | None, child: bool, advertise: str = "") -> int:
-    from miles.launch.perftest_roles import Report, run_driver
+    from miles.perftest.roles import Report, run_driver
 
     tmp = None
     directory = a.dir
@@ -193,7 +193,7 @@ def _drive(a: argparse.Namespace, sizes: list[int], max_bytes: int, bind: str, p
             part.write_text(f"{advertise} {port}\n")
             os.replace(part, rendezvous)
         if child:
-            proc = subprocess.Popen([sys.executable, "-m", "miles.launch.cli", "perftest", "--peer",
+            proc = subprocess.Popen([sys.executable, "-m", "miles.perftest.cli", "--peer",
                                      f"127.0.0.1:{port}", "--connect-timeout", str(a.connect_timeout)])
             ctl.peer_alive = lambda: proc is not None and proc.poll() is None
         # imported here: it brings torch, which no other `miles` command should pay for at start-up
@@ -218,7 +218,7 @@ def _drive(a: argparse.Namespace, sizes: list[int], max_bytes: int, bind: str, p
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m miles.launch.perftest ...` (same as `miles perftest ...`)."""
+    """`python -m miles.perftest.cli ...` (same as `miles perftest ...`)."""
     ap = argparse.ArgumentParser(prog="miles")
     add_parser(ap.add_subparsers(dest="cmd", required=True))
     args = ap.parse_args(["perftest", *(sys.argv[1:] if argv is None else argv)])

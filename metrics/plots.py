@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from miles.core.logging import get_logger
-from miles.launch.metrics import read_metrics
+from miles.metrics.sink import read_metrics
 
 log = get_logger("miles.plots")
 

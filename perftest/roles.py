@@ -2,7 +2,7 @@
 
 Rank 0 measures the reference limits, then runs the whole size sweep twice over the
 same plan: first on the raw library (`transport/perf/raw.py`), then on the miles path
-(`launch/perftest_miles.py`), telling rank 1 over the control link what to open.
+(`perftest/miles_runner.py`), telling rank 1 over the control link what to open.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from miles.core.errors import MilesError, PeerTimeout
-from miles.launch.slurm_env import SlurmEnv
+from miles.core.slurm_env import SlurmEnv
 from miles.transport.perf.control import Control, route_ip
 from miles.transport.perf.limits import cuda_limits, host_limits
 from miles.transport.perf.patterns import Plan, drive, make_plans, respond
@@ -42,7 +42,7 @@ class Report:
         if a.csv:
             write_csv(a.csv, self.rows)
         if a.plot:
-            from miles.launch.perftest_plot import plot
+            from miles.perftest.plot import plot
 
             plot([{"meta": self.meta, "rows": [asdict(r) for r in self.rows]}], a.plot)
 
@@ -114,7 +114,7 @@ async def _raw_sweep(ctl: Control, transport: str, ctx: Ctx, plans: list[Plan]) 
 
 
 async def _miles_sweep(ctl: Control, transport: str, pattern: str, ctx: Ctx, plans: list[Plan]) -> list[Stats]:
-    from miles.launch.perftest_miles import MilesDriver
+    from miles.perftest.miles_runner import MilesDriver
 
     drv = MilesDriver(transport, pattern, ctx, block=plans[0].block)
     info = await drv.open()
@@ -169,7 +169,7 @@ async def _respond_phase(ctl: Control, msg: dict[str, Any], ctx: Ctx, own_ip: st
         finally:
             await link.close()
         return
-    from miles.launch.perftest_miles import MilesResponder
+    from miles.perftest.miles_runner import MilesResponder
 
     resp = MilesResponder(ctx, own_ip)
     try:

@@ -25,18 +25,25 @@ from typing import Any, Protocol
 
 import torch
 
-from miles.actors.sync import SyncReport, WeightSync
 from miles.core.errors import MilesError
 from miles.core.logging import get_logger
 from miles.core.schema.sync import SyncConfig
 from miles.models.config import ModelSpec
 from miles.models.fp8_layout import fp8_block
-from miles.models.fp8_linear import fp8_export
+from miles.models.fp8_model import fp8_export
 from miles.transport.bulk.flat import FlatWeights
+from miles.transport.bulk.push_round import SyncReport
 
 log = get_logger("miles.trainer")
 
 Named = Iterable[tuple[str, torch.Tensor]]
+
+
+class Pusher(Protocol):
+    """Rank 0's way to the engines (actors/sync.py `WeightSync`: the coordinator over actor asks)."""
+
+    async def push(self, version: int, named: Any) -> SyncReport: ...
+    async def catch_up(self, engine: str, version: int, named: Named) -> SyncReport: ...
 
 
 class Exporter(Protocol):
@@ -62,10 +69,31 @@ def _host_copy(w: FlatWeights, reuse: torch.Tensor | None) -> FlatWeights:
     return FlatWeights(dst, w.plan)
 
 
+def hand_off_metrics(rep: SyncReport, export_s: float, total_s: float, payload_bytes: int) -> dict[str, float]:
+    """perf/* and sync/* of one hand-off (gathered or sharded): `total_s` is what the trainer
+    waited for (export + push + announce), `export_s` the export (gather or slices, cast into the
+    send buffer), `payload_bytes` the version in full (`sync/bytes` is less with deltas)."""
+    return {
+        "perf/sync_s": total_s,
+        "perf/export_s": export_s,
+        "perf/push_s": rep.seconds,  # pause -> stage -> commit -> resume
+        "perf/pause_s": rep.pause_s + rep.resume_s,
+        "perf/transfer_s": rep.transfer_s,  # moving every bucket / byte range onto the engines
+        "perf/commit_s": rep.commit_s,
+        "sync/bytes": float(rep.bytes),  # per engine
+        "sync/gbps": rep.bytes / total_s / 1e9 if total_s > 0 else 0.0,  # end to end
+        "sync/transfer_gbps": rep.bytes / rep.transfer_s / 1e9 if rep.transfer_s > 0 else 0.0,
+        "sync/payload_bytes": float(payload_bytes),
+        "sync/dead_engines": float(len(rep.dead)),
+        # a sharded sync has no tensor fallback (a decline fails its push): 0 there
+        "sync/plan_declined": float(len(rep.declined)),
+    }
+
+
 class WeightPublisher:
     """Exports a trainer's weights and, on rank 0, pushes them and catches engines up."""
 
-    def __init__(self, cfg: SyncConfig, exporter: Exporter, sync: WeightSync | None,
+    def __init__(self, cfg: SyncConfig, exporter: Exporter, sync: Pusher | None,
                  fp8_spec: ModelSpec | None = None) -> None:
         self.cfg = cfg
         self.exporter = exporter
@@ -113,7 +141,8 @@ class WeightPublisher:
                 return {"perf/export_s": t_export}
             rep = await self._push(version, state)
         await announce()
-        return self._metrics(rep, t_export, time.perf_counter() - t0)
+        return {**hand_off_metrics(rep, t_export, time.perf_counter() - t0, self.payload_bytes),
+                "perf/catchup_copy_s": self.copy_s}  # background, not on the critical path
 
     async def _push(self, version: int, state: Named | FlatWeights) -> SyncReport:
         assert self.sync is not None
@@ -146,23 +175,6 @@ class WeightPublisher:
         self.copy_s = time.perf_counter() - t0
         self._source = out
         return out
-
-    def _metrics(self, rep: SyncReport, export_s: float, total_s: float) -> dict[str, float]:
-        return {
-            "perf/sync_s": total_s,  # what the trainer waited for: export + push + announce
-            "perf/export_s": export_s,  # gather + cast into the export buffer (+ waiting for a host copy)
-            "perf/push_s": rep.seconds,  # pause -> stage -> commit -> resume
-            "perf/pause_s": rep.pause_s + rep.resume_s,
-            "perf/transfer_s": rep.transfer_s,  # moving every bucket / byte range onto the engines
-            "perf/commit_s": rep.commit_s,
-            "perf/catchup_copy_s": self.copy_s,  # background, not on the critical path
-            "sync/bytes": float(rep.bytes),
-            "sync/gbps": rep.bytes / total_s / 1e9 if total_s > 0 else 0.0,  # end to end
-            "sync/transfer_gbps": rep.bytes / rep.transfer_s / 1e9 if rep.transfer_s > 0 else 0.0,
-            "sync/payload_bytes": float(self.payload_bytes),
-            "sync/dead_engines": float(len(rep.dead)),
-            "sync/plan_declined": float(len(rep.declined)),
-        }
 
     # ------------------------------------------------------------------ catch-up
     async def source(self) -> tuple[int, Named] | None:

@@ -32,8 +32,8 @@ class MetricsSink:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
         _drop_torn_tail(self.path)  # a resumed run must not append onto a killed run's fragment
-        if resume_step is not None:  # the steps after the checkpoint run again (launch/run_dir.py)
-            from miles.launch.run_dir import truncate_step_records
+        if resume_step is not None:  # the steps after the checkpoint run again (metrics/run_dir.py)
+            from miles.metrics.run_dir import truncate_step_records
 
             truncate_step_records(self.dir, resume_step)
         self._f = self.path.open("a")

@@ -1,6 +1,6 @@
 """Every trainer rank's weight hand-off for a sharded sync: export its own slices, push them.
 
-The sharded counterpart of `WeightPublisher` (actors/weight_publisher.py), with the same
+The sharded counterpart of `WeightPublisher` (publish/gathered.py), with the same
 surface the trainer loop uses (`hand_off`, `lock`, `last_version`, `source`, `catch_up`):
 
 - every rank exports (`export_sharded_state`: its slices cast into its send buffer, in a
@@ -20,12 +20,24 @@ from typing import Any, Protocol
 
 import torch
 
-from miles.actors.sync import ShardedWeightSync, SyncReport
 from miles.core.logging import get_logger
 from miles.core.schema.sync import SyncConfig
+from miles.publish.gathered import hand_off_metrics
+from miles.transport.bulk.push_round import SyncReport
+from miles.transport.bulk.rank_group import RankGroup
 from miles.transport.bulk.shard_plan import ShardExport
+from miles.transport.bulk.sharded import ShardedCoordinator
 
 log = get_logger("miles.trainer")
+
+
+class ShardPusher(Protocol):
+    """Every rank's way to the engines (actors/sync.py `ShardedWeightSync`)."""
+
+    group: RankGroup
+    coordinator: ShardedCoordinator
+
+    async def push(self, version: int, export: ShardExport) -> SyncReport: ...
 
 
 class ShardExporter(Protocol):
@@ -35,7 +47,7 @@ class ShardExporter(Protocol):
 
 
 class ShardedPublisher:
-    def __init__(self, cfg: SyncConfig, exporter: ShardExporter, sync: ShardedWeightSync) -> None:
+    def __init__(self, cfg: SyncConfig, exporter: ShardExporter, sync: ShardPusher) -> None:
         self.cfg, self.exporter, self.sync = cfg, exporter, sync
         self.rank = sync.group.rank
         self.lock = asyncio.Lock()
@@ -56,23 +68,7 @@ class ShardedPublisher:
             self.last_version = version
         if self.rank == 0:
             await announce()
-        return self._metrics(rep, t_export, time.perf_counter() - t0)
-
-    def _metrics(self, rep: SyncReport, export_s: float, total_s: float) -> dict[str, float]:
-        return {
-            "perf/sync_s": total_s,  # export + push (every rank) + announce (rank 0)
-            "perf/export_s": export_s,  # this rank's slices cast into its send buffer
-            "perf/push_s": rep.seconds,
-            "perf/pause_s": rep.pause_s + rep.resume_s,
-            "perf/transfer_s": rep.transfer_s,
-            "perf/commit_s": rep.commit_s,
-            "sync/bytes": float(rep.bytes),  # per engine, every rank's buckets (less than payload with deltas)
-            "sync/gbps": rep.bytes / total_s / 1e9 if total_s > 0 else 0.0,
-            "sync/transfer_gbps": rep.bytes / rep.transfer_s / 1e9 if rep.transfer_s > 0 else 0.0,
-            "sync/payload_bytes": float(rep.full_bytes),
-            "sync/dead_engines": float(len(rep.dead)),
-            "sync/plan_declined": 0.0,  # a sharded sync has no tensor fallback: a decline fails the push
-        }
+        return hand_off_metrics(rep, t_export, time.perf_counter() - t0, rep.full_bytes)
 
     async def source(self) -> None:
         """No process holds the whole model: nothing to send a catch-up or a snapshot from."""

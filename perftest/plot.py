@@ -2,7 +2,7 @@
 
 One colour per result file (transport/pattern/device): solid = miles, dashed = raw
 baseline; each distinct reference limit (memcpy, d2d, pinned h2d) is drawn dotted once. Usable on its own to combine runs:
-`python -m miles.launch.perftest_plot OUT.png a.json b.json ...`.
+`python -m miles.perftest.plot OUT.png a.json b.json ...`.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def plot(docs: list[dict[str, Any]], out: str | Path) -> None:
 
 def main(argv: list[str]) -> int:
     if len(argv) < 2:
-        print("usage: python -m miles.launch.perftest_plot OUT.png RESULT.json [RESULT.json ...]", file=sys.stderr)
+        print("usage: python -m miles.perftest.plot OUT.png RESULT.json [RESULT.json ...]", file=sys.stderr)
         return 2
     plot([json.loads(Path(p).read_text()) for p in argv[1:]], argv[0])
     return 0

@@ -1,0 +1,22 @@
+"""No two folders of the package import each other, and the models/ layers do not import back
+through the FP8 contract (scripts/import_graph.py reads the sources' ASTs)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "import_graph.py"
+
+
+@pytest.mark.timeout(60)
+def test_no_folder_import_cycle_and_no_models_circle() -> None:
+    out = subprocess.run([sys.executable, str(SCRIPT), "--check"], capture_output=True, text=True, timeout=50)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "folder cycles (imports): 0" in out.stdout
+    assert "diffusion -> launch" not in out.stdout
+    file_cycles = out.stdout.split("file cycles (imports):")[1]
+    assert "models.layers" not in file_cycles and "models.decoder" not in file_cycles, file_cycles

@@ -1,0 +1,111 @@
+"""disk_delta keeps its working memory across versions: the sender's copies of the last version
+(and their spares), the receiver's read buffer. Versions after an abort and after a base reset
+still rebuild the trainer's bytes exactly."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles.core.errors import SyncError
+from miles.core.schema.sync import SyncConfig
+from miles.transport.bulk.base import LocalWeights
+from miles.transport.bulk.buckets import iter_buckets
+from miles.transport.bulk.disk_delta import DiskDeltaReceiver, DiskDeltaSender, version_dir
+
+pytestmark = pytest.mark.timeout(60)
+BUCKET = 1 << 12
+
+
+class Side:
+    """A sender and one engine's receiver over a directory, the engine's weights as a dict."""
+
+    def __init__(self, root: Path, weights: dict[str, torch.Tensor]) -> None:
+        self.snd = DiskDeltaSender(SyncConfig(transport="disk_delta", bucket_mib=1, delta_dir=str(root)))
+        asyncio.run(self.snd.open(["e"]))
+        self.rcv = DiskDeltaReceiver({"dir": str(root)}, BUCKET)
+        self.live = {k: torch.zeros_like(v) for k, v in weights.items()}
+        self.version = 0
+
+    def write(self, v: int, weights: dict[str, torch.Tensor]) -> int:
+        n = 0
+        for seq, b in enumerate(iter_buckets(weights.items(), BUCKET)):
+            self.snd.prepare(v, seq, b)
+            asyncio.run(self.snd.transmit())
+            n += 1
+        asyncio.run(self.snd.finish(v))
+        return n
+
+    def push(self, v: int, weights: dict[str, torch.Tensor]) -> list[dict]:
+        n = self.write(v, weights)
+        local = LocalWeights(self.version, lambda k: self.live[k])
+        got = [x for seq in range(n) for x in self.rcv._recv(v, seq, local)]
+        for name, t in got:
+            self.live[name] = t.clone()
+        asyncio.run(self.snd.committed(v))
+        self.version = v
+        return [e for b in self.rcv._load_index(v)["buckets"].values() for e in b]
+
+
+def _weights() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {f"w{i}": torch.randn(64 + 16 * i, generator=g) for i in range(6)}
+
+
+def test_buffers_are_reused_and_unchanged_entries_cost_no_copy(tmp_path: Path) -> None:
+    w = _weights()
+    side = Side(tmp_path, w)
+    side.push(1, w)
+    first = {k: t.data_ptr() for k, t in side.snd._last.items()}
+    w["w1"] += 1.0
+    enc = {e["name"]: e["encoding"] for e in side.push(2, w)}
+    assert enc["w1"].startswith("xor") and {v for k, v in enc.items() if k != "w1"} == {"same"}
+    assert side.snd._last["w0"].data_ptr() == first["w0"]  # unchanged: the same buffer, not copied again
+    assert side.snd._last["w1"].data_ptr() != first["w1"]  # changed: written into the spare
+    spare = side.snd._spare["w1"].data_ptr()
+    assert spare == first["w1"]  # v1's buffer is now the spare
+    w["w1"] += 1.0
+    side.push(3, w)
+    assert side.snd._last["w1"].data_ptr() == spare  # and v3 lands in it: no new memory per version
+    for k in w:
+        assert torch.equal(side.live[k], w[k]), k
+
+
+def test_an_aborted_version_leaves_the_base_and_the_next_delta_exact(tmp_path: Path) -> None:
+    w = _weights()
+    side = Side(tmp_path, w)
+    side.push(1, w)
+    w["w2"] -= 0.5
+    side.write(2, w)
+    asyncio.run(side.snd.abort(2))  # e.g. an engine died mid-push: v2 never commits
+    assert side.snd.base_version == 1  # v3 is a delta against v1, which the engine holds
+    w["w3"] *= 2.0
+    enc = {e["name"]: e["encoding"] for e in side.push(3, w)}
+    assert enc["w2"].startswith("xor") and enc["w3"].startswith("xor") and enc["w0"] == "same"
+    for k in w:
+        assert torch.equal(side.live[k], w[k]), k
+    side.snd.reset_base()  # engines restarted: the next version is written in full
+    side.live = {k: torch.zeros_like(v) for k, v in w.items()}
+    enc = {e["name"]: e["encoding"] for e in side.push(4, w)}
+    assert all(v.startswith("full") for v in enc.values())
+    for k in w:
+        assert torch.equal(side.live[k], w[k]), k
+
+
+def test_a_corrupt_delta_is_refused_after_the_read_buffer_was_reused(tmp_path: Path) -> None:
+    w = _weights()
+    side = Side(tmp_path, w)
+    side.push(1, w)
+    w["w5"] += 1.0
+    side.write(2, w)
+    idx = side.rcv._load_index(2)
+    seq, entry = next((s, e) for s, b in idx["buckets"].items() for e in b if e["name"] == "w5")
+    path = version_dir(tmp_path, 2) / f"bucket_{seq}.bin"
+    data = bytearray(path.read_bytes())
+    data[entry["offset"] + 3] ^= 0x40
+    path.write_bytes(bytes(data))
+    with pytest.raises(SyncError, match="checksum mismatch"):
+        side.rcv._recv(2, int(seq), LocalWeights(1, lambda k: side.live[k]))
