@@ -37,7 +37,7 @@ import asyncio
 import contextlib
 import json
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +114,9 @@ class SGLangEngine(Engine):
         self._ready = asyncio.Lock()
         self._started = False
         self._watchdog: asyncio.Task[None] | None = None
+        # called when the server cannot be brought back (restarts exhausted, a restart failed at start):
+        # the engine role ends with that error, for its supervisor to stop the run with the cause
+        self.on_lost: Callable[[BaseException], None] | None = None
         self._fatal = ""  # why the server cannot serve any more (restarts exhausted / failed)
         self._inflight: dict[str, asyncio.Task[GenerateResult]] = {}
         self._aborted: set[str] = set()  # rids this client asked the server to abort
@@ -166,7 +169,10 @@ class SGLangEngine(Engine):
                 try:
                     restarted = await self.server.ensure_running(self._session)
                 except EngineStartError as exc:
+                    first = not self._fatal
                     self._fatal = self._last_error = str(exc)
+                    if first and self._started and self.on_lost is not None:
+                        self.on_lost(exc)  # it had served: the role ends with this (see __init__)
                     raise
             elif not self._started:
                 await wait_healthy(self._session, self.url, Deadline.after(self.cfg.sglang_startup_timeout_s))
@@ -197,7 +203,7 @@ class SGLangEngine(Engine):
             try:
                 await self.start()
             except EngineError as exc:
-                log.error("sglang_server_lost", error=str(exc))
+                log.error("sglang_server_lost", error=str(exc))  # start() told on_lost
                 return
 
     async def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:

@@ -84,6 +84,16 @@ def main(argv: list[str] | None = None) -> int:
             except BaseException:
                 await engine.close()  # a launched server is not left behind; the error is reported below
                 raise
+            if hasattr(engine, "on_lost"):  # an external server that cannot be brought back ends the role
+
+                def lost(exc: BaseException) -> None:
+                    from miles.launch.supervision import report_crash
+
+                    report_crash(exc, started=True)
+                    code["rc"] = 1
+                    stop.set()
+
+                engine.on_lost = lost  # type: ignore[attr-defined]
             name = "eval-engine" if a.role == "eval_engine" else f"engine-{a.index}"
             await host.add(EngineActor(engine), name)
         elif a.role == "rollout":

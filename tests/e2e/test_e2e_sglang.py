@@ -144,3 +144,23 @@ def test_server_failing_at_start_is_shown_and_not_restarted(tmp_path: Path) -> N
     assert launches(tmp_path / "stage") == 1, "a server that failed at start was started again"
     assert not metrics(run)
     assert time.monotonic() - t0 < 200
+
+
+def test_a_server_that_cannot_come_back_stops_the_run_with_its_cause(tmp_path: Path) -> None:
+    port = free_port_block(1)
+    p, run, console = start(tmp_path, "--set", "run.steps=50", "--set", f"engine.sglang_port={port}",
+                            "--set", "engine.sglang_max_restarts=0")
+    try:
+        wait_for(lambda: len(metrics(run)) >= 1 or p.poll() is not None, 300, "the first step")
+        assert p.poll() is None, console.read_text()[-3000:]
+        [pid] = server_pids(port)
+        os.kill(pid, signal.SIGKILL)
+        rc = wait(p, 200)
+    finally:
+        if p.poll() is None:
+            kill_tree(p)
+    out = console.read_text()
+    # the cause on the console (from the engine role's exit or the rollout's last error, whichever
+    # the launcher sees first), and no further start
+    assert rc != 0 and "has been restarted 0 times" in out, out[-3000:]
+    assert launches(tmp_path / "stage") == 1

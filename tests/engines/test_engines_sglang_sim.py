@@ -180,3 +180,26 @@ async def test_pause_drops_a_request_the_server_holds_unscheduled(ckpt: Path, tm
         assert len((await eng.generate(req())).output_ids) == 6
     finally:
         await eng.close()
+
+
+async def test_a_server_that_cannot_come_back_ends_the_engine(ckpt: Path, tmp_path: Path) -> None:
+    """Restarts exhausted (here none allowed): the engine reports it through on_lost (the engine
+    role then ends with it, and its supervisor stops the run with the cause), not a loop."""
+    eng = SGLangEngine(sim_config(ckpt, tmp_path, sglang_max_restarts=0))
+    lost: list[BaseException] = []
+    eng.on_lost = lost.append
+    try:
+        await eng.warm_up()
+        assert eng.server is not None and eng.server.pid is not None
+        os.killpg(eng.server.pid, signal.SIGKILL)
+        for _ in range(300):
+            if lost:
+                break
+            await asyncio.sleep(0.1)
+        assert len(lost) == 1 and isinstance(lost[0], EngineStartError)
+        assert "restarted 0 times" in str(lost[0]) and eng.server.starts == 1
+        assert not eng.health()["ok"] and eng.health()["fatal"]
+        with pytest.raises(EngineStartError):
+            await eng.generate(req())
+    finally:
+        await eng.close()
