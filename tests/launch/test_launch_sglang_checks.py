@@ -29,6 +29,8 @@ VERDICTS = {
     "quickstart_fp8.toml": HEAD_DIM_FIX,
     "lora_cpu.toml": "trainer.lora.rank > 0 needs engine.type = 'torch'",
     "smollm2_rl_cpu.toml": "starts",  # SmolLM2-135M: head_dim 64 (or refused for its model.path when absent)
+    "gsm8k.toml": "starts",  # SmolLM2-135M: head_dim 64, bf16 (refused for its model.path when absent)
+    "agentic_calc.toml": "starts",  # the same checkpoint
     "slurm/multinode.toml": "starts",  # Qwen3-30B-A3B: head_dim 128 (refused for its model.path when absent)
 }
 # With the fix the refusal names, applied:
