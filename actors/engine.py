@@ -116,9 +116,10 @@ class EngineActor(Actor):
 
     @handler(Pause)
     async def pause(self, msg: Pause) -> int:
-        if msg.mode not in ("abort", "retract", "in_place"):
-            raise EngineError(f"pause mode {msg.mode!r}: valid are abort, retract, in_place")
-        return len(await self.engine.pause(msg.mode))  # type: ignore[arg-type]
+        if msg.mode not in ("auto", "abort", "retract", "in_place"):
+            raise EngineError(f"pause mode {msg.mode!r}: valid are auto, abort, retract, in_place")
+        mode = self.engine.default_pause_mode if msg.mode == "auto" else msg.mode  # auto: the engine's own
+        return len(await self.engine.pause(mode))  # type: ignore[arg-type]
 
     @handler(Resume)
     async def resume(self, msg: Resume) -> None:

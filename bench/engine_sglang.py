@@ -50,7 +50,7 @@ def sglang_config(
     graphs up to the largest batch) and every case's sequence fits its context."""
     max_batch = max(c.batch for c in cases)
     return EngineConfig(
-        type="sglang", dtype="bfloat16", pause_mode="retract", max_batch_size=max_batch,
+        type="sglang", dtype="bfloat16", max_batch_size=max_batch,
         max_seq_len=max(c.prompt + c.new for c in cases) + 8, sglang_model_path=str(checkpoint),
         sglang_port=port, sglang_mem_fraction=mem_fraction, sglang_python=python,
         sglang_startup_timeout_s=start_s, sglang_request_timeout_s=600.0,

@@ -54,6 +54,13 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
     return convert(value, tp, path, ConfigError)
 
 
+def _removed(cls: Any, key: str, where: str) -> None:
+    """A section lists keys it no longer has in REMOVED_KEYS (key -> where the setting went)."""
+    why = getattr(cls, "REMOVED_KEYS", {}).get(key)
+    if why:
+        raise ConfigError(f"config key {where!r} was removed: {why}")
+
+
 def _build(cls: type[T], data: dict[str, Any], path: str) -> T:
     hints = _hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
@@ -61,6 +68,7 @@ def _build(cls: type[T], data: dict[str, Any], path: str) -> T:
     for key, value in data.items():
         where = f"{path}.{key}" if path else key
         if key not in names:
+            _removed(cls, key, where)
             raise ConfigError(f"unknown config key {where!r}; valid keys here: {', '.join(names)}")
         kwargs[key] = _coerce(hints[key], value, where)
     try:
@@ -87,6 +95,7 @@ def _field_type(cls: type, dotted: str) -> Any:
             hints = _hints(tp)
             if part not in hints:
                 where = ".".join(dotted.split(".")[: i + 1])
+                _removed(tp, part, where)
                 raise ConfigError(f"unknown config key {where!r}; valid keys here: {', '.join(hints)}")
             tp = hints[part]
         elif get_origin(tp) is dict:

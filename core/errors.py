@@ -60,6 +60,17 @@ class EngineError(MilesError):
     """A rollout engine rejected a request or crashed."""
 
 
+class EngineStartError(EngineError, StartupError):
+    """An engine's server could not start (it exited or never answered during start-up), or could
+    not be started again: the same config fails the same way, so neither the engine nor its
+    supervisor restarts it; the message ends with the server's own error lines."""
+
+
+class EngineDown(EngineError):
+    """The engine's server is down (crashed, restarting): the request never ran, through no fault
+    of its prompt; route it elsewhere or retry once the engine's health says ok again."""
+
+
 class SessionError(MilesError):
     """A session-server request cannot be served."""
 
@@ -102,6 +113,8 @@ KNOWN_ERRORS: dict[str, type[MilesError]] = {
         PeerGone,
         ActorDeadError,
         EngineError,
+        EngineStartError,
+        EngineDown,
         SessionError,
         Diverged,
         NotAppendOnly,

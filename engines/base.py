@@ -97,6 +97,9 @@ class Engine(abc.ABC):
         """The engine's in-place landing, or None: it takes weights only through `stage()`."""
         return None
 
+    # what sync.pause_mode = "auto" means for this engine (a pause that keeps every token attributable)
+    default_pause_mode: PauseMode = "in_place"
+
     @abc.abstractmethod
     async def generate(self, req: GenerateRequest) -> GenerateResult: ...
 

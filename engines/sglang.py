@@ -10,42 +10,56 @@ Tested against SGLang 0.5.17 (sglang/srt/entrypoints/http_server.py). Endpoints 
   GET  /health, GET /get_model_info (model_path, weight_version)
 Request/response fields: engines/sglang_wire.py. Launcher: engines/sglang_server.py.
 
-Weight updates go through disk: `stage` writes each bucket as a safetensors shard of
-a version folder, `commit` checks that every tensor of the checkpoint is there, completes
-the folder (config + index) and asks the server to load it with the new weight_version.
-The server applies the load between two scheduler iterations, and commit runs while
-generation is paused, so no request sees a mix of versions. Not used, on purpose:
-  - /update_weights_from_tensor takes ForkingPickler-serialized tensors (pickle across a
-    process boundary, which miles never does);
+Weight updates (engines/sglang_update.py, engine.sglang_weight_update): every bucket of a
+version is staged on this side; commit checks that every tensor of the checkpoint is there and
+hands the whole version to the server, in memory (/update_weights_from_tensor: CUDA IPC
+handles where the engine stages on the server's GPU) or through a safetensors folder
+(/update_weights_from_disk), with the new weight_version. commit runs while generation is
+paused, so no request sees a mix of versions. Not offered:
   - /update_weights_from_distributed loads every bucket into the live model as it arrives
-    (no atomic staging of a whole version), so miles cannot offer its commit semantics on it;
+    (no atomic staging of a whole version), and NCCL refuses two ranks on one GPU, the
+    colocated case the tensor path covers;
   - pause(mode="in_place") exists in SGLang, but the server reports one weight_version per
-    response, so tokens of a request held across a commit could not be given their versions.
-These raise EngineError naming the gap instead of pretending.
+    response, so tokens of a request held across a commit could not be given their versions
+    (the launch check refuses sync.pause_mode in_place / none with engine.type = sglang).
+
+Start and failures: `warm_up` (called by the engine role before it registers) launches the
+server, waits for /health and runs one request, so the server's 60-150 s start never counts
+against a request's deadline. A server that fails at start raises EngineStartError carrying
+its own error lines and is not restarted; a server that had served and crashed is restarted
+by a watchdog (engine.sglang_max_restarts), brought back to the committed version, and until
+then health() says not ok and requests in flight at the crash fail with EngineDown.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-import shutil
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from miles.core.clock import Deadline
-from miles.core.errors import EngineError
+from miles.core.errors import EngineDown, EngineError, EngineStartError
 from miles.core.logging import get_logger
 from miles.core.schema.engine import EngineConfig
 from miles.core.schema.model import ModelConfig
-from miles.engines.base import Engine, GenerateRequest, GenerateResult, PauseMode, RequestTotals
+from miles.engines.base import (
+    Engine,
+    GenerateRequest,
+    GenerateResult,
+    PauseMode,
+    RequestTotals,
+    SamplingParams,
+)
 from miles.engines.sglang_server import SGLangServer, wait_healthy
+from miles.engines.sglang_update import DiskUpdate, TensorUpdate, WeightUpdate
 from miles.engines.sglang_wire import ModelFacts, generate_payload, parse_generate, parse_version
 from miles.engines.validate import validate_request
 from miles.models.hf_io import iter_checkpoint, tensor_checksum
@@ -71,11 +85,14 @@ def checkpoint_shapes(path: str | Path) -> dict[str, tuple[tuple[int, ...], str]
 
 
 class SGLangEngine(Engine):
+    default_pause_mode: PauseMode = "retract"  # in_place cannot be offered (module docstring)
+
     def __init__(self, cfg: EngineConfig, model_path: str = "", version: int = 0) -> None:
         self.cfg = cfg
         self.model_path = model_path or cfg.sglang_model_path
         if not self.model_path:
-            raise EngineError("SGLangEngine needs the served checkpoint folder (engine.sglang_model_path)")
+            raise EngineError("SGLangEngine needs the served checkpoint folder (engine.sglang_model_path, "
+                              "else model.path)")
         self.facts = ModelFacts.from_dir(self.model_path)
         self.max_seq_len = min(cfg.max_seq_len, self.facts.max_positions)
         self.shapes = checkpoint_shapes(self.model_path)
@@ -88,17 +105,27 @@ class SGLangEngine(Engine):
             self.server = SGLangServer(cfg, self.model_path, self.stage_root / "server.log", self.max_seq_len)
             self.server.weight_version = version
             self.url = self.server.url
+        kind = cfg.sglang_weight_update
+        if kind == "auto":
+            kind = "tensor" if cfg.device.startswith("cuda") else "disk"
+        self.update: WeightUpdate = (TensorUpdate(cfg.device, cfg.sglang_tp) if kind == "tensor"
+                                     else DiskUpdate(self.stage_root, self.model_path, self._disk_committed))
         self._session: aiohttp.ClientSession | None = None
         self._ready = asyncio.Lock()
         self._started = False
+        self._watchdog: asyncio.Task[None] | None = None
+        # called when the server cannot be brought back (restarts exhausted, a restart failed at start):
+        # the engine role ends with that error, for its supervisor to stop the run with the cause
+        self.on_lost: Callable[[BaseException], None] | None = None
+        self._fatal = ""  # why the server cannot serve any more (restarts exhausted / failed)
         self._inflight: dict[str, asyncio.Task[GenerateResult]] = {}
         self._aborted: set[str] = set()  # rids this client asked the server to abort
+        self._http: dict[str, asyncio.Future[Any]] = {}  # each request's HTTP call
         self._paused = False
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._staged_version: int | None = None
         self._staged: set[str] = set()
-        self._committed_dir: Path | None = None
         self._closed = False
         self._last_error = ""
         self._totals = RequestTotals()
@@ -109,9 +136,24 @@ class SGLangEngine(Engine):
     ) -> SGLangEngine:
         return cls(cfg, cfg.sglang_model_path or model_cfg.path, version)
 
-    # ---- HTTP ---------------------------------------------------------------------
+    def _disk_committed(self, path: str, version: int) -> None:
+        if self.server is not None:  # a restart after a crash serves this version, not the launch weights
+            self.server.model_path, self.server.weight_version = path, version
+
+    # ---- start, restart -------------------------------------------------------------
+    async def warm_up(self) -> None:
+        """Before the engine is registered: the server is up and has answered one request, so its
+        start (60-150 s on an H200) never counts against the first requests' deadlines."""
+        await self.start()
+        req = GenerateRequest([0], SamplingParams(temperature=0.0, max_new_tokens=1))
+        await self._call("POST", "/generate", generate_payload(req))
+        log.info("sglang_engine_ready", url=self.url, version=self.version, update=self.update.kind)
+
     async def start(self) -> None:
-        """Launch (or reach) the server and wait until it answers; called lazily by every request."""
+        """Launch (or reach) the server and wait until it answers; called by every request (a no-op
+        once up). Raises EngineStartError when it cannot start: never retried in a loop."""
+        if self._fatal:
+            raise EngineStartError(self._fatal)
         async with self._ready:
             if self._closed:
                 raise EngineError("engine is closed")
@@ -122,17 +164,47 @@ class SGLangEngine(Engine):
                 # --max-running-requests (max_batch_size); twice that keeps its queue full too.
                 conn = aiohttp.TCPConnector(limit=max(100, 2 * self.cfg.max_batch_size))
                 self._session = aiohttp.ClientSession(timeout=timeout, connector=conn)
+            restarted = False
             if self.server is not None:
-                await self.server.ensure_running(self._session)
+                try:
+                    restarted = await self.server.ensure_running(self._session)
+                except EngineStartError as exc:
+                    first = not self._fatal
+                    self._fatal = self._last_error = str(exc)
+                    if first and self._started and self.on_lost is not None:
+                        self.on_lost(exc)  # it had served: the role ends with this (see __init__)
+                    raise
             elif not self._started:
                 await wait_healthy(self._session, self.url, Deadline.after(self.cfg.sglang_startup_timeout_s))
-            if not self._started:
+            if restarted or not self._started:
                 info = await self._call("GET", "/get_model_info")
                 served = parse_version(info.get("weight_version"), "sglang /get_model_info")
-                if served != self.version:
+                if served != self.version and self._started:
+                    # a restart serves the launch weights (tensor) or a folder older than a commit made
+                    # while it was down: the committed version is sent again before anything is served
+                    await self.update.replay(self.version, self._call)
+                    log.info("sglang_version_replayed", served=served, version=self.version)
+                elif served != self.version:
                     log.info("sglang_version_adopted", configured=self.version, served=served)
                     self.version = served
-                self._started = True
+            self._started = True
+            if self.server is not None and self._watchdog is None:
+                self._watchdog = asyncio.get_running_loop().create_task(self._watch(), name="sglang-watchdog")
+
+    async def _watch(self, every_s: float = 1.0) -> None:
+        """Restart a server that had served and died, without waiting for a request to find it
+        (routing skips an engine whose health is not ok, so none might come)."""
+        assert self.server is not None
+        while not self._closed:
+            await asyncio.sleep(every_s)
+            if self.server.alive or self._closed:
+                continue
+            log.warning("sglang_server_died", code=self.server.exit_code(), log=str(self.server.log_path))
+            try:
+                await self.start()
+            except EngineError as exc:
+                log.error("sglang_server_lost", error=str(exc))  # start() told on_lost
+                return
 
     async def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         assert self._session is not None
@@ -145,8 +217,8 @@ class SGLangEngine(Engine):
             self._last_error = f"{path}: {type(exc).__name__}: {exc}"
             if self.server is not None and not self.server.alive:
                 code = self.server.exit_code()
-                raise EngineError(f"sglang server died (exit code {code}) during {path}; "
-                                  f"it is restarted on the next request") from exc
+                raise EngineDown(f"sglang server died (exit code {code}) during {path}; it is restarted "
+                                 f"(engine.sglang_max_restarts); log: {self.server.log_path}") from exc
             raise EngineError(f"sglang {path}: {type(exc).__name__}: {exc}") from exc
         try:
             return json.loads(text) if text.strip() else {}
@@ -173,8 +245,16 @@ class SGLangEngine(Engine):
                 self._inflight.pop(req.request_id, None)
 
     async def _generate(self, req: GenerateRequest) -> GenerateResult:
+        call = asyncio.ensure_future(self._call("POST", "/generate", generate_payload(req)))
+        self._http[req.request_id] = call
         try:
-            body = await self._call("POST", "/generate", generate_payload(req))
+            body = await call
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if call.cancelled() and req.request_id in self._aborted and not (task and task.cancelling()):
+                # dropped by pause(): the server held it unscheduled (module doc); nothing was delivered
+                return GenerateResult(req.request_id, [], [], "abort", [], len(req.input_ids), 0)
+            raise
         except EngineError:
             if req.request_id not in self._aborted:
                 raise
@@ -183,6 +263,7 @@ class SGLangEngine(Engine):
             return GenerateResult(req.request_id, [], [], "abort", [], len(req.input_ids), 0)
         finally:
             self._aborted.discard(req.request_id)
+            self._http.pop(req.request_id, None)
         res = parse_generate(body, req, self.facts)
         self._totals.requests += 1
         self._totals.prompt += res.prompt_tokens
@@ -213,7 +294,7 @@ class SGLangEngine(Engine):
         return info
 
     # ---- pause / weights ----------------------------------------------------------
-    async def pause(self, mode: PauseMode = "in_place") -> list[GenerateResult]:
+    async def pause(self, mode: PauseMode = "retract") -> list[GenerateResult]:
         if mode == "in_place":
             raise EngineError(
                 "pause(in_place) is not offered on stock SGLang 0.5.17: its responses carry one weight_version, "
@@ -221,15 +302,17 @@ class SGLangEngine(Engine):
             )
         if mode not in ("abort", "retract"):
             raise EngineError(f"pause: unknown mode {mode!r}; valid: abort, retract")
-        await self.start()
         self._paused = True
         self._resumed.clear()
         running = list(self._inflight.values())
         self._aborted.update(self._inflight)
         # SGLang's own 'retract' keeps requests on the server and resumes them after the pause, with
         # no record of where the version changed; miles' retract returns them to the caller instead,
-        # which is SGLang's 'abort' plus the retracted flag (partial output is kept).
-        await self._call("POST", "/pause_generation", {"mode": "abort"})
+        # which is SGLang's 'abort' plus the retracted flag (partial output is kept). A server that is
+        # down runs nothing: paused already (its requests failed with EngineDown).
+        if not await self._control("/pause_generation", {"mode": "abort"}):
+            log.info("sglang_pause_while_down")
+        await self._drop_held(running)
         out: list[GenerateResult] = []
         for t in running:
             try:
@@ -241,14 +324,43 @@ class SGLangEngine(Engine):
             out.append(res)
         return out
 
+    async def _drop_held(self, running: list[asyncio.Task[GenerateResult]], quiet_s: float = 0.5) -> None:
+        """Requests the scheduler had come back at once, aborted with their partial output. One that
+        reached the server after the pause is held unscheduled until /continue_generation (SGLang's
+        tokenizer manager waits on the pause; /abort_request cannot reach it yet), so it would never
+        answer here: once answers stop coming for `quiet_s`, the remaining calls are dropped on this
+        side (the caller gets an empty abort and resubmits; the server computes it after resume and
+        finds the connection closed)."""
+        pending = {t for t in running if not t.done()}
+        while pending:
+            done, pending = await asyncio.wait(pending, timeout=quiet_s, return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                break
+        for t in pending:
+            rid = next((r for r, task in self._inflight.items() if task is t), None)
+            call = self._http.get(rid) if rid is not None else None
+            if call is not None:
+                log.info("sglang_request_dropped_at_pause", request_id=rid)
+                call.cancel()
+
+    async def _control(self, path: str, body: dict[str, Any]) -> bool:
+        """A control call that a down server makes moot (it restarts unpaused, on the committed
+        version): False, without waiting for its restart (60-150 s, over a sync step's deadline)."""
+        if self._down():
+            return False
+        try:
+            await self._call("POST", path, body)
+        except EngineDown:
+            return False
+        return True
+
+    def _down(self) -> bool:
+        return self.server is not None and self._started and not (self.server.alive and self.server.served)
+
     async def resume(self) -> None:
-        await self.start()
-        await self._call("POST", "/continue_generation", {})
+        await self._control("/continue_generation", {})
         self._paused = False
         self._resumed.set()
-
-    def _version_dir(self, version: int) -> Path:
-        return self.stage_root / f"v{version}"
 
     async def stage(
         self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
@@ -258,23 +370,20 @@ class SGLangEngine(Engine):
                               "commit or abort it first")
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         dtype = _DTYPES[self.cfg.dtype]
-        shard: dict[str, torch.Tensor] = {}
+        bucket: dict[str, torch.Tensor] = {}
         for name, t in items:
             if name not in self.shapes:
                 raise EngineError(f"stage(version={version}): unknown tensor {name!r}")
             if tuple(t.shape) != self.shapes[name][0]:
                 raise EngineError(f"stage(version={version}): tensor {name!r} has shape {tuple(t.shape)}, "
                                   f"engine expects {self.shapes[name][0]}")
-            shard[name] = t.detach().to("cpu", dtype).contiguous().clone()
-        d = self._version_dir(version)
+            bucket[name] = t.detach().to(dtype=dtype).contiguous()
         if self._staged_version is None:
-            shutil.rmtree(d, ignore_errors=True)
-            d.mkdir(parents=True)
+            self.update.begin(version)
             self._staged_version = version
-        if shard:
-            path = d / f"bucket-{len(list(d.glob('bucket-*.safetensors'))):05d}.safetensors"
-            await asyncio.to_thread(save_file, shard, str(path), {"format": "pt"})
-            self._staged.update(shard)
+        if bucket:
+            await self.update.stage(version, bucket)  # copies: the caller may reuse its tensors
+            self._staged.update(bucket)
         return len(self._staged)
 
     async def commit(self, version: int) -> None:
@@ -285,42 +394,27 @@ class SGLangEngine(Engine):
             more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
             raise EngineError(f"commit(version={version}): {len(missing)} tensors not staged: "
                               f"{', '.join(missing[:3])}{more}")
-        d = self._version_dir(version)
-        await asyncio.to_thread(self._finish_version_dir, d)
-        await self.start()
-        body = {"model_path": str(d), "weight_version": str(version), "flush_cache": True}
-        res = await self._call("POST", "/update_weights_from_disk", body)
-        if not res.get("success", False):
-            raise EngineError(f"commit(version={version}): server refused the update: {res.get('message')}")
-        old, self._committed_dir = self._committed_dir, d
+        deferred = self._down()
+        if not deferred:
+            try:
+                await self.update.commit(version, self._call)
+            except EngineDown:
+                deferred = True
+        if deferred:  # the restart (or the replay after it) brings the server to this version
+            await asyncio.to_thread(self.update.adopt, version)
         self.version, self._staged_version, self._staged = version, None, set()
-        if self.server is not None:  # a restart after a crash serves this version, not the launch weights
-            self.server.model_path, self.server.weight_version = str(d), version
-        if old is not None and old != d:
-            shutil.rmtree(old, ignore_errors=True)
-        log.info("engine_weights_committed", version=version, path=str(d))
-
-    def _finish_version_dir(self, d: Path) -> None:
-        src = Path(self.model_path)
-        for f in src.iterdir():  # config, generation config, tokenizer files: everything but weights
-            if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
-                shutil.copy2(f, d / f.name)
-        weight_map: dict[str, str] = {}
-        for shard in sorted(d.glob("bucket-*.safetensors")):
-            with safe_open(str(shard), framework="pt") as f:
-                weight_map.update(dict.fromkeys(f.keys(), shard.name))  # noqa: SIM118
-        (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        log.info("engine_weights_committed", version=version, update=self.update.kind, deferred=deferred)
 
     async def abort_version(self, version: int) -> None:
         if self._staged_version == version:
-            shutil.rmtree(self._version_dir(version), ignore_errors=True)
+            self.update.abort(version)
             self._staged_version, self._staged = None, set()
 
     # ---- introspection ------------------------------------------------------------
     def health(self) -> dict[str, Any]:
-        alive = self.server.alive if self.server is not None else self._started
+        alive = (self.server.alive and self.server.served) if self.server is not None else self._started
         return {
-            "ok": alive and not self._closed,
+            "ok": alive and not self._closed and not self._fatal,
             "version": self.version,
             "paused": self._paused,
             "running": len(self._inflight),
@@ -328,6 +422,8 @@ class SGLangEngine(Engine):
             "device": f"sglang {self.url}",
             "restarts": self.server.restarts if self.server is not None else 0,
             "last_error": self._last_error,
+            "fatal": self._fatal,
+            "weight_update": self.update.kind,
         }
 
     def stats(self) -> dict[str, Any]:
@@ -357,17 +453,21 @@ class SGLangEngine(Engine):
         return out
 
     def checksums(self) -> dict[str, str]:
-        """xxh64 of every HF tensor of the version the server was last told to load (the committed
-        folder on disk). The live copy can be checked per tensor with `served_checksums`."""
-        d = self._committed_dir or Path(self.model_path)
-        return {k: tensor_checksum(v) for k, v in iter_checkpoint(d)}
+        """xxh64 of every HF tensor of the version the server was last given (the committed buffers
+        or folder; the launch checkpoint before any commit). The live copy can be checked per tensor
+        with `served_checksums`."""
+        return {k: tensor_checksum(v) for k, v in self.state_dict_hf().items()}
 
     def state_dict_hf(self) -> dict[str, torch.Tensor]:
-        d = self._committed_dir or Path(self.model_path)
-        return dict(iter_checkpoint(d))
+        committed = self.update.committed()
+        return committed if committed is not None else dict(iter_checkpoint(self.model_path))
 
     async def close(self) -> None:
         self._closed = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watchdog
         for t in list(self._inflight.values()):
             t.cancel()
         await asyncio.gather(*self._inflight.values(), return_exceptions=True)

@@ -1,15 +1,20 @@
 """Launcher for a stock SGLang server (`python -m sglang.launch_server`, tested with 0.5.17).
 
-Starts the server as a child process in its own process group, waits for `GET /health`
-(200 once the scheduler is up) under a deadline, and restarts it when it dies. A restart
-loads the last committed weights (`model_path` / `weight_version` are updated by the
-engine after every commit), so a crash never rolls the served version back.
+Starts the server as a child process in its own process group and waits for `GET /health`
+(200 once the scheduler is up) under a deadline. A server that exits or never answers
+during its first start raises `EngineStartError` with the error lines of its own log: the
+same config would fail the same way, so it is never restarted. Only a server that had
+served is restarted after a crash (at most engine.sglang_max_restarts times), and a
+restart that fails to start is final too. A restart loads the last committed weights
+(`model_path` / `weight_version` are updated by the engine after every disk commit), so a
+crash never rolls the served version back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -19,7 +24,7 @@ from pathlib import Path
 import aiohttp
 
 from miles.core.clock import Deadline
-from miles.core.errors import EngineError
+from miles.core.errors import EngineError, EngineStartError
 from miles.core.logging import get_logger
 from miles.core.schema.engine import EngineConfig
 
@@ -34,6 +39,7 @@ def launch_args(cfg: EngineConfig, model_path: str, weight_version: int, context
         "--model-path", model_path,
         "--host", cfg.sglang_host,
         "--port", str(cfg.sglang_port),
+        "--base-gpu-id", str(cfg.sglang_base_gpu),
         "--tp-size", str(cfg.sglang_tp),
         "--dp-size", str(cfg.sglang_dp),
         "--mem-fraction-static", str(cfg.sglang_mem_fraction),
@@ -60,6 +66,9 @@ class SGLangServer:
         self.url = f"http://{cfg.sglang_host}:{cfg.sglang_port}"
         self.log_path = Path(log_path)
         self.restarts = 0
+        self.starts = 0  # processes launched (first start + restarts)
+        self.served = False  # whether the running process answered /health
+        self.failed: str | None = None  # why the server cannot be (re)started; set once
         self._proc: subprocess.Popen[bytes] | None = None
         self._lock = asyncio.Lock()
 
@@ -76,48 +85,104 @@ class SGLangServer:
         return None if self._proc is None else self._proc.poll()
 
     async def ensure_running(self, session: aiohttp.ClientSession) -> bool:
-        """Start the server if it is not running; True when it was (re)started by this call."""
+        """Start the server if it is not running; True when it was (re)started by this call.
+        Raises EngineStartError when it cannot be (re)started: never a loop of failing starts."""
         async with self._lock:
+            if self.failed is not None:
+                raise EngineStartError(self.failed)
             if self.alive:
                 return False
-            if self._proc is not None:
-                if self.restarts >= self.cfg.sglang_max_restarts:
-                    raise EngineError(
-                        f"sglang server exited with code {self._proc.returncode} and has been restarted "
-                        f"{self.restarts} times (engine.sglang_max_restarts); log: {self.log_path}"
-                    )
-                self.restarts += 1
-                log.warning("sglang_server_restart", code=self._proc.returncode, restarts=self.restarts,
-                            model_path=self.model_path, version=self.weight_version)
-            await self._start(session)
-            return True
+            try:
+                return await self._restart(session)
+            except EngineStartError as exc:
+                self.failed = str(exc)  # final: every later call raises the same cause
+                raise
+
+    async def _restart(self, session: aiohttp.ClientSession) -> bool:
+        """(Re)start the server: a first start, or a restart of a server that had served."""
+        if self._proc is not None:
+            code = self._proc.returncode
+            if not self.served:
+                raise EngineStartError(f"sglang server failed at start (exit code {code}) and is not "
+                                       f"restarted{self._cause()}")
+            if self.restarts >= self.cfg.sglang_max_restarts:
+                raise EngineStartError(
+                    f"sglang server exited with code {code} and has been restarted {self.restarts} times "
+                    f"(engine.sglang_max_restarts){self._cause()}"
+                )
+            self.restarts += 1
+            await self.stop(5.0)  # children of the crashed server still hold the GPU and the port
+            log.warning("sglang_server_restart", code=code, restarts=self.restarts,
+                        model_path=self.model_path, version=self.weight_version)
+        self.served = False  # a restart must come up again before it counts as serving
+        await self._start(session)
+        self.served = True
+        return True
+
+    def _cause(self) -> str:
+        """' (log: PATH): <the server's own error lines>' - last, where a one-line report keeps them."""
+        lines = error_lines(self.log_path)
+        where = f" (log: {self.log_path})"
+        return f"{where}: {' | '.join(lines)}" if lines else where
 
     async def _start(self, session: aiohttp.ClientSession) -> None:
         if _port_taken(self.cfg.sglang_host, self.cfg.sglang_port):
             # Without this check a leftover server on the port would answer /health for ours.
-            raise EngineError(f"port {self.cfg.sglang_port} on {self.cfg.sglang_host} is already in use "
-                              "(another server?); stop it or set engine.sglang_port")
+            raise EngineStartError(f"port {self.cfg.sglang_port} on {self.cfg.sglang_host} is already in use "
+                                   "(another server?); stop it or set engine.sglang_port")
         args = launch_args(self.cfg, self.model_path, self.weight_version, self.context_length)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as f:
-            f.write(f"\n# miles launch: {' '.join(args)}\n".encode())
+            f.write(f"\n{LAUNCH_MARK}{' '.join(args)}\n".encode())
             f.flush()
             self._proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
                                           env=dict(os.environ))
+        self.starts += 1
         log.info("sglang_server_starting", pid=self._proc.pid, url=self.url, log=str(self.log_path))
-        await wait_healthy(session, self.url, Deadline.after(self.cfg.sglang_startup_timeout_s), self)
+        try:
+            await wait_healthy(session, self.url, Deadline.after(self.cfg.sglang_startup_timeout_s), self)
+        except EngineError as exc:
+            await self.stop(5.0)  # a server that hangs in start-up is not left holding the GPU
+            raise EngineStartError(f"{exc}{self._cause()}") from exc
 
     async def stop(self, timeout_s: float = 30.0) -> None:
-        proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
+        proc = self._proc
+        if proc is None:
             return
-        # The server forks scheduler/detokenizer children: signal the whole process group.
-        os.killpg(proc.pid, signal.SIGTERM)
+        # The server forks scheduler/detokenizer children: signal the whole process group, also when
+        # its leader has exited already (a child left behind would hold the GPU and the port).
+        _killpg(proc.pid, signal.SIGTERM)
         try:
             await asyncio.wait_for(asyncio.to_thread(proc.wait), timeout_s)
         except TimeoutError:
-            os.killpg(proc.pid, signal.SIGKILL)
+            _killpg(proc.pid, signal.SIGKILL)
             await asyncio.to_thread(proc.wait)
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+LAUNCH_MARK = "# miles launch: "
+# The last line of a Python traceback ("AssertionError: ...", "torch.OutOfMemoryError: ..."), which
+# is the cause; other error-looking lines only when no traceback ended.
+_RAISED = re.compile(r"^[\w.]*(Error|Exception|Interrupt)\b[^:]*:")
+_ERROR = re.compile(r"(error|exception|assert|CUDA|out of memory|killed)", re.IGNORECASE)
+
+
+def error_lines(log_path: Path, most: int = 2) -> list[str]:
+    """The server's own error lines from its most recent start in its log (newest last)."""
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return []
+    run = [ln.strip() for ln in text.rsplit(LAUNCH_MARK, 1)[-1].splitlines()[1:]]  # this start's output
+    raised = [ln for ln in run if _RAISED.match(ln)]
+    hits = raised or [ln for ln in run if _ERROR.search(ln) and not ln.startswith(("File ", "Traceback"))]
+    return [h[:400] for h in dict.fromkeys(hits[-most:])]
 
 
 def _port_taken(host: str, port: int) -> bool:
@@ -133,9 +198,7 @@ async def wait_healthy(
     last = "no answer yet"
     while not deadline.expired():
         if server is not None and server._proc is not None and server._proc.poll() is not None:
-            raise EngineError(
-                f"sglang server exited with code {server._proc.returncode} during start-up; log: {server.log_path}"
-            )
+            raise EngineError(f"sglang server exited with code {server._proc.returncode} during start-up")
         try:
             async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=10)) as r:
                 if r.status == 200:

@@ -12,9 +12,13 @@ top-p/top-k truncation, and greedy (temperature 0) is run as temperature 1 with 
 which is miles' definition (engines/base.py). Do not set SGLANG_RETURN_ORIGINAL_LOGPROB.
 
 Routed experts: SGLang returns int32 ids of shape [prompt + completion - 1, layers, k]:
-the last sampled token is never fed forward, so its routing does not exist. miles keeps
-that shape (one row fewer than the embedded engine, whose flush step feeds the last
-token); the missing row only affects positions after the last token, which no loss uses.
+the last sampled token is never fed forward, so its routing does not exist. The engine
+contract (engines/base.py, what the rollout's session store takes) is one row per fed
+token, prompt + completion, like the embedded engine whose flush step feeds the last token;
+so a finished request's last row is repeated for it. That row routes only the last token's
+own position in the trainer's replay, whose output no loss reads, and under causal attention
+no earlier position sees it. An aborted request keeps SGLang's shape (the contract's "one
+less when aborted").
 """
 
 from __future__ import annotations
@@ -178,6 +182,8 @@ def parse_generate(body: Any, req: GenerateRequest, facts: ModelFacts) -> Genera
                 f"{where}: routed_experts missing; start the server with --enable-return-routed-experts"
             )
         routed = decode_routed_experts(b64, None if kind == "abort" else prompt + len(ids) - 1, facts, where)
+        if kind != "abort" and len(routed):
+            routed = np.concatenate([routed, routed[-1:]])  # the never-fed last token (module doc)
     return GenerateResult(
         request_id=req.request_id,
         output_ids=ids,

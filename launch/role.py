@@ -75,8 +75,25 @@ def main(argv: list[str] | None = None) -> int:
                     torch.cuda.set_device(cfg.engine.device)
                 if cfg.engine.mps_thread_percent:
                     check_gemms_under_sm_limit(torch.device(cfg.engine.device), cfg.engine.mps_thread_percent)
-            engine = ENGINES.get(cfg.engine.type).from_config(cfg.engine, cfg.model)
-            await engine.warm_up()  # before it is found: compiles must not eat the first requests' deadlines
+            # each engine its own server port (and GPUs); a snapshot eval engine comes after the others
+            index = cfg.engine.num_engines if a.role == "eval_engine" else a.index
+            engine = ENGINES.get(cfg.engine.type).from_config(cfg.engine.for_engine(index), cfg.model)
+            try:
+                # before it is found: compiles and a server's start must not eat the first requests' deadlines
+                await engine.warm_up()
+            except BaseException:
+                await engine.close()  # a launched server is not left behind; the error is reported below
+                raise
+            if hasattr(engine, "on_lost"):  # an external server that cannot be brought back ends the role
+
+                def lost(exc: BaseException) -> None:
+                    from miles.launch.supervision import report_crash
+
+                    report_crash(exc, started=True)
+                    code["rc"] = 1
+                    stop.set()
+
+                engine.on_lost = lost  # type: ignore[attr-defined]
             name = "eval-engine" if a.role == "eval_engine" else f"engine-{a.index}"
             await host.add(EngineActor(engine), name)
         elif a.role == "rollout":

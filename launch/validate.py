@@ -46,6 +46,11 @@ def validate_launch(cfg: MilesConfig) -> None:
     if not 0 <= cfg.engine.mps_thread_percent <= 100:
         raise ConfigError(f"engine.mps_thread_percent={cfg.engine.mps_thread_percent}: expected 0 (no limit) "
                           "to 100 (% of the GPU's SMs)")
+    from miles.launch.sglang_checks import sglang_launch_errors
+
+    sglang = sglang_launch_errors(cfg)
+    if sglang:
+        raise ConfigError("; ".join(sglang))
     if cfg.trainer.pause_engines and cfg.engine.type != "torch":
         raise ConfigError(f"trainer.pause_engines pauses engines in place (requests and KV kept), which "
                           f"engine.type = {cfg.engine.type!r} does not offer: use the torch engine or turn it off")

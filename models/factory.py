@@ -29,15 +29,15 @@ def torch_dtype(name: str) -> torch.dtype:
 def model_from_config(
     cfg: ModelConfig,
     vocab_size: int | None = None,
-    dtype: str | None = None,
+    dtype: str = "float32",
     device: str | torch.device = "cpu",
 ) -> CausalLM:
     """The model named by `cfg` (checkpoint at cfg.path, else preset cfg.arch seeded by cfg.seed).
 
     `vocab_size` (e.g. the tokenizer's) is used for a preset when cfg.vocab_size is 0;
-    `dtype` overrides cfg.dtype (an engine may run in another dtype than the trainer).
+    `dtype` is the caller's (the engine's or the trainer's): the model section holds none.
     """
-    dt = torch_dtype(dtype or cfg.dtype)
+    dt = torch_dtype(dtype)
     if cfg.path:
         check_fp8_checkpoint(cfg, ModelSpec.from_dir(cfg.path))
         return load_model(cfg.path, dtype=dt, device=device)

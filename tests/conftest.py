@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +18,14 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS / "actors" / "procs"))
 sys.path.insert(0, str(TESTS))  # tests/numerics.py: `from numerics import ...` from any test folder
+
+# One Inductor cache per test session, shared with the processes it starts. A cache left in /tmp
+# by runs under another ATEN_CPU_CAPABILITY (CI's second pass, a user's earlier sweep) held CPU
+# kernels that crashed this process when loaded (seen in tests/engines/test_engines_compile_cpu.py).
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    _inductor = tempfile.mkdtemp(prefix="miles-tests-inductor-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _inductor
+    atexit.register(shutil.rmtree, _inductor, True)
 
 
 class Procs:

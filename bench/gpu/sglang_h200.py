@@ -68,8 +68,10 @@ def teacher_forced(model: Any, res: list[GenerateResult], reqs: list[GenerateReq
         lp = token_logprobs(out.logits[0, p - 1 : -1], ids[0, p:], req.sampling.temperature)
         dl.append((lp.cpu() - torch.tensor(r.logprobs)).abs())
         if r.routed_experts is not None:
-            mine = out.routed_experts[0, : r.routed_experts.shape[0]].sort(-1).values.cpu()
-            theirs = torch.from_numpy(r.routed_experts.astype("int64")).sort(-1).values
+            # the fed tokens only: a finished request's last row repeats the one before (sglang_wire.py)
+            fed = r.routed_experts[:-1] if r.finish_reason != "abort" else r.routed_experts
+            mine = out.routed_experts[0, : fed.shape[0]].sort(-1).values.cpu()
+            theirs = torch.from_numpy(fed.astype("int64")).sort(-1).values
             same = (mine == theirs).all(-1)  # [T-1, L]
             match_rows += int(same.all(-1).sum())
             rows += same.shape[0]
@@ -97,7 +99,7 @@ async def main(out: Path) -> dict[str, Any]:
     m0 = make_model(0, 0.08)
     save_model(m0, base)
     cfg = EngineConfig(type="sglang", dtype="bfloat16", sglang_model_path=str(base), sglang_port=30111,
-                       sglang_return_routed_experts=True, pause_mode="retract", max_batch_size=128,
+                       sglang_return_routed_experts=True, max_batch_size=128,
                        max_seq_len=4096, sglang_python="python3", sglang_startup_timeout_s=330,
                        sglang_request_timeout_s=120, sglang_stage_dir=str(work),
                        sglang_extra_args=["--attention-backend", "triton", "--sampling-backend", "pytorch",

@@ -35,6 +35,14 @@ class MilesConfig:
     eval: EvalConfig = section(EvalConfig, "evaluation during training: shared, snapshot or external")
 
     def __post_init__(self) -> None:
+        if self.sync.pause_mode == "auto":
+            self.sync.pause_mode = self.engine.default_pause_mode  # type: ignore[assignment]
+        eng = self.engine
+        if eng.type == "sglang" and not eng.sglang_url and eng.sglang_mem_fraction == 0:
+            # auto: the budget of a GPU split between the servers that share it (launch/sglang_checks.py
+            # holds explicit fractions to the same budget)
+            share = eng.sglang_mem_budget(self.trainer.device != "cpu") / eng.servers_per_gpu(self.eval.mode == "snapshot")
+            eng.sglang_mem_fraction = round(share, 3)
         # Weights travel in the engines' compute dtype unless told otherwise: the trainer casts
         # once into its export buffer, and the engines take the flat plan as it is.
         if self.sync.dtype == "engine":

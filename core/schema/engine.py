@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, replace
+from typing import ClassVar, Literal
 
 from miles.core.config import opt
 from miles.core.errors import ConfigError
@@ -14,7 +14,10 @@ class EngineConfig:
     type: str = opt("torch", "engine implementation: torch (embedded) | sglang (external server)")
     num_engines: int = opt(1, "number of engine processes")
     device: str = opt("cpu", "torch device of the embedded engine: cpu | cuda | cuda:N")
-    dtype: Literal["float32", "bfloat16", "float16"] = opt("float32", "compute dtype of the engine")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt(
+        "auto", "compute dtype of the engine; auto = float32 for the torch engine, bfloat16 for sglang (its "
+        "kernels have no float32)"
+    )
     max_batch_size: int = opt(32, "most sequences decoded together in one step", "sequences")
     max_seq_len: int = opt(4096, "longest prompt + completion a request may reach", "tokens")
     kv_budget_tokens: int = opt(
@@ -38,9 +41,6 @@ class EngineConfig:
         "(its memory: this x the model's KV bytes per token); 0 = max_batch_size x max_seq_len, the rows "
         "layout's size",
         "tokens",
-    )
-    pause_mode: Literal["abort", "retract", "in_place"] = opt(
-        "in_place", "what pause() does to running requests around a weight update"
     )
     max_queue: int = opt(4096, "most requests waiting for a batch slot; more are refused", "requests")
     batch_invariant: bool = opt(
@@ -99,10 +99,28 @@ class EngineConfig:
     sglang_url: str = opt("", "URL of an already running SGLang server; '' = launch one (sglang_model_path)")
     sglang_model_path: str = opt("", "HF checkpoint directory the launched server loads (config.json + safetensors)")
     sglang_host: str = opt("127.0.0.1", "host the launched server binds")
-    sglang_port: int = opt(30000, "port the launched server listens on")
+    sglang_port: int = opt(30000, "port of engine 0's launched server; engine i listens on sglang_port + i "
+                           "(a snapshot eval engine on sglang_port + num_engines)")
     sglang_tp: int = opt(1, "tensor-parallel size of the launched server", "GPUs")
     sglang_dp: int = opt(1, "data-parallel size of the launched server", "replicas")
-    sglang_mem_fraction: float = opt(0.5, "--mem-fraction-static: GPU memory share for weights + KV cache")
+    sglang_mem_fraction: float = opt(
+        0.0, "--mem-fraction-static of each launched server: its share of a GPU for weights + KV cache; 0 = auto: "
+        "0.85 split evenly between the servers that share a GPU, 0.45 when the trainer is on that GPU too "
+        "(launch/sglang_checks.py; explicit values are checked against the same budget)"
+    )
+    sglang_placement: Literal["shared", "spread"] = opt(
+        "shared", "GPUs of the launched servers: shared = every engine's server on the same GPUs (0 .. tp*dp-1, "
+        "colocated, memory split by sglang_mem_fraction); spread = engine i on its own GPUs from i*tp*dp "
+        "(--base-gpu-id)"
+    )
+    sglang_base_gpu: int = opt(0, "first GPU of this engine's server (--base-gpu-id); set per engine from "
+                               "sglang_placement, not by hand", "GPU")
+    sglang_weight_update: Literal["auto", "disk", "tensor"] = opt(
+        "auto", "how a committed version reaches the server: tensor = in memory, the staged tensors handed over "
+        "by reference (/update_weights_from_tensor; CUDA IPC handles when the engine stages on the server's GPU); "
+        "disk = a safetensors folder per version (/update_weights_from_disk), which reaches any server; "
+        "auto = tensor when engine.device is cuda (colocated), else disk"
+    )
     sglang_return_routed_experts: bool = opt(False, "start with --enable-return-routed-experts (R3 on a MoE model)")
     sglang_extra_args: list[str] = opt([], "more launch_server arguments, passed as given")
     sglang_python: str = opt("", "python executable that runs sglang.launch_server; '' = this one")
@@ -111,7 +129,15 @@ class EngineConfig:
     sglang_max_restarts: int = opt(3, "restarts after a crash of the launched server before giving up", "restarts")
     sglang_stage_dir: str = opt("", "folder for staged weight versions (update from disk); '' = a temp dir")
 
+    # Keys that were removed, with where their setting lives now (core/config.py reports them).
+    REMOVED_KEYS: ClassVar[dict[str, str]] = {
+        "pause_mode": "it was only checked, never sent; the one pause option is sync.pause_mode (default auto: "
+                      "in_place for the torch engine, retract for sglang)",
+    }
+
     def __post_init__(self) -> None:
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if self.type == "sglang" else "float32"
         for name in ("num_engines", "max_batch_size", "max_seq_len", "max_queue"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"engine.{name}={getattr(self, name)} must be >= 1")
@@ -129,19 +155,38 @@ class EngineConfig:
         if self.dtype == "float16" and self.device == "cpu":
             raise ConfigError("engine.dtype=float16 is not supported on cpu; use float32 or bfloat16")
 
+    @property
+    def default_pause_mode(self) -> str:
+        """sync.pause_mode 'auto' resolved for this engine type."""
+        return "retract" if self.type == "sglang" else "in_place"
+
+    def for_engine(self, index: int) -> EngineConfig:
+        """The config of engine `index`: its own server port (and GPUs under sglang_placement=spread)."""
+        if self.type != "sglang" or self.sglang_url:
+            return self
+        base = self.sglang_base_gpu + (index * self.gpus_per_server if self.sglang_placement == "spread" else 0)
+        return replace(self, sglang_port=self.sglang_port + index, sglang_base_gpu=base)
+
+    @property
+    def gpus_per_server(self) -> int:
+        return self.sglang_tp * self.sglang_dp
+
+    def servers_per_gpu(self, eval_engine: bool = False) -> int:
+        """How many launched servers share one GPU under sglang_placement."""
+        return self.num_engines + int(eval_engine) if self.sglang_placement == "shared" else 1
+
+    def sglang_mem_budget(self, trainer_on_gpu: bool) -> float:
+        """The share of a GPU all launched servers on it may claim together (headroom rules: SGLang
+        needs memory outside its static pool for activations and graphs; a colocated trainer its model,
+        gradients and optimizer state). Not measured: a starting point the launch check holds explicit
+        fractions to; raise it with an explicit sglang_mem_fraction only below this budget."""
+        return 0.45 if trainer_on_gpu else 0.85
+
     def _check_sglang(self) -> None:
-        if not self.sglang_url and not self.sglang_model_path:
-            raise ConfigError("engine.type=sglang needs engine.sglang_url (running server) or sglang_model_path")
-        if self.pause_mode == "in_place":
-            raise ConfigError(
-                "engine.pause_mode=in_place is not available with engine.type=sglang: stock SGLang reports one "
-                "weight_version per response, so tokens of a request held across a commit cannot be attributed "
-                "to versions; use pause_mode=retract or abort"
-            )
         for name in ("sglang_tp", "sglang_dp", "sglang_port"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"engine.{name}={getattr(self, name)} must be >= 1")
-        if not 0 < self.sglang_mem_fraction < 1:
-            raise ConfigError(f"engine.sglang_mem_fraction={self.sglang_mem_fraction} must be in (0, 1)")
+        if not 0 <= self.sglang_mem_fraction < 1:
+            raise ConfigError(f"engine.sglang_mem_fraction={self.sglang_mem_fraction} must be in [0, 1) (0 = auto)")
         if self.sglang_max_restarts < 0:
             raise ConfigError(f"engine.sglang_max_restarts={self.sglang_max_restarts} must be >= 0")

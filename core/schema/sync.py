@@ -20,8 +20,11 @@ class SyncConfig:
         "received and staged; each sender holds this many staging buffers", "buckets"
     )
     step_timeout_s: float = opt(120.0, "deadline of each sync step (stage, commit) per engine", "s")
-    pause_mode: Literal["abort", "retract", "in_place", "none"] = opt(
-        "in_place", "how generation pauses around a commit; 'none' relies on the atomic swap alone"
+    pause_mode: Literal["auto", "abort", "retract", "in_place", "none"] = opt(
+        "auto", "the one option for how engines pause around a commit: abort (drop running requests), retract "
+        "(return them with their partial output, resubmitted), in_place (hold them and their KV; torch engine "
+        "only), none (rely on the atomic swap alone; torch engine only); auto = the engine type's own: in_place "
+        "for torch, retract for sglang (a standalone SyncConfig sends auto and each engine applies its own)"
     )
     verify_every: int = opt(0, "compare engine checksums with the trainer's every N versions; 0 = never", "versions")
     dtype: Literal["engine", "float32", "bfloat16", "float16", "same"] = opt(

@@ -206,7 +206,7 @@ async def test_sglang_engine_keeps_more_than_100_requests_in_flight(tmp_path: Pa
     """aiohttp's default pool (100 connections) would cap a batch of 150 at 100 on the client side."""
     wire = _SGLangWire(150)
     runner, port = await _serve(wire)
-    cfg = EngineConfig(type="sglang", dtype="bfloat16", pause_mode="retract", max_batch_size=150,
+    cfg = EngineConfig(type="sglang", dtype="bfloat16", max_batch_size=150,
                        sglang_url=f"http://127.0.0.1:{port}", sglang_model_path=str(_checkpoint(tmp_path / "ckpt")),
                        sglang_stage_dir=str(tmp_path / "stage"))
     engine = SGLangEngine(cfg)

@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 import torch
 
+from miles.core.config import from_dict, load_config
 from miles.core.errors import ConfigError, EngineError, ProtocolError
+from miles.core.schema import MilesConfig
 from miles.core.schema.engine import EngineConfig
 from miles.engines.base import GenerateRequest, SamplingParams
 from miles.engines.sglang import SGLangEngine
@@ -61,7 +63,9 @@ def test_recorded_responses_parse_into_results() -> None:
         assert res.versions == [0] * len(res.output_ids)
         assert res.prompt_tokens == len(req.input_ids)
         assert res.routed_experts is not None and res.routed_experts.dtype == np.uint8
-        assert res.routed_experts.shape == (len(req.input_ids) + len(res.output_ids) - 1, 4, 2)
+        # one row per token as the engine contract has it: SGLang's last row repeated for the last token
+        assert res.routed_experts.shape == (len(req.input_ids) + len(res.output_ids), 4, 2)
+        assert (res.routed_experts[-1] == res.routed_experts[-2]).all()
         assert int(res.routed_experts.max()) < 8
         # Two distinct experts per token and layer (top-k without repeats).
         assert (res.routed_experts[..., 0] != res.routed_experts[..., 1]).all()
@@ -109,12 +113,23 @@ def test_routed_experts_keep_only_moe_layers_and_check_sizes() -> None:
 
 
 def test_config_checks_for_sglang() -> None:
-    with pytest.raises(ConfigError, match="sglang_url"):
-        EngineConfig(type="sglang", pause_mode="retract")
-    with pytest.raises(ConfigError, match="in_place"):
-        EngineConfig(type="sglang", sglang_url="http://h:1")
+    cfg = EngineConfig(type="sglang", sglang_model_path="/m")
+    assert cfg.dtype == "bfloat16" and cfg.default_pause_mode == "retract"  # defaults that SGLang can run
+    assert EngineConfig().dtype == "float32" and EngineConfig().default_pause_mode == "in_place"
     with pytest.raises(ConfigError, match="mem_fraction"):
-        EngineConfig(type="sglang", sglang_url="http://h:1", pause_mode="abort", sglang_mem_fraction=1.5)
+        EngineConfig(type="sglang", sglang_url="http://h:1", sglang_mem_fraction=1.5)
+    with pytest.raises(ConfigError, match="removed.*sync.pause_mode"):
+        load_config(MilesConfig, None, ["engine.pause_mode=retract"])
+    with pytest.raises(ConfigError, match="removed.*sync.pause_mode"):
+        from_dict(MilesConfig, {"engine": {"pause_mode": "retract"}})
+
+
+def test_each_engine_gets_its_own_port() -> None:
+    cfg = EngineConfig(type="sglang", sglang_port=31000, sglang_tp=2, sglang_placement="spread")
+    e0, e1 = cfg.for_engine(0), cfg.for_engine(1)
+    assert (e0.sglang_port, e1.sglang_port) == (31000, 31001)
+    assert (e0.sglang_base_gpu, e1.sglang_base_gpu) == (0, 2)
+    assert "--base-gpu-id 2" in " ".join(launch_args(e1, "/m", 0, 64))
 
 
 @pytest.fixture
@@ -122,7 +137,7 @@ def engine(tmp_path: Path) -> SGLangEngine:
     model = build_model(ModelSpec.from_hf(DATA["model"]), seed=0)
     save_model(model.to(torch.bfloat16), tmp_path / "ckpt")
     cfg = EngineConfig(type="sglang", dtype="bfloat16", sglang_model_path=str(tmp_path / "ckpt"),
-                       pause_mode="retract", sglang_return_routed_experts=True, sglang_port=30123,
+                       sglang_return_routed_experts=True, sglang_port=30123,
                        sglang_stage_dir=str(tmp_path / "stage"), sglang_extra_args=["--disable-cuda-graph"])
     return SGLangEngine(cfg)
 
@@ -149,14 +164,14 @@ async def test_stage_and_commit_refuse_bad_input_before_any_http(engine: SGLangE
         await engine.stage(2, {name: hf[name]})
     with pytest.raises(EngineError, match="tensors not staged"):
         await engine.commit(1)
-    shard = next((engine.stage_root / "v1").glob("bucket-*.safetensors"))
+    shard = next(engine.stage_root.glob("v1.*/bucket-*.safetensors"))
     assert shard.is_file()
     await engine.abort_version(1)
-    assert not (engine.stage_root / "v1").exists()
+    assert not list(engine.stage_root.glob("v1.*"))
     with pytest.raises(EngineError, match="nothing staged"):
         await engine.commit(1)
     with pytest.raises(EngineError, match="in_place"):
-        await engine.pause("in_place")
+        await engine.pause("in_place")  # the runtime guard under the launch check
     with pytest.raises(EngineError, match="vocabulary"):
         await engine.generate(GenerateRequest([DATA["model"]["vocab_size"]]))
     assert set(engine.checksums()) == set(hf)

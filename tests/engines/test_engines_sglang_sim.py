@@ -1,0 +1,205 @@
+"""SGLangEngine's launched path on CPU, against a server that speaks SGLang 0.5.17's HTTP wire:
+tests/sglang_sim (a simulation of SGLang's wire computing with miles' own CPU model; not SGLang),
+launched by the engine itself through `engine.sglang_python` exactly as it launches the real one.
+Covers start + warm-up, generate with routed experts, pause, commit (disk and in memory),
+versions, restart after a crash, and a start failure that must not be restarted."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles.core.errors import EngineStartError
+from miles.core.schema.engine import EngineConfig
+from miles.engines.base import GenerateRequest, SamplingParams
+from miles.engines.sglang import SGLangEngine
+from miles.models.config import ModelSpec
+from miles.models.hf_io import hf_tensor_views, save_model, tensor_checksum
+from miles.models.presets import tiny_config
+from miles.models.registry import build_model
+
+pytestmark = pytest.mark.timeout(240)
+
+SIM_PYTHON = Path(__file__).parents[1] / "sglang_sim" / "python"
+RECORDED = json.loads((Path(__file__).parents[1] / "data" / "sglang_h200" / "responses.json").read_text())
+SPEC = ModelSpec.from_hf(tiny_config("qwen3_moe", vocab_size=128, head_dim=64))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path) -> Path:
+    save_model(build_model(SPEC, seed=0), tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+def sim_config(ckpt: Path, tmp_path: Path, update: str = "disk", **kw: object) -> EngineConfig:
+    return EngineConfig(type="sglang", sglang_model_path=str(ckpt), sglang_port=free_port(),
+                        sglang_python=str(SIM_PYTHON), sglang_return_routed_experts=True,
+                        sglang_stage_dir=str(tmp_path / "stage"), sglang_startup_timeout_s=120,
+                        sglang_weight_update=update, max_seq_len=256, **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture(autouse=True)
+def sim_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MILES_SGLANG_SIM_PYTHON", sys.executable)
+
+
+def req(n: int = 6, seed: int | None = 1, routed: bool = True, temperature: float = 1.0) -> GenerateRequest:
+    return GenerateRequest([5, 9, 17, 33], SamplingParams(temperature=temperature, max_new_tokens=n, seed=seed),
+                           return_routed_experts=routed)
+
+
+async def test_simulated_wire_has_the_recorded_shape(ckpt: Path, tmp_path: Path) -> None:
+    """The simulation answers /generate with the keys a real 0.5.17 server returned."""
+    eng = SGLangEngine(sim_config(ckpt, tmp_path))
+    try:
+        await eng.start()
+        from miles.engines.sglang_wire import generate_payload
+
+        body = await eng._call("POST", "/generate", generate_payload(req()))
+        real = RECORDED["generate"][0]["response"]
+        assert list(body) == list(real)
+        assert list(body["meta_info"]) == list(real["meta_info"])
+        assert body["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+        assert isinstance(body["meta_info"]["weight_version"], str)
+    finally:
+        await eng.close()
+
+
+@pytest.mark.parametrize("update", ["disk", "tensor"])
+async def test_warm_up_pause_commit_versions(ckpt: Path, tmp_path: Path, update: str) -> None:
+    eng = SGLangEngine(sim_config(ckpt, tmp_path, update))
+    try:
+        assert not eng.health()["ok"]
+        await eng.warm_up()  # up and answered a request before anything is sent
+        h = eng.health()
+        assert h["ok"] and h["version"] == 0 and h["weight_update"] == update
+        res = await eng.generate(req())
+        assert len(res.output_ids) == 6 and res.versions == [0] * 6 and all(lp <= 0 for lp in res.logprobs)
+        assert res.routed_experts is not None and res.routed_experts.shape == (4 + 6, 2, 2)
+        # pause(retract): long requests come back with their partial output, marked retracted
+        long = [asyncio.create_task(eng.generate(req(200, seed=i))) for i in range(3)]
+        while eng.stats()["running"] < 3 or not eng._totals.requests:  # noqa: ASYNC110 - polling the engine
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)
+        back = await eng.pause()  # the engine's own default: retract
+        assert len(back) == 3 and all(r.retracted and r.finish_reason == "abort" for r in back)
+        assert all(len(r.output_ids) < 200 for r in back)
+        outs = await asyncio.wait_for(asyncio.gather(*long), 10)  # their callers got the same results
+        assert sorted(len(r.output_ids) for r in outs) == sorted(len(r.output_ids) for r in back)
+        # commit v1 (new weights) while paused; the next responses carry version 1 and the new weights
+        new = hf_tensor_views(build_model(SPEC, seed=1))
+        names = sorted(new)
+        await eng.stage(1, {n: new[n] for n in names[: len(names) // 2]})
+        await eng.stage(1, {n: new[n] for n in names[len(names) // 2:]})
+        await eng.commit(1)
+        await eng.resume()
+        res1 = await eng.generate(req())
+        assert res1.versions == [1] * 6 and eng.health()["version"] == 1
+        emb = "model.embed_tokens.weight"
+        served = await eng.served_checksums([emb])
+        assert served[emb] == tensor_checksum(new[emb].to(torch.bfloat16))
+        assert eng.checksums()[emb] == served[emb]
+    finally:
+        await eng.close()
+
+
+@pytest.mark.parametrize("update", ["disk", "tensor"])
+async def test_crashed_server_is_restarted_on_the_committed_version(ckpt: Path, tmp_path: Path, update: str) -> None:
+    eng = SGLangEngine(sim_config(ckpt, tmp_path, update))
+    try:
+        await eng.warm_up()
+        new = hf_tensor_views(build_model(SPEC, seed=2))
+        await eng.pause()
+        await eng.stage(1, new)
+        await eng.commit(1)
+        await eng.resume()
+        greedy = await eng.generate(req(seed=None, temperature=0.0))
+        assert eng.server is not None and eng.server.pid is not None
+        os.killpg(eng.server.pid, signal.SIGKILL)
+        while eng.health()["ok"]:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+        for _ in range(1200):  # the watchdog restarts it: no request needed
+            if eng.health()["ok"]:
+                break
+            await asyncio.sleep(0.1)
+        h = eng.health()
+        assert h["ok"] and h["restarts"] == 1 and h["version"] == 1 and eng.server.starts == 2
+        again = await eng.generate(req(seed=None, temperature=0.0))
+        assert again.versions == [1] * 6 and again.output_ids == greedy.output_ids  # v1's weights, not v0's
+    finally:
+        await eng.close()
+
+
+async def test_start_failure_shows_the_server_error_and_is_not_restarted(
+        ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MILES_SGLANG_SIM_FAIL_AT_START", "AssertionError: simulated kernel refusal")
+    eng = SGLangEngine(sim_config(ckpt, tmp_path))
+    try:
+        with pytest.raises(EngineStartError, match="AssertionError: simulated kernel refusal"):
+            await eng.warm_up()
+        for _ in range(3):  # later calls repeat the cause; nothing is started again
+            with pytest.raises(EngineStartError, match="simulated kernel refusal"):
+                await eng.generate(req())
+        await asyncio.sleep(1.5)  # the watchdog would have restarted it by now
+        assert eng.server is not None and eng.server.starts == 1 and eng.server.restarts == 0
+        assert not eng.health()["ok"] and "simulated kernel refusal" in eng.health()["fatal"]
+    finally:
+        await eng.close()
+
+
+async def test_pause_drops_a_request_the_server_holds_unscheduled(ckpt: Path, tmp_path: Path) -> None:
+    """A request that reaches the server after /pause_generation is held there until resume and
+    never answers; pause() must not wait for it (it did: the trainer's pause timed out)."""
+    eng = SGLangEngine(sim_config(ckpt, tmp_path))
+    try:
+        await eng.warm_up()
+        await eng._call("POST", "/pause_generation", {"mode": "abort"})  # the server pauses first
+        held = asyncio.create_task(eng.generate(req()))
+        while not eng._http:  # noqa: ASYNC110 - its HTTP call is out
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)
+        back = await asyncio.wait_for(eng.pause(), 20)
+        res = await asyncio.wait_for(held, 5)
+        assert [r.request_id for r in back] == [res.request_id]
+        assert res.retracted and res.finish_reason == "abort" and res.output_ids == []
+        await eng.resume()
+        assert len((await eng.generate(req())).output_ids) == 6
+    finally:
+        await eng.close()
+
+
+async def test_a_server_that_cannot_come_back_ends_the_engine(ckpt: Path, tmp_path: Path) -> None:
+    """Restarts exhausted (here none allowed): the engine reports it through on_lost (the engine
+    role then ends with it, and its supervisor stops the run with the cause), not a loop."""
+    eng = SGLangEngine(sim_config(ckpt, tmp_path, sglang_max_restarts=0))
+    lost: list[BaseException] = []
+    eng.on_lost = lost.append
+    try:
+        await eng.warm_up()
+        assert eng.server is not None and eng.server.pid is not None
+        os.killpg(eng.server.pid, signal.SIGKILL)
+        for _ in range(300):
+            if lost:
+                break
+            await asyncio.sleep(0.1)
+        assert len(lost) == 1 and isinstance(lost[0], EngineStartError)
+        assert "restarted 0 times" in str(lost[0]) and eng.server.starts == 1
+        assert not eng.health()["ok"] and eng.health()["fatal"]
+        with pytest.raises(EngineStartError):
+            await eng.generate(req())
+    finally:
+        await eng.close()
