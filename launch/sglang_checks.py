@@ -54,6 +54,9 @@ def sglang_launch_errors(cfg: MilesConfig) -> list[str]:
         errs.append("engine.dtype=float32 is not available with engine.type=sglang: its rmsnorm kernel has no "
                     "float32 (the server dies at start); use engine.dtype=bfloat16 (the default for sglang, 'auto')")
     hf = model_config(cfg)
+    if "vision_config" in hf:
+        errs.append("a vision-language model is not available with engine.type=sglang: miles' SGLang engine sends "
+                    "token ids only, so the images of a request would never reach the server; use engine.type=torch")
     hd = _head_dim(hf)
     if hd is not None and hd not in ROPE_HEAD_SIZES:
         fix = ("set model.overrides.head_dim to one of them (the tiny preset)" if not cfg.model.path
