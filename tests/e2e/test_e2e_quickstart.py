@@ -37,7 +37,7 @@ def test_quickstart_writes_every_output(tmp_path: Path) -> None:
     # the trainer's logprobs equal the engine's.
     assert rows[0]["train/train_rollout_logprob_abs_diff"] < 1e-4
     page = (run / "report.html").read_text()
-    assert page.count("<svg ") == 5 and "groups trained" in page
+    assert page.count("<svg ") == 8 and "groups trained" in page  # 5 run plots + the 3 Figure 5 panels
     assert list((run / "tb").glob("events.*"))
     check_ledger(run)
     transformers = pytest.importorskip("transformers")

@@ -81,7 +81,7 @@ def test_plots_render_in_headless_chromium(tmp_path: Path) -> None:
     shot = tmp_path / "report.png"
     subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
                     "--force-color-profile=srgb", "--force-device-scale-factor=1",
-                    f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1400,1500",
+                    f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1400,2600",
                     f"--screenshot={shot}", page.resolve().as_uri()],
                    capture_output=True, timeout=90, check=False)
     assert shot.is_file(), "Chromium wrote no screenshot"
