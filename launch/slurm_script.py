@@ -172,8 +172,10 @@ def render_script(plan: SlurmPlan, *, run_dir: str, config_path: str, python: st
     ]
     master = plan.step("trainer").first_node
     for s in plan.steps:
+        # --open-mode=append: a restarted step adds to its log; truncating it would erase the
+        # lines of the incarnation that crashed (the evidence of why it was restarted)
         srun = ["srun", f"--job-name={s.role}", f"--nodes={s.num_nodes}", f"--ntasks={s.ntasks}",
-                f"--relative={s.first_node}", "--exact", "--kill-on-bad-exit=1",
+                f"--relative={s.first_node}", "--exact", "--kill-on-bad-exit=1", "--open-mode=append",
                 f"--cpus-per-task={o.cpus_per_task}", *s.extra]
         entry = ['"$PY"', "-m", "miles.launch.slurm_step", s.role, '--config "$CONFIG"',
                  '--directory-file "$ADDR"', f"--directory-wait-s {int(o.directory_wait_s)}"]

@@ -94,11 +94,21 @@ def test_failing_head_step_fails_the_job_with_the_cause_in_its_log(tmp_path: Pat
 
 
 def test_inside_an_allocation_a_killed_engine_step_is_restarted(tmp_path: Path) -> None:
-    """Under salloc the steps run directly; the engine step is killed after the first training step."""
+    """Under salloc the steps run directly; the engine step is killed once training has begun.
+
+    The run has STEPS steps and the kill is sent as soon as the first one is recorded. Without an
+    engine the trainer can take at most (max_staleness + 1) = 2 batches already generated, so
+    with the kill sent before step STEPS - 2 the run can only finish through the restarted
+    engine, which therefore serves and is stopped gracefully at the end. (With 4 steps, which
+    this tiny model trains in ~0.3 s, the kill could land after the last step: the restarted
+    engine was then cancelled while still importing.)
+    """
     name = f"slurmci-alloc-{os.getpid()}"
     run = tmp_path / "run"
+    steps_total = 40
     args = ["salloc", "-N2", "--ntasks-per-node=3", "-t", "6", f"--job-name=miles-{name}",
-            sys.executable, "-m", "miles.launch.cli", "launch", QUICKSTART, "--slurm", "--set", "run.steps=4", "--set", "run.warmup_sft_steps=10", "--set", f"run.dir={run}",
+            sys.executable, "-m", "miles.launch.cli", "launch", QUICKSTART, "--slurm",
+            "--set", f"run.steps={steps_total}", "--set", "run.warmup_sft_steps=10", "--set", f"run.dir={run}",
             "--set", f"run.name={name}", "--set", "run.log_json=json"]
     proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -106,7 +116,7 @@ def test_inside_an_allocation_a_killed_engine_step_is_restarted(tmp_path: Path) 
         metrics = run / "metrics.jsonl"
         while not (metrics.is_file() and metrics.read_text().strip()):
             assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its first step"
-            time.sleep(0.5)
+            time.sleep(0.05)
         job = subprocess.run(["squeue", "-h", f"--name=miles-{name}", "-o", "%i"], capture_output=True,
                              text=True, check=True).stdout.split()
         assert len(job) == 1, job
@@ -115,12 +125,14 @@ def test_inside_an_allocation_a_killed_engine_step_is_restarted(tmp_path: Path) 
         engine = [ln.split()[0] for ln in steps if ln.endswith(" engine")]
         assert len(engine) == 1, steps
         subprocess.run(["scancel", "-s", "KILL", engine[0]], capture_output=True)
+        at_kill = len([x for x in metrics.read_text().splitlines() if x.strip()])
         out, _ = proc.communicate(timeout=max(10.0, deadline - time.monotonic()))
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         subprocess.run(["scancel", f"--name=miles-{name}"], capture_output=True)
+    assert at_kill < steps_total - 2, f"the kill landed after step {at_kill}: too late to need the restart"
     assert proc.returncode == 0, out[-3000:]
     assert "inside allocation" in out and "submitted job" not in out
     assert not list((run / "slurm").glob("slurm-*.out"))  # nothing went through sbatch
@@ -128,9 +140,12 @@ def test_inside_an_allocation_a_killed_engine_step_is_restarted(tmp_path: Path) 
     assert "miles: trainer step exited with 0" in out
     assert (run / "slurm" / "exit_code").read_text().strip() == "0"
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    assert rows[-1]["step"] == 4
+    assert rows[-1]["step"] == steps_total
     ev = step_events(run)
     assert ev["engine-0"]["node"] == NODES[1] and ev["trainer-0"]["node"] == NODES[0], ev
+    engine_log = (run / "logs" / "engine-0.log").read_text()
+    # the restart appends: both incarnations' lines are in the log
+    assert engine_log.count('"slurm_step"') == 2, engine_log[-3000:]
     # at the end the steps were asked to stop (SIGTERM to their tasks), not killed: each host drained
     for role in ("engine", "rollout", "head"):
         assert '"host_stopping"' in (run / "logs" / f"{role}-0.log").read_text(), role
