@@ -29,7 +29,7 @@ from miles.core.logging import get_logger
 from miles.core.schema import MilesConfig
 from miles.launch.console import Console
 from miles.launch.supervision import CrashReport, RestartPolicy, crash_report
-from miles.launch.supervisor import Supervisor, stop_units
+from miles.launch.supervisor import Supervisor, die_with_parent, stop_units
 from miles.transport.curve import apply_cluster_keys
 
 log = get_logger("miles.launch")
@@ -86,15 +86,6 @@ class Child:
     def kill(self) -> None:
         assert self.proc is not None
         self.proc.kill()
-
-
-def die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the launcher dies, even by SIGKILL (no orphans)."""
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def _free_port() -> int:

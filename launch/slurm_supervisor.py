@@ -29,10 +29,9 @@ from miles.core.config import from_dict
 from miles.core.logging import configure_logging, get_logger
 from miles.core.schema import MilesConfig
 from miles.core.slurm_env import SlurmEnv
-from miles.launch.local import die_with_parent
 from miles.launch.slurm_script import JobSpec, StepCommand
 from miles.launch.supervision import CrashReport, RestartPolicy, crash_report
-from miles.launch.supervisor import Supervisor, stop_units
+from miles.launch.supervisor import Supervisor, die_with_parent, stop_units
 
 log = get_logger("miles.launch")
 

@@ -23,6 +23,7 @@ to every live unit, then a kill for those still alive after `grace_s`.
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -124,6 +125,15 @@ class Supervisor:
         u.env = {**u.env, "MILES_RESUME": ""}  # a checkpoint is for the first start only
         u.start()
         return None
+
+
+def die_with_parent() -> None:
+    """In a unit's process before exec: get SIGTERM when the supervisor dies, even by SIGKILL (no orphans)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 async def stop_units(units: list[Unit], grace_s: float, kill_wait_s: float = 5.0) -> None:
