@@ -155,3 +155,53 @@ def test_inside_an_allocation_a_killed_engine_step_is_restarted(tmp_path: Path) 
     # at the end the steps were asked to stop (SIGTERM to their tasks), not killed: each host drained
     for role in ("engine", "rollout", "head"):
         assert '"host_stopping"' in (run / "logs" / f"{role}-0.log").read_text(), role
+
+
+def test_a_stopped_job_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    """Stop a submitted run after a checkpoint (SIGTERM to the batch script = the supervisor: a
+    graceful stop), then `miles launch --slurm --resume RUN --wait`: the steps continue from the
+    checkpoint to the end, each recorded once."""
+    name = f"slurmci-resume-{os.getpid()}"
+    run = tmp_path / "run"
+    total = 40
+    args = [sys.executable, "-m", "miles.launch.cli", "launch", QUICKSTART, "--slurm", "--time", "6",
+            "--set", f"run.steps={total}", "--set", "run.warmup_sft_steps=10", "--set", f"run.dir={run}",
+            "--set", f"run.name={name}", "--set", "run.log_json=json", "--set", "trainer.checkpoint_interval=5"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    try:
+        first = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=200, env=env)
+        assert first.returncode == 0 and "submitted job" in first.stdout, first.stdout + first.stderr
+        job = first.stdout.split("submitted job ")[1].split(":")[0]
+        deadline = time.monotonic() + 200
+        while not list((run / "checkpoints").glob("step_*/")):
+            assert time.monotonic() < deadline, "no checkpoint within 200 s"
+            time.sleep(0.05)
+        subprocess.run(["scancel", "-b", "-s", "TERM", job], check=True)  # the batch script only
+        while not (run / "slurm" / "exit_code").is_file():
+            assert time.monotonic() < deadline, "the stopped job did not end"
+            time.sleep(0.2)
+        stopped = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        assert (run / "slurm" / "exit_code").read_text().strip() == "130"
+        assert stopped and stopped[-1] < total, f"the stop came after the last step: {stopped[-1:]}"
+        from miles.actors.trainer import latest_checkpoint
+        from miles.metrics.run_dir import checkpoint_step
+
+        ckpt = checkpoint_step(latest_checkpoint(run))
+        second = subprocess.run([sys.executable, "-m", "miles.launch.cli", "launch", "--slurm", "--resume",
+                                 str(run), "--wait", "--time", "6"], cwd=tmp_path, capture_output=True, text=True,
+                                timeout=300, env=env)
+    finally:
+        subprocess.run(["scancel", f"--name=miles-{name}"], capture_output=True)
+    assert second.returncode == 0, second.stdout + second.stderr[-3000:]
+    rows = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert rows == list(range(1, total + 1)), rows  # the steps past the checkpoint ran again, once each
+    assert (run / "slurm" / "exit_code").read_text().strip() == "0"
+    trainer = [json.loads(ln) for ln in (run / "logs" / "trainer-0.log").read_text().splitlines()
+               if ln.startswith('{"')]
+    resumed = [e for e in trainer if e["event"] == "resumed"]
+    assert [e["step"] for e in resumed] == [ckpt], resumed
+    rollout = (run / "logs" / "rollout-0.log").read_text()
+    assert '"rollout_resumed"' in rollout
+    # the stop was graceful: every step drained (its host stopping) before the job ended
+    for role in ("engine", "rollout", "head"):
+        assert (run / "logs" / f"{role}-0.log").read_text().count('"host_stopping"') == 2, role
