@@ -131,6 +131,18 @@ def wait_job(job_id: str, run_dir: Path, poll_s: float = 1.0) -> int:
     return code if code else 1
 
 
+def run_in_place(script: Path) -> int:
+    """Run the script under bash here; its exit code. A Ctrl-C reaches the supervisor too, which
+    stops the steps gracefully: wait for that instead of leaving (which would end the allocation's
+    steps at once under salloc)."""
+    proc = subprocess.Popen(["bash", str(script)])
+    while True:
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:
+            continue
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     if not args.slurm:
         raise ConfigError("`miles launch` needs --slurm (the cluster backend); for local processes use "
@@ -161,7 +173,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     script = write_run_files(cfg, plan, str(Path(resume).resolve()) if resume else "")
     if env.in_allocation:
         print(f"miles: inside allocation {env.job_id}: running {script}", flush=True)
-        return subprocess.call(["bash", str(script)])
+        return run_in_place(script)
     job_id = submit(script)
     print(f"miles: submitted job {job_id}: {script}  (log {cfg.run.dir}/slurm/slurm-{job_id}.out)", flush=True)
     if not args.wait:

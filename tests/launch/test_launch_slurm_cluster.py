@@ -98,19 +98,11 @@ def test_failing_head_step_fails_the_job_with_the_cause_in_its_log(tmp_path: Pat
     assert not (run / "metrics.jsonl").exists()
 
 
-def test_inside_an_allocation_a_killed_engine_step_is_restarted(tmp_path: Path) -> None:
-    """Under salloc the steps run directly; the engine step is killed once training has begun.
-
-    The run has STEPS steps and the kill is sent as soon as the first one is recorded. Without an
-    engine the trainer can take at most (max_staleness + 1) = 2 batches already generated, so
-    with the kill sent before step STEPS - 2 the run can only finish through the restarted
-    engine, which therefore serves and is stopped gracefully at the end. (With 4 steps, which
-    this tiny model trains in ~0.3 s, the kill could land after the last step: the restarted
-    engine was then cancelled while still importing.)
-    """
-    name = f"slurmci-alloc-{os.getpid()}"
+def kill_step_in_allocation(tmp_path: Path, name: str, role: str,
+                            steps_total: int) -> tuple[subprocess.Popen[str], str, Path, int]:
+    """`miles launch --slurm` under salloc; SIGKILL to `role`'s step once the first step is recorded.
+    Returns the launch, its output, the run dir and how many steps were recorded at the kill."""
     run = tmp_path / "run"
-    steps_total = 40
     args = ["salloc", "-N2", "--ntasks-per-node=3", "-t", "6", f"--job-name=miles-{name}",
             sys.executable, "-m", "miles.launch.cli", "launch", QUICKSTART, "--slurm",
             "--set", f"run.steps={steps_total}", "--set", "run.warmup_sft_steps=10", "--set", f"run.dir={run}",
@@ -127,9 +119,9 @@ def test_inside_an_allocation_a_killed_engine_step_is_restarted(tmp_path: Path) 
         assert len(job) == 1, job
         steps = subprocess.run(["squeue", "-h", "-s", "-j", job[0], "-o", "%i %j"], capture_output=True,
                                text=True, check=True).stdout.split("\n")
-        engine = [ln.split()[0] for ln in steps if ln.endswith(" engine")]
-        assert len(engine) == 1, steps
-        subprocess.run(["scancel", "-s", "KILL", engine[0]], capture_output=True)
+        target = [ln.split()[0] for ln in steps if ln.endswith(f" {role}")]
+        assert len(target) == 1, steps
+        subprocess.run(["scancel", "-s", "KILL", target[0]], capture_output=True)
         at_kill = len([x for x in metrics.read_text().splitlines() if x.strip()])
         out, _ = proc.communicate(timeout=max(10.0, deadline - time.monotonic()))
     finally:
@@ -137,6 +129,22 @@ def test_inside_an_allocation_a_killed_engine_step_is_restarted(tmp_path: Path) 
             proc.kill()
             proc.wait()
         subprocess.run(["scancel", f"--name=miles-{name}"], capture_output=True)
+    return proc, out, run, at_kill
+
+
+def test_inside_an_allocation_a_killed_engine_step_is_restarted(tmp_path: Path) -> None:
+    """Under salloc the steps run directly; the engine step is killed once training has begun.
+
+    The run has STEPS steps and the kill is sent as soon as the first one is recorded. Without an
+    engine the trainer can take at most (max_staleness + 1) = 2 batches already generated, so
+    with the kill sent before step STEPS - 2 the run can only finish through the restarted
+    engine, which therefore serves and is stopped gracefully at the end. (With 4 steps, which
+    this tiny model trains in ~0.3 s, the kill could land after the last step: the restarted
+    engine was then cancelled while still importing.)
+    """
+    steps_total = 40
+    proc, out, run, at_kill = kill_step_in_allocation(tmp_path, f"slurmci-alloc-{os.getpid()}", "engine",
+                                                      steps_total)
     assert at_kill < steps_total - 2, f"the kill landed after step {at_kill}: too late to need the restart"
     assert proc.returncode == 0, out[-3000:]
     assert "inside allocation" in out and "submitted job" not in out
@@ -205,3 +213,20 @@ def test_a_stopped_job_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     # the stop was graceful: every step drained (its host stopping) before the job ended
     for role in ("engine", "rollout", "head"):
         assert (run / "logs" / f"{role}-0.log").read_text().count('"host_stopping"') == 2, role
+
+
+def test_a_killed_rollout_step_is_not_restarted_and_the_job_names_the_resume(tmp_path: Path) -> None:
+    """The rule `miles train` applies: the buffer lives in the rollout process, so a crashed
+    rollout is not started again empty; the run stops (the other steps gracefully) and says how
+    to resume."""
+    proc, out, run, at_kill = kill_step_in_allocation(tmp_path, f"slurmci-rollout-{os.getpid()}", "rollout", 40)
+    assert at_kill < 40, "the kill landed after the last step"
+    assert proc.returncode == 1, out[-3000:]
+    ev = events(out)
+    assert not [e for e in ev if e["event"] == "role_crashed_restarting"], out[-3000:]
+    crashed = [e for e in ev if e["event"] == "rollout_crashed"]
+    assert len(crashed) == 1 and crashed[0]["hint"] == f"resume with: miles launch CONFIG --slurm --resume {run}"
+    assert [e["role"] for e in ev if e["event"] == "step_started"].count("rollout") == 1
+    assert (run / "slurm" / "exit_code").read_text().strip() == "1"
+    for role in ("engine", "head"):
+        assert '"host_stopping"' in (run / "logs" / f"{role}-0.log").read_text(), role
