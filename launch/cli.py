@@ -27,25 +27,43 @@ def _load(args: argparse.Namespace) -> MilesConfig:
     return load_config(MilesConfig, args.config, args.set)
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-
-    from miles.launch.local import LocalLauncher
+def load_run(args: argparse.Namespace) -> tuple[MilesConfig, str] | None:
+    """The run `miles train` and `miles launch --slurm` start, refused before anything is written
+    or submitted if its config is wrong: the config and its `--resume` checkpoint ("" for a fresh
+    run, which needs an empty run.dir), or None for a `--resume` of a run that already finished."""
+    from miles.launch.validate import validate_launch
     from miles.metrics import run_dir as rd
-    from miles.warmup.sft import with_initial_checkpoint
 
     resume = ""
     if args.resume:
         cfg, resume = _resume_config(args.resume, args.set)
         if not resume:  # finished (see metrics/run_dir.py)
-            return 0
+            return None
     else:
         cfg = _load(args)
         rd.check_fresh(cfg.run.dir)  # one run per directory: never append to another run's files
-    from miles.launch.validate import validate_launch
+    validate_launch(cfg)
+    return cfg, resume
 
-    validate_launch(cfg)  # before anything is written: a refused run leaves no run directory
-    if resume:  # the steps after the checkpoint run again: drop what they wrote before
+
+def begin_resume(cfg: MilesConfig, resume: str) -> None:
+    """The steps after the checkpoint run again: drop what they wrote before."""
+    from miles.metrics import run_dir as rd
+
+    if resume:
         rd.truncate_step_records(cfg.run.dir, rd.checkpoint_step(resume))
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+
+    from miles.launch.local import LocalLauncher
+    from miles.warmup.sft import with_initial_checkpoint
+
+    loaded = load_run(args)  # before anything is written: a refused run leaves no run directory
+    if loaded is None:
+        return 0
+    cfg, resume = loaded
+    begin_resume(cfg, resume)
     # auto: events as JSON to run_dir/logs/launcher.log, warnings and errors as one line each here
     log_file = Path(cfg.run.dir) / "logs" / "launcher.log" if cfg.run.log_json == "auto" else None
     configure_logging(cfg.run.log_level, None if cfg.run.log_json == "auto" else cfg.run.log_json == "json",

@@ -1,10 +1,10 @@
 """Local launcher: every role as a process on this machine, supervised.
 
 The head process runs the directory. It starts the engines, the rollout process
-and the trainer ranks, forwards SIGINT/SIGTERM, restarts a crashed engine or
-rollout process (the trainer re-syncs weights on its next version), and stops the
-run when a trainer rank exits. It leaves no orphans: children are started in their
-own process group and killed by PID on the way out.
+and the trainer ranks, each a `Child` (a supervised unit), and hands them to the
+supervisor shared with Slurm (launch/supervisor.py: which exits end the run, which
+roles are restarted). It leaves no orphans: children are started in their own
+process group and killed by PID on the way out.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from miles.core.files import atomic_write_bytes
 from miles.core.logging import get_logger
 from miles.core.schema import MilesConfig
 from miles.launch.console import Console
-from miles.launch.supervision import RestartPolicy, crash_report
+from miles.launch.supervision import CrashReport, RestartPolicy, crash_report
+from miles.launch.supervisor import Supervisor, die_with_parent, stop_units
 from miles.transport.curve import apply_cluster_keys
 
 log = get_logger("miles.launch")
@@ -44,21 +45,47 @@ class Child:
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     started: float = field(default_factory=time.monotonic)
-    served: bool = False  # its ready file appeared once: a later exit is not a failure at start
+    was_ready: bool = False  # its ready file appeared once: a later exit is not a failure at start
     log_from: int = 0  # where this incarnation's lines begin in log_path (the log is appended to)
 
     @property
     def ready_path(self) -> Path:
         return self.log_path.with_suffix(".ready")
 
+    # the supervisor's Unit protocol (launch/supervisor.py)
+    def start(self) -> None:
+        self.ready_path.unlink(missing_ok=True)  # written by this incarnation once it serves
+        self.log_from = self.log_path.stat().st_size if self.log_path.exists() else 0
+        log_f = self.log_path.open("ab")
+        # stdout (prints, progress) apart from the JSON events; the console shows progress
+        # from metrics.jsonl and warnings from the logs, so no role writes to the terminal
+        out_f = self.log_path.with_suffix(".out").open("ab")
+        self.proc = subprocess.Popen(self.argv, stdout=out_f, stderr=log_f, env=self.env, start_new_session=True,
+                                     preexec_fn=die_with_parent)
+        self.started = time.monotonic()
+        log.info("role_started", role=self.role, index=self.index, pid=self.proc.pid)
 
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the launcher dies, even by SIGKILL (no orphans)."""
-    import ctypes
+    def poll(self) -> int | None:
+        assert self.proc is not None
+        return self.proc.poll()
 
-    pr_set_pdeathsig = 1
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+    def served(self) -> bool:
+        self.was_ready = self.was_ready or self.ready_path.exists()
+        return self.was_ready
+
+    def crash(self) -> CrashReport:
+        return crash_report(self.log_path, self.log_from)
+
+    def log_hint(self) -> str:
+        return str(self.log_path)
+
+    def request_stop(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
 
 
 def _free_port() -> int:
@@ -97,18 +124,6 @@ class LocalLauncher:
         self.console = Console(self.run_dir, cfg.run.steps, progress=cfg.run.progress,
                                forward_warnings=cfg.run.log_json == "auto")
 
-    def _spawn(self, c: Child) -> None:
-        c.ready_path.unlink(missing_ok=True)  # written by this incarnation once it serves
-        c.log_from = c.log_path.stat().st_size if c.log_path.exists() else 0
-        log_f = c.log_path.open("ab")
-        # stdout (prints, progress) apart from the JSON events; the console shows progress
-        # from metrics.jsonl and warnings from the logs, so no role writes to the terminal
-        out_f = c.log_path.with_suffix(".out").open("ab")
-        c.proc = subprocess.Popen(c.argv, stdout=out_f, stderr=log_f, env=c.env, start_new_session=True,
-                                  preexec_fn=_die_with_parent)
-        c.started = time.monotonic()
-        log.info("role_started", role=c.role, index=c.index, pid=c.proc.pid)
-
     async def run(self) -> int:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(exist_ok=True)
@@ -143,74 +158,17 @@ class LocalLauncher:
                                       **role_threads(role, roles)},
                       log_path)
             self.children.append(c)
-            self._spawn(c)
+            c.start()
         console_done = asyncio.Event()
         console = asyncio.create_task(self.console.follow(console_done), name="console")
+        supervisor = Supervisor(list(self.children), self.policy, f"miles train --resume {self.run_dir}", self._stop)
         try:
-            rc = await self._supervise()
+            rc = await supervisor.run()
         finally:
             console_done.set()
             await console
             # The directory (in this process) stays responsive while the roles shut down,
             # so they unregister cleanly instead of timing out against a blocked loop.
-            await self._terminate()
+            await stop_units(list(self.children), grace_s=10.0)
             await host.stop(grace_s=1.0)
         return rc
-
-    async def _supervise(self) -> int:
-        while not self._stop.is_set():
-            for c in self.children:
-                assert c.proc is not None
-                code = c.proc.poll()
-                if code is None:
-                    continue
-                c.served = c.served or c.ready_path.exists()
-                if c.role == "trainer":
-                    if code == 0 and all(t.proc and t.proc.poll() is not None for t in self.children
-                                         if t.role == "trainer"):
-                        return 0
-                    if code != 0:
-                        log.error("trainer_exited", rank=c.index, code=code, cause=crash_report(c.log_path, c.log_from).reason,
-                                  hint=f"see {c.log_path}; the last checkpoint is kept")
-                        return code
-                    continue
-                report = crash_report(c.log_path, c.log_from)
-                if c.role == "rollout":
-                    # The buffer lives in the rollout process: restarting it empty would lose the
-                    # in-flight prompts, so stop and let the user resume from the last checkpoint.
-                    log.error("rollout_crashed" if c.served else "role_failed_at_start", role=c.role, code=code,
-                              cause=report.reason, log=str(c.log_path),
-                              hint=f"resume with: miles train --resume {self.run_dir}" if c.served else
-                              "it would fail again: fix the cause and start again")
-                    return 1
-                decision = self.policy.decide(served=c.served, fatal=report.fatal, restarts=c.restarts)
-                if decision.action == "stop":
-                    log.error(decision.why, role=c.role, index=c.index, code=code, cause=report.reason,
-                              log=str(c.log_path), restarts=c.restarts)
-                    return 1
-                c.restarts += 1
-                log.warning(decision.why, role=c.role, index=c.index, code=code, restart=c.restarts,
-                            cause=report.reason)
-                # A restarted engine loads the initial weights; the trainer's next push (every
-                # version is a full push) brings it to the current version, and anything it
-                # generates before that is dropped as stale by the buffer.
-                c.env = {**c.env, "MILES_RESUME": ""}
-                self._spawn(c)
-            try:
-                await asyncio.wait_for(self._stop.wait(), 0.2)
-            except TimeoutError:
-                pass
-        log.warning("run_interrupted")
-        return 130
-
-    async def _terminate(self, grace_s: float = 10.0) -> None:
-        live = [c.proc for c in self.children if c.proc is not None and c.proc.poll() is None]
-        for p in live:
-            p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while any(p.poll() is None for p in live) and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        for p in live:
-            if p.poll() is None:
-                p.kill()
-                p.wait(5)

@@ -11,11 +11,13 @@ import asyncio
 import json
 import os
 import sys
+import time
 from typing import Any
 
 from miles.actors.runtime.host import Host
 from miles.actors.runtime.process import serve
 from miles.core.config import from_dict
+from miles.core.errors import PeerTimeout
 from miles.core.logging import configure_logging, get_logger
 from miles.core.schema import MilesConfig
 
@@ -26,9 +28,19 @@ def engine_names(cfg: MilesConfig) -> list[str]:
     return [f"engine-{i}" for i in range(cfg.engine.num_engines)]
 
 
+async def _wait_for(host: Host, names: list[str], wait_s: float) -> None:
+    """Until every named actor has registered (an engine does so once warmed up): `wait_s` in all
+    (engine.ready_wait_s), the roles starting side by side; a timeout names the option."""
+    deadline = time.monotonic() + wait_s
+    for name in names:
+        try:
+            await host.lookup(name, timeout=max(0.1, deadline - time.monotonic()))
+        except PeerTimeout as exc:
+            raise PeerTimeout(f"{exc} (engine.ready_wait_s={wait_s:g}): did it fail to start? see its log") from None
+
+
 async def _wait_engines(host: Host, cfg: MilesConfig) -> None:
-    for name in engine_names(cfg):
-        await host.lookup(name, timeout=300)
+    await _wait_for(host, engine_names(cfg), cfg.engine.ready_wait_s)
 
 
 def wandb_settings(cfg: MilesConfig) -> Any:
@@ -117,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
             from miles.metrics.sink import MetricsSink
             from miles.models.config import ModelSpec
 
-            await _wait_engines(host, cfg)
-            await host.lookup("rollout", timeout=300)
+            # the rollout process registers once the engines have: one bound for both
+            await _wait_for(host, [*engine_names(cfg), "rollout"], cfg.engine.ready_wait_s)
             from miles.metrics.run_dir import checkpoint_step
 
             resume = os.environ.get("MILES_RESUME", "")

@@ -1,9 +1,14 @@
-"""`miles launch CONFIG --slurm`: render the run's sbatch script, then submit it (or run it in place).
+"""`miles launch CONFIG --slurm`: check the run, render its sbatch script, then submit it (or run it in place).
 
-Outside an allocation the script is submitted with `sbatch` (`--wait` follows the job
-and returns its exit code). Inside one (SLURM_JOB_ID set, e.g. under `salloc`) the
-same script runs under bash, so its srun steps use the current allocation. `--dry-run`
-prints the script and touches nothing. The run directory must be on a filesystem all
+The run is checked as `miles train` checks it (launch/cli.py `load_run`: the config, an
+empty run.dir or `--resume RUN_DIR`, `validate_launch`) and the placement is planned
+before anything is written or submitted: a wrong config never reaches sbatch. Outside an
+allocation the script is submitted with `sbatch` (`--wait` follows the job and returns
+its exit code). Inside one (SLURM_JOB_ID set, e.g. under `salloc`) the same script runs
+under bash, so its srun steps use the current allocation. The script starts the shared
+supervisor inside the allocation (launch/slurm_supervisor.py). `--dry-run` prints the
+script and touches nothing (it checks the placement, not the config's files and hooks,
+which may only exist where the job runs). The run directory must be on a filesystem all
 nodes share: the resolved config, the directory address and the logs live there.
 """
 
@@ -24,8 +29,15 @@ from miles.core.errors import ConfigError
 from miles.core.logging import configure_logging
 from miles.core.schema import MilesConfig
 from miles.core.slurm_env import SlurmEnv
-from miles.launch.cli import _load, add_config_args
-from miles.launch.slurm_script import ROLES, SlurmOptions, SlurmPlan, make_plan, render_script
+from miles.launch.cli import _load, _resume_config, add_config_args, begin_resume, load_run
+from miles.launch.slurm_script import (
+    ROLES,
+    SlurmOptions,
+    SlurmPlan,
+    job_spec,
+    make_plan,
+    render_script,
+)
 
 
 def _role_pairs(values: list[str], flag: str) -> list[tuple[str, str]]:
@@ -56,22 +68,28 @@ def _render(plan: SlurmPlan, cfg: MilesConfig) -> str:
                          python=sys.executable, workdir=os.getcwd())
 
 
-def prepare(cfg: MilesConfig) -> MilesConfig:
-    """Absolute run dir and a real initial checkpoint, so every step on every node loads the same one."""
+def prepare(cfg: MilesConfig, resume: str = "") -> MilesConfig:
+    """Absolute run dir and, for a fresh run, a real initial checkpoint, so every step on every
+    node loads the same one (a resumed run loads its checkpoint)."""
     from miles.warmup.sft import with_initial_checkpoint
 
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(Path(cfg.run.dir).resolve())))
-    return with_initial_checkpoint(cfg)
+    return cfg if resume else with_initial_checkpoint(cfg)
 
 
-def write_run_files(cfg: MilesConfig, script: str) -> Path:
+def write_run_files(cfg: MilesConfig, plan: SlurmPlan, resume: str = "") -> Path:
+    """The resolved config, the steps the supervisor runs (slurm/steps.json) and the script."""
     run = Path(cfg.run.dir)
     (run / "slurm").mkdir(parents=True, exist_ok=True)
     (run / "logs").mkdir(exist_ok=True)
-    (run / "config.resolved.json").write_text(json.dumps(to_dict(cfg), indent=1))
+    (run / "slurm" / "exit_code").unlink(missing_ok=True)  # an earlier job's (before --resume)
+    cfg_path = run / "config.resolved.json"
+    cfg_path.write_text(json.dumps(to_dict(cfg), indent=1))
     (run / "config.resolved.toml").write_text(dump_toml(cfg, with_docs=True))
+    job_spec(plan, run_dir=str(run), config_path=str(cfg_path), python=sys.executable,
+             resume=resume).write(run / "slurm" / "steps.json")
     path = run / "slurm" / "job.sbatch"
-    path.write_text(script)
+    path.write_text(_render(plan, cfg))
     return path
 
 
@@ -113,32 +131,49 @@ def wait_job(job_id: str, run_dir: Path, poll_s: float = 1.0) -> int:
     return code if code else 1
 
 
+def run_in_place(script: Path) -> int:
+    """Run the script under bash here; its exit code. A Ctrl-C reaches the supervisor too, which
+    stops the steps gracefully: wait for that instead of leaving (which would end the allocation's
+    steps at once under salloc)."""
+    proc = subprocess.Popen(["bash", str(script)])
+    while True:
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:
+            continue
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     if not args.slurm:
         raise ConfigError("`miles launch` needs --slurm (the cluster backend); for local processes use "
                           "`miles train CONFIG`")
-    cfg = _load(args)
     env = SlurmEnv.from_environ()
-    plan = make_plan(cfg, options_from_args(args, env))
     if args.dry_run:
-        print(_render(plan, cfg), end="")
+        cfg = _resume_config(args.resume, args.set)[0] if args.resume else _load(args)
+        print(_render(make_plan(cfg, options_from_args(args, env)), cfg), end="")
         return 0
-    from miles.metrics.run_dir import check_fresh
-
-    check_fresh(cfg.run.dir)  # one run per directory (metrics/run_dir.py)
+    if args.resume and args.config:
+        raise ConfigError(f"--resume {args.resume}: give no CONFIG (the run's own config.resolved.json is "
+                          "used; change it with --set)")
+    loaded = load_run(args)  # the checks of `miles train`, before anything is written or submitted
+    if loaded is None:
+        return 0
+    cfg, resume = loaded
+    plan = make_plan(cfg, options_from_args(args, env))
     if env.in_allocation and env.num_nodes and env.num_nodes < plan.nodes:
         raise ConfigError(f"the plan needs {plan.nodes} nodes but allocation {env.job_id} has {env.num_nodes}: "
                           "allocate more nodes or lower --nodes / --place")
+    begin_resume(cfg, resume)
     # auto: events as JSON to run_dir/logs/launcher.log, warnings and errors as one readable line
     # here (as `miles train`); the roles' events go to their steps' logs
     log_file = Path(cfg.run.dir) / "logs" / "launcher.log" if cfg.run.log_json == "auto" else None
     configure_logging(cfg.run.log_level, None if cfg.run.log_json == "auto" else cfg.run.log_json == "json",
                       file=log_file, run=cfg.run.name, role="launcher")
-    cfg = prepare(cfg)
-    script = write_run_files(cfg, _render(plan, cfg))
+    cfg = prepare(cfg, resume)
+    script = write_run_files(cfg, plan, str(Path(resume).resolve()) if resume else "")
     if env.in_allocation:
         print(f"miles: inside allocation {env.job_id}: running {script}", flush=True)
-        return subprocess.call(["bash", str(script)])
+        return run_in_place(script)
     job_id = submit(script)
     print(f"miles: submitted job {job_id}: {script}  (log {cfg.run.dir}/slurm/slurm-{job_id}.out)", flush=True)
     if not args.wait:
@@ -150,6 +185,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p = sub.add_parser("launch", help="run on Slurm: one srun step per role (sbatch, or inside salloc)")
     add_config_args(p)
     p.add_argument("--slurm", action="store_true", help="launch under Slurm (required)")
+    p.add_argument("--resume", default="", metavar="RUN_DIR",
+                   help="continue RUN_DIR from its last checkpoint (trainer, buffer ledger, data position)")
     p.add_argument("--dry-run", action="store_true", help="print the sbatch script and exit")
     p.add_argument("--wait", action="store_true", help="after sbatch, wait for the job; exit with its code")
     p.add_argument("--nodes", type=int, default=0, help="nodes of the job (default: 2 with engines, else 1)")
@@ -165,6 +202,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--srun-arg", action="append", default=[], metavar="ROLE=ARG",
                    help="extra srun argument for one role's step, e.g. engine=--gpus-per-task=1")
     p.add_argument("--master-port", type=int, default=0, help="trainer MASTER_PORT (default 20000 + job id %% 10000)")
-    p.add_argument("--max-restarts", type=int, default=3, help="restarts of a crashed engine/rollout step")
+    p.add_argument("--max-restarts", type=int, default=3, help="restarts of a crashed engine step (a rollout step is not restarted: resume the run)")
     p.add_argument("--directory-wait-s", type=float, default=300.0, help="how long steps wait for the head")
     p.set_defaults(fn=cmd_launch)

@@ -1,20 +1,22 @@
-"""The Slurm job of a run: which role runs on which nodes, and the sbatch script that does it.
+"""The Slurm job of a run: which role runs on which nodes, each role's srun step, and the sbatch script.
 
 One `srun` step per role (head, engine, rollout, trainer), each with `--exact` (a step
 takes only its own CPUs, so steps run side by side) and `--kill-on-bad-exit` (one
 failing task ends its step). `--relative` places a step on a contiguous range of the
-allocation's nodes, so the script needs no host names. The head step (the directory)
-starts first; it writes its address to `RUN/slurm/directory.addr` on the shared
-filesystem, and the other steps wait for that file. The script then supervises: an
-engine or rollout step that exits is restarted (up to a limit), the run ends when the
-trainer step ends, and the remaining steps are stopped with SIGTERM.
+allocation's nodes, so no host names are needed. The steps' commands go to
+`RUN/slurm/steps.json` (`JobSpec`); the sbatch script only starts the supervisor
+(launch/slurm_supervisor.py), which runs them: the head step (the directory) first, the
+others once its address is in `RUN/slurm/directory.addr`, all watched by the supervisor
+`miles train` uses too (launch/supervisor.py).
 """
 
 from __future__ import annotations
 
 import ipaddress
+import json
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from miles.core.errors import ConfigError
 from miles.core.schema import MilesConfig
@@ -116,6 +118,9 @@ def make_plan(cfg: MilesConfig, opts: SlurmOptions) -> SlurmPlan:
         raise ConfigError(f"the job asks for {nodes} nodes but the placement uses only {len(used)}: "
                           "lower --nodes or place a role on the others with --place ROLE=A-B")
     check_transport(cfg, nodes)
+    if cfg.eval.mode == "snapshot":
+        raise ConfigError("eval.mode = 'snapshot' needs a dedicated eval engine, which `miles launch --slurm` "
+                          "does not place: use eval.mode = 'shared' (or 'external'), or run it with `miles train`")
     return SlurmPlan(f"miles-{cfg.run.name}", nodes, tuple(steps), opts)
 
 
@@ -142,8 +147,69 @@ def _q(s: str) -> str:
     return shlex.quote(s)
 
 
+@dataclass(frozen=True)
+class StepCommand:
+    role: str
+    ntasks: int
+    argv: tuple[str, ...]  # the srun command line
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What the supervisor inside the allocation runs (RUN/slurm/steps.json)."""
+
+    run_dir: str
+    steps: tuple[StepCommand, ...]
+    max_restarts: int = 3
+    directory_wait_s: float = 300.0
+    stop_grace_s: float = 20.0  # how long a step may drain after its SIGTERM before srun kills it
+    resume: str = ""  # the checkpoint of `--resume`, or "" for a fresh run
+
+    @property
+    def address_file(self) -> Path:
+        return Path(self.run_dir) / "slurm" / "directory.addr"
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self), indent=1))
+
+    @classmethod
+    def read(cls, path: Path) -> JobSpec:
+        d = json.loads(path.read_text())
+        steps = tuple(StepCommand(s["role"], int(s["ntasks"]), tuple(s["argv"])) for s in d.pop("steps"))
+        return cls(steps=steps, **d)
+
+
+def step_commands(plan: SlurmPlan, *, run_dir: str, config_path: str, python: str) -> tuple[StepCommand, ...]:
+    """Each role's srun command; the head's first."""
+    o = plan.opts
+    addr = f"{run_dir}/slurm/directory.addr"
+    master = plan.step("trainer").first_node
+    out = []
+    for s in plan.steps:
+        # --open-mode=append: a restarted step adds to its log; truncating it would erase the
+        # lines of the incarnation that crashed (the evidence of why it was restarted).
+        # The trainer's stdout (rank 0's progress line) goes to the job's own output.
+        log = f"--{'error' if s.role == 'trainer' else 'output'}={run_dir}/logs/{s.role}-%t.log"
+        srun = ["srun", f"--job-name={s.role}", f"--nodes={s.num_nodes}", f"--ntasks={s.ntasks}",
+                f"--relative={s.first_node}", "--exact", "--kill-on-bad-exit=1", "--open-mode=append",
+                f"--cpus-per-task={o.cpus_per_task}", *s.extra, log]
+        entry = [python, "-m", "miles.launch.slurm_step", s.role, "--config", config_path,
+                 "--directory-file", addr, "--directory-wait-s", f"{o.directory_wait_s:g}"]
+        if s.role == "trainer":
+            entry += ["--master-node", str(master)] + (["--master-port", str(o.master_port)] if o.master_port else [])
+        out.append(StepCommand(s.role, s.ntasks, (*srun, *entry)))
+    return tuple(out)
+
+
+def job_spec(plan: SlurmPlan, *, run_dir: str, config_path: str, python: str, resume: str = "") -> JobSpec:
+    return JobSpec(run_dir, step_commands(plan, run_dir=run_dir, config_path=config_path, python=python),
+                   plan.opts.max_restarts, plan.opts.directory_wait_s, resume=resume)
+
+
 def render_script(plan: SlurmPlan, *, run_dir: str, config_path: str, python: str, workdir: str) -> str:
-    """The sbatch script; the same file runs under `bash` inside an existing allocation."""
+    """The sbatch script; the same file runs under `bash` inside an existing allocation.
+
+    It only starts the supervisor; the steps it will run are listed as comments."""
     o = plan.opts
     head = ["#!/bin/bash", f"#SBATCH --job-name={plan.job_name}", f"#SBATCH --nodes={plan.nodes}",
             f"#SBATCH --ntasks-per-node={plan.tasks_per_node}", f"#SBATCH --cpus-per-task={o.cpus_per_task}",
@@ -153,94 +219,16 @@ def render_script(plan: SlurmPlan, *, run_dir: str, config_path: str, python: st
     if o.gpus_per_node:
         head.append(f"#SBATCH --gpus-per-node={o.gpus_per_node}")
     head += [f"#SBATCH {a}" for a in o.sbatch_args]
+    steps = step_commands(plan, run_dir=run_dir, config_path=config_path, python=python)
     lines = head + [
-        "# Rendered by `miles launch --slurm`: one srun step per role; the head (directory) step first.",
-        "# Inside an allocation `miles launch --slurm` runs this file with bash instead of sbatch.",
+        "# Rendered by `miles launch --slurm`; inside an allocation it runs this file with bash instead of sbatch.",
+        "# The supervisor `miles train` uses too runs here, inside the allocation: it starts one srun step",
+        f"# per role from {run_dir}/slurm/steps.json (the head first), restarts a crashed engine step,",
+        "# stops every step with SIGTERM at the end (the head last) and writes RUN/slurm/exit_code:",
+        *[f"#   {c.role}: {' '.join(_q(a) for a in c.argv)}" for c in steps],
         "set -uo pipefail",
         f"cd {_q(workdir)}",
-        f"RUN={_q(run_dir)}",
-        f"CONFIG={_q(config_path)}",
-        'ADDR="$RUN/slurm/directory.addr"',
-        f"PY={_q(python)}",
-        f"MAX_RESTARTS={o.max_restarts}",
-        f"DIRECTORY_WAIT_S={int(o.directory_wait_s)}",
         "export PYTHONUNBUFFERED=1",
-        'mkdir -p "$RUN/logs" "$RUN/slurm"',
-        '# a stale address from an earlier job would send the steps to a dead directory',
-        'rm -f "$ADDR" "$RUN/slurm/exit_code"',
-        "",
-    ]
-    master = plan.step("trainer").first_node
-    for s in plan.steps:
-        srun = ["srun", f"--job-name={s.role}", f"--nodes={s.num_nodes}", f"--ntasks={s.ntasks}",
-                f"--relative={s.first_node}", "--exact", "--kill-on-bad-exit=1",
-                f"--cpus-per-task={o.cpus_per_task}", *s.extra]
-        entry = ['"$PY"', "-m", "miles.launch.slurm_step", s.role, '--config "$CONFIG"',
-                 '--directory-file "$ADDR"', f"--directory-wait-s {int(o.directory_wait_s)}"]
-        if s.role == "trainer":
-            entry += [f"--master-node {master}"] + ([f"--master-port {o.master_port}"] if o.master_port else [])
-        # the trainer's stdout (rank 0's progress line) goes to the job's own output
-        out = f'--{"error" if s.role == "trainer" else "output"}="$RUN/logs/{s.role}-%t.log"'
-        # exec: the background job started for a step IS its srun, so a TERM to $! reaches srun
-        lines.append(f"step_{s.role}() {{ exec {' '.join(_q(a) for a in srun)} {out} {' '.join(entry)}; }}")
-    restartable = " ".join(s.role for s in plan.steps if s.role in ("engine", "rollout"))
-    lines += [
-        "",
-        "declare -A NAME=() TRIES=()",
-        'start() { "step_$1" & NAME[$!]=$1; echo "miles: step $1 started (srun pid $!)"; }',
-        "# Graceful stop: SIGTERM to a step's tasks (scancel JOB.STEP, found by step name), so they drain",
-        "# and unregister; srun itself turns a SIGTERM into a hard kill, so it only gets one after 20 s.",
-        "# (Slurm 22.05's scancel reports a spurious 'Invalid job id' after signalling a step: ignored.)",
-        "in_list() { [[ \" ${*:2} \" == *\" $1 \"* ]]; }",
-        "stop_steps() {",
-        "  local p sid sname live t=0",
-        '  while read -r sid sname; do in_list "$sname" "$@" && { scancel -s TERM "$sid" 2>/dev/null || :; }; done \\',
-        '    < <(squeue -h -s -j "${SLURM_JOB_ID:-0}" -o "%i %j" 2>/dev/null)',
-        "  while :; do",
-        '    live=""',
-        '    for p in "${!NAME[@]}"; do in_list "${NAME[$p]}" "$@" && kill -0 "$p" 2>/dev/null && live="$live $p"; done',
-        '    [ -z "$live" ] && break',
-        '    if [ "$t" -ge 100 ]; then kill -TERM $live 2>/dev/null; break; fi',
-        "    sleep 0.2; t=$((t + 1))",
-        "  done",
-        '  for p in "${!NAME[@]}"; do in_list "${NAME[$p]}" "$@" && { wait "$p"; unset "NAME[$p]"; }; done',
-        "  return 0",
-        "}",
-        "# the head goes last so the other steps can still unregister from the directory",
-        "stop_all() { stop_steps engine rollout trainer; stop_steps head; }",
-        'finish() { echo "$1" > "$RUN/slurm/exit_code"; echo "miles: job exit code $1"; exit "$1"; }',
-        "trap 'echo \"miles: interrupted\" >&2; stop_all; finish 130' INT TERM",
-        "",
-        "start head; HEAD_PID=$!",
-        "waited=0",
-        'until [ -s "$ADDR" ]; do',
-        '  if ! kill -0 "$HEAD_PID" 2>/dev/null; then',
-        '    echo "miles: the head step exited before writing $ADDR; see $RUN/logs/head-0.log" >&2; wait; finish 1',
-        "  fi",
-        '  if [ "$waited" -ge $((DIRECTORY_WAIT_S * 5)) ]; then',
-        '    echo "miles: no directory address in $ADDR after ${DIRECTORY_WAIT_S}s" >&2; stop_all; finish 1',
-        "  fi",
-        "  sleep 0.2; waited=$((waited + 1))",
-        "done",
-        'echo "miles: directory at $(cat "$ADDR")"',
-        *[f"start {s.role}" for s in plan.steps if s.role != "head"],
-        "",
-        "rc=0",
-        "while :; do",
-        "  fin=''",
-        '  wait -n -p fin "${!NAME[@]}"; code=$?',
-        '  if [ -z "$fin" ]; then [ "$code" = 127 ] && { rc=1; break; }; continue; fi  # 127: no step left',
-        '  name=${NAME[$fin]}; unset "NAME[$fin]"',
-        '  if [ "$name" = trainer ]; then rc=$code; echo "miles: trainer step exited with $code"; break; fi',
-        f'  if [[ " {restartable} " == *" $name "* ]] && [ "${{TRIES[$name]:-0}}" -lt "$MAX_RESTARTS" ]; then',
-        '    TRIES[$name]=$(( ${TRIES[$name]:-0} + 1 ))',
-        '    echo "miles: step $name exited with $code; restart ${TRIES[$name]}/$MAX_RESTARTS" >&2',
-        '    start "$name"; continue',
-        "  fi",
-        '  echo "miles: step $name exited with $code before the trainer finished; see $RUN/logs/$name-*.log" >&2',
-        "  rc=$(( code == 0 ? 1 : code )); break",
-        "done",
-        "stop_all",
-        'finish "$rc"',
+        f"exec {_q(python)} -m miles.launch.slurm_supervisor {_q(run_dir)}",
     ]
     return "\n".join(lines) + "\n"

@@ -5,7 +5,8 @@ Turns the task's Slurm facts into what a role process needs, then runs it:
   and the job spans several nodes, the address this node's Slurm name resolves to;
   a NIC name (e.g. "ib0") is resolved to that NIC's IPv4 address on each node;
 - `head`: runs the directory and writes its address to F (on the shared filesystem);
-- other roles: wait for F, then start `miles.launch.role` with index = SLURM_PROCID and,
+- other roles: wait for F, then start `miles.launch.role` with index = SLURM_PROCID, a ready
+  file `RUN/logs/ROLE-PROCID.ready` (the supervisor's sign that the task served) and,
   for trainer ranks, RANK/WORLD_SIZE, LOCAL_RANK (see `local_rank`) and MASTER_ADDR (the trainer step's
   first node, from SLURM_JOB_NODELIST) / MASTER_PORT (given, or 20000 + job id % 10000).
 """
@@ -150,7 +151,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from miles.launch.role import main as role_main
 
-    return role_main([a.role, "--config", str(cfg_path), "--index", str(env.proc_id), "--directory", directory])
+    # its ready file tells the supervisor (launch/slurm_supervisor.py) that it served once
+    ready_file = Path(cfg.run.dir) / "logs" / f"{a.role}-{env.proc_id}.ready"
+    return role_main([a.role, "--config", str(cfg_path), "--index", str(env.proc_id), "--directory", directory,
+                      "--ready", str(ready_file)])
 
 
 if __name__ == "__main__":

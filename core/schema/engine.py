@@ -128,6 +128,11 @@ class EngineConfig:
     sglang_request_timeout_s: float = opt(3600.0, "longest wait for one HTTP call to the server", "s")
     sglang_max_restarts: int = opt(3, "restarts after a crash of the launched server before giving up", "restarts")
     sglang_stage_dir: str = opt("", "folder for staged weight versions (update from disk); '' = a temp dir")
+    ready_wait_s: float = opt(
+        900.0, "how long, at start, the rollout process waits for every engine to register and the trainer for "
+        "the engines and the rollout process: it covers loading weights, warm-up compiles and a launched sglang "
+        "server's start (sglang_startup_timeout_s, which it must exceed); a role still missing then fails the "
+        "run at start", "s")
 
     # Keys that were removed, with where their setting lives now (core/config.py reports them).
     REMOVED_KEYS: ClassVar[dict[str, str]] = {
@@ -150,8 +155,14 @@ class EngineConfig:
                 f"engine.kv_block_tokens={self.kv_block_tokens} must be >= 1 and "
                 f"engine.kv_pool_tokens={self.kv_pool_tokens} >= 0"
             )
+        if self.ready_wait_s <= 0:
+            raise ConfigError(f"engine.ready_wait_s={self.ready_wait_s} must be > 0 (seconds)")
         if self.type == "sglang":
             self._check_sglang()
+            if not self.sglang_url and self.ready_wait_s <= self.sglang_startup_timeout_s:
+                raise ConfigError(
+                    f"engine.ready_wait_s={self.ready_wait_s:g} must exceed engine.sglang_startup_timeout_s="
+                    f"{self.sglang_startup_timeout_s:g}: the other roles would give up on a server still starting")
         if self.dtype == "float16" and self.device == "cpu":
             raise ConfigError("engine.dtype=float16 is not supported on cpu; use float32 or bfloat16")
 

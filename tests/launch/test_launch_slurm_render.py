@@ -18,7 +18,7 @@ from miles.core.errors import ConfigError
 from miles.core.schema import MilesConfig
 from miles.core.slurm_env import SlurmEnv, expand_nodelist
 from miles.launch.cli import main as cli_main
-from miles.launch.slurm_script import SlurmOptions, make_plan, render_script
+from miles.launch.slurm_script import JobSpec, SlurmOptions, job_spec, make_plan, render_script
 from miles.launch.slurm_step import bind_address, local_rank, master_port, nic_address
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -150,26 +150,44 @@ def render(c: MilesConfig, opts: SlurmOptions) -> str:
                          python="/opt/venv/bin/python", workdir="/shared/src")
 
 
-def test_script_has_one_exact_srun_step_per_role_head_first() -> None:
-    s = render(cfg(), SlurmOptions(partition="gpu", time="01:00:00", sbatch_args=("--exclusive",),
-                                   srun_args={"engine": ("--gpus-per-task=1",)}, master_port=29555))
+def test_script_starts_the_supervisor_and_lists_one_exact_srun_step_per_role_head_first() -> None:
+    opts = SlurmOptions(partition="gpu", time="01:00:00", sbatch_args=("--exclusive",),
+                        srun_args={"engine": ("--gpus-per-task=1",)}, master_port=29555)
+    s = render(cfg(), opts)
     lines = s.splitlines()
     assert lines[0] == "#!/bin/bash"
     for want in ["#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=3", "#SBATCH --partition=gpu",
                  "#SBATCH --time=01:00:00", "#SBATCH --exclusive", "#SBATCH --output=/shared/runs/q/slurm/slurm-%j.out"]:
         assert want in lines
-    steps = {ln.split("(")[0]: ln for ln in lines if ln.startswith("step_")}
-    assert list(steps) == ["step_head", "step_engine", "step_rollout", "step_trainer"]
-    for role, ln in steps.items():
-        assert ln.count(" srun ") == 1 and "--exact" in ln and "--kill-on-bad-exit=1" in ln
-        assert f"miles.launch.slurm_step {role[5:]}" in ln
-    assert "--relative=1" in steps["step_engine"] and "--gpus-per-task=1" in steps["step_engine"]
-    assert "--relative=0" in steps["step_trainer"] and "--master-port 29555" in steps["step_trainer"]
-    starts = [ln for ln in lines if ln.startswith("start ")]
-    assert starts[0].startswith("start head") and starts[1:] == ["start engine", "start rollout", "start trainer"]
-    # the head must be up (its address file written) before any other step starts
-    assert s.index('until [ -s "$ADDR" ]') < s.index("start engine")
-    assert 'rm -f "$ADDR"' in s.split("start head")[0]
+    # the script only starts the shared supervisor; it runs no srun itself
+    assert lines[-1] == "exec /opt/venv/bin/python -m miles.launch.slurm_supervisor /shared/runs/q"
+    assert not [ln for ln in lines if "srun" in ln and not ln.startswith("#")]
+    spec = job_spec(make_plan(cfg(), opts), run_dir="/shared/runs/q", config_path="/shared/runs/q/c.json",
+                    python="/opt/venv/bin/python")
+    assert [c.role for c in spec.steps] == ["head", "engine", "rollout", "trainer"]
+    for c in spec.steps:
+        ln = " ".join(c.argv)
+        assert c.argv[0] == "srun" and ln.count("srun ") == 1 and "--exact" in ln and "--kill-on-bad-exit=1" in ln
+        assert "--open-mode=append" in ln  # a restarted step keeps its crashed incarnation's lines
+        assert f"miles.launch.slurm_step {c.role}" in ln
+        assert f"#   {c.role}: {shlex.join(c.argv)}" in lines  # the dry run shows what will run
+    by = {c.role: " ".join(c.argv) for c in spec.steps}
+    assert "--relative=1" in by["engine"] and "--gpus-per-task=1" in by["engine"]
+    assert "--relative=0" in by["trainer"] and "--master-port 29555" in by["trainer"]
+    assert spec.address_file == Path("/shared/runs/q/slurm/directory.addr")
+
+
+def test_job_spec_round_trips_through_its_file(tmp_path: Path) -> None:
+    spec = job_spec(make_plan(cfg("engine.num_engines=3"), SlurmOptions(nodes=2, max_restarts=5)),
+                    run_dir="/r", config_path="/r/c.json", python="py", resume="/r/checkpoints/step_000002")
+    spec.write(tmp_path / "steps.json")
+    back = JobSpec.read(tmp_path / "steps.json")
+    assert back == spec and back.max_restarts == 5 and back.steps[1].ntasks == 3
+
+
+def test_snapshot_eval_is_refused_under_slurm() -> None:
+    with pytest.raises(ConfigError, match="eval.mode = 'snapshot'"):
+        make_plan(cfg("eval.mode=snapshot"), SlurmOptions())
 
 
 def test_script_is_valid_bash() -> None:
