@@ -34,8 +34,9 @@ from miles.core.files import atomic_write_text
 from miles.core.hooks import resolve_hook
 from miles.core.logging import get_logger
 from miles.core.schema import MilesConfig
-from miles.rollout.client import EngineFn, LocalSessionClient
+from miles.rollout.client import EngineFn, FrontedClient
 from miles.rollout.dispatch import Dispatch
+from miles.rollout.handout import Handout
 from miles.rollout.orchestrator import Orchestrator
 from miles.rollout.requests import EngineRequests, Request
 from miles.rollout.session_store import SessionStore
@@ -50,18 +51,6 @@ _STATS_TIMEOUT_S = 5.0  # an engine's counters in the final state are a report, 
 def load_env(cfg: MilesConfig) -> Any:
     make = resolve_hook(cfg.rollout.env, "rollout.env")
     return make(**cfg.rollout.env_args)
-
-
-class _FrontedClient(LocalSessionClient):
-    """In-process session client whose sessions are also reachable over the HTTP front."""
-
-    def __init__(self, store: Any, engine: Any, url: str, token: str = "") -> None:
-        super().__init__(store, engine)
-        self.url = url
-        self.api_key = token  # the front's bearer token: what an OpenAI client sends as its api_key
-
-    def base_url(self, session_id: str) -> str | None:
-        return f"{self.url}/sessions/{session_id}/v1"
 
 
 class RolloutActor(Actor):
@@ -82,12 +71,12 @@ class RolloutActor(Actor):
         self.orch = Orchestrator(cfg, load_env(cfg), store, self.requests,
                                  self._fronted_client if rc.http_front else None)
         self.buffer, self.env, self.store = self.orch.buffer, self.orch.env, store
-        self._batches: dict[int, dict[str, Any]] = {}
+        self.handout = Handout()  # the step's batch, each trainer rank's shard cut from it
         self._pull_lock = asyncio.Lock()  # ranks asking for the same step must not collect twice
         self._watchers: dict[str, asyncio.Task[None]] = {}
 
-    def _fronted_client(self, engine_fn: EngineFn) -> _FrontedClient:
-        return _FrontedClient(self.store, engine_fn, self.http_url, self.http_token)
+    def _fronted_client(self, engine_fn: EngineFn) -> FrontedClient:
+        return FrontedClient(self.store, engine_fn, self.http_url, self.http_token)
 
     # ------------------------------------------------------------------ engines (EngineLink)
     async def generate(self, engine: str, batch: list[Request]) -> list[dict[str, Any]]:
@@ -113,14 +102,17 @@ class RolloutActor(Actor):
             self._watchers[engine] = asyncio.create_task(self._await_return(engine), name=f"watch-{engine}")
 
     async def _await_return(self, engine: str) -> None:
-        """Ask the down engine for its health until it is ok (restarted, or its server back)."""
+        """Ask the down engine for its health until it is ok (restarted, or its server back) at the
+        current weight version."""
         while True:
             await asyncio.sleep(_UP_POLL_S)
             try:
                 h = await self.ref(engine).ask(Health(), timeout=max(1.0, _UP_POLL_S * 4))
             except MilesError:
                 continue
-            if h.get("ok"):
+            # up once it serves the weights the rollout knows: a restarted engine serving its start
+            # weights until the trainer catches it up would only generate groups too stale to train
+            if h.get("ok") and int(h.get("version", 0)) >= self.orch.version:
                 break
         if self.requests.engine_up(engine):
             log.info("engine_up", engine=engine, live=self.requests.dispatch.live)
@@ -184,10 +176,9 @@ class RolloutActor(Actor):
         # tell): take the version from here too, so a lost announcement cannot stall sync mode.
         self.orch.set_version(msg.trainer_version)
         async with self._pull_lock:
-            if msg.step not in self._batches:
-                groups, metrics = await self.orch.collect(msg.n_groups, msg.trainer_version)
-                self._batches = {msg.step: {"groups": [g.to_wire() for g in groups], "metrics": metrics}}
-            return self._batches[msg.step]
+            if msg.step != self.handout.step:
+                self.handout.set(msg.step, *await self.orch.collect(msg.n_groups, msg.trainer_version))
+        return self.handout.shard(msg.dp_rank, msg.dp_size)  # encoded outside the lock: ranks in parallel
 
     @handler(DumpState, concurrency=4)
     async def dump_state(self, msg: DumpState) -> dict[str, Any]:

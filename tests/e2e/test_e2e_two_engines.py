@@ -6,7 +6,7 @@
   each engine prefilled at most one prompt in 8 requests. Routing per trajectory (the old
   key `group/sample`) alternates a group over both engines: each then prefills one prompt
   in 4, and this fails.
-- Deaths: kill -9 one engine mid-run. The rollout learns of the death, routes nothing to
+- Deaths: kill -9 one engine mid-run, while both generate long responses. The rollout learns of the death, routes nothing to
   it, and sends the requests lost with it to the survivor without failing their
   trajectories; training goes on while it is down, and it is used again once restarted.
 """
@@ -27,6 +27,13 @@ pytestmark = [pytest.mark.timeout(300)]
 
 TWO = ["--set", "engine.num_engines=2", "--set", "run.warmup_sft_steps=0", "--set", "run.progress=false"]
 N = 8  # the quick start's samples per prompt
+# Engines that never idle: every response sampled to a long budget (24-48 tokens, stop tokens
+# ignored), and generation never waits for the trainer (no staleness bound, so no admission
+# bound, and no limit on finished groups waiting). A kill then always catches requests in flight.
+BUSY = ["--set", "rollout.env=miles.rollout.envs.long_tail:make_env",
+        "--set", "rollout.env_args={median_tokens = 36, sigma = 0.3, min_tokens = 24, max_tokens = 48, "
+                 "ignore_stop = true}",
+        "--set", "buffer.max_staleness=-1", "--set", "buffer.max_waiting=100000"]
 
 
 def _final(run: Path) -> dict[str, Any]:
@@ -54,7 +61,7 @@ def test_groups_go_whole_to_one_engine_and_each_prompt_is_prefilled_once(tmp_pat
 
 def test_a_killed_engine_loses_no_prompt_and_the_survivor_keeps_generating(tmp_path: Path) -> None:
     run, cache = tmp_path / "run", tmp_path / "cache"
-    p = start_run(run, cache, *TWO, "--set", "run.steps=40")
+    p = start_run(run, cache, *TWO, "--set", "run.steps=40", *BUSY)
     try:
         wait_for(lambda: len(metrics(run)) >= 3, 240, "step 3")
         engines = children(p.pid, "miles.launch.role engine")
@@ -74,7 +81,7 @@ def test_a_killed_engine_loses_no_prompt_and_the_survivor_keeps_generating(tmp_p
     final = check_ledger(run)
     routing = final["routing"]
     assert routing["downs"] >= 1 and routing["ups"] >= 1, routing  # out, then back once restarted
-    # fully_async keeps all 128 slots busy: the kill always catches requests, which went elsewhere
+    # the requests caught on the killed engine went to the survivor
     assert routing["lost_to_down_engine"] > 0, routing
     assert routing["groups_split"] == 0, routing  # a move forced by the death is not a split
     led = final["buffer"]["ledger"]
