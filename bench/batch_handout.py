@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from typing import Any
 
@@ -133,7 +134,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['world']:>2} {r['path']:<22} {r['rollout_s']:>10.3f} {r['rank_s_max']:>15.3f} "
               f"{r['mb_per_rank']:>9.1f} {r['handout_s']:>11.3f}")
-    print(json.dumps({"bench": "batch_handout", "groups": a.groups, "samples": a.samples, "prompt": a.prompt,
+    print(json.dumps({"bench": "batch_handout", "load_avg_1_5_15": os.getloadavg(), "groups": a.groups, "samples": a.samples, "prompt": a.prompt,
                       "response": a.response, "r3_layers": a.layers, "r3_topk": a.topk,
                       "rows": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in rows]}))
 
