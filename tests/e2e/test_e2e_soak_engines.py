@@ -9,7 +9,10 @@ What must hold: no trajectory fails for a death (a request lost with its engine 
 to the survivor, so no prompt is dropped or retried as "failed"), the survivor keeps
 training while the other is down (steps with `rollout/engines_down` = 1), the ledger
 accounts for every prompt drawn, none is trained twice, and every step trains one batch.
-Opt-in and marked slow (set MILES_SOAK_S; MILES_SOAK_OUT saves the report as JSON).
+Two workloads: the quick start (engines idle part of each step, waiting for the trainer), and
+"busy" (tests/e2e/test_e2e_two_engines.py BUSY: engines never idle, so every kill catches
+requests in flight). Opt-in and marked slow (set MILES_SOAK_S; MILES_SOAK_OUT=path.json
+saves each report as path_<workload>.json).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import pytest
 
 from .e2e_helpers import check_ledger, children, kill_tree, metrics, resume_run, start_run
 from .test_e2e_soak import _events, _latest
+from .test_e2e_two_engines import BUSY
 
 SOAK_S = float(os.environ.get("MILES_SOAK_S", "60"))
 pytestmark = [
@@ -52,13 +56,15 @@ def _index(pid: int) -> int:
     return int(cmd[cmd.index(b"--index") + 1]) if b"--index" in cmd else 0
 
 
-def test_engine_chaos_soak_loses_no_prompt(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workload", ["quickstart", "busy"])
+def test_engine_chaos_soak_loses_no_prompt(tmp_path: Path, workload: str) -> None:
     run, cache = tmp_path / "run", tmp_path / "cache"
     launcher_log = tmp_path / "run.launcher.log"
     rng = random.Random(os.getpid())
     steps = max(40, int(SOAK_S * 3))  # ~4-6 steps/s here between kills: the chaos ends first
     sets = [a for s in SETTINGS for a in ("--set", s)]
-    p = start_run(run, cache, *sets, "--set", f"run.steps={steps}")
+    extra = BUSY if workload == "busy" else []
+    p = start_run(run, cache, *sets, *extra, "--set", f"run.steps={steps}")
     kills: Counter[str] = Counter()
     resumes = 0
     t0 = time.monotonic()
@@ -117,7 +123,7 @@ def test_engine_chaos_soak_loses_no_prompt(tmp_path: Path) -> None:
     events = _events(run, launcher_log)
     downs = Counter(e["engine"] for e in events if e.get("event") == "engine_down")
     ups = Counter(e["engine"] for e in events if e.get("event") == "engine_up")
-    report = {"soak_s": SOAK_S, "settings": SETTINGS, "load_avg_1_5_15": os.getloadavg(),
+    report = {"soak_s": SOAK_S, "workload": workload, "settings": SETTINGS + extra[1::2], "load_avg_1_5_15": os.getloadavg(),
               "chaos_wall_s": round(chaos_s, 1), "total_wall_s": round(time.monotonic() - t0, 1), "steps": steps,
               "kills": dict(kills), "kills_total": sum(kills.values()), "resumes": resumes,
               "engine_down_events": dict(downs), "engine_up_events": dict(ups),
@@ -130,7 +136,7 @@ def test_engine_chaos_soak_loses_no_prompt(tmp_path: Path) -> None:
     print("soak:", json.dumps(report))
     out = os.environ.get("MILES_SOAK_OUT")
     if out:
-        Path(out).write_text(json.dumps(report, indent=1) + "\n")
+        Path(out.replace(".json", f"_{workload}.json")).write_text(json.dumps(report, indent=1) + "\n")
     assert sum(kills.values()) >= 2 and sum(downs.values()) >= 1
     assert "failed" not in reasons, reasons  # no trajectory failed for a death
     assert report["trained_twice"] == 0

@@ -42,6 +42,7 @@ class ScriptedLink:
     def __init__(self, tok: Tokenizer, retract_first: bool = False) -> None:
         self.policy = ScriptedPolicy(tok)
         self.dead: set[str] = set()
+        self.restarting: set[str] = set()  # engines whose server is down: each request fails alone
         self.retract_first = retract_first
         self.seen: set[tuple[int, ...]] = set()
         self.served: list[tuple[str, tuple[int, ...]]] = []  # (engine, prompt ids) per request
@@ -53,8 +54,11 @@ class ScriptedLink:
         if engine in self.dead:
             raise ActorDeadError(f"actor {engine!r} died: killed by the test")
         self.messages.append((engine, len(batch)))
-        out = []
+        out: list[dict[str, Any]] = []
         for q in batch:
+            if engine in self.restarting:  # as the engine actor answers a GenerateMany item
+                out.append({"error_type": "EngineDown", "error": f"{engine}: sglang server died; restarting"})
+                continue
             self.served.append((engine, tuple(q.input_ids)))
             r = await self.policy(q.input_ids, q.sampling)
             ids, lps = r.ids[: q.sampling["max_new_tokens"]], r.logprobs[: q.sampling["max_new_tokens"]]
@@ -187,5 +191,19 @@ async def test_drain_waits_for_the_trajectories_in_flight_and_starts_none(tmp_pa
         assert len(link.served) == n  # held while the engines evaluate
         o.resume()
         await _collect(o, 1)
+    finally:
+        await o.stop()
+
+
+async def test_requests_failing_with_engine_down_go_to_the_other_engine(tmp_path: Path) -> None:
+    o, link, downs = _orchestrator(tmp_path)
+    link.restarting.add("engine-0")
+    o.start()
+    try:
+        groups = await _collect(o, 0)
+        assert all(s.status == "completed" for g in groups for s in g.samples)
+        assert downs == ["engine-0"] and o.requests.dispatch.live == ["engine-1"]
+        assert o.requests.dispatch.counters.lost_to_down_engine > 0
+        assert o.buffer.ledger.dump()["retried"] == 0
     finally:
         await o.stop()
