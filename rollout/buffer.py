@@ -137,8 +137,8 @@ class RolloutBuffer:
         # sync / one_step_off bound staleness by when work may generate (the rollout actor):
         # their groups train in arrival order
         schedule = cfg.schedule if cfg.mode == "fully_async" else "arrival"
-        # ... and generate at most one batch ahead: more slots than a batch would only hold work
-        capacity = cfg.capacity if cfg.mode == "fully_async" else min(cfg.capacity, cfg.batch_groups * n_samples)
+        # ... and generate one batch at a time: their slots are one batch, whatever capacity says
+        capacity = cfg.capacity if cfg.mode == "fully_async" else cfg.batch_groups * n_samples
         return cls(capacity, n_samples, None if cfg.max_staleness < 0 else cfg.max_staleness,
                    cfg.retry, cfg.max_attempts, cfg.admission_control, cfg.batch_groups, cfg.max_waiting,
                    load_filter(cfg.filter_fn), prompt_source, schedule=schedule, bias_window=cfg.bias_window)

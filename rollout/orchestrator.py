@@ -67,6 +67,7 @@ class Orchestrator:
         self._released: set[str] = set()  # groups generating in sync / one_step_off (<= one batch)
         self._collecting = 0  # groups of the batch being collected (still count toward the one batch)
         self._pump_task: asyncio.Task[None] | None = None
+        self.resumed_after: int | None = None  # a resumed run's last trained version (start())
         self.failures_in_a_row = 0
         self.last_failure = ""
         self.gen_samples = 0  # samples of finished trajectories, trained or not (for the length bias)
@@ -74,6 +75,10 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ life cycle
     def start(self) -> None:
+        # A resumed run (the buffer restored from a checkpoint) generates nothing until the trainer
+        # announces a version newer than any it trained: until its hand-off the engines hold their
+        # start weights, and what they sampled would only be dropped as stale.
+        self.resumed_after = self.buffer.ledger.last_trained_version()
         self._pump_task = asyncio.create_task(self._pump(), name="rollout-pump")
         self._pump_task.add_done_callback(_pump_died)
 
@@ -102,7 +107,7 @@ class Orchestrator:
         generating or waiting: a group's work is released with its first trajectory, so every
         trajectory of a group samples under the weights the group started with (or newer).
         """
-        if self.eval_hold:
+        if self.eval_hold or (self.resumed_after is not None and self.version <= self.resumed_after):
             return
         if self.mode == "fully_async":
             held, self._held = self._held, []

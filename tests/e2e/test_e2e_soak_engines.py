@@ -92,10 +92,11 @@ def test_engine_chaos_soak_loses_no_prompt(tmp_path: Path, workload: str) -> Non
             time.sleep(rng.uniform(0.0, 1.0))  # at a random phase of a step
             victim = rng.choice(engines)
             try:
+                name = f"engine-{_index(victim)}"  # before the kill: a dead process has no cmdline
                 os.kill(victim, signal.SIGKILL)
-            except ProcessLookupError:
+            except (OSError, ValueError):
                 continue
-            kills[f"engine-{_index(victim)}"] += 1
+            kills[name] += 1
             last_kill_step = done
         chaos_s = time.monotonic() - t0
         calm_end = time.monotonic() + 900

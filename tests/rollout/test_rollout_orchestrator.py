@@ -207,3 +207,27 @@ async def test_requests_failing_with_engine_down_go_to_the_other_engine(tmp_path
         assert o.buffer.ledger.dump()["retried"] == 0
     finally:
         await o.stop()
+
+
+async def test_a_resumed_rollout_generates_only_after_the_trainer_announces_its_version(tmp_path: Path) -> None:
+    o, link, _ = _orchestrator(tmp_path)
+    o.start()
+    try:
+        for v in range(3):
+            await _collect(o, v)
+        state = o.dump()  # what a checkpoint after the step at version 2 holds
+    finally:
+        await o.stop()
+    r, link, _ = _orchestrator(tmp_path)
+    r.buffer.load(state["buffer"])  # as the rollout role restores a checkpoint (launch/role.py)
+    r.env.prompts.load_state(state["data"])
+    r.start()
+    try:
+        for _ in range(200):
+            await asyncio.sleep(0)
+        assert link.served == []  # the engines still hold their start weights
+        await _collect(r, 3)  # the trainer's resumed hand-off announces version 3
+        assert link.served
+        assert not r.buffer.ledger.dump()["drop_events"]  # nothing sampled too stale to train
+    finally:
+        await r.stop()
