@@ -95,11 +95,14 @@ class Checksums:
 @message("rollout.PullBatch")
 @dataclass
 class PullBatch:
-    """Trainer rank -> rollout: the groups of training step `step` (same batch for every rank)."""
+    """Trainer rank -> rollout: data-parallel rank `dp_rank`'s shard of training step `step`'s
+    batch (rollout/handout.py; the ranks of one step share one batch)."""
 
     step: int
     trainer_version: int
     n_groups: int
+    dp_rank: int = 0
+    dp_size: int = 1
 
 
 @message("rollout.SetVersion")

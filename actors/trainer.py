@@ -29,22 +29,19 @@ from miles.models.config import ModelSpec
 from miles.models.fp8_layout import fp8_block
 from miles.publish.gathered import WeightPublisher
 from miles.publish.sharded import ShardedPublisher
+from miles.rollout.handout import shard_from_wire
 from miles.trainer.backends import check_lora_launch, data_parallel, make_trainer
-from miles.trainer.batch import TrainBatch, TrainSample, image_token_counts, shard_batch
+from miles.trainer.batch import TrainBatch, TrainSample, image_token_counts
 
 log = get_logger("miles.trainer")
 
 
-def samples_from_wire(groups: list[dict[str, Any]]) -> TrainBatch:
-    out: list[TrainSample] = []
-    for gi, g in enumerate(groups):
-        for s in g["samples"]:
-            out.append(TrainSample(
-                prompt_ids=s["prompt_ids"], response_ids=s["response_ids"], reward=float(s["reward"] or 0.0),
-                group_index=gi, loss_mask=s["loss_mask"], rollout_logprobs=s["rollout_logprobs"],
-                routed_experts=s.get("routed_experts"), versions=s["versions"],
-                **_images(s.get("images")),
-            ))
+def samples_from_wire(shard: dict[str, Any]) -> TrainBatch:
+    """A rank's shard (rollout/handout.py) as a TrainBatch; the arrays are views of the frames."""
+    out = [TrainSample(prompt_ids=s["prompt_ids"], response_ids=s["response_ids"], reward=s["reward"],
+                       group_index=s["group"], loss_mask=s["loss_mask"], rollout_logprobs=s["rollout_logprobs"],
+                       routed_experts=s["routed_experts"], versions=s["versions"], **_images(s["images"]))
+           for s in shard_from_wire(shard)]
     if not out:
         raise TrainerError("the rollout side returned an empty batch")
     return TrainBatch(out)
@@ -251,9 +248,10 @@ class TrainerActor(Actor):
     async def _pull(self) -> tuple[TrainBatch, dict[str, Any]]:
         """This rank's shard of the next batch, and the rollout side's metrics for the step."""
         reply = await self.ref("rollout").ask(
-            PullBatch(self.trainer.step, self.trainer.weight_version, self.cfg.buffer.batch_groups),
+            PullBatch(self.trainer.step, self.trainer.weight_version, self.cfg.buffer.batch_groups,
+                      self.dp_rank, self.dp_size),
             timeout=self.cfg.sync.step_timeout_s * 10)
-        batch = samples_from_wire(reply["groups"])
+        batch = samples_from_wire(reply["shard"])  # this rank's shard only
         if self.spec.vision is not None:  # token exactness of the image placeholders, every step
             v = self.spec.vision
             bad, n = image_token_counts(batch, v.image_token_id, v.spatial_merge_size)
@@ -261,8 +259,7 @@ class TrainerActor(Actor):
             if bad:
                 raise TrainerError(f"step {self.trainer.step}: {bad} image token(s) do not line up with their "
                                    "samples' image grids; the engine and the trainer would fill different slots")
-        shard = shard_batch(batch, self.dp_size)[self.dp_rank] if self.dp_size > 1 else batch
-        return shard, reply["metrics"]
+        return batch, reply["metrics"]
 
     async def _hand_off(self, version: int) -> dict[str, float]:
         """Export (every rank), push and announce (rank 0) a weight version."""

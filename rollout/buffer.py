@@ -137,7 +137,9 @@ class RolloutBuffer:
         # sync / one_step_off bound staleness by when work may generate (the rollout actor):
         # their groups train in arrival order
         schedule = cfg.schedule if cfg.mode == "fully_async" else "arrival"
-        return cls(cfg.capacity, n_samples, None if cfg.max_staleness < 0 else cfg.max_staleness,
+        # ... and generate one batch at a time: their slots are one batch, whatever capacity says
+        capacity = cfg.capacity if cfg.mode == "fully_async" else cfg.batch_groups * n_samples
+        return cls(capacity, n_samples, None if cfg.max_staleness < 0 else cfg.max_staleness,
                    cfg.retry, cfg.max_attempts, cfg.admission_control, cfg.batch_groups, cfg.max_waiting,
                    load_filter(cfg.filter_fn), prompt_source, schedule=schedule, bias_window=cfg.bias_window)
 
@@ -167,6 +169,10 @@ class RolloutBuffer:
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
+
+    def group_open(self, group_id: str) -> bool:
+        """Has the group a trajectory running or still to start? (False once it arrived.)"""
+        return group_id in self._open
 
     def groups_in_flight(self) -> list[str]:
         return [g.id for g in self._open.values() if g.running or g.started < g.n]

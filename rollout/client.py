@@ -87,3 +87,15 @@ class LocalSessionClient:
 
     def base_url(self, session_id: str) -> str | None:
         return None
+
+
+class FrontedClient(LocalSessionClient):
+    """In-process session client whose sessions are also reachable over the session HTTP front."""
+
+    def __init__(self, store: SessionStore, engine: EngineFn, url: str, token: str = "") -> None:
+        super().__init__(store, engine)
+        self.url = url
+        self.api_key = token  # the front's bearer token: what an OpenAI client sends as its api_key
+
+    def base_url(self, session_id: str) -> str | None:
+        return f"{self.url}/sessions/{session_id}/v1"

@@ -103,6 +103,11 @@ class Ledger:
     def in_state(self, state: str) -> list[str]:
         return [p for p, e in self._entries.items() if e.state == state]
 
+    def last_trained_version(self) -> int | None:
+        """The newest trainer version any prompt was trained at (None before the first step)."""
+        return max((e.trained_version for e in self._entries.values() if e.trained_version is not None),
+                   default=None)
+
     def dump(self) -> dict[str, Any]:
         return {"version": 1, "entries": [e.to_dict() for e in self._entries.values()],
                 "pending": list(self._pending), "retried": self.retried,

@@ -11,7 +11,6 @@ import pytest
 
 from miles.actors.engine import EngineActor
 from miles.actors.messages import GenerateMany
-from miles.actors.rollout import _item_error
 from miles.actors.runtime.directory import Directory
 from miles.actors.runtime.host import DIRECTORY_NAME, Host
 from miles.core.errors import EngineError, RemoteError
@@ -21,6 +20,7 @@ from miles.engines.torch_engine import TorchEngine
 from miles.models.config import ModelSpec
 from miles.models.presets import tiny_config
 from miles.models.registry import build_model
+from miles.rollout.requests import item_error as _item_error
 
 pytestmark = pytest.mark.timeout(60)
 
