@@ -348,7 +348,8 @@ class RolloutActor(Actor):
         """What `default_generate` running `single_turn_agent` returns, without a session: a
         session of one turn only records that turn, which cost ~1/3 of the rollout's CPU here.
         The sample is the same (tests/rollout/test_rollout_one_turn.py) less its session_id."""
-        turn = self.store.prepare_one(ctx.prompt["messages"], ctx.tools, {"prompt_id": ctx.prompt.get("id")})
+        turn = self.store.prepare_one(ctx.prompt["messages"], ctx.tools, {"prompt_id": ctx.prompt.get("id")},
+                                      ctx.sampling)
         out = await engine_fn(turn.prompt_ids, dict(ctx.sampling), **({} if turn.images is None else
                                                                          {"images": turn.images}))
         sample, message, finish = self.store.commit_one(turn, out.ids, out.logprobs, out.routed_experts,

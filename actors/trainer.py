@@ -43,6 +43,7 @@ def samples_from_wire(groups: list[dict[str, Any]]) -> TrainBatch:
                 prompt_ids=s["prompt_ids"], response_ids=s["response_ids"], reward=float(s["reward"] or 0.0),
                 group_index=gi, loss_mask=s["loss_mask"], rollout_logprobs=s["rollout_logprobs"],
                 routed_experts=s.get("routed_experts"), versions=s["versions"],
+                temperature=s.get("temperature", 1.0),
                 **_images(s.get("images")),
             ))
     if not out:
