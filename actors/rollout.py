@@ -272,7 +272,7 @@ class RolloutActor(Actor):
             t.add_done_callback(self._tasks.discard)
 
     async def _ask_engine(self, engine: str, batch: list[_Queued]) -> None:
-        timeout = self.cfg.rollout.generate_timeout_s or self.cfg.transport.default_deadline_s * 4
+        timeout = self.cfg.rollout.generate_timeout_s
         rr = self.cfg.trainer.routing_replay
         try:
             if len(batch) == 1:

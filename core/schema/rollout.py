@@ -92,8 +92,8 @@ class RolloutConfig:
         "reward_errors = stop", "samples"
     )
     generate_timeout_s: float = opt(
-        0.0, "deadline of one engine generate request (a lost request or reply fails its trajectory "
-        "after this long); 0 = 4 x transport.default_deadline_s", "s"
+        120.0, "deadline of one engine generate request, covering its queueing and the whole "
+        "generation (a lost request or reply fails its trajectory after this long)", "s"
     )
     max_failures_in_a_row: int = opt(
         256, "stop the run when this many trajectories fail in a row with no success (the error names "
@@ -103,8 +103,8 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         if self.n_samples_per_prompt < 1:
             raise ValueError(f"n_samples_per_prompt must be >= 1, got {self.n_samples_per_prompt}")
-        if self.generate_timeout_s < 0:
-            raise ValueError(f"generate_timeout_s must be >= 0, got {self.generate_timeout_s}")
+        if self.generate_timeout_s <= 0:
+            raise ValueError(f"generate_timeout_s must be > 0, got {self.generate_timeout_s}")
         if self.max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
         if self.temperature < 0:
