@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -40,6 +41,17 @@ from miles.rollout.vl_placeholders import Placeholders, message_images, turn_ima
 SessionPolicy = Literal["linear", "branching"]
 FINISH_REASONS = ("stop", "length", "abort", "error")
 _TAIL = 24  # characters of the generation prompt kept to locate sampled text in a rendering
+# A session id is a path segment of its base URL (`/sessions/{id}/v1`): URL-unreserved characters
+# only, starting with a letter or digit (no "." or ".." segments a client would normalise away).
+_SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._~-]{0,127}")
+
+
+def check_session_id(sid: Any) -> str:
+    """`sid` if it can name a session in a URL, else a SessionError saying why."""
+    if not isinstance(sid, str) or not _SESSION_ID.fullmatch(sid):
+        raise SessionError(f"session_id: {sid!r} cannot be a URL path segment; use 1-128 of A-Z a-z 0-9 . _ ~ -, "
+                           "starting with a letter or digit (or leave it out for a generated one)")
+    return sid
 
 
 @dataclass
@@ -255,7 +267,7 @@ class SessionStore:
     # -- lifecycle -------------------------------------------------------------
     def create(self, session_id: str | None = None, routing_key: str | None = None,
                tools: list[dict[str, Any]] | None = None, metadata: dict[str, Any] | None = None) -> str:
-        sid = session_id or "sess-" + os.urandom(8).hex()
+        sid = check_session_id(session_id) if session_id else "sess-" + os.urandom(8).hex()
         if sid in self._sessions:
             raise SessionError(f"session {sid!r} already exists")
         if len(self._sessions) >= self.max_sessions:
