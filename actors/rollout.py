@@ -133,8 +133,8 @@ class RolloutActor(Actor):
 
     async def on_start(self) -> None:
         if self.cfg.rollout.http_front:
-            from miles.actors.session_http import SessionHTTP, read_token
-            from miles.actors.session_service import SessionService
+            from miles.sessions.http import SessionHTTP, read_token
+            from miles.sessions.service import SessionService
 
             service = SessionService(self.store, self._service_engine, sampling=self.sampling)
             self.http_token = read_token(self.cfg.rollout.http_token_file)

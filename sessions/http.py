@@ -30,14 +30,6 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from miles.actors.session_openai import (
-    check_tools,
-    completion,
-    completion_chunks,
-    parse_chat_request,
-    sample_to_json,
-)
-from miles.actors.session_service import SessionService
 from miles.core.errors import (
     ActorDeadError,
     BadRequest,
@@ -52,6 +44,14 @@ from miles.core.errors import (
     SessionError,
 )
 from miles.core.logging import get_logger
+from miles.sessions.openai_api import (
+    check_tools,
+    completion,
+    completion_chunks,
+    parse_chat_request,
+    sample_to_json,
+)
+from miles.sessions.service import SessionService
 
 log = get_logger("miles.session_http")
 MAX_BODY = 64 << 20  # long multi-turn histories with tool outputs exceed aiohttp's 1 MiB default
