@@ -59,7 +59,7 @@ class RolloutActor(Actor):
         rc = cfg.rollout
         self.http: Any = None  # the session HTTP front, when rollout.http_front is on
         self.http_url = self.http_token = ""
-        self.timeout = rc.generate_timeout_s or cfg.transport.default_deadline_s * 4
+        self.timeout = rc.generate_timeout_s
         store = SessionStore.from_config(rc, tokenizer)
         store.placeholders = placeholders_from_checkpoint(cfg.model.path)  # a VL policy's images
         self.sampling: dict[str, Any] = {
@@ -131,8 +131,8 @@ class RolloutActor(Actor):
     async def on_start(self) -> None:
         self.host.on_death(self._on_death)
         if self.cfg.rollout.http_front:
-            from miles.actors.session_http import SessionHTTP, read_token
-            from miles.actors.session_service import SessionService
+            from miles.sessions.http import SessionHTTP, read_token
+            from miles.sessions.service import SessionService
 
             service = SessionService(self.store, self._service_engine, self._end_session, sampling=self.sampling)
             self.http_token = read_token(self.cfg.rollout.http_token_file)

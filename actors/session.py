@@ -1,10 +1,10 @@
 """Session server actor: the TITO session store behind actor asks and an HTTP front.
 
-A thin shell over `SessionService` (actors/session_service.py): every turn's
+A thin shell over `SessionService` (sessions/service.py): every turn's
 engine call is an ask to the router actor carrying the session's routing key,
 so the router keeps the session on one engine and that engine reuses its KV;
 closing a session sends `EndSession` to the router. The HTTP front
-(actors/session_http.py) binds to `transport.interface` (loopback unless
+(sessions/http.py) binds to `transport.interface` (loopback unless
 configured) and gives each session an OpenAI-compatible base URL, so a
 black-box agent using the `openai` client can be trained on exact token ids.
 """
@@ -15,7 +15,6 @@ from typing import Any
 
 from miles.actors.messages import EndSession, Generate
 from miles.actors.runtime.actor import Actor, handler
-from miles.actors.session_http import SessionHTTP
 from miles.actors.session_messages import (
     ChatTurn,
     CloseSession,
@@ -24,9 +23,10 @@ from miles.actors.session_messages import (
     GetSession,
     ServerInfo,
 )
-from miles.actors.session_service import SessionService
 from miles.core.images import ImageInput
 from miles.rollout.session_store import SessionStore
+from miles.sessions.http import SessionHTTP
+from miles.sessions.service import SessionService
 
 
 class SessionActor(Actor):

@@ -20,9 +20,9 @@ from miles.actors.session_messages import (
     ExportSamples,
     ServerInfo,
 )
-from miles.actors.session_openai import sample_from_json
 from miles.core.errors import KNOWN_ERRORS, MilesError, SessionError
 from miles.rollout.types import Sample
+from miles.sessions.openai_api import sample_from_json
 
 # engine sampling key -> OpenAI request field (top_k and stop_token_ids are server extensions)
 _TO_OPENAI = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",

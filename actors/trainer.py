@@ -40,7 +40,8 @@ def samples_from_wire(shard: dict[str, Any]) -> TrainBatch:
     """A rank's shard (rollout/handout.py) as a TrainBatch; the arrays are views of the frames."""
     out = [TrainSample(prompt_ids=s["prompt_ids"], response_ids=s["response_ids"], reward=s["reward"],
                        group_index=s["group"], loss_mask=s["loss_mask"], rollout_logprobs=s["rollout_logprobs"],
-                       routed_experts=s["routed_experts"], versions=s["versions"], **_images(s["images"]))
+                       routed_experts=s["routed_experts"], versions=s["versions"], temperature=s["temperature"],
+                       **_images(s["images"]))
            for s in shard_from_wire(shard)]
     if not out:
         raise TrainerError("the rollout side returned an empty batch")
@@ -80,7 +81,7 @@ class TrainerActor(Actor):
         self._evaluator: Evaluator | None = None
         # rank 0 pauses the engines around the train step (trainer.pause_engines); the others compute
         self.yielder = EngineYield(lambda e, m, t: self.ref(e).ask(m, timeout=t), engines,
-                                   cfg.trainer.pause_engines and rank == 0)
+                                   cfg.trainer.pause_engines and rank == 0, cfg.trainer.pause_timeout_s)
 
     async def on_start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="trainer-loop")
@@ -100,12 +101,12 @@ class TrainerActor(Actor):
     async def _watch_engines(self, pub: WeightPublisher | ShardedPublisher) -> None:
         """Catch up any engine that serves an older version than the last push (e.g. restarted)."""
         while True:
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(self.cfg.sync.catchup_poll_s)
             if pub.last_version < 0:
                 continue
             for name in self.engines:
                 try:
-                    h = await self.ref(name).ask(Health(), timeout=5)
+                    h = await self.ref(name).ask(Health(), timeout=self.cfg.sync.health_timeout_s)
                 except MilesError:
                     continue  # dead or restarting: try again next round
                 if int(h.get("version", 0)) < pub.last_version:
@@ -250,7 +251,7 @@ class TrainerActor(Actor):
         reply = await self.ref("rollout").ask(
             PullBatch(self.trainer.step, self.trainer.weight_version, self.cfg.buffer.batch_groups,
                       self.dp_rank, self.dp_size),
-            timeout=self.cfg.sync.step_timeout_s * 10)
+            timeout=self.cfg.trainer.batch_timeout_s)
         batch = samples_from_wire(reply["shard"])  # this rank's shard only
         if self.spec.vision is not None:  # token exactness of the image placeholders, every step
             v = self.spec.vision

@@ -2,10 +2,12 @@
 
 Sends N requests (default 10,000) built from a seeded generator of malformed bodies
 (deep nesting, lone surrogates, wrong types for every field, huge bodies, undecodable
-Content-Encoding, absurd sampling values, unknown session ids, cancelled requests)
-mixed with well-formed ones, to a real front over a real engine (tiny random model).
-Counts statuses; any 5xx, any 4xx without a JSON error message, or a server that
-stops answering /health is a failure. Last line: one JSON object.
+Content-Encoding, absurd sampling values, unknown session ids, cancelled requests,
+prompts longer than the engine's max_seq_len, truncated sampling, sessions created with
+odd ids, tools or metadata) mixed with well-formed ones, to a real front over a real
+engine (tiny random model). Counts statuses; any 5xx, any 4xx without a JSON error
+message, a session the front created but cannot reach at the base_url it returned, or a
+server that stops answering /health is a failure. Last line: one JSON object.
 
     python bench/http_fuzz.py --n 10000 --out bench/results/http_fuzz.json
 """
@@ -37,9 +39,16 @@ def _nest(depth: int) -> bytes:
     return b"[" * depth + b"]" * depth
 
 
-def case(rng: random.Random) -> tuple[str, dict[str, str], bytes, bool]:
-    """(kind, extra headers, raw body, expect_ok): one request body for the chat route."""
-    k = rng.randrange(16)
+# Session ids a client may ask for at create (each gets a unique suffix): URL-safe ones must be
+# reachable at the returned base_url, the others refused at create.
+IDS = ["a/b", "..", ".", "a b", "a?b", "a#b", "%2F", "\u00fc", "x" * 200, "ok-id_1.2~", "A9", "-a", "a%20b",
+       "a\\b", "\t", "a:b", "a;b", "a&b=c", "_x", "~y", "z.", "q..r"]
+
+
+def case(rng: random.Random, i: int = 0) -> tuple[str, dict[str, str], bytes, bool]:
+    """(kind, extra headers, raw body, expect_ok): one request body for the chat route; the
+    create kinds carry the session-create body in an X-Fuzz-Create header."""
+    k = rng.randrange(21)
     body: dict[str, Any] = {"messages": [USER], "max_tokens": 2}
     if k == 0:
         d = rng.choice([100, 1000, 200_000])
@@ -82,6 +91,23 @@ def case(rng: random.Random) -> tuple[str, dict[str, str], bytes, bool]:
         return "cancelled", {"X-Fuzz-Cancel": "1"}, json.dumps(body).encode(), True
     if k == 14:
         return "bad_utf8", {}, b'{"messages": [{"role": "user", "content": "\xc3\x28"}]}', False
+    if k == 16:  # more tokens than the engine's max_seq_len (1024): the client's mistake, a 400
+        words = rng.choice([520, 2000, 20000])
+        return "long_prompt", {"X-Fuzz-Fresh": "1"}, json.dumps({"messages": [{"role": "user", "content": "x " * words}],
+                                              "max_tokens": 2}).encode(), False
+    if k == 17:
+        body.update(rng.choice([{"top_p": 0.5}, {"top_p": 0.99}, {"top_k": 1}, {"top_k": 5}]))
+        return "truncated_sampling", {"X-Fuzz-Fresh": "1"}, json.dumps(body).encode(), False
+    if k == 18:
+        create = {"session_id": f"{rng.choice(IDS)}-{i}"}
+        return "create_id", {"X-Fuzz-Create": json.dumps(create)}, json.dumps(body).encode(), None  # type: ignore[return-value]
+    if k == 19:
+        tools = rng.choice([*WEIRD, [{"type": "function"}], [{"type": "function", "function": {"name": 5}}],
+                            [{"type": "function", "function": {"name": "f", "parameters": rng.choice(WEIRD)}}]])
+        return "create_tools", {"X-Fuzz-Create": json.dumps({"tools": tools})}, json.dumps(body).encode(), None  # type: ignore[return-value]
+    if k == 20:
+        create = {rng.choice(["metadata", "routing_key", "session_id", "extra"]): rng.choice(WEIRD)}
+        return "create_body", {"X-Fuzz-Create": json.dumps(create)}, json.dumps(body).encode(), None  # type: ignore[return-value]
     return "valid", {}, json.dumps(body).encode(), True
 
 
@@ -108,14 +134,35 @@ async def run_fuzz(url: str, n: int, seed: int = 0, concurrency: int = 8, max_hu
             nonlocal huge_sent
             s = headers.pop("X-Fuzz-Session", sid)
             cancel = headers.pop("X-Fuzz-Cancel", "")
+            create = headers.pop("X-Fuzz-Create", "")
+            # a fresh session, so the refusal is this request's own (the shared one may have diverged)
+            fresh = headers.pop("X-Fuzz-Fresh", "")
             hdrs = {"Content-Type": "application/json", **headers}
             async with sem:
-                if expect_ok and not cancel:
+                chat = ""
+                if create:
+                    # A session created with this body: refused with a clear 4xx, or reachable at the
+                    # base_url the front returned (the chat body is well-formed: it must be served).
+                    async with http.post(f"{url}/sessions", data=create.encode(), headers=hdrs) as r:
+                        text, code = await r.text(errors="replace"), r.status
+                    if code == 201:
+                        chat = json.loads(text)["base_url"] + "/chat/completions"
+                        expect_ok = True
+                        statuses["created"] += 1
+                    else:
+                        statuses[str(code)] += 1
+                        kinds[kind] += 1
+                        if code >= 500 or code < 400:
+                            failures.append(f"{i} {kind}: create answered {code}: {text[:200]}")
+                        elif '"message"' not in text:
+                            failures.append(f"{i} {kind}: create {code} without a JSON error message: {text[:200]}")
+                        return
+                elif (expect_ok or fresh) and not cancel:
                     # A well-formed turn gets its own session: it must be served (200) whatever the
                     # malformed requests around it did to the shared engine batch.
                     async with http.post(f"{url}/sessions") as r:
                         s = (await r.json())["session_id"]
-                chat = f"{url}/sessions/{s}/v1/chat/completions"
+                chat = chat or f"{url}/sessions/{s}/v1/chat/completions"
                 if cancel:
                     task = asyncio.ensure_future(http.post(chat, data=raw, headers=hdrs))
                     await asyncio.sleep(rng.random() * 0.01)
@@ -163,7 +210,7 @@ async def run_fuzz(url: str, n: int, seed: int = 0, concurrency: int = 8, max_hu
             if expect_ok and code != 200:
                 failures.append(f"{i} {kind}: a well-formed turn got {code}: {text[:200]}")
 
-        cases = [case(rng) for _ in range(n)]
+        cases = [case(rng, i) for i in range(n)]
         # Huge bodies are costly to build and send: at most a few per run.
         pending = []
         for i, (kind, headers, raw, ok) in enumerate(cases):

@@ -33,8 +33,6 @@ from miles.actors.router_workload import MultiTurnWorkload, run_multi_turn
 from miles.actors.runtime.directory import Directory
 from miles.actors.runtime.host import DIRECTORY_NAME, Host
 from miles.actors.session import SessionActor
-from miles.actors.session_http import SessionHTTP
-from miles.actors.session_service import SessionService
 from miles.core.schema.engine import EngineConfig
 from miles.core.schema.transport import TransportConfig
 from miles.engines.torch_engine import TorchEngine
@@ -45,6 +43,8 @@ from miles.rollout.prefix_cache_sim import simulate_multi_turn
 from miles.rollout.session_store import SessionStore
 from miles.rollout.tiny_tokenizer import tiny_tokenizer
 from miles.rollout.tokenizer import HFTokenizer
+from miles.sessions.http import SessionHTTP
+from miles.sessions.service import SessionService
 
 SYSTEM = {"role": "system", "content": "You are a calculator. Answer with the number only."}
 

@@ -71,6 +71,12 @@ class EngineDown(EngineError):
     of its prompt; route it elsewhere or retry once the engine's health says ok again."""
 
 
+class BadRequest(EngineError):
+    """An engine refuses a request for what it asks (an empty prompt or one that leaves no room under
+    max_seq_len, ids outside the vocabulary, bad sampling values): the caller's mistake, answered
+    4xx at the session front; the same request fails the same way on any engine."""
+
+
 class SessionError(MilesError):
     """A session-server request cannot be served."""
 
@@ -115,6 +121,7 @@ KNOWN_ERRORS: dict[str, type[MilesError]] = {
         EngineError,
         EngineStartError,
         EngineDown,
+        BadRequest,
         SessionError,
         Diverged,
         NotAppendOnly,

@@ -144,6 +144,9 @@ class SessionKV:
     k: list[torch.Tensor]  # per layer [heads, len, k_dim] (see RowPool)
     v: list[torch.Tensor]
     routed: np.ndarray | None  # [len, L_moe, k] when the turn recorded routing
+    # the oldest weight version that wrote any of these positions (a sequence that decoded across
+    # an in-place weight update holds KV of two): what `engine.session_kv_reuse` checks
+    version: int = 0
 
 
 class SessionStore:

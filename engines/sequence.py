@@ -29,6 +29,7 @@ class Sequence:
     share_from: Sequence | None = None
     prompt_key: tuple[int, ...] | None = None  # tokens at admission, when prompt sharing is on
     prompt_version: int = -1  # weight version its prompt KV was computed under
+    kv_version: int = -1  # the oldest weight version that wrote any of its KV (saved with a session's)
     block_keys: list[int] = field(default_factory=list)  # its prompt's block hashes while indexed
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)

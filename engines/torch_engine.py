@@ -90,6 +90,7 @@ class TorchEngine(Engine):
             overlap=self.cfg.overlap_decode,
         )
         self.sessions = SessionStore(self.cfg.kv_budget_tokens)
+        self.stale_session_kv = 0  # saved session KV not reused: older weights wrote it (session_kv_reuse)
         self.stager = WeightStager(hf_tensor_views(model), self.fp8_block)
         self.adapters = AdapterMerge(model)  # LoRA runs sync adapters only (engines/lora.py)
         self.version = version
@@ -281,6 +282,7 @@ class TorchEngine(Engine):
             "shared_prompt_tokens": self.share.tokens,
             "cached_sessions": len(self.sessions),
             "evictions": self.sessions.evictions,
+            "stale_session_kv": self.stale_session_kv,
             "version": self.version,
             **self.pool.stats(),
         }
@@ -437,6 +439,7 @@ class TorchEngine(Engine):
             seq.row = len(self._running)
             self._running.append(seq)
             self.pool.open(seq.row, seq.req)
+            seq.kv_version = self.version  # what it computes from here on (a restore may lower it)
             if seq.share_from is None:
                 self._restore_session(seq)
                 if seq.kv_len == 0:
@@ -484,6 +487,9 @@ class TorchEngine(Engine):
         item = self.sessions.take(key) if key is not None else None
         if item is None:
             return
+        if item.version != self.version and self.cfg.session_kv_reuse == "same_version":
+            self.stale_session_kv += 1  # written (in part) by older weights: the turn recomputes it
+            return
         n = min(common_prefix(item.ids, seq.tokens), len(seq.tokens) - 1)
         if seq.req.return_routed_experts and item.routed is None:
             n = 0  # the cached turn has no routing record; recompute to return it
@@ -491,6 +497,7 @@ class TorchEngine(Engine):
             return
         self.pool.restore(seq.row, item.k, item.v, n)
         seq.cached = seq.kv_len = n
+        seq.kv_version = min(seq.kv_version, item.version)
         if item.routed is not None:
             seq.routed_prefix = item.routed[:n]
 
@@ -539,7 +546,8 @@ class TorchEngine(Engine):
             return
         k, v = self.pool.export(seq.row, seq.kv_len)
         routed = seq.routed_array(self.spec)
-        self.sessions.put(key, SessionKV(ids=seq.tokens[: seq.kv_len], k=k, v=v, routed=routed))
+        self.sessions.put(key, SessionKV(ids=seq.tokens[: seq.kv_len], k=k, v=v, routed=routed,
+                                         version=seq.kv_version))
 
     def _release_row(self, seq: Sequence) -> None:
         self.share.release(seq)

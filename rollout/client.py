@@ -66,7 +66,7 @@ class LocalSessionClient:
     async def chat(self, session_id: str, messages: list[dict[str, Any]],
                    tools: list[dict[str, Any]] | None = None,
                    sampling: dict[str, Any] | None = None) -> dict[str, Any]:
-        plan = self.store.prepare_turn(session_id, messages, tools)
+        plan = self.store.prepare_turn(session_id, messages, tools, sampling)
         try:
             extra = {} if plan.images is None else {"images": plan.images}  # a VL turn's images
             out = await self.engine(plan.prompt_ids, dict(sampling or {}), **extra)

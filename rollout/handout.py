@@ -68,6 +68,7 @@ def shard_to_wire(groups: list[Group], indexes: list[int]) -> dict[str, Any]:
         "wire": WIRE,
         "group_of": np.asarray(group_of, dtype=np.int64),
         "reward": np.asarray([s.reward or 0.0 for s in samples], dtype=np.float64),
+        "temperature": np.asarray([s.temperature for s in samples], dtype=np.float64),
         "prompt_len": np.asarray([len(s.prompt_ids) for s in samples], dtype=np.int64),
         "response_len": np.asarray([len(s.response_ids) for s in samples], dtype=np.int64),
         "prompt_ids": col("prompt_ids", np.int64),
@@ -90,7 +91,7 @@ def _splits(lengths: np.ndarray, total: int, what: str) -> list[int]:
 
 def shard_from_wire(d: dict[str, Any]) -> list[dict[str, Any]]:
     """Per-sample dicts (views into the shard's frames): prompt_ids, response_ids, reward,
-    group (batch position), loss_mask, rollout_logprobs, versions, routed_experts, images."""
+    group (batch position), temperature, loss_mask, rollout_logprobs, versions, routed_experts, images."""
     if not isinstance(d, dict) or d.get("wire") != WIRE:
         raise ProtocolError(f"batch shard: expected a {WIRE!r} record, got {str(d)[:80]}")
     n = int(d["group_of"].shape[0])
@@ -109,6 +110,7 @@ def shard_from_wire(d: dict[str, Any]) -> list[dict[str, Any]]:
         raise ProtocolError(f"batch shard: {n} samples, but {len(prompts)} prompts, {len(routed)} routed, "
                             f"{len(d['images'])} images")
     return [{"prompt_ids": prompts[i], "reward": float(d["reward"][i]), "group": int(d["group_of"][i]),
+             "temperature": float(d["temperature"][i]),
              **{k: v[i] for k, v in per_tok.items()}, "routed_experts": routed[i], "images": d["images"][i]}
             for i in range(n)]
 

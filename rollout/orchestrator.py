@@ -183,7 +183,8 @@ class Orchestrator:
     async def _one_turn(self, ctx: GenerateContext, engine_fn: EngineFn) -> list[Sample]:
         """What `default_generate` running `single_turn_agent` returns, without a session: a
         session of one turn only records that turn. The sample is the same less its session_id."""
-        turn = self.store.prepare_one(ctx.prompt["messages"], ctx.tools, {"prompt_id": ctx.prompt.get("id")})
+        turn = self.store.prepare_one(ctx.prompt["messages"], ctx.tools, {"prompt_id": ctx.prompt.get("id")},
+                                      ctx.sampling)
         out = await engine_fn(turn.prompt_ids, dict(ctx.sampling), **({} if turn.images is None else
                                                                          {"images": turn.images}))
         sample, message, finish = self.store.commit_one(turn, out.ids, out.logprobs, out.routed_experts,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -40,6 +41,17 @@ from miles.rollout.vl_placeholders import Placeholders, message_images, turn_ima
 SessionPolicy = Literal["linear", "branching"]
 FINISH_REASONS = ("stop", "length", "abort", "error")
 _TAIL = 24  # characters of the generation prompt kept to locate sampled text in a rendering
+# A session id is a path segment of its base URL (`/sessions/{id}/v1`): URL-unreserved characters
+# only, starting with a letter or digit (no "." or ".." segments a client would normalise away).
+_SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._~-]{0,127}")
+
+
+def check_session_id(sid: Any) -> str:
+    """`sid` if it can name a session in a URL, else a SessionError saying why."""
+    if not isinstance(sid, str) or not _SESSION_ID.fullmatch(sid):
+        raise SessionError(f"session_id: {sid!r} cannot be a URL path segment; use 1-128 of A-Z a-z 0-9 . _ ~ -, "
+                           "starting with a letter or digit (or leave it out for a generated one)")
+    return sid
 
 
 @dataclass
@@ -92,6 +104,7 @@ class _Pending:
     new_ids: list[int]
     prompt_text: str  # "" when the fast path did not render the whole prompt
     gen_tail: str
+    temperature: float = 1.0
 
 
 @dataclass
@@ -156,6 +169,18 @@ class OneTurn:
     prompt_ids: list[int]
     metadata: dict[str, Any]
     images: ImageInput | None = None  # every image of prompt_ids, in order
+    temperature: float = 1.0  # what the turn samples at (`SessionStore.turn_temperature`)
+
+
+def logprob_temperature(t: float) -> float:
+    """The temperature a sample's logprobs are taken under: greedy (0) counts as 1 (models/logprobs.py)."""
+    return t if t > 0 else 1.0
+
+
+def _number(v: Any, what: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float) or v != v:
+        raise SessionError(f"{what}: expected a number, got {v!r}")
+    return float(v)
 
 
 class SessionStore:
@@ -165,7 +190,7 @@ class SessionStore:
                  match: str = "loose_tool_call", tool_parser: str = "json_tags",
                  template_fallback: str = "none", reasoning_tags: tuple[str, str] | None = ("<think>", "</think>"),
                  max_sessions: int = 100_000, verify_template: bool = True,
-                 render_mode: str = "auto") -> None:
+                 render_mode: str = "auto", sampling: dict[str, Any] | None = None) -> None:
         if policy not in ("linear", "branching"):
             raise SessionError(f"unknown session policy {policy!r}; valid: linear, branching")
         self.tok = tokenizer
@@ -174,6 +199,9 @@ class SessionStore:
         self._parse_tools = get_tool_parser(tool_parser)
         self.reasoning_tags = reasoning_tags
         self.max_sessions = max_sessions
+        # the sampling every turn starts from (rollout.temperature/top_p/top_k); a turn's own
+        # sampling overrides it, as the engine call merges them
+        self.sampling = dict(sampling or {})
         self._sessions: dict[str, _Session] = {}
         # a VL policy's image placeholders (`enable_images`); None: image parts are refused
         self.placeholders: Placeholders | None = None
@@ -203,7 +231,26 @@ class SessionStore:
     def from_config(cls, cfg: RolloutConfig, tokenizer: Tokenizer) -> SessionStore:
         tags = cfg.reasoning_tags
         return cls(tokenizer, cfg.session_policy, cfg.match_policy, cfg.tool_parser, cfg.template_fallback,
-                   (tags[0], tags[1]) if tags else None, cfg.max_sessions, render_mode=cfg.render_mode)
+                   (tags[0], tags[1]) if tags else None, cfg.max_sessions, render_mode=cfg.render_mode,
+                   sampling=cfg.sampling())
+
+    def turn_temperature(self, sampling: dict[str, Any] | None = None) -> float:
+        """The temperature a turn with these sampling overrides samples at (it travels with the
+        sample to the trainer, which takes logprobs under it). Truncated sampling is refused:
+        engine and trainer both take logprobs of the untruncated distribution (models/logprobs.py),
+        so a top-p/top-k sample would train with importance weights of a policy it was not drawn from."""
+        p = {**self.sampling, **(sampling or {})}
+        top_p = _number(p.get("top_p", 1.0), "top_p")
+        top_k = _number(p.get("top_k", 0), "top_k")
+        if top_p != 1.0 or top_k > 0:
+            what = f"top_p={p.get('top_p')}" if top_p != 1.0 else f"top_k={p.get('top_k')}"
+            raise SessionError(f"{what}: truncated sampling is not trained on (the trainer's logprobs are of the "
+                               "untruncated distribution, so its importance weights would be biased); use "
+                               "top_p=1 and top_k=0 or -1")
+        t = _number(p.get("temperature", 1.0), "temperature")
+        if not 0.0 <= t < float("inf"):
+            raise SessionError(f"temperature: expected a finite number >= 0, got {t!r}")
+        return t
 
     def enable_images(self, image_token_id: int, merge: int) -> None:
         """Accept image parts in user messages, for a VL model with this placeholder id and
@@ -220,7 +267,7 @@ class SessionStore:
     # -- lifecycle -------------------------------------------------------------
     def create(self, session_id: str | None = None, routing_key: str | None = None,
                tools: list[dict[str, Any]] | None = None, metadata: dict[str, Any] | None = None) -> str:
-        sid = session_id or "sess-" + os.urandom(8).hex()
+        sid = check_session_id(session_id) if session_id else "sess-" + os.urandom(8).hex()
         if sid in self._sessions:
             raise SessionError(f"session {sid!r} already exists")
         if len(self._sessions) >= self.max_sessions:
@@ -276,9 +323,12 @@ class SessionStore:
             why = f"messages[{i}] ({msgs[i]['role']}) differs from the stored message {i}"
         return Diverged(f"session {s.id!r} is linear and {why}; start a new session or use branching")
 
-    def prepare_turn(self, session_id: str, messages: Any, tools: list[dict[str, Any]] | None = None) -> TurnPlan:
-        """Match the request to the deepest checkpoint and tokenize only the appended messages."""
+    def prepare_turn(self, session_id: str, messages: Any, tools: list[dict[str, Any]] | None = None,
+                     sampling: dict[str, Any] | None = None) -> TurnPlan:
+        """Match the request to the deepest checkpoint and tokenize only the appended messages.
+        `sampling`: the turn's overrides of `self.sampling` (its temperature is recorded)."""
         s = self._get(session_id)
+        temperature = self.turn_temperature(sampling)
         msgs = normalize(messages)
         check_ends_for_generation(msgs)
         if s.tools_key is None:
@@ -293,11 +343,16 @@ class SessionStore:
         new = msgs[pos:]
         if not new:
             raise SessionError(f"session {s.id!r}: the request appends no message to the stored history")
+        if node.parent is not None and logprob_temperature(node.temperature) != logprob_temperature(temperature):
+            # one trajectory is trained under one temperature (its sample carries one)
+            raise SessionError(f"temperature: session {s.id!r} sampled its earlier turns at temperature "
+                               f"{node.temperature}, this turn asks for {temperature}; a trajectory keeps one "
+                               "temperature (start a new session for another)")
         text, prompt_text, gen_tail = self._new_text(s, node, msgs, pos)
         new_ids = self._expand(self.tok.encode(text), new)
         plan = TurnPlan(s.id, "plan-" + os.urandom(6).hex(), node.id, node.token_ids() + new_ids,
                         node.n_tokens, s.routing_key, turn_images(node.all_messages(), new))
-        s.pending[plan.plan_id] = _Pending(plan, node, msgs, new, new_ids, prompt_text, gen_tail)
+        s.pending[plan.plan_id] = _Pending(plan, node, msgs, new, new_ids, prompt_text, gen_tail, temperature)
         return plan
 
     def _prompt_text(self, s: _Session, node: Node) -> str:
@@ -380,7 +435,7 @@ class SessionStore:
                     ids=p.new_ids + sampled, logprobs=[float(x) for x in logprobs], versions=vers,
                     experts=experts, prompt_text=p.prompt_text, sampled_text=text, gen_tail=p.gen_tail,
                     covered=p.prompt_text + text if p.prompt_text else "", finish_reason=finish_reason,
-                    n_messages=parent.n_messages + len(p.new) + 1, n_tokens=parent.n_tokens + seg_len)
+                    temperature=p.temperature, n_messages=parent.n_messages + len(p.new) + 1, n_tokens=parent.n_tokens + seg_len)
         s.next_node += 1
         parent.children.append(node)
         del s.pending[pid]
@@ -433,17 +488,19 @@ class SessionStore:
 
     # -- one turn without a session ----------------------------------------------
     def prepare_one(self, messages: Any, tools: list[dict[str, Any]] | None = None,
-                    metadata: dict[str, Any] | None = None) -> OneTurn:
+                    metadata: dict[str, Any] | None = None, sampling: dict[str, Any] | None = None) -> OneTurn:
         """A one-turn trajectory's prompt ids, as the first turn of a new session would get them.
 
         `prepare_one` + `commit_one` give the sample that create, prepare_turn, commit_turn,
         export and close give for a session of one turn (without its `session_id`), storing
         nothing: what the rollout's default single-turn agent needs, at ~a third of the CPU.
         """
+        temperature = self.turn_temperature(sampling)
         msgs = normalize(messages)
         check_ends_for_generation(msgs)
         text = self.tok.apply_chat_template([for_template(m) for m in msgs], tools, True)
-        return OneTurn(self._expand(self.tok.encode(text), msgs), dict(metadata or {}), turn_images([], msgs))
+        return OneTurn(self._expand(self.tok.encode(text), msgs), dict(metadata or {}), turn_images([], msgs),
+                       temperature)
 
     def commit_one(self, turn: OneTurn, sampled_ids: list[int], logprobs: list[float],
                    routed_experts: np.ndarray | None = None, versions: int | list[int] = 0,
@@ -455,7 +512,7 @@ class SessionStore:
         message, oa_finish = self._assistant_message(self.tok.decode(sampled), sampled, finish_reason)
         node = Node(id=1, parent=Node(id=0, parent=None, messages=[]), messages=[message], n_spliced=n_prompt,
                     ids=turn.prompt_ids + sampled, logprobs=[float(x) for x in logprobs], versions=vers,
-                    experts=experts, finish_reason=finish_reason)
+                    experts=experts, finish_reason=finish_reason, temperature=turn.temperature)
         sample = trajectory(node, turn.metadata)
         sample.images = turn.images
         return sample, self._openai_message(message), oa_finish

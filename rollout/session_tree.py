@@ -44,6 +44,7 @@ class Node:
     local_ctx: list[Message] = field(default_factory=list)  # fast path: system + this turn
     local_text: str | None = None  # rendering of local_ctx
     finish_reason: str = "stop"
+    temperature: float = 1.0  # the sampling temperature of this turn's sampled ids
     children: list[Node] = field(default_factory=list)
     n_messages: int = 0  # messages from the root through this node
     n_tokens: int = 0  # tokens from the root through this node
@@ -111,6 +112,7 @@ def trajectory(leaf: Node, metadata: dict[str, Any]) -> Sample:
     routed = np.concatenate(experts, axis=0) if experts else None
     return Sample(prompt_ids=prompt, response_ids=resp, loss_mask=mask, rollout_logprobs=lps,
                   versions=vers, routed_experts=routed, status=status, images=path_images(path),
+                  temperature=leaf.temperature,  # one per trajectory (SessionStore.prepare_turn)
                   metadata={**metadata, "num_turns": len(path), "leaf": leaf.id,
                             "finish_reason": leaf.finish_reason})
 

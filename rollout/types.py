@@ -92,6 +92,9 @@ class Sample:
     metadata: dict[str, Any] = field(default_factory=dict)
     # every image of the ids, in order (a VL policy); the ids hold their placeholders expanded
     images: ImageInput | None = None
+    # the sampling temperature its sampled tokens were drawn with (0 = greedy): the trainer takes
+    # their logprobs under it, so one sample carries what one config option used to assume
+    temperature: float = 1.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -126,6 +129,10 @@ class Sample:
                 raise ProtocolError(f"{where}.rollout_logprobs[{i}]: must be 0 where loss_mask is 0")
         if self.status not in STATUSES:
             raise ProtocolError(f"{where}.status: {self.status!r} is not one of {', '.join(STATUSES)}")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, int | float) or not 0.0 <= t < float("inf"):
+            raise ProtocolError(f"{where}.temperature: expected a finite number >= 0, got {t!r}")
+        self.temperature = float(t)
         re = self.routed_experts
         if re is not None:
             if not isinstance(re, np.ndarray) or re.ndim != 3 or re.dtype not in (np.uint8, np.uint16):
@@ -150,6 +157,7 @@ class Sample:
             "status": self.status,
             "index": self.index,
             "metadata": dict(self.metadata),
+            "temperature": self.temperature,
             **({} if self.images is None else {"images": {
                 k: array_to_wire(a, arrays_as_bytes) for k, a in self.images.to_wire().items()}}),
         }
@@ -159,7 +167,7 @@ class Sample:
         if not isinstance(d, dict):
             raise ProtocolError(f"{where}: expected a dict, got {type(d).__name__}")
         known = {"v", "prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "versions",
-                 "routed_experts", "reward", "status", "index", "metadata", "images"}
+                 "routed_experts", "reward", "status", "index", "metadata", "images", "temperature"}
         extra = set(d) - known
         if extra:
             raise ProtocolError(f"{where}: unknown fields {sorted(extra)}")
@@ -199,6 +207,7 @@ class Sample:
                 index=index,
                 metadata=meta,
                 images=imgs,
+                temperature=d.get("temperature", 1.0),
             )
         except ProtocolError as exc:
             # __post_init__ names the object "sample"; re-anchor the message at `where`.

@@ -7,7 +7,7 @@ TYPE_CHECKING, and a module named in a string ("miles.x.y" or "miles.x.y:attr", 
 importlib and the registries load them), since each one is a dependency a reader follows.
 
     python scripts/import_graph.py            # edges, folder cycles, file cycles
-    python scripts/import_graph.py --check    # exit 1 if folders import each other in a cycle
+    python scripts/import_graph.py --check    # exit 1 on a folder cycle or an edge MAY_IMPORT forbids
 
 The file cycles are the strongly connected components of the file graph with more than one file.
 """
@@ -24,6 +24,23 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "miles"
 # Folders that are not part of the installed package.
 SKIP = {"tests", "bench", "scripts", "examples", "docs", "build", ".venv", ".pp", ".ci"}
+# The folders each folder may import (docs/ARCHITECTURE.md, "Layout"); a folder not listed may
+# import any. Checked on import statements (a module named in a string loads late, by design).
+MAY_IMPORT: dict[str, set[str]] = {
+    "core": set(),
+    "transport": {"core"},
+    "models": {"core"},
+    "engines": {"core", "models", "transport"},
+    "trainer": {"core", "models", "transport"},
+    "rollout": {"core"},
+    "metrics": {"core"},
+    "publish": {"core", "models", "transport"},
+    "warmup": {"core", "models", "rollout"},
+    "sessions": {"core", "rollout"},
+    "actors": {"core", "transport", "models", "engines", "trainer", "rollout", "sessions", "metrics", "publish"},
+    "perftest": {"core", "transport", "actors"},
+    "diffusion": {"core", "transport", "actors", "engines", "models", "trainer", "rollout", "metrics"},
+}
 
 
 def module_files(root: Path) -> dict[str, Path]:
@@ -138,7 +155,8 @@ def folder_of(module: str) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 on a folder import cycle")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 on a folder import cycle or an import MAY_IMPORT forbids")
     args = parser.parse_args()
 
     modules = module_files(ROOT)
@@ -175,13 +193,17 @@ def main() -> int:
     print(f"folder edges only by a module named in a string ({len(named)}):")
     for (src, dst), files in sorted(named.items()):
         print(f"  {src} -> {dst}  ({', '.join(sorted(files))})")
+    forbidden = sorted((src, dst) for src, dst in imported if src in MAY_IMPORT and dst not in MAY_IMPORT[src])
+    print(f"folder edges the layout does not allow: {len(forbidden)}")
+    for src, dst in forbidden:
+        print(f"  {src} -> {dst}  ({', '.join(sorted(imported[(src, dst)]))})")
     folder_cycles = print_cycles("folder cycles (imports)", graph_of(imported))
     print_cycles("folder cycles (imports + named modules)", graph_of(imported, named))
     file_cycles = strongly_connected(file_graph)
     print(f"file cycles (imports): {len(file_cycles)}")
     for comp in file_cycles:
         print(f"  {len(comp)} files: {', '.join(comp)}")
-    return 1 if args.check and folder_cycles else 0
+    return 1 if args.check and (folder_cycles or forbidden) else 0
 
 
 if __name__ == "__main__":

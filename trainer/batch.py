@@ -50,6 +50,8 @@ class TrainSample:
     # float32 and grid [n, 3] (t, h, w); the ids hold their placeholders already expanded
     pixels: np.ndarray | None = None
     image_grid: np.ndarray | None = None
+    # the temperature its response was sampled at (0 = greedy): its logprobs are taken under it
+    temperature: float = 1.0
     where: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
@@ -78,6 +80,10 @@ class TrainSample:
             if v.shape != (r,):
                 raise TrainerError(f"{w}.versions: shape {v.shape}, expected ({r},)")
             self.versions = v
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, int | float) or not 0.0 <= t < float("inf"):
+            raise TrainerError(f"{w}.temperature: expected a finite number >= 0, got {t!r}")
+        self.temperature = float(t)
         if not np.isfinite(float(self.reward)):
             raise TrainerError(f"{w}.reward: must be finite, got {self.reward}")
         self.reward = float(self.reward)
@@ -101,6 +107,11 @@ class TrainSample:
                 raise TrainerError(f"{w}: image grid {list(g.shape)} and pixels {list(p.shape)} do not agree "
                                    "(grid [n, 3] whose t*h*w sum to the pixel rows)")
             self.pixels, self.image_grid = p, g
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature its logprobs are taken under: greedy (0) counts as 1 (models/logprobs.py)."""
+        return self.temperature if self.temperature > 0 else 1.0
 
     @property
     def total_len(self) -> int:

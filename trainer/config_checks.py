@@ -21,8 +21,6 @@ def check_trainer_config(cfg: TrainerConfig, asynchronous: bool, world: int) -> 
         raise ConfigError(f"trainer.world_size={cfg.world_size} but {world} ranks were started")
     if cfg.micro_batch_tokens < 1 or cfg.mini_batches < 1:
         raise ConfigError("trainer.micro_batch_tokens and trainer.mini_batches must be >= 1")
-    if cfg.temperature <= 0:
-        raise ConfigError(f"trainer.temperature must be > 0, got {cfg.temperature}")
     if cfg.recompute_layers < 0:  # (trainer.recompute itself: the loader takes only its Literal's values)
         raise ConfigError(f"trainer.recompute_layers={cfg.recompute_layers}: expected a block count >= 0 "
                           "(0 = every block)")

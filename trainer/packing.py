@@ -36,6 +36,9 @@ class MicroBatch:
     pixels: torch.Tensor | None = None  # VL: the packed sequences' images, in order [patches, patch_dim]
     image_grid: torch.Tensor | None = None  # VL: [images, 3] (t, h, w) patches per image
     images_per_seq: list[int] = field(default_factory=list)  # VL: images of each packed sequence
+    # the one temperature every packed sequence's logprobs are taken under (their samples'
+    # `logprob_temperature`: a micro-batch never mixes two, see `pack`)
+    temperature: float = 1.0
 
     @property
     def num_tokens(self) -> int:
@@ -64,6 +67,7 @@ class MicroBatch:
             pixels=mv(self.pixels),
             image_grid=self.image_grid,  # stays on the host: the tower reads it there
             images_per_seq=list(self.images_per_seq),
+            temperature=self.temperature,
         )
 
     def image_kwargs(self, seq: slice | None = None) -> dict[str, torch.Tensor]:
@@ -121,6 +125,10 @@ def pack(
     """
     if not indices:
         raise TrainerError("pack: no samples given")
+    temps = {samples[i].logprob_temperature for i in indices}
+    if len(temps) > 1:
+        raise TrainerError(f"pack: samples of temperatures {sorted(temps)} in one micro-batch; the forward "
+                           "takes logprobs under one (plan micro-batches per temperature)")
     ids, pos, cu = [], [], [0]
     rpos, rtgt, rseq, rmask = [], [], [], []
     routes: list[np.ndarray] = []
@@ -176,6 +184,7 @@ def pack(
         pixels=torch.from_numpy(np.concatenate(pixels)) if pixels else None,
         image_grid=torch.from_numpy(np.concatenate(grids)) if grids else None,
         images_per_seq=per_seq if pixels else [],
+        temperature=temps.pop(),
     )
 
 

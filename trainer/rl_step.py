@@ -145,11 +145,19 @@ class RLStep:
     def _pack_mini(
         self, samples: list[TrainSample], idx: list[int], per_token: dict[str, list[np.ndarray]]
     ) -> list[MicroBatch]:
-        bins = plan_micro_batches([samples[i].total_len for i in idx], self.b.cfg.micro_batch_tokens)
         # routes are packed whenever recorded, so live-vs-recorded overlap is measured even
         # when replay is off; packed_forward passes them to the model only with replay on
         routes = self.b.spec.is_moe and all(s.routed_experts is not None for s in samples)
-        return [pack(samples, [idx[b] for b in bin_], per_token, replay=routes) for bin_ in bins]
+        # A micro-batch's forward takes logprobs under one temperature: samples drawn at different
+        # ones (per-prompt or per-request sampling) are packed apart, in first-seen order.
+        by_temp: dict[float, list[int]] = {}
+        for i in idx:
+            by_temp.setdefault(samples[i].logprob_temperature, []).append(i)
+        out: list[MicroBatch] = []
+        for run in by_temp.values():
+            bins = plan_micro_batches([samples[i].total_len for i in run], self.b.cfg.micro_batch_tokens)
+            out += [pack(samples, [run[b] for b in bin_], per_token, replay=routes) for bin_ in bins]
+        return out
 
     def _single_update(self, num_updates: int) -> bool:
         """Whether the old-policy logprobs are the current ones, so the no-grad pass can go.
@@ -177,7 +185,7 @@ class RLStep:
         if live is not None:
             live.reset()
             live.active = True
-        fo = b.forward_model(b.policy, mb, temperature=b.cfg.temperature, replay=b.replay,
+        fo = b.forward_model(b.policy, mb, temperature=mb.temperature, replay=b.replay,
                              with_entropy=with_entropy)
         if live is not None:
             live.active = False
@@ -206,7 +214,7 @@ class RLStep:
                     b.forward_model(
                         b.ref,
                         mb,
-                        temperature=cfg.temperature,
+                        temperature=mb.temperature,
                         replay=b.replay,
                         with_entropy=False,
                     )
@@ -218,7 +226,7 @@ class RLStep:
                     b.forward_model(
                         b.teacher,
                         mb,
-                        temperature=cfg.temperature,
+                        temperature=mb.temperature,
                         replay=False,  # another model: the student's routes do not apply
                         with_entropy=False,
                     )

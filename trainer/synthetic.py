@@ -53,6 +53,7 @@ def engine_batch(
                     rollout_logprobs=lp.numpy(),
                     routed_experts=routes,
                     versions=np.zeros(resp.size, np.int64),
+                    temperature=temperature,
                 )
             )
     return TrainBatch(samples)

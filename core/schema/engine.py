@@ -23,6 +23,14 @@ class EngineConfig:
     kv_budget_tokens: int = opt(
         65536, "tokens of idle session KV kept for prefix reuse before LRU eviction", "tokens"
     )
+    session_kv_reuse: Literal["same_version", "any"] = opt(
+        "same_version",
+        "which saved session KV a session's next turn reuses: same_version = only KV every position of which "
+        "the serving weight version wrote (KV written under older weights, e.g. by a turn that decoded across "
+        "an in-place update, is dropped and the prompt recomputed); any = also KV of older versions (saves "
+        "the prefill, but the turn's logits then rest on keys and values of weights it was not sampled "
+        "under). The torch engine's; SGLang flushes its cache at every weight update",
+    )
     kv_layout: Literal["rows", "paged"] = opt(
         "rows",
         "torch engine KV layout: rows = one max_seq_len row per running sequence (CUDA-graphed decode); "

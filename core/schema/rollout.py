@@ -35,9 +35,14 @@ class RolloutConfig:
     reward_fn: str = opt("", "`(prompt: dict, sample: Sample) -> float` (may be async); empty = the env's reward")
     n_samples_per_prompt: int = opt(8, "trajectories per prompt (the group size)", "samples")
     max_turns: int = opt(8, "most assistant turns an agent may take in one trajectory", "turns")
-    temperature: float = opt(1.0, "sampling temperature")
-    top_p: float = opt(1.0, "nucleus sampling mass")
-    top_k: int = opt(-1, "top-k sampling; -1 = off")
+    temperature: float = opt(
+        1.0, "sampling temperature (0 = greedy); each sample carries the temperature it was drawn with "
+        "(this, a prompt's own `sampling`, or an HTTP request's) and the trainer takes its logprobs under it")
+    top_p: float = opt(
+        1.0, "nucleus sampling mass; only 1 (off): engine and trainer take logprobs of the untruncated "
+        "distribution, so truncated samples would train with biased importance weights (refused here, "
+        "and per prompt or request)")
+    top_k: int = opt(-1, "top-k sampling; only -1 or 0 (off), for the reason given under top_p")
     max_new_tokens: int = opt(1024, "most tokens the engine samples per turn", "tokens")
     session_policy: Literal["linear", "branching"] = opt(
         "linear",
@@ -87,8 +92,8 @@ class RolloutConfig:
         "reward_errors = stop", "samples"
     )
     generate_timeout_s: float = opt(
-        0.0, "deadline of one engine generate request (a lost request or reply fails its trajectory "
-        "after this long); 0 = 4 x transport.default_deadline_s", "s"
+        120.0, "deadline of one engine generate request, covering its queueing and the whole "
+        "generation (a lost request or reply fails its trajectory after this long)", "s"
     )
     max_failures_in_a_row: int = opt(
         256, "stop the run when this many trajectories fail in a row with no success (the error names "
@@ -98,10 +103,16 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         if self.n_samples_per_prompt < 1:
             raise ValueError(f"n_samples_per_prompt must be >= 1, got {self.n_samples_per_prompt}")
-        if self.generate_timeout_s < 0:
-            raise ValueError(f"generate_timeout_s must be >= 0, got {self.generate_timeout_s}")
+        if self.generate_timeout_s <= 0:
+            raise ValueError(f"generate_timeout_s must be > 0, got {self.generate_timeout_s}")
         if self.max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_p != 1.0 or self.top_k > 0:
+            raise ValueError(f"top_p={self.top_p}, top_k={self.top_k}: truncated sampling is not trained on "
+                             "(engine and trainer take logprobs of the untruncated distribution, so the "
+                             "importance weights would be biased); use top_p = 1 and top_k = -1")
         if self.reasoning_tags and len(self.reasoning_tags) != 2:
             raise ValueError(f"reasoning_tags must be [open, close] or [], got {self.reasoning_tags}")
 

@@ -20,6 +20,12 @@ class SyncConfig:
         "received and staged; each sender holds this many staging buffers", "buckets"
     )
     step_timeout_s: float = opt(120.0, "deadline of each sync step (stage, commit) per engine", "s")
+    catchup_poll_s: float = opt(
+        1.0, "how often trainer rank 0 asks every engine for its weight version, to catch up one that "
+        "serves an older one (restarted)", "s")
+    health_timeout_s: float = opt(
+        5.0, "deadline of that version ask; an engine that misses it (dead, restarting) is asked again "
+        "at the next poll", "s")
     pause_mode: Literal["auto", "abort", "retract", "in_place", "none"] = opt(
         "auto", "the one option for how engines pause around a commit: abort (drop running requests), retract "
         "(return them with their partial output, resubmitted), in_place (hold them and their KV; torch engine "
@@ -97,8 +103,9 @@ class SyncConfig:
             raise ConfigError(f"sync.receive_ahead_mib={self.receive_ahead_mib} must be >= 0")
         if self.pipeline_depth < 1:
             raise ConfigError(f"sync.pipeline_depth={self.pipeline_depth} must be >= 1")
-        if self.step_timeout_s <= 0:
-            raise ConfigError(f"sync.step_timeout_s={self.step_timeout_s} must be > 0")
+        for name in ("step_timeout_s", "catchup_poll_s", "health_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"sync.{name}={getattr(self, name)} must be > 0")
         if self.verify_every < 0:
             raise ConfigError(f"sync.verify_every={self.verify_every} must be >= 0")
         if self.delta_keep < 1:

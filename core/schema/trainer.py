@@ -7,7 +7,7 @@ including the rule that an asynchronous run must choose a rollout/trainer correc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from miles.core.config import opt, section
 
@@ -229,9 +229,6 @@ class TrainerConfig:
         "gradients accumulate over the packed micro-batches of each one",
         "steps",
     )
-    temperature: float = opt(
-        1.0, "sampling temperature the engine used; logprobs are taken under it"
-    )
     routing_replay: bool = opt(
         True, "R3: replay the engine's recorded routed experts in MoE layers"
     )
@@ -273,3 +270,22 @@ class TrainerConfig:
     megatron: MegatronConfig = section(
         MegatronConfig, "megatron backend: tensor / pipeline / expert parallel sizes, layer spec"
     )
+    batch_timeout_s: float = opt(
+        1200.0, "longest a trainer rank waits for its next batch from the rollout side (in sync mode "
+        "that covers generating the whole batch); past it the step fails with PeerTimeout", "s"
+    )
+    pause_timeout_s: float = opt(
+        30.0, "deadline of each engine's pause and resume ask around the train step "
+        "(trainer.pause_engines); an engine that misses it is counted and skipped", "s"
+    )
+
+    # Keys that were removed, with where their setting lives now (core/config.py reports them).
+    REMOVED_KEYS: ClassVar[dict[str, str]] = {
+        "temperature": "each sample carries the temperature it was sampled at (rollout.temperature, a "
+                       "prompt's own sampling or an HTTP request's) and the trainer takes its logprobs under that",
+    }
+
+    def __post_init__(self) -> None:
+        for name in ("batch_timeout_s", "pause_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

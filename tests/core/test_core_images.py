@@ -55,8 +55,8 @@ def test_wire_form_keeps_arrays_and_refuses_lists() -> None:
 
 
 def test_a_sample_with_images_round_trips_through_the_http_json_form() -> None:
-    from miles.actors.session_openai import sample_from_json, sample_to_json
     from miles.rollout.types import Sample
+    from miles.sessions.openai_api import sample_from_json, sample_to_json
 
     a = patchify(np.random.default_rng(1).random((8, 16, 3)), 4, 2, 2)
     s = Sample(prompt_ids=[1, IMG, IMG, 2], response_ids=[3], loss_mask=[1], rollout_logprobs=[-0.5], versions=[0],

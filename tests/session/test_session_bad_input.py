@@ -114,11 +114,12 @@ async def test_divergence_engine_refusal_and_server_stays_up(served) -> None:
     other = {"role": "user", "content": "a different first message"}
     status, e = await _req(http, "POST", chat, {"messages": [other, reply, USER], "max_tokens": 4})
     _error(status, e, 409, "messages[0] (user) differs")
-    # the engine refuses a prompt longer than its max_seq_len: 5xx, and the turn is cancelled
+    # the engine refuses a prompt longer than its max_seq_len: the client's mistake, a 400 naming
+    # it, and the turn is cancelled
     huge = {"role": "user", "content": "x" * 1500}
     status, e = await _req(http, "POST", chat, {"messages": [USER, reply, huge], "max_tokens": 4})
-    _error(status, e, 502)
-    assert e["error"]["type"] == "EngineError"
+    _error(status, e, 400, "max_seq_len")
+    assert e["error"]["type"] == "BadRequest"
     status, d = await _req(http, "POST", chat, {"messages": [USER, reply, USER], "max_tokens": 4})
     assert status == 200
     status, h = await _req(http, "GET", f"{s.url}/health")

@@ -8,9 +8,9 @@ import aiohttp
 import openai
 import pytest
 
-from miles.actors.session_http import SessionHTTP, read_token
 from miles.bench.http_fuzz import run_fuzz, start_front
 from miles.core.errors import ConfigError
+from miles.sessions.http import SessionHTTP, read_token
 
 pytestmark = pytest.mark.timeout(120)
 USER = {"role": "user", "content": "hi"}

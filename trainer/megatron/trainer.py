@@ -167,7 +167,7 @@ class MegatronTrainer:
         use = self.replay if replay is None else replay
         with torch.no_grad():
             return mcore_forward(
-                self.policy, mb.to(self.device), temperature=self.cfg.temperature, replay=use,
+                self.policy, mb.to(self.device), temperature=mb.temperature, replay=use,
                 with_entropy=False, dtype=self.dtype, routing=self.routing, keep_routes=True,
             )
 

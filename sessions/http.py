@@ -10,8 +10,10 @@
 
 Every error is JSON, `{"error": {"message", "type", "code"}}`, with a 4xx status
 for bad input (404 unknown session, 409 diverged history, 422 non-append-only
-template, 400 anything else malformed) and 5xx for engine-side failures; no
-request can take the server down.
+template, 400 anything else malformed, a prompt the engine refuses included) and
+5xx only for engine-side failures; no request can take the server down. A session id
+given at create must be URL-safe (`rollout/session_store.py` `check_session_id`), so
+the `base_url` returned reaches it.
 
 With a token (`token=`, e.g. read from a 0600 file), every route but /health needs
 `Authorization: Bearer <token>` (what OpenAI clients send as their `api_key`);
@@ -28,15 +30,9 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from miles.actors.session_openai import (
-    completion,
-    completion_chunks,
-    parse_chat_request,
-    sample_to_json,
-)
-from miles.actors.session_service import SessionService
 from miles.core.errors import (
     ActorDeadError,
+    BadRequest,
     ConfigError,
     Diverged,
     EngineError,
@@ -48,12 +44,21 @@ from miles.core.errors import (
     SessionError,
 )
 from miles.core.logging import get_logger
+from miles.sessions.openai_api import (
+    check_tools,
+    completion,
+    completion_chunks,
+    parse_chat_request,
+    sample_to_json,
+)
+from miles.sessions.service import SessionService
 
 log = get_logger("miles.session_http")
 MAX_BODY = 64 << 20  # long multi-turn histories with tool outputs exceed aiohttp's 1 MiB default
 
 _STATUS: list[tuple[type[BaseException], int]] = [
     (Diverged, 409), (NotAppendOnly, 422), (SessionError, 400), (ProtocolError, 400), (ConfigError, 400),
+    (BadRequest, 400),
     (PeerTimeout, 504), (ActorDeadError, 503), (PeerGone, 503), (EngineError, 502), (MilesError, 500),
 ]
 
@@ -213,9 +218,7 @@ class SessionHTTP:
         unknown = set(body) - {"tools", "metadata", "session_id", "routing_key"}
         if unknown:
             raise SessionError(f"unknown field(s) {sorted(unknown)}; valid: metadata, routing_key, session_id, tools")
-        tools = body.get("tools")
-        if tools is not None and not isinstance(tools, list):
-            raise SessionError(f"tools: expected a list, got {type(tools).__name__}")
+        tools = check_tools(body.get("tools"))
         meta = body.get("metadata") or {}
         if not isinstance(meta, dict):
             raise SessionError(f"metadata: expected an object, got {type(meta).__name__}")

@@ -88,7 +88,8 @@ def _int(body: dict[str, Any], key: str, lo: int, hi: int = (1 << 63) - 1) -> in
     return v
 
 
-def _tools(v: Any) -> list[dict[str, Any]] | None:
+def check_tools(v: Any) -> list[dict[str, Any]] | None:
+    """The OpenAI `tools` list, checked (a chat request's, or a session's at create)."""
     if v is None:
         return None
     if not isinstance(v, list):
@@ -152,7 +153,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     model = body.get("model", "policy")
     if not isinstance(model, str):
         raise SessionError(f"model: expected a string, got {model!r}")
-    tools = _tools(body.get("tools"))
+    tools = check_tools(body.get("tools"))
     return ChatRequest(body["messages"], tools if choice != "none" else None, sampling, stream,
                        bool(opts.get("include_usage")), model)
 

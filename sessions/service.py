@@ -66,7 +66,7 @@ class SessionService:
                    sampling: dict[str, Any] | None = None) -> dict[str, Any]:
         """One turn; returns {"message", "finish_reason", "usage"} (see rollout/client.py)."""
         params = {**self.sampling, **check_sampling(sampling or {})}
-        plan = self.store.prepare_turn(session_id, messages, tools)
+        plan = self.store.prepare_turn(session_id, messages, tools, params)
         try:
             # images only when the turn has some: text-only engine functions keep their signature
             extra = {} if plan.images is None else {"images": plan.images}
