@@ -7,6 +7,12 @@ from typing import Any, Literal
 
 from miles.core.config import opt
 
+# the choices' types, which the plain classes that take them (rollout/session_store.py) declare too
+SessionPolicy = Literal["linear", "branching"]
+MatchPolicy = Literal["strict", "loose_tool_call", "role_content"]
+TemplateFallback = Literal["none", "anchor_diff"]
+RenderMode = Literal["auto", "full", "local"]
+
 
 @dataclass
 class RolloutConfig:
@@ -39,22 +45,22 @@ class RolloutConfig:
     top_p: float = opt(1.0, "nucleus sampling mass")
     top_k: int = opt(-1, "top-k sampling; -1 = off")
     max_new_tokens: int = opt(1024, "most tokens the engine samples per turn", "tokens")
-    session_policy: Literal["linear", "branching"] = opt(
+    session_policy: SessionPolicy = opt(
         "linear",
         "linear: a request whose history diverges from the stored one is rejected (Diverged); "
         "branching: it forks a child and every leaf is exported as a trajectory",
     )
-    match_policy: Literal["strict", "loose_tool_call", "role_content"] = opt(
+    match_policy: MatchPolicy = opt(
         "loose_tool_call",
         "when a stored message equals an incoming one: strict (role, content, reasoning, tool calls "
         "as text), loose_tool_call (tool-call arguments compared as parsed JSON), role_content",
     )
-    template_fallback: Literal["none", "anchor_diff"] = opt(
+    template_fallback: TemplateFallback = opt(
         "none",
         "what to do when the chat template fails the append-only check: none = refuse (NotAppendOnly); "
         "anchor_diff = tokenize appended messages after a reasoning-free anchor (see rollout/template_check.py)",
     )
-    render_mode: Literal["auto", "full", "local"] = opt(
+    render_mode: RenderMode = opt(
         "auto",
         "how a turn renders the chat: full = the whole conversation; local = only the system prompt, "
         "the last stored turn and the new messages (fast); auto = local when the template passes "
