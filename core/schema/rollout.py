@@ -110,8 +110,3 @@ class RolloutConfig:
             raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
         if self.reasoning_tags and len(self.reasoning_tags) != 2:
             raise ValueError(f"reasoning_tags must be [open, close] or [], got {self.reasoning_tags}")
-
-    def sampling(self) -> dict[str, Any]:
-        """The sampling params passed to the engine for every turn."""
-        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-                "max_new_tokens": self.max_new_tokens}
