@@ -13,13 +13,31 @@ a model directory to read, packages that must be installed.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from miles.core.errors import ConfigError
-from miles.core.schema.trainer import check_async_correction
+from miles.core.schema.buffer import BufferConfig
+from miles.core.schema.engine import EngineConfig
+from miles.core.schema.eval import EvalConfig
+from miles.core.schema.model import ModelConfig
+from miles.core.schema.run import RunConfig
+from miles.core.schema.sync import SyncConfig
+from miles.core.schema.trainer import TrainerConfig, check_async_correction
 
-if TYPE_CHECKING:
-    from miles.core.schema import MilesConfig
+
+class MilesConfig(Protocol):
+    """The sections of `miles.core.schema.MilesConfig` this step reads, and what it derives
+    (a Protocol, so that this module does not import the one that runs it)."""
+
+    run: RunConfig
+    model: ModelConfig
+    engine: EngineConfig
+    buffer: BufferConfig
+    trainer: TrainerConfig
+    sync: SyncConfig
+    eval: EvalConfig
+    channel_sync: SyncConfig
+    snapshot_sync: SyncConfig
 
 
 def resolve(cfg: MilesConfig) -> None:
