@@ -59,7 +59,7 @@ class TrainerActor(Actor):
                  init_checkpoint: str, done: asyncio.Event, sink: Any = None, resume_from: str = "") -> None:
         self.cfg, self.rank, self.world, self.spec = cfg, rank, world, spec
         self.trainer = make_trainer(cfg.trainer, spec, rank, world, init_checkpoint=init_checkpoint,
-                                    seed=cfg.run.seed, asynchronous=cfg.buffer.mode != "sync")
+                                    seed=cfg.run.seed)
         # ranks of one tensor-parallel group (megatron) train on the same batch shard
         self.dp_size, self.dp_rank = data_parallel(self.trainer, rank, world)
         self.engines = engines

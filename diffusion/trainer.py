@@ -100,7 +100,7 @@ class DiffusionTrainer:
 
     def __init__(self, cfg: DiffusionTrainerConfig, prec: PrecisionConfig, sched: SDESchedule,
                  spec: FlowUNetSpec, init_state: dict[str, torch.Tensor], *, seed: int = 0,
-                 asynchronous: bool = True, weight_version: int = 0) -> None:
+                 weight_version: int = 0) -> None:
         self.cfg, self.prec, self.sched, self.seed = cfg, prec, sched, seed
         if prec.deterministic:
             enable_deterministic(seed)

@@ -69,7 +69,6 @@ class FSDPTrainer:
         init_checkpoint: str = "",
         ref_checkpoint: str = "",
         seed: int = 0,
-        asynchronous: bool = True,
         weight_version: int = 0,
     ) -> None:
         check_world(cfg, world)

@@ -65,7 +65,6 @@ class MegatronTrainer:
         init_checkpoint: str = "",
         ref_checkpoint: str = "",
         seed: int = 0,
-        asynchronous: bool = True,
         weight_version: int = 0,
     ) -> None:
         check_world(cfg, world)
