@@ -62,10 +62,7 @@ class RolloutActor(Actor):
         self.timeout = rc.generate_timeout_s
         store = SessionStore.from_config(rc, tokenizer)
         store.placeholders = placeholders_from_checkpoint(cfg.model.path)  # a VL policy's images
-        self.sampling: dict[str, Any] = {
-            "temperature": rc.temperature, "top_p": rc.top_p, "top_k": max(0, rc.top_k),
-            "max_new_tokens": rc.max_new_tokens, "stop_token_ids": tokenizer.stop_token_ids,
-        }
+        self.sampling: dict[str, Any] = {**rc.sampling(), "stop_token_ids": tokenizer.stop_token_ids}
         self.requests = EngineRequests(self, Dispatch(engines, rc.router_affinity), self.sampling,
                                        live_wait_s=self.timeout, on_down=self._watch_return)
         self.orch = Orchestrator(cfg, load_env(cfg), store, self.requests,

@@ -8,7 +8,6 @@ drains the weight export (it is a collective over FSDP shards).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import os
 import time
@@ -30,7 +29,7 @@ from miles.models.fp8_layout import fp8_block
 from miles.publish.gathered import WeightPublisher
 from miles.publish.sharded import ShardedPublisher
 from miles.rollout.handout import shard_from_wire
-from miles.trainer.backends import check_lora_launch, data_parallel, make_trainer
+from miles.trainer.backends import data_parallel, make_trainer
 from miles.trainer.batch import TrainBatch, TrainSample, image_token_counts
 
 log = get_logger("miles.trainer")
@@ -57,9 +56,8 @@ class TrainerActor(Actor):
     def __init__(self, cfg: MilesConfig, spec: ModelSpec, rank: int, world: int, engines: list[str],
                  init_checkpoint: str, done: asyncio.Event, sink: Any = None, resume_from: str = "") -> None:
         self.cfg, self.rank, self.world, self.spec = cfg, rank, world, spec
-        check_lora_launch(cfg)
         self.trainer = make_trainer(cfg.trainer, spec, rank, world, init_checkpoint=init_checkpoint,
-                                    seed=cfg.run.seed, asynchronous=cfg.buffer.mode != "sync")
+                                    seed=cfg.run.seed)
         # ranks of one tensor-parallel group (megatron) train on the same batch shard
         self.dp_size, self.dp_rank = data_parallel(self.trainer, rank, world)
         self.engines = engines
@@ -74,7 +72,6 @@ class TrainerActor(Actor):
         # parameters may be mid-update in a step); made when the loop starts.
         self.publisher: WeightPublisher | ShardedPublisher | None = None
         self.run_dir = Path(cfg.run.dir)
-        self.wire_cfg = cfg.sync  # what the channel is told (FP8: tensors as the publisher gives them)
         self._eval_task: asyncio.Task[None] | None = None
         self._eval_done: list[dict[str, Any]] = []
         self.eval_skipped = 0
@@ -155,8 +152,7 @@ class TrainerActor(Actor):
                 m = await self.ref("rollout").ask(RunEval(step, version), timeout=ec.timeout_s)
             elif ec.mode == "snapshot":
                 assert self.publisher is not None
-                snap = WeightSync(self.host, dataclasses.replace(self.wire_cfg, transport="zmq",
-                                                                 pause_mode="none"), ["eval-engine"])
+                snap = WeightSync(self.host, self.cfg.snapshot_sync, ["eval-engine"])
                 async with self.publisher.lock:  # the export buffer is not refilled meanwhile
                     got = await self.publisher.source()
                     if got is None and step > 0:
@@ -227,10 +223,8 @@ class TrainerActor(Actor):
                 self._watch = asyncio.create_task(self._watch_engines(spub), name="engine-watch")
             return spub
         fp8 = self.spec if fp8_block(self.spec) else None
-        # FP8 codes travel as given: the publisher casts, the channel must not (docs/fp8.md)
-        wire = dataclasses.replace(self.cfg.sync, dtype="same", flat_export="off") if fp8 else self.cfg.sync
-        self.wire_cfg = wire
-        sync = WeightSync(self.host, wire, self.engines, self.trainer.device) if self.rank == 0 else None
+        # the channel's settings were derived at load (under FP8 it moves the publisher's codes as given)
+        sync = WeightSync(self.host, self.cfg.channel_sync, self.engines, self.trainer.device) if self.rank == 0 else None
         pub = WeightPublisher(self.cfg.sync, self.trainer, sync, fp8_spec=fp8)
         if sync is not None:
             self._watch = asyncio.create_task(self._watch_engines(pub), name="engine-watch")

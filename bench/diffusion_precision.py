@@ -82,7 +82,7 @@ def main() -> None:
         b = asyncio.run(engine_batch(net, sched, a.images))
         tr = DiffusionTrainer(DiffusionTrainerConfig(correction=CorrectionConfig(types=["tis"])),
                               PrecisionConfig(trainer_dtype=tdt, fp32_params=tpat), sched, base.spec,
-                              base.state_dict(), asynchronous=False)
+                              base.state_dict())
         diff = (tr.logprobs(b) - b.rollout_logp).abs()
         rows.append({"mode": label, "engine_fp32_share": round(fp32_fraction(net), 4),
                      "mean_abs_diff": float(diff.mean()), "max_abs_diff": float(diff.max()),

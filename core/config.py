@@ -41,7 +41,10 @@ def _deep_copy(v: Any) -> Any:
 
 
 def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    """The types of a section's fields (a base class's annotations, e.g. values the loader
+    derives, are not keys)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
 
 
 def _coerce(tp: Any, value: Any, path: str) -> Any:

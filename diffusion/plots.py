@@ -7,9 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from miles.core.logging import get_logger
-
-log = get_logger("miles.diffusion.plots")
+from miles.metrics.plots import pyplot
 
 
 def grid(images: np.ndarray, cols: int = 8, pad: int = 1) -> np.ndarray:
@@ -28,13 +26,8 @@ def write_diffusion_plots(run_dir: str | Path, rows: list[dict[str, Any]], eval_
                           first: np.ndarray | None, last: np.ndarray | None, title: str = "") -> list[Path]:
     """reward_curve.png (rollout and evaluation reward per step), samples_first.png and
     samples_last.png (the fixed-seed evaluation batch); none without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.info("matplotlib_unavailable", hint="pip install 'miles[plot]' for PNG plots")
+    plt = pyplot()
+    if plt is None:
         return []
     run = Path(run_dir)
     out = []

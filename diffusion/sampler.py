@@ -117,15 +117,3 @@ def sample_sde(velocity: Velocity, conditions: torch.Tensor, seeds: list[int], s
         lps.append(gaussian_logprob(x, mean, std))
         lat.append(x)
     return Trajectories(torch.stack(lat, 1), torch.stack(lps, 1), ts, conditions)
-
-
-@torch.no_grad()
-def sample_ode(velocity: Velocity, conditions: torch.Tensor, seeds: list[int], shape: tuple[int, ...],
-               steps: int = 16) -> torch.Tensor:
-    """Deterministic Euler sampling of the flow ODE (pretraining checks and sample grids)."""
-    x = initial_noise(seeds, shape)
-    ts = torch.linspace(1.0, 0.0, steps + 1)
-    for i in range(steps):
-        t = ts[i].expand(len(seeds))
-        x = x - (ts[i] - ts[i + 1]) * velocity(x, t, conditions).float()
-    return x

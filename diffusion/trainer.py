@@ -33,7 +33,7 @@ from miles.diffusion.model import FlowUNet, FlowUNetSpec
 from miles.diffusion.precision import dtype_of, keeps_fp32, param_dtypes
 from miles.diffusion.sampler import SDESchedule, gaussian_kl, gaussian_logprob, step_mean_std
 from miles.trainer.advantages import group_advantages
-from miles.trainer.corrections import apply_corrections, check_correction_config, finish_ess
+from miles.trainer.corrections import apply_corrections, finish_ess
 from miles.trainer.deterministic import enable_deterministic
 from miles.trainer.dist import Collectives, ensure_process_group
 from miles.trainer.metrics import StepMetrics
@@ -100,10 +100,7 @@ class DiffusionTrainer:
 
     def __init__(self, cfg: DiffusionTrainerConfig, prec: PrecisionConfig, sched: SDESchedule,
                  spec: FlowUNetSpec, init_state: dict[str, torch.Tensor], *, seed: int = 0,
-                 asynchronous: bool = True, weight_version: int = 0) -> None:
-        check_correction_config(cfg.correction, asynchronous)
-        if cfg.mini_batches < 1 or cfg.micro_batch < 1:
-            raise TrainerError("trainer.mini_batches and trainer.micro_batch must be >= 1")
+                 weight_version: int = 0) -> None:
         self.cfg, self.prec, self.sched, self.seed = cfg, prec, sched, seed
         if prec.deterministic:
             enable_deterministic(seed)

@@ -25,7 +25,7 @@ from miles.models.hf_io import hf_tensor_views, tensor_checksum
 from miles.models.lora import SCALE_NAME, merge_weight, scale_tensor
 
 if TYPE_CHECKING:
-    from miles.engines.torch_engine import TorchEngine
+    from miles.engines.base import Engine
 
 
 class _Params:
@@ -110,7 +110,7 @@ class AdapterMerge:
 class LoraMerger:
     """Apply one adapter version to a torch engine directly (no actor, no wire)."""
 
-    def __init__(self, engine: TorchEngine, scale: float) -> None:
+    def __init__(self, engine: Engine, scale: float) -> None:
         self.engine = engine
         self.scale = scale  # alpha / rank, as the trainer's config says
 

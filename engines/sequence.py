@@ -9,9 +9,17 @@ import numpy as np
 import torch
 
 from miles.engines.base import FinishReason, GenerateRequest, GenerateResult
-from miles.engines.vl_inputs import VLState
 from miles.models.config import ModelSpec
 from miles.models.moe import compact_expert_ids, expert_id_dtype
+
+
+@dataclass
+class VLState:
+    """A VL request's image features and M-RoPE positions (built by engines/vl_inputs.py)."""
+
+    features: torch.Tensor | None  # [image tokens, hidden] in placeholder order; None: no images
+    positions: torch.Tensor  # [3, prompt tokens] int64 (on the host)
+    delta: int  # decode position of token i: i + delta on every axis
 
 
 @dataclass(eq=False)

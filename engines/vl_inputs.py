@@ -13,25 +13,17 @@ refused for VL models.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from miles.core.errors import EngineError
 from miles.core.images import image_token_mismatches
+from miles.engines.sequence import Sequence, VLState
 
 if TYPE_CHECKING:
     from miles.engines.base import GenerateRequest, SamplingParams
-    from miles.engines.sequence import Sequence
     from miles.models.qwen2_5_vl import VLCausalLM
-
-
-@dataclass
-class VLState:
-    features: torch.Tensor | None  # [image tokens, hidden] in placeholder order; None: no images
-    positions: torch.Tensor  # [3, prompt tokens] int64 (on the host)
-    delta: int  # decode position of token i: i + delta on every axis
 
 
 def is_vl(model: Any) -> bool:

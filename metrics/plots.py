@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from miles.core.logging import get_logger
 from miles.metrics.sink import read_metrics
@@ -17,8 +18,9 @@ PLOTS = {
 }
 
 
-def write_plots(run_dir: str | Path) -> list[Path]:
-    """Write one PNG per tracked metric; returns the paths written (none without matplotlib)."""
+def pyplot() -> Any | None:
+    """matplotlib.pyplot on the headless Agg backend, or None (logged) where matplotlib is not
+    installed: a run's plots are optional, the run is not."""
     try:
         import matplotlib
 
@@ -26,6 +28,14 @@ def write_plots(run_dir: str | Path) -> list[Path]:
         import matplotlib.pyplot as plt
     except ImportError:
         log.info("matplotlib_unavailable", hint="pip install 'miles[plot]' for PNG plots")
+        return None
+    return plt
+
+
+def write_plots(run_dir: str | Path) -> list[Path]:
+    """Write one PNG per tracked metric; returns the paths written (none without matplotlib)."""
+    plt = pyplot()
+    if plt is None:
         return []
     run = Path(run_dir)
     rows = read_metrics(run / "metrics.jsonl")

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from miles.core.schema.trainer import Recompute
 from miles.models.chunked_logprobs import EAGER, HeadOps, chunked_head_logprobs, compiled_head_ops
 from miles.models.compiled_block import CompiledOps, compiled_ops
 from miles.models.config import ModelSpec
@@ -351,12 +352,10 @@ class CausalLM(nn.Module):
             layer.ops = compiled_ops(layer._norm, backend)
         self.head_ops = compiled_head_ops(backend)
 
-    def set_recompute(self, mode: str, layers: int = 0) -> None:
+    def set_recompute(self, mode: Recompute, layers: int = 0) -> None:
         """Activation checkpointing for training: `mode` off | mlp (each block's MLP or experts
         run again in the backward, keeping only their input) | full (whole blocks); on the
         first `layers` blocks, 0 = all. Same ops, same order: gradients are unchanged."""
-        if mode not in ("off", "mlp", "full"):
-            raise ModelInputError(f"recompute mode {mode!r}: expected off, mlp or full")
         if layers < 0:
             raise ModelInputError(f"recompute layers must be >= 0 (0 = every block), got {layers}")
         n = layers or len(self.model.layers)

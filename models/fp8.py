@@ -154,8 +154,3 @@ def fake_quantize(w: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK) -> to
     """dequantize(quantize(w)) in w's dtype: the weight both sides compute with."""
     codes, s = quantize_blockwise(w, block)
     return dequantize_blockwise(codes, s, block, w.dtype)
-
-
-def scale_grid_shape(shape: tuple[int, ...] | torch.Size, block: tuple[int, int]) -> tuple[int, int]:
-    r, c = shape
-    return -(-r // block[0]), -(-c // block[1])

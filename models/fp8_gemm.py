@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from miles.core.logging import get_logger
 from miles.models.fp8 import E4M3_MAX, FP8, dequantize_blockwise
+from miles.models.graph_timing import graph_time
 
 log = get_logger("miles.models.fp8")
 GEMM_BLOCK = 128  # cuBLAS's and the Triton kernel's block: 1x128 activations, 128x128 weights
@@ -42,35 +43,6 @@ _has_triton: list[bool] = []
 _CUBLAS_ROWS = 16
 _pick: dict[tuple[bool, int, int, int], str] = {}  # (act_fp8, M bucket, N, K) -> the fastest kernel
 timings: dict[tuple[bool, int, int, int], dict[str, float]] = {}  # the same key -> us per kernel
-
-
-def graph_time(fn: Callable[[], None], reps: int = 10) -> float:
-    """ms per call, `reps` calls replayed as one CUDA graph (as the engine runs decode steps:
-    eager timing would measure Triton's per-launch CPU cost instead, and penalise the two-kernel
-    variant for it); eager if this cannot be captured."""
-    fn()  # build the kernel
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(reps):
-                fn()
-        run: Callable[[], None] = graph.replay
-        calls = reps
-    except Exception:  # noqa: BLE001 - timing only
-        run, calls = fn, 1
-    run()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(3):
-        run()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / (3 * calls)
 
 
 def has_triton() -> bool:

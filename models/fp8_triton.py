@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from miles.models.fp8_gemm import graph_time
+from miles.models.graph_timing import graph_time
 
 BLOCK_K = 128  # = the weight block: one scale per K-step
 

@@ -99,12 +99,8 @@ class RolloutBuffer:
         if capacity < 1 or n_samples < 1 or batch_groups < 1 or max_attempts < 1:
             raise ConfigError(f"buffer: capacity ({capacity}), n_samples ({n_samples}), batch_groups "
                               f"({batch_groups}) and max_attempts ({max_attempts}) must be >= 1")
-        if retry not in ("retry", "discard"):
-            raise ConfigError(f"buffer.retry: {retry!r} is not one of 'retry', 'discard'")
         if admission_control and max_staleness is None:
             raise ConfigError("buffer.admission_control needs buffer.max_staleness to be set")
-        if schedule not in ("arrival", "deadline", "budget"):
-            raise ConfigError(f"buffer.schedule: {schedule!r} is not one of 'arrival', 'deadline', 'budget'")
         # with no staleness bound nothing goes stale: arrival order has no drop bias to remove
         self.schedule: Schedule = schedule if max_staleness is not None else "arrival"
         self.version = 0  # the latest weight version the rollout side knows (admission deadlines)

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 from miles.core.errors import SessionError
+from miles.core.schema.rollout import MatchPolicy
 
 Message = dict[str, Any]
-MatchPolicy = Literal["strict", "loose_tool_call", "role_content"]
-MATCH_POLICIES: tuple[str, ...] = ("strict", "loose_tool_call", "role_content")
 ROLES = ("system", "user", "assistant", "tool")
 _SIMPLE = frozenset(("user", "assistant", "system"))
 
@@ -166,10 +165,7 @@ def _role_content(a: Message, b: Message) -> bool:
     return a["role"] == b["role"] and a["content"] == b["content"]
 
 
-def matcher(policy: str) -> Callable[[Message, Message], bool]:
+def matcher(policy: MatchPolicy) -> Callable[[Message, Message], bool]:
     """`strict`: role, content, reasoning, tool calls (arguments as text); `loose_tool_call`:
     the same with arguments compared as parsed JSON; `role_content`: role and content only."""
-    table = {"strict": _strict, "loose_tool_call": _loose, "role_content": _role_content}
-    if policy not in table:
-        raise SessionError(f"unknown message-match policy {policy!r}; valid: {', '.join(MATCH_POLICIES)}")
-    return table[policy]
+    return {"strict": _strict, "loose_tool_call": _loose, "role_content": _role_content}[policy]

@@ -18,13 +18,19 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from miles.core.errors import Diverged, NotAppendOnly, ProtocolError, SessionError
 from miles.core.images import ImageInput
-from miles.core.schema.rollout import RolloutConfig
+from miles.core.schema.rollout import (
+    MatchPolicy,
+    RenderMode,
+    RolloutConfig,
+    SessionPolicy,
+    TemplateFallback,
+)
 from miles.rollout.messages import (
     Message,
     check_ends_for_generation,
@@ -38,7 +44,6 @@ from miles.rollout.tool_parser import get_tool_parser, split_reasoning
 from miles.rollout.types import Sample
 from miles.rollout.vl_placeholders import Placeholders, message_images, turn_images
 
-SessionPolicy = Literal["linear", "branching"]
 FINISH_REASONS = ("stop", "length", "abort", "error")
 _TAIL = 24  # characters of the generation prompt kept to locate sampled text in a rendering
 # A session id is a path segment of its base URL (`/sessions/{id}/v1`): URL-unreserved characters
@@ -187,12 +192,10 @@ class SessionStore:
     """Sessions keyed by id; see the module doc. Template verification happens at construction."""
 
     def __init__(self, tokenizer: Tokenizer, policy: SessionPolicy = "linear",
-                 match: str = "loose_tool_call", tool_parser: str = "json_tags",
-                 template_fallback: str = "none", reasoning_tags: tuple[str, str] | None = ("<think>", "</think>"),
+                 match: MatchPolicy = "loose_tool_call", tool_parser: str = "json_tags",
+                 template_fallback: TemplateFallback = "none", reasoning_tags: tuple[str, str] | None = ("<think>", "</think>"),
                  max_sessions: int = 100_000, verify_template: bool = True,
-                 render_mode: str = "auto", sampling: dict[str, Any] | None = None) -> None:
-        if policy not in ("linear", "branching"):
-            raise SessionError(f"unknown session policy {policy!r}; valid: linear, branching")
+                 render_mode: RenderMode = "auto", sampling: dict[str, Any] | None = None) -> None:
         self.tok = tokenizer
         self.policy = policy
         self._match = matcher(match)
@@ -207,9 +210,6 @@ class SessionStore:
         self.placeholders: Placeholders | None = None
         from miles.rollout.template_check import FALLBACKS, check_local_render, check_template
 
-        if template_fallback != "none" and template_fallback not in FALLBACKS:
-            raise SessionError(f"unknown template fallback {template_fallback!r}; valid: none, "
-                               + ", ".join(FALLBACKS))
         self.fallback = template_fallback
         if verify_template:
             report = check_template(tokenizer)
@@ -220,8 +220,6 @@ class SessionStore:
                                     + "\nset rollout.template_fallback to one of "
                                     + ", ".join(FALLBACKS) + " to accept a documented fallback")
         self._stop_texts = [self.tok.decode([i]) for i in self.tok.stop_token_ids]
-        if render_mode not in ("auto", "full", "local"):
-            raise SessionError(f"unknown render mode {render_mode!r}; valid: auto, full, local")
         # local: render only the last turn + the new messages (verified equal on canonical chats)
         self.local_render = render_mode == "local" or (
             render_mode == "auto" and verify_template and template_fallback == "none"

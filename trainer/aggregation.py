@@ -16,8 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from miles.core.errors import TrainerError
-
-MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+from miles.core.schema.trainer import Aggregation
 
 
 @dataclass
@@ -31,11 +30,9 @@ def aggregate(
     mask: torch.Tensor,
     seq: torch.Tensor,
     num_seqs: int,
-    mode: str,
+    mode: Aggregation,
     denom: Denominators,
 ) -> torch.Tensor:
-    if mode not in MODES:
-        raise TrainerError(f"unknown loss aggregation {mode!r}; valid: {', '.join(MODES)}")
     if values.shape != mask.shape:
         raise TrainerError(f"aggregate: values {tuple(values.shape)} != mask {tuple(mask.shape)}")
     m = mask.to(values.dtype)

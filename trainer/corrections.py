@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import torch
 
 from miles.core.schema.trainer import CorrectionConfig
-from miles.trainer.config_checks import check_correction_config as check_correction_config
 from miles.trainer.metrics import StepMetrics
 from miles.trainer.policy_loss import sequence_log_ratio
 

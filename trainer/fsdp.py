@@ -24,7 +24,7 @@ from miles.core.schema.trainer import TrainerConfig
 from miles.models.config import ModelSpec
 from miles.trainer import checkpoint
 from miles.trainer.batch import TrainBatch
-from miles.trainer.config_checks import check_trainer_config, compile_enabled
+from miles.trainer.config_checks import check_world, compile_enabled
 from miles.trainer.deterministic import enable_deterministic
 from miles.trainer.dist import Collectives, ensure_process_group, pick_device
 from miles.trainer.distill import load_teacher
@@ -69,10 +69,9 @@ class FSDPTrainer:
         init_checkpoint: str = "",
         ref_checkpoint: str = "",
         seed: int = 0,
-        asynchronous: bool = True,
         weight_version: int = 0,
     ) -> None:
-        check_trainer_config(cfg, asynchronous, world)
+        check_world(cfg, world)
         self.cfg, self.spec, self.rank, self.world = cfg, model_spec, rank, world
         if cfg.deterministic:  # before CUDA / NCCL initialise
             enable_deterministic(seed)

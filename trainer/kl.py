@@ -12,11 +12,12 @@ from __future__ import annotations
 import torch
 
 from miles.core.errors import TrainerError
+from miles.core.schema.trainer import KlEstimator
 
 _CLAMP = 20.0
 
 
-def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: KlEstimator) -> torch.Tensor:
     if logp.shape != ref_logp.shape:
         raise TrainerError(
             f"kl: logp {tuple(logp.shape)} and ref_logp {tuple(ref_logp.shape)} differ"
@@ -26,9 +27,7 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.
         return lr
     if kind == "k2":
         return 0.5 * lr * lr
-    if kind == "k3":
-        return torch.exp(-lr) - 1.0 + lr
-    raise TrainerError(f"unknown KL estimator {kind!r}; valid: k1, k2, k3")
+    return torch.exp(-lr) - 1.0 + lr  # k3
 
 
 def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 import torch
 
 from miles.core.errors import ConfigError
-from miles.core.schema.trainer import OptimConfig
+from miles.core.schema.trainer import OptimConfig, OptimImpl
 
 
 def lr_at(cfg: OptimConfig, step: int) -> float:
@@ -28,12 +28,10 @@ def lr_at(cfg: OptimConfig, step: int) -> float:
     return cfg.min_lr + (cfg.lr - cfg.min_lr) * shape
 
 
-def adamw_kernel(impl: str, device: torch.device | None) -> dict[str, bool]:
+def adamw_kernel(impl: OptimImpl, device: torch.device | None) -> dict[str, bool]:
     """torch.optim.AdamW's kernel flags for `trainer.optim.impl` on `device`."""
     if impl == "auto":
         impl = "fused" if device is not None and device.type == "cuda" else "single"
-    if impl not in ("single", "foreach", "fused"):
-        raise ConfigError(f"trainer.optim.impl={impl!r}: expected auto, single, foreach or fused")
     if impl == "fused" and (device is None or device.type not in ("cuda", "cpu")):
         raise ConfigError(f"trainer.optim.impl=fused needs a CUDA or CPU device, got {device}")
     return {"foreach": impl == "foreach", "fused": impl == "fused"}
@@ -42,12 +40,6 @@ def adamw_kernel(impl: str, device: torch.device | None) -> dict[str, bool]:
 def build_adamw(
     params: Iterable[torch.nn.Parameter], cfg: OptimConfig, device: torch.device | None = None
 ) -> torch.optim.AdamW:
-    if len(cfg.betas) != 2 or not all(0 <= b < 1 for b in cfg.betas):
-        raise ConfigError(f"trainer.optim.betas must be two numbers in [0, 1), got {cfg.betas}")
-    if cfg.lr < 0 or cfg.min_lr < 0 or cfg.min_lr > cfg.lr:
-        raise ConfigError(
-            f"trainer.optim: need 0 <= min_lr <= lr, got lr={cfg.lr} min_lr={cfg.min_lr}"
-        )
     ps = [p for p in params if p.requires_grad]
     return torch.optim.AdamW(
         ps,

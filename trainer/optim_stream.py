@@ -210,12 +210,7 @@ def build_optimizer(
     """The trainer's optimizer as `trainer.memory.optimizer` says: in-memory or streamed AdamW."""
     if cfg.memory.optimizer == "adamw":
         return build_adamw(params, cfg.optim, device)
-    if cfg.memory.optimizer != "streamed":
-        raise ConfigError(
-            f"trainer.memory.optimizer={cfg.memory.optimizer!r}: expected adamw or streamed"
-        )
     params = [p for p in params if p.requires_grad]
-    build_adamw([torch.nn.Parameter(torch.zeros(1))], cfg.optim)  # the same hyper-parameter checks
     root = cfg.memory.stream_dir or tempfile.mkdtemp(prefix="miles-moments-")
     o = cfg.optim
     return StreamedAdamW(

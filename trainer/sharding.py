@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from miles.core.errors import ConfigError
+from miles.core.schema.trainer import ParamDtype
 from miles.models.config import ModelSpec
 from miles.models.decoder import CausalLM
 from miles.models.hf_io import load_model
@@ -31,14 +32,10 @@ if TYPE_CHECKING:  # torch.distributed.device_mesh / fsdp are imported where a m
     from torch.distributed.device_mesh import DeviceMesh
 
 
-def compute_dtype(name: str, device: torch.device) -> torch.dtype:
+def compute_dtype(name: ParamDtype, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name == "bfloat16":
-        return torch.bfloat16
-    if name == "float32":
-        return torch.float32
-    raise ConfigError(f"trainer.param_dtype={name!r}: expected auto, float32 or bfloat16")
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
 
 
 def wraps(world: int, dtype: torch.dtype) -> bool:

@@ -115,14 +115,6 @@ def make_curve_client(sock: Any, client_key_file: str, server_public_file: str) 
     sock.curve_serverkey = server_public
 
 
-def stop_authenticators() -> None:
-    """Stop every ZAP thread of this process (tests; a process exits without it)."""
-    with _auth_lock:
-        for auth, _ in _authenticators.values():
-            auth.stop()
-        _authenticators.clear()
-
-
 def apply_cluster_keys(transport: Any, key_dir: str | Path) -> None:
     """Write a fresh key set under `key_dir` and point a TransportConfig at it (the launcher's part).
 

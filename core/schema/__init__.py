@@ -13,6 +13,7 @@ from miles.core.schema.buffer import BufferConfig
 from miles.core.schema.engine import EngineConfig
 from miles.core.schema.eval import EvalConfig
 from miles.core.schema.model import ModelConfig
+from miles.core.schema.resolve import check, resolve
 from miles.core.schema.rollout import RolloutConfig
 from miles.core.schema.run import RunConfig
 from miles.core.schema.sync import SyncConfig
@@ -20,8 +21,16 @@ from miles.core.schema.trainer import TrainerConfig
 from miles.core.schema.transport import TransportConfig
 
 
+class Derived:
+    """What the loader derives from the sections (core/schema/resolve.py): not TOML keys, so
+    not dataclass fields (dumps, `miles config` and `--set` never see them)."""
+
+    channel_sync: SyncConfig  # the gathered weight channel's settings (under FP8: moves tensors as given)
+    snapshot_sync: SyncConfig  # the snapshot eval engine's channel (zmq, no pause)
+
+
 @dataclass
-class MilesConfig:
+class MilesConfig(Derived):
     """Everything one run needs; `miles config` prints it with docs."""
 
     run: RunConfig = section(RunConfig, "run-wide settings: name, output directory, seed, logging")
@@ -35,16 +44,5 @@ class MilesConfig:
     eval: EvalConfig = section(EvalConfig, "evaluation during training: shared, snapshot or external")
 
     def __post_init__(self) -> None:
-        if self.sync.pause_mode == "auto":
-            self.sync.pause_mode = self.engine.default_pause_mode  # type: ignore[assignment]
-        eng = self.engine
-        if eng.type == "sglang" and not eng.sglang_url and eng.sglang_mem_fraction == 0:
-            # auto: the budget of a GPU split between the servers that share it (launch/sglang_checks.py
-            # holds explicit fractions to the same budget)
-            share = eng.sglang_mem_budget(self.trainer.device != "cpu") / eng.servers_per_gpu(self.eval.mode == "snapshot")
-            eng.sglang_mem_fraction = round(share, 3)
-        # Weights travel in the engines' compute dtype unless told otherwise: the trainer casts
-        # once into its export buffer, and the engines take the flat plan as it is.
-        if self.sync.dtype == "engine":
-            # LoRA adapters (and their scale) travel as exported: the engine merges them itself.
-            self.sync.dtype = "same" if self.trainer.lora.rank > 0 else self.engine.dtype
+        resolve(self)  # the one step after the sections are built (core/schema/resolve.py)
+        check(self)

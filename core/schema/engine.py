@@ -156,8 +156,9 @@ class EngineConfig:
                 raise ConfigError(f"engine.{name}={getattr(self, name)} must be >= 1")
         if self.kv_budget_tokens < 0:
             raise ConfigError(f"engine.kv_budget_tokens={self.kv_budget_tokens} must be >= 0")
-        if self.kv_layout not in ("rows", "paged"):
-            raise ConfigError(f"engine.kv_layout={self.kv_layout!r} is not one of 'rows', 'paged'")
+        if not 0 <= self.mps_thread_percent <= 100:
+            raise ConfigError(f"engine.mps_thread_percent={self.mps_thread_percent}: expected 0 (no limit) "
+                              "to 100 (% of the GPU's SMs)")
         if self.kv_block_tokens < 1 or self.kv_pool_tokens < 0:
             raise ConfigError(
                 f"engine.kv_block_tokens={self.kv_block_tokens} must be >= 1 and "

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from miles.core.config import opt
+from miles.core.errors import ConfigError
 
 
 @dataclass
@@ -34,3 +35,12 @@ class EvalConfig:
         "are substituted; a JSON object on its last stdout line becomes eval/external/* metrics"
     )
     timeout_s: float = opt(600.0, "an evaluation still running after this is abandoned and counted skipped", "s")
+
+    def __post_init__(self) -> None:
+        if self.mode == "external" and not self.command:
+            raise ConfigError("eval.mode = 'external' needs eval.command, e.g. "
+                              "'python my_eval.py --model {checkpoint}'")
+        if self.mode != "none" and self.every_steps < 1:
+            raise ConfigError(f"eval.every_steps must be >= 1, got {self.every_steps}")
+        if self.samples < 0:
+            raise ConfigError(f"eval.samples must be >= 0 (0 = greedy only), got {self.samples}")

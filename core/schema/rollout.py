@@ -7,6 +7,12 @@ from typing import Any, Literal
 
 from miles.core.config import opt
 
+# the choices' types, which the plain classes that take them (rollout/session_store.py) declare too
+SessionPolicy = Literal["linear", "branching"]
+MatchPolicy = Literal["strict", "loose_tool_call", "role_content"]
+TemplateFallback = Literal["none", "anchor_diff"]
+RenderMode = Literal["auto", "full", "local"]
+
 
 @dataclass
 class RolloutConfig:
@@ -44,22 +50,22 @@ class RolloutConfig:
         "and per prompt or request)")
     top_k: int = opt(-1, "top-k sampling; only -1 or 0 (off), for the reason given under top_p")
     max_new_tokens: int = opt(1024, "most tokens the engine samples per turn", "tokens")
-    session_policy: Literal["linear", "branching"] = opt(
+    session_policy: SessionPolicy = opt(
         "linear",
         "linear: a request whose history diverges from the stored one is rejected (Diverged); "
         "branching: it forks a child and every leaf is exported as a trajectory",
     )
-    match_policy: Literal["strict", "loose_tool_call", "role_content"] = opt(
+    match_policy: MatchPolicy = opt(
         "loose_tool_call",
         "when a stored message equals an incoming one: strict (role, content, reasoning, tool calls "
         "as text), loose_tool_call (tool-call arguments compared as parsed JSON), role_content",
     )
-    template_fallback: Literal["none", "anchor_diff"] = opt(
+    template_fallback: TemplateFallback = opt(
         "none",
         "what to do when the chat template fails the append-only check: none = refuse (NotAppendOnly); "
         "anchor_diff = tokenize appended messages after a reasoning-free anchor (see rollout/template_check.py)",
     )
-    render_mode: Literal["auto", "full", "local"] = opt(
+    render_mode: RenderMode = opt(
         "auto",
         "how a turn renders the chat: full = the whole conversation; local = only the system prompt, "
         "the last stored turn and the new messages (fast); auto = local when the template passes "
@@ -100,6 +106,12 @@ class RolloutConfig:
         "the last cause); 0 = never", "trajectories"
     )
 
+    def sampling(self) -> dict[str, Any]:
+        """The sampling every request starts from (a prompt's or an HTTP request's own sampling
+        overrides it); top_k -1 is sent as 0, which every engine reads as "no top-k"."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": max(0, self.top_k),
+                "max_new_tokens": self.max_new_tokens}
+
     def __post_init__(self) -> None:
         if self.n_samples_per_prompt < 1:
             raise ValueError(f"n_samples_per_prompt must be >= 1, got {self.n_samples_per_prompt}")
@@ -115,8 +127,3 @@ class RolloutConfig:
                              "importance weights would be biased); use top_p = 1 and top_k = -1")
         if self.reasoning_tags and len(self.reasoning_tags) != 2:
             raise ValueError(f"reasoning_tags must be [open, close] or [], got {self.reasoning_tags}")
-
-    def sampling(self) -> dict[str, Any]:
-        """The sampling params passed to the engine for every turn."""
-        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-                "max_new_tokens": self.max_new_tokens}

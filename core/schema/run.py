@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from miles.core.config import opt
+from miles.core.errors import ConfigError
 
 
 @dataclass
@@ -34,3 +35,7 @@ class RunConfig:
     wandb_mode: Literal["online", "offline"] = opt(
         "online", "Weights & Biases mode: offline writes the run under run_dir/wandb/ for `wandb sync`"
     )
+
+    def __post_init__(self) -> None:
+        if self.time_limit_s < 0:
+            raise ConfigError(f"run.time_limit_s = {self.time_limit_s}: must be >= 0 (0 = no limit)")

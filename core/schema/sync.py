@@ -8,6 +8,8 @@ from typing import Literal
 from miles.core.config import opt
 from miles.core.errors import ConfigError
 
+DeltaCompression = Literal["auto", "zlib", "lz4", "none"]  # also the type pick_compressor takes
+
 
 @dataclass
 class SyncConfig:
@@ -75,7 +77,7 @@ class SyncConfig:
         "each update pays stage asks per bucket, an index, a rename and a commit "
         "(bench/results/weight_sync_disk_delta_cpu.txt, bench/disk_delta_phases.py)"
     )
-    delta_compression: Literal["auto", "zlib", "lz4", "none"] = opt(
+    delta_compression: DeltaCompression = opt(
         "auto", "compression of disk_delta XOR deltas; auto = lz4 if installed, else zlib"
     )
     delta_keep: int = opt(2, "disk_delta versions kept on disk (older ones are deleted)", "versions")

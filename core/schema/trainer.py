@@ -1,7 +1,8 @@
 """Config section for the trainer: backend, advantages, loss, corrections, optimizer, schedule.
 
-Consumed by `miles.trainer` (see trainer/config_check.py for cross-field validation,
-including the rule that an asynchronous run must choose a rollout/trainer correction).
+Consumed by `miles.trainer`. Each section checks its own fields when it is built (the loader
+builds it), so nothing downstream checks them again; rules across sections (an asynchronous run
+must choose a rollout/trainer correction) are core/schema/resolve.py's.
 """
 
 from __future__ import annotations
@@ -10,9 +11,28 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from miles.core.config import opt, section
+from miles.core.errors import ConfigError
 
 Estimator = Literal["grpo", "gspo", "cispo", "reinforce_pp", "ppo"]
 Correction = Literal["tis", "clip_or_pop", "mis", "opsm"]
+# the choices' types, which the functions that take them declare too
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
+KlEstimator = Literal["k1", "k2", "k3"]
+OptimImpl = Literal["auto", "single", "foreach", "fused"]
+ParamDtype = Literal["auto", "float32", "bfloat16"]
+Recompute = Literal["off", "mlp", "full"]
+_WEIGHTED = ("tis", "clip_or_pop", "mis")  # corrections that reweight the same tokens: at most one
+
+
+def check_async_correction(types: list[Correction], asynchronous: bool) -> None:
+    """An asynchronous run must correct for its rollouts' older weights (the orchestration mode
+    lives in another section: the whole config checks this, for LLM and diffusion runs alike)."""
+    if asynchronous and not types:
+        raise ConfigError(
+            "trainer.correction.types is empty but the run is asynchronous: rollouts come from "
+            "older weights and a different engine, so logp_old != logp_rollout and the policy "
+            "gradient is biased without an importance correction; choose tis, clip_or_pop or "
+            "mis (and optionally opsm)")
 
 
 @dataclass
@@ -45,19 +65,23 @@ class LossConfig:
     )
     gspo_eps_clip_low: float = opt(3e-4, "GSPO sequence-ratio clip below (gspo only)")
     gspo_eps_clip_high: float = opt(4e-4, "GSPO sequence-ratio clip above (gspo only)")
-    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = opt(
+    aggregation: Aggregation = opt(
         "token_mean",
         "how per-token losses become one number: mean over all loss tokens of the global batch, "
         "mean over sequences of each sequence's token mean, or of each sequence's token sum",
     )
     kl_coef: float = opt(0.0, "weight of the KL-to-reference loss term; 0 skips the reference pass")
-    kl_estimator: Literal["k1", "k2", "k3"] = opt("k3", "KL estimator for the reference term")
+    kl_estimator: KlEstimator = opt("k3", "KL estimator for the reference term")
     kl_in_reward: bool = opt(
         False, "reinforce_pp/ppo: put the KL penalty into per-token rewards instead of the loss"
     )
     entropy_coef: float = opt(0.0, "weight of the entropy bonus (subtracted from the loss)")
     value_clip: float = opt(0.2, "ppo critic: clip value updates to +-value_clip around old values")
     value_coef: float = opt(0.5, "ppo critic: weight of the value loss")
+
+    def __post_init__(self) -> None:
+        if self.eps_clip_low < 0 or self.eps_clip_high < 0:
+            raise ConfigError("trainer.loss.eps_clip_low/high must be >= 0")
 
 
 @dataclass
@@ -98,6 +122,24 @@ class CorrectionConfig:
         "the same values); 'always' runs it every step",
     )
 
+    def __post_init__(self) -> None:
+        if len(set(self.types)) != len(self.types):
+            raise ConfigError(f"trainer.correction.types: duplicates in {self.types}")
+        weighted = [t for t in self.types if t in _WEIGHTED]
+        if len(weighted) > 1:
+            raise ConfigError(f"trainer.correction.types: {weighted} each reweight the same tokens; choose one "
+                              "of tis, clip_or_pop, mis (opsm combines with any)")
+        if "tis" in self.types and self.tis_cap <= 0:
+            raise ConfigError(f"trainer.correction.tis_cap must be > 0, got {self.tis_cap}")
+        if "clip_or_pop" in self.types and not 0 <= self.pop_low < 1 < self.pop_high:
+            raise ConfigError(f"trainer.correction: need 0 <= pop_low < 1 < pop_high, got "
+                              f"[{self.pop_low}, {self.pop_high}]")
+        if "mis" in self.types and not 0 <= self.mis_low < 1 < self.mis_high:
+            raise ConfigError(f"trainer.correction: need 0 <= mis_low < 1 < mis_high, got "
+                              f"[{self.mis_low}, {self.mis_high}]")
+        if "opsm" in self.types and self.opsm_delta < 0:
+            raise ConfigError(f"trainer.correction.opsm_delta must be >= 0, got {self.opsm_delta}")
+
 
 @dataclass
 class OptimConfig:
@@ -112,12 +154,18 @@ class OptimConfig:
     decay_steps: int = opt(0, "steps of decay after warm-up (0 = constant after warm-up)", "steps")
     schedule: Literal["constant", "linear", "cosine"] = opt("constant", "decay shape after warm-up")
     grad_clip: float = opt(1.0, "clip the global gradient L2 norm to this; 0 disables")
-    impl: Literal["auto", "single", "foreach", "fused"] = opt(
+    impl: OptimImpl = opt(
         "auto",
         "AdamW kernels: single = one parameter at a time (torch foreach=False; the streamed "
         "optimizer's exact math), foreach = multi-tensor kernels, fused = one fused kernel per "
         "parameter group (CUDA); auto = fused on CUDA, single on CPU. They agree to fp32 rounding",
     )
+
+    def __post_init__(self) -> None:
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"trainer.optim.betas must be two numbers in [0, 1), got {self.betas}")
+        if self.lr < 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ConfigError(f"trainer.optim: need 0 <= min_lr <= lr, got lr={self.lr} min_lr={self.min_lr}")
 
 
 @dataclass
@@ -191,7 +239,7 @@ class TrainerConfig:
     device: Literal["auto", "cpu", "cuda"] = opt(
         "auto", "where to train: auto = cuda when available (NCCL), else cpu (gloo)"
     )
-    param_dtype: Literal["auto", "float32", "bfloat16"] = opt(
+    param_dtype: ParamDtype = opt(
         "auto",
         "compute dtype of forward/backward: auto = bfloat16 on cuda, float32 on cpu; "
         "master weights, optimizer state and gradient reduction stay float32",
@@ -240,7 +288,7 @@ class TrainerConfig:
         CorrectionConfig, "rollout/trainer mismatch corrections (TIS, Clip-or-Pop, MIS, OPSM)"
     )
     optim: OptimConfig = section(OptimConfig, "AdamW, gradient clipping and LR schedule")
-    recompute: Literal["off", "mlp", "full"] = opt(
+    recompute: Recompute = opt(
         "off",
         "activation checkpointing when memory needs it: mlp = each block's MLP (or experts) keeps only "
         "its input and runs again in the backward (the block's largest activations, [tokens, 2 x "
@@ -286,6 +334,31 @@ class TrainerConfig:
     }
 
     def __post_init__(self) -> None:
+        if self.micro_batch_tokens < 1 or self.mini_batches < 1:
+            raise ConfigError("trainer.micro_batch_tokens and trainer.mini_batches must be >= 1")
         for name in ("batch_timeout_s", "pause_timeout_s"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+                raise ConfigError(f"trainer.{name} must be > 0, got {getattr(self, name)}")
+        if self.recompute_layers < 0:
+            raise ConfigError(f"trainer.recompute_layers={self.recompute_layers}: expected a block count >= 0 "
+                              "(0 = every block)")
+        if self.backend == "megatron":
+            self._check_megatron()
+
+    def _check_megatron(self) -> None:
+        """What the megatron backend does not run (its parallel sizes are checked against the
+        model where the model is known: trainer/megatron/build.py check_parallel)."""
+        if self.device == "cpu":
+            raise ConfigError("trainer.backend='megatron' needs trainer.device = 'cuda' or 'auto'")
+        if self.recompute != "off":
+            raise ConfigError(f"trainer.recompute={self.recompute!r} is the FSDP backend's block checkpointing; "
+                              "the megatron backend does not map it to megatron-core's recompute yet: set 'off'")
+        unsupported = {
+            "trainer.lora.rank > 0": self.lora.rank > 0,
+            "trainer.advantage.estimator = 'ppo' (critic)": self.advantage.estimator == "ppo",
+            "trainer.distill.teacher_checkpoint": bool(self.distill.teacher_checkpoint),
+            "trainer.true_on_policy": self.true_on_policy,
+        }
+        for what, on in unsupported.items():
+            if on:
+                raise ConfigError(f"{what} is not supported by trainer.backend='megatron'; use 'fsdp'")

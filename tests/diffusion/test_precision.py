@@ -33,8 +33,7 @@ def test_patterns_pick_the_fp32_parameters() -> None:
 
 def _trainer(dtype: str, fp32: list[str], state: dict[str, torch.Tensor]) -> DiffusionTrainer:
     cfg = DiffusionTrainerConfig(correction=CorrectionConfig(types=["tis"]))
-    return DiffusionTrainer(cfg, PrecisionConfig(trainer_dtype=dtype, fp32_params=fp32), SCHED, SPEC, state,
-                            asynchronous=False)
+    return DiffusionTrainer(cfg, PrecisionConfig(trainer_dtype=dtype, fp32_params=fp32), SCHED, SPEC, state)
 
 
 def test_trainer_mismatch_fp32_tiny_and_per_param_fp32_below_all_bf16() -> None:

@@ -81,14 +81,15 @@ def _full_bytes(spec: ModelSpec) -> int:
 def test_lora_launch_refuses_what_cannot_carry_adapters(
     section: str, field: str, value: str, match: str
 ) -> None:
+    from miles.core.config import load_config
     from miles.core.errors import ConfigError
     from miles.core.schema import MilesConfig
-    from miles.trainer.backends import check_lora_launch
 
-    cfg = MilesConfig()
-    check_lora_launch(cfg)  # LoRA off: anything goes
-    cfg.trainer.lora.rank = 4
-    check_lora_launch(cfg)
-    setattr(getattr(cfg, section), field, value)
+    def load(*sets: str) -> MilesConfig:  # the loader checks the hand-off (core/schema/resolve.py)
+        extra = ["sync.delta_dir=/tmp/none"] if value == "disk_delta" else []
+        return load_config(MilesConfig, None, [*extra, *sets])
+
+    load(f"{section}.{field}={value}")  # LoRA off: anything goes
+    load("trainer.lora.rank=4")
     with pytest.raises(ConfigError, match=match):
-        check_lora_launch(cfg)
+        load("trainer.lora.rank=4", f"{section}.{field}={value}")

@@ -26,7 +26,7 @@ VERDICTS = {
     "quickstart.toml": HEAD_DIM_FIX,
     "dataset.toml": HEAD_DIM_FIX,
     "distill_cpu.toml": HEAD_DIM_FIX,
-    "quickstart_fp8.toml": HEAD_DIM_FIX,
+    "quickstart_fp8.toml": "model.fp8 = 'blockwise' needs engine.type = 'torch'",  # refused at load, first
     "lora_cpu.toml": "trainer.lora.rank > 0 needs engine.type = 'torch'",
     "smollm2_rl_cpu.toml": "starts",  # SmolLM2-135M: head_dim 64 (or refused for its model.path when absent)
     "gsm8k.toml": "starts",  # SmolLM2-135M: head_dim 64, bf16 (refused for its model.path when absent)

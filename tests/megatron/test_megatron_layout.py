@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from miles.core.config import load_config
 from miles.core.errors import ConfigError
+from miles.core.schema import MilesConfig
 from miles.core.schema.trainer import TrainerConfig
 from miles.models.config import ModelSpec
 from miles.models.hf_io import hf_state_dict
@@ -14,6 +16,7 @@ from miles.models.presets import tiny_config
 from miles.models.registry import build_model
 from miles.trainer.backends import TRAINERS, check_backend
 from miles.trainer.megatron.available import transformer_engine_installed, unavailable_reason
+from miles.trainer.megatron.build import check_parallel
 from miles.trainer.megatron.layout import (
     fuse,
     fuse_qkv,
@@ -23,7 +26,6 @@ from miles.trainer.megatron.layout import (
     tp_shard,
     tp_unshard,
 )
-from miles.trainer.megatron.trainer import check_megatron_config
 
 CASES = {
     "llama_tied": tiny_config("llama", tie_word_embeddings=True),
@@ -115,33 +117,31 @@ def _mcfg(**kw: int) -> TrainerConfig:
 
 def test_config_checks_name_the_field() -> None:
     moe = _spec("qwen3_moe")
-    assert check_megatron_config(_mcfg(), moe, True, 1) == (1, 1, 1)
+    assert check_parallel(_mcfg().megatron, moe, 1) == (1, 1, 1)
     cfg = _mcfg(expert_parallel_size=2)
     cfg.world_size = 2
-    assert check_megatron_config(cfg, moe, True, 2) == (1, 2, 2)
+    assert check_parallel(cfg.megatron, moe, 2) == (1, 2, 2)
     cfg = _mcfg(tensor_parallel_size=2)
     cfg.world_size = 4
-    assert check_megatron_config(cfg, _spec("qwen2_bias"), True, 4) == (2, 1, 2)
+    assert check_parallel(cfg.megatron, _spec("qwen2_bias"), 4) == (2, 1, 2)
     cfg = _mcfg(tensor_parallel_size=2, expert_parallel_size=2)
     cfg.world_size = 4
     if transformer_engine_installed():
-        assert check_megatron_config(cfg, moe, True, 4) == (2, 2, 2)
+        assert check_parallel(cfg.megatron, moe, 4) == (2, 2, 2)
     else:  # MoE + TP trains only with sequence parallelism, which needs TE's norms
         with pytest.raises(ConfigError, match="needs Transformer Engine"):
-            check_megatron_config(cfg, moe, True, 4)
+            check_parallel(cfg.megatron, moe, 4)
     with pytest.raises(ConfigError, match="pipeline_parallel_size=2"):
-        check_megatron_config(_mcfg(pipeline_parallel_size=2), moe, True, 1)
+        check_parallel(_mcfg(pipeline_parallel_size=2).megatron, moe, 1)
     with pytest.raises(ConfigError, match="expert_parallel_size=2 needs a MoE"):
-        check_megatron_config(_mcfg(expert_parallel_size=2), _spec("qwen2_bias"), True, 1)
-    lora = _mcfg()
-    lora.lora.rank = 4
-    with pytest.raises(ConfigError, match="lora"):
-        check_megatron_config(lora, moe, True, 1)
+        check_parallel(_mcfg(expert_parallel_size=2).megatron, _spec("qwen2_bias"), 1)
+    with pytest.raises(ConfigError, match="lora"):  # what megatron does not run: refused at load
+        load_config(MilesConfig, None, ["trainer.backend=megatron", "trainer.lora.rank=4"])
 
 
 @pytest.mark.skipif(unavailable_reason() is None, reason="megatron-core can run here")
 def test_launch_check_says_why_megatron_cannot_run() -> None:
     with pytest.raises(ConfigError, match="trainer.backend='megatron' cannot run: .*"):
-        check_backend(_mcfg(), _spec("qwen3_moe"), True, 1)
-    check_backend(TrainerConfig(), None, True, 1)  # fsdp stays fine
+        check_backend(_mcfg(), _spec("qwen3_moe"), 1)
+    check_backend(TrainerConfig(), None, 1)  # fsdp stays fine
     assert TRAINERS.names() == ["fsdp", "megatron"]

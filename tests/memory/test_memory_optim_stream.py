@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from miles.core.config import load_config
 from miles.core.errors import ConfigError
+from miles.core.schema import MilesConfig
 from miles.core.schema.trainer import TrainerConfig
 from miles.models.config import ModelSpec
 from miles.models.presets import tiny_config
@@ -82,9 +84,5 @@ def test_trainer_with_streamed_optimizer_is_bit_identical(tmp_path: Path) -> Non
 
 
 def test_bad_stream_config() -> None:
-    spec = ModelSpec.from_hf(tiny_config("qwen3", vocab_size=64, num_hidden_layers=1))
-    cfg = TrainerConfig()
-    cfg.device = "cpu"
-    cfg.memory.optimizer = "disk"  # type: ignore[assignment]
-    with pytest.raises(ConfigError, match="trainer.memory.optimizer"):
-        FSDPTrainer(cfg, spec, 0, 1)
+    with pytest.raises(ConfigError, match="trainer.memory.optimizer"):  # the loader takes only the Literal's values
+        load_config(MilesConfig, None, ["trainer.memory.optimizer=disk"])

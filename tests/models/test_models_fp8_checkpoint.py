@@ -100,17 +100,20 @@ def test_fp8_tensors_outside_the_quantized_set_are_dequantized(tmp_path: Path) -
         assert f.get_slice(name).get_dtype() == "F8_E4M3"
 
 
-def test_launch_checks_name_what_conflicts_with_fp8() -> None:
+def test_load_checks_name_what_conflicts_with_fp8() -> None:
     import dataclasses
 
+    from miles.core.config import load_config
     from miles.core.schema import MilesConfig
-    from miles.models.fp8_checks import fp8_launch_errors
+    from miles.core.schema.resolve import fp8_errors
 
     cfg = MilesConfig()
-    assert fp8_launch_errors(cfg) == []
+    assert fp8_errors(cfg) == []
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, fp8="blockwise"))
-    assert fp8_launch_errors(cfg) == []
+    assert fp8_errors(cfg) == []
     cfg.trainer.lora.rank = 4
     cfg.trainer.backend = "megatron"  # type: ignore[assignment]
-    errs = fp8_launch_errors(cfg)
+    errs = fp8_errors(cfg)
     assert len(errs) == 2 and "trainer.backend" in errs[0] and "LoRA" in errs[1]
+    with pytest.raises(ConfigError, match="model.fp8 = 'blockwise' needs engine.type = 'torch'"):
+        load_config(MilesConfig, None, ["model.fp8=blockwise", "engine.type=sglang"])

@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 
-from miles.core.config import from_dict
+from miles.core.config import from_dict, load_config
 from miles.core.errors import ConfigError
+from miles.core.schema import MilesConfig
 from miles.core.schema.trainer import CorrectionConfig, TrainerConfig
 from miles.trainer.aggregation import Denominators
 from miles.trainer.corrections import (
     apply_corrections,
-    check_correction_config,
     finish_ess,
     mismatch_metrics,
 )
@@ -151,13 +151,18 @@ def test_mismatch_metrics_hand_values() -> None:
 
 
 def test_config_checks() -> None:
+    """The loader checks the corrections (core/schema: the section, and across sections the
+    orchestration mode); nothing downstream checks them again."""
+    def load(*sets: str) -> MilesConfig:
+        return load_config(MilesConfig, None, list(sets))
+
     with pytest.raises(ConfigError, match="asynchronous"):
-        check_correction_config(_cfg(types=[]), asynchronous=True)
-    check_correction_config(_cfg(types=[]), asynchronous=False)
+        load("trainer.correction.types=[]", "buffer.mode=fully_async")
+    load("trainer.correction.types=[]", "buffer.mode=sync")
     with pytest.raises(ConfigError, match="choose one"):
-        check_correction_config(_cfg(types=["tis", "mis"]), asynchronous=True)
-    check_correction_config(_cfg(types=["tis", "opsm"]), asynchronous=True)
+        load('trainer.correction.types=["tis", "mis"]')
+    load('trainer.correction.types=["tis", "opsm"]')
     with pytest.raises(ConfigError, match="pop_low"):
-        check_correction_config(_cfg(types=["clip_or_pop"], pop_low=1.5), asynchronous=True)
+        load('trainer.correction.types=["clip_or_pop"]', "trainer.correction.pop_low=1.5")
     with pytest.raises(ConfigError, match="not one of"):
         from_dict(CorrectionConfig, {"types": ["bogus"]})

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from miles.core.config import load_config
 from miles.core.errors import ConfigError, TrainerError
+from miles.core.schema import MilesConfig
 from miles.core.schema.trainer import TrainerConfig
 from miles.models.config import ModelSpec
 from miles.models.presets import tiny_config
@@ -112,10 +114,8 @@ def test_estimators_run_and_learn(estimator: str) -> None:
 def test_bad_input_errors() -> None:
     spec = ModelSpec.from_hf(tiny_config("qwen3_moe", vocab_size=64, num_hidden_layers=1))
     batch = engine_batch(build_model(spec, seed=0), groups=1, group_size=2, seed=0)
-    with pytest.raises(ConfigError, match="asynchronous"):
-        cfg = _cfg()
-        cfg.correction.types = []
-        FSDPTrainer(cfg, spec, 0, 1)
+    with pytest.raises(ConfigError, match="asynchronous"):  # checked once, when the config is loaded
+        load_config(MilesConfig, None, ["trainer.correction.types=[]", "buffer.mode=fully_async"])
     t = FSDPTrainer(_cfg(), spec, 0, 1)
     with pytest.raises(TrainerError, match="empty batch"):
         t.train_step(TrainBatch([]))

@@ -15,7 +15,6 @@ one tensor-parallel group take the same shard.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -25,12 +24,12 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
-from miles.core.errors import ConfigError, TrainerError
+from miles.core.errors import TrainerError
 from miles.core.schema.trainer import TrainerConfig
 from miles.models.config import ModelSpec
 from miles.models.hf_io import hf_state_dict
 from miles.trainer.batch import TrainBatch
-from miles.trainer.config_checks import check_trainer_config
+from miles.trainer.config_checks import check_world
 from miles.trainer.deterministic import enable_deterministic
 from miles.trainer.dist import ensure_process_group, pick_device
 from miles.trainer.flat_export import FlatExportBuffer
@@ -53,26 +52,6 @@ from miles.transport.bulk.shard_megatron import MegatronParallel
 from miles.transport.bulk.shard_plan import ShardExport
 
 
-def check_megatron_config(
-    cfg: TrainerConfig, spec: ModelSpec | None, asynchronous: bool, world: int
-) -> tuple[int, int, int] | None:
-    """FSDPTrainer's checks plus the megatron ones; (tp, ep, dp), or None without a `spec`
-    (the parallel sizes are checked against the model once it is known). Needs no megatron."""
-    if cfg.backend != "megatron":
-        raise ConfigError(f"trainer.backend={cfg.backend!r}: MegatronTrainer only runs 'megatron'")
-    check_trainer_config(dataclasses.replace(cfg, backend="fsdp"), asynchronous, world)
-    unsupported = {
-        "trainer.lora.rank > 0": cfg.lora.rank > 0,
-        "trainer.advantage.estimator = 'ppo' (critic)": cfg.advantage.estimator == "ppo",
-        "trainer.distill.teacher_checkpoint": bool(cfg.distill.teacher_checkpoint),
-        "trainer.true_on_policy": cfg.true_on_policy,
-    }
-    for what, on in unsupported.items():
-        if on:
-            raise ConfigError(f"{what} is not supported by trainer.backend='megatron'; use 'fsdp'")
-    return None if spec is None else check_parallel(cfg.megatron, spec, world)
-
-
 class MegatronTrainer:
     """One megatron-core rank. Same constructor and methods as `FSDPTrainer`."""
 
@@ -86,19 +65,16 @@ class MegatronTrainer:
         init_checkpoint: str = "",
         ref_checkpoint: str = "",
         seed: int = 0,
-        asynchronous: bool = True,
         weight_version: int = 0,
     ) -> None:
+        check_world(cfg, world)
         _, _, dp = check_parallel(cfg.megatron, model_spec, world)
-        check_megatron_config(cfg, model_spec, asynchronous, world)
         require_megatron()
         from megatron.core import parallel_state as ps
 
         self.cfg, self.spec, self.rank = cfg, model_spec, rank
         if cfg.deterministic:
             enable_deterministic(seed)
-        if cfg.device == "cpu":
-            raise ConfigError("trainer.backend='megatron' needs trainer.device = 'cuda' or 'auto'")
         self.device = pick_device("cuda", rank)
         ensure_process_group(rank, world, self.device)
         init_parallel(cfg.megatron, seed)

@@ -28,11 +28,6 @@ _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 IDX_BYTES = 4
 
 
-def break_even(word: int) -> float:
-    """Changed-word share below which (indices, values) moves fewer bytes than the words themselves."""
-    return word / (IDX_BYTES + word)
-
-
 def encode(cur: torch.Tensor, prev: torch.Tensor, word: int) -> torch.Tensor | None:
     """The sparse encoding of bucket bytes `cur` against `prev` (uint8, same length): int32 indices
     of the changed words then their new words, as one uint8 tensor; None when it is not smaller."""
