@@ -27,7 +27,8 @@ async def test_fuzzed_requests_get_clear_4xx_and_the_server_keeps_serving(tmp_pa
     assert res["statuses"].get("served_ok", 0) > 10  # well-formed turns in between were all served
     assert not [s for s in res["statuses"] if s.isdigit() and int(s) >= 500]
     # The cases the fuzz exists for were all generated.
-    for kind in ("deep_json", "lone_surrogate", "role_type", "bad_encoding", "temperature", "huge_body"):
+    for kind in ("deep_json", "lone_surrogate", "role_type", "bad_encoding", "temperature", "huge_body",
+                 "long_prompt", "truncated_sampling", "create_id", "create_tools", "create_body"):
         assert res["kinds"].get(kind, 0) > 0, kind
 
 
