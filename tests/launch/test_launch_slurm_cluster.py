@@ -181,7 +181,12 @@ def test_a_stopped_job_resumes_from_its_checkpoint(tmp_path: Path) -> None:
         assert first.returncode == 0 and "submitted job" in first.stdout, first.stdout + first.stderr
         job = first.stdout.split("submitted job ")[1].split(":")[0]
         deadline = time.monotonic() + 200
-        while not list((run / "checkpoints").glob("step_*/")):
+        from miles.actors.trainer import latest_checkpoint
+        from miles.metrics.run_dir import checkpoint_step
+
+        # a complete checkpoint (its `latest` pointer is written last): a stop that lands while the
+        # first one is being written leaves nothing to resume from
+        while latest_checkpoint(run) is None:
             assert time.monotonic() < deadline, "no checkpoint within 200 s"
             time.sleep(0.05)
         subprocess.run(["scancel", "-b", "-s", "TERM", job], check=True)  # the batch script only
@@ -191,10 +196,9 @@ def test_a_stopped_job_resumes_from_its_checkpoint(tmp_path: Path) -> None:
         stopped = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
         assert (run / "slurm" / "exit_code").read_text().strip() == "130"
         assert stopped and stopped[-1] < total, f"the stop came after the last step: {stopped[-1:]}"
-        from miles.actors.trainer import latest_checkpoint
-        from miles.metrics.run_dir import checkpoint_step
-
-        ckpt = checkpoint_step(latest_checkpoint(run))
+        newest = latest_checkpoint(run)
+        assert newest is not None
+        ckpt = checkpoint_step(newest)
         second = subprocess.run([sys.executable, "-m", "miles.launch.cli", "launch", "--slurm", "--resume",
                                  str(run), "--wait", "--time", "6"], cwd=tmp_path, capture_output=True, text=True,
                                 timeout=300, env=env)
