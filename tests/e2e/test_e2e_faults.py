@@ -76,5 +76,7 @@ def test_killed_engine_is_restarted_and_training_continues(tmp_path: Path) -> No
     assert [r["step"] for r in metrics(run)][-1] == 12
     final = check_ledger(run)
     led = final["buffer"]["ledger"]
-    # The killed engine's trajectories failed: their prompts were retried or dropped with a reason.
-    assert led["retried"] > 0 or led["dropped_by_reason"], led
+    # The rollout saw the engine go down and come back (restarted, caught up to the current
+    # weights); requests lost with it ran again once it was back, without failing a trajectory.
+    assert final["routing"]["downs"] >= 1 and final["routing"]["ups"] >= 1, final["routing"]
+    assert "failed" not in led["dropped_by_reason"] and "failed" not in led["drop_events"], led
