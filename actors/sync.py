@@ -22,7 +22,7 @@ from miles.transport.bulk.base import BulkSender, make_sender
 from miles.transport.bulk.coordinator import GatheredCoordinator
 from miles.transport.bulk.push_round import SyncReport
 from miles.transport.bulk.rank_group import RankGroup, TorchRankGroup
-from miles.transport.bulk.shard_channels import make_shard_sender
+from miles.transport.bulk.shard_channels import ShardTransport, make_shard_sender
 from miles.transport.bulk.shard_plan import ShardExport
 from miles.transport.bulk.sharded import ShardedCoordinator, ShardedOptions
 
@@ -150,7 +150,7 @@ class ShardedWeightSync:
                                    cfg.verify_every, delta, cfg.receive_ahead_mib << 20)
         self.coordinator = ShardedCoordinator(self.link, self.group, self._sender(cfg.transport), engines, self.opts)
 
-    def _sender(self, tag: str) -> Any:
+    def _sender(self, tag: ShardTransport) -> Any:  # sync.transport: the loader allows only these under sync.sharded
         return make_shard_sender(tag, self.group.rank, self.group.size, self.cfg.step_timeout_s, self.advertise,
                                  self.device)
 

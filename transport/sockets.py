@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import zmq
 import zmq.asyncio
 
-from miles.core.errors import ConfigError, PeerTimeout, TransportError
+from miles.core.errors import PeerTimeout, TransportError
 
 _ipc_dir: str | None = None
 
@@ -47,7 +47,7 @@ def ipc_path(name: str, base: str = "") -> str:
     return f"ipc://{os.path.join(d, name)}"
 
 
-def bind(sock: zmq.Socket, scheme: str = "tcp", interface: str = "127.0.0.1", name: str = "",
+def bind(sock: zmq.Socket, scheme: Literal["tcp", "ipc"] = "tcp", interface: str = "127.0.0.1", name: str = "",
          ipc_dir: str = "", port: int = 0) -> str:
     """Bind to a fresh address (random free port for tcp) and return the connectable address."""
     try:
@@ -55,8 +55,6 @@ def bind(sock: zmq.Socket, scheme: str = "tcp", interface: str = "127.0.0.1", na
             addr = ipc_path(f"{name or 'sock'}-{os.getpid()}-{os.urandom(4).hex()}", ipc_dir)
             sock.bind(addr)
             return addr
-        if scheme != "tcp":
-            raise ConfigError(f"transport.scheme {scheme!r}: valid are 'tcp', 'ipc'")
         if port:
             sock.bind(f"tcp://{interface}:{port}")
             return f"tcp://{interface}:{port}"

@@ -29,7 +29,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import datetime
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, assert_never
 
 import numpy as np
 import torch
@@ -40,6 +40,7 @@ from miles.transport.bulk.base import BulkReceiver, LocalWeights
 from miles.transport.bulk.shard_delta import decode
 
 log = get_logger("miles.bulk.sharded")
+ShardTransport = Literal["zmq", "ucx", "broadcast"]  # the transports a sharded sync runs over
 SHARDED_TAG = "sharded"  # the receiver tag engines open (BulkOpen.transport)
 
 
@@ -199,15 +200,16 @@ class P2PShardSender(ShardSender):
         self._store = None
 
 
-def make_shard_sender(tag: str, rank: int, world: int, timeout_s: float, advertise: str,
+def make_shard_sender(tag: ShardTransport, rank: int, world: int, timeout_s: float, advertise: str,
                       device: torch.device) -> ShardSender:
+    """The sending side of `sync.transport` (the loader lets sync.sharded run only over these three)."""
     if tag == "zmq":
         return ZmqShardSender(rank, world, timeout_s, advertise)
     if tag == "ucx":
         return UcxShardSender(rank, world, timeout_s, advertise)
     if tag == "broadcast":
         return P2PShardSender(rank, world, timeout_s, advertise, device)
-    raise SyncError(f"sync.transport={tag!r} has no sharded path; sharded syncs run over zmq, ucx and broadcast")
+    assert_never(tag)
 
 
 def parse_ranges(raw: Any) -> list[tuple[int, int, int, int]]:
