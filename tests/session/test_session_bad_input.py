@@ -8,20 +8,8 @@ import aiohttp
 import openai
 import pytest
 
-from .session_stack import make_tok, start_stack, tiny_lm
-
 pytestmark = pytest.mark.timeout(60)
 USER = {"role": "user", "content": "hi"}
-
-
-@pytest.fixture
-async def served(tmp_path):
-    tok = make_tok(tmp_path)
-    s = await start_stack(tok, [tiny_lm(tok)])
-    http = aiohttp.ClientSession()
-    yield s, http
-    await http.close()
-    await s.stop()
 
 
 async def _req(http: aiohttp.ClientSession, method: str, url: str, body: Any = None,

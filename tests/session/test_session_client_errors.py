@@ -11,20 +11,8 @@ import pytest
 from miles.core.errors import BadRequest, EngineError
 from miles.rollout.session_store import check_session_id
 
-from .session_stack import make_tok, start_stack, tiny_lm
-
 pytestmark = pytest.mark.timeout(90)
 USER = {"role": "user", "content": "hi"}
-
-
-@pytest.fixture
-async def served(tmp_path):
-    tok = make_tok(tmp_path)
-    s = await start_stack(tok, [tiny_lm(tok)])
-    http = aiohttp.ClientSession()
-    yield s, http
-    await http.close()
-    await s.stop()
 
 
 async def _post(http: aiohttp.ClientSession, url: str, body: Any) -> tuple[int, Any]:
