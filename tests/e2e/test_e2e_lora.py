@@ -60,7 +60,9 @@ def test_lora_run_syncs_only_adapters(tmp_path: Path) -> None:
     # sync.verify_every = 1, that every engine holds the adapters it was sent)
     assert all(r["rollout/fully_async/max_staleness"] == 0 for r in rows)
     assert max(r["train/train_rollout_logprob_abs_diff"] for r in rows) < 1e-4
-    assert rows[-1]["train/grad_norm"] > 0
+    # the adapters train; a step whose groups all tie on reward has no advantage and a zero
+    # gradient (seen once in CI on step 3), so it is asked of the run, not of its last step
+    assert max(r["train/grad_norm"] for r in rows) > 0
 
 
 def _full_bytes(spec: ModelSpec) -> int:

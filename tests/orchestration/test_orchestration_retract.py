@@ -2,7 +2,9 @@
 
 The untrained policy rarely stops early, and with no staleness bound and a deep queue
 generation never waits for the trainer, so the engine is busy whenever an update
-arrives: requests are
+arrives (64-token answers and 6 updates: with 32 and 4, a loaded CI machine once saw
+only retracted requests that had not been fed yet, which carry no tokens of the old version):
+requests are
 retracted mid-generation, resubmitted as prompt + partial output, and finish with
 tokens from two versions. Without resubmission they would come back aborted and
 their groups would be dropped as failed. Routing replay is on, so retracted requests that
@@ -22,8 +24,8 @@ from .run_helpers import metrics, rollout_state, train
 def test_retract_resubmits_under_new_version(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     run = tmp_path / "run"
     train(run, tmp_path_factory.mktemp("miles-cache"), {
-        "buffer.mode": "fully_async", "sync.pause_mode": "retract", "rollout.max_new_tokens": "32",
-        "buffer.max_waiting": "500", "buffer.max_staleness": "-1", "run.steps": "4",
+        "buffer.mode": "fully_async", "sync.pause_mode": "retract", "rollout.max_new_tokens": "64",
+        "buffer.max_waiting": "500", "buffer.max_staleness": "-1", "run.steps": "6",
     })
     rows = metrics(run)
     last = rows[-1]
