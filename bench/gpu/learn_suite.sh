@@ -22,19 +22,25 @@ mkdir -p "$OUT" /tmp/b34m /tmp/pkg /tmp/learn
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 ln -sfn "$PWD" /tmp/pkg/miles
 export PYTHONPATH="/tmp/pkg:/tmp/site:${PYTHONPATH:-}"
-COMMIT="$(cat .commit 2>/dev/null || git log -1 --format=%h 2>/dev/null || echo unknown)"
+COMMIT="$(cat .commit 2>/dev/null || git log -1 --format=%h 2>/dev/null || echo "${MILES_COMMIT:-unknown}")"
+# Where .whl/ .model/ .data/ are: beside this checkout (the .b34/ carry) or where carry.sh unpacked them.
+SRC="${B34:-$PWD}"
 
 install_wheels() {
   [ -f /tmp/site/.done ] || [ -n "${SKIP_WHEELS:-}" ] && return 0
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/*.whl > "$OUT/install.log" 2>&1 && touch /tmp/site/.done
+    "$SRC"/.whl/*.whl > "$OUT/install.log" 2>&1 && touch /tmp/site/.done
 }
 
-model() {  # the GGUF from its two halves, converted once to /tmp/smollm2-hf
+model() {  # the GGUF (whole, or from its two halves), converted once to /tmp/smollm2-hf
   [ -f /tmp/smollm2-hf/model.safetensors ] && return 0
-  cp .model/part.b /tmp/b34m/ || return 1
-  cat /tmp/b34m/part.a /tmp/b34m/part.b > /tmp/b34m/SmolLM2-135M-Instruct.Q4_1.gguf
-  (cd /tmp/b34m && sha256sum -c "$OLDPWD/.model/sha256") || return 1
+  if [ -f "$SRC/.model/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then
+    cp "$SRC/.model/SmolLM2-135M-Instruct.Q4_1.gguf" /tmp/b34m/ || return 1
+  else
+    cp .model/part.b /tmp/b34m/ || return 1
+    cat /tmp/b34m/part.a /tmp/b34m/part.b > /tmp/b34m/SmolLM2-135M-Instruct.Q4_1.gguf
+    (cd /tmp/b34m && sha256sum -c "$OLDPWD/.model/sha256") || return 1
+  fi
   python3 - <<'EOF'
 import importlib.util, pathlib, time
 spec = importlib.util.spec_from_file_location("sp", "examples/smollm2_packaged.py")
@@ -64,6 +70,22 @@ pack() {
 }
 
 case "$STAGE" in
+bg)  # bg STAGE: run STAGE detached from this call, from a snapshot of the tree (the next call's copy of the
+     # tree replaces this one), its results kept in /root/out-STAGE for `collect STAGE`.
+  S="$2"; rm -rf "/root/snap-$S" "/root/out-$S"; mkdir -p "/root/out-$S"
+  tar cf - --exclude=./.wheels . | (mkdir -p "/root/snap-$S" && cd "/root/snap-$S" && tar xf -)
+  (cd "/root/snap-$S" && OUT="/root/out-$S" B34="${B34:-/root/b34}" MILES_COMMIT="$COMMIT" setsid nohup \
+    bash -c "bash bench/gpu/learn_suite.sh $S; touch /root/out-$S/done" > "/root/out-$S/stage.log" 2>&1 < /dev/null &)
+  sleep 2; echo "started $S in the background: $(pgrep -fc "learn_suite.sh $S") processes"
+  exit 0
+  ;;
+collect)  # collect STAGE [WAIT_S]: wait for a bg STAGE to finish (at most WAIT_S), then copy its results here
+  S="$2"; W="${3:-0}"; t0=$(date +%s)
+  while [ ! -f "/root/out-$S/done" ] && [ $(( $(date +%s) - t0 )) -lt "$W" ]; do sleep 5; done
+  [ -f "/root/out-$S/done" ] && echo "$S done" || { echo "$S still running after ${W}s"; tail -5 /tmp/learn/*.console; }
+  cp -r "/root/out-$S"/. "$OUT/" 2>/dev/null
+  exit 0
+  ;;
 prep)
   cp .model/part.a /tmp/b34m/ && install_wheels && echo "prep ok: $(ls -la /tmp/b34m | tail -1)"
   python3 -c "import torch, zmq, structlog, math_verify, gguf, trl; print(torch.cuda.get_device_name(), torch.__version__, trl.__version__)"
@@ -71,7 +93,7 @@ prep)
   ;;
 gsm8k)
   install_wheels; model || { echo "model failed"; exit 1; }
-  D="$PWD/.data/gsm8k"
+  D="$SRC/.data/gsm8k"
   G=(--set "rollout.env_args.path=$D/train.jsonl" --set "rollout.env_args.eval_path=$D/test.jsonl"
      --set "run.time_limit_s=$LIMIT_GSM8K")
   T=$((LIMIT_GSM8K + 150))
@@ -86,9 +108,33 @@ gsm8k)
     --run sync:0=/tmp/learn/sync_s0 --run sync:1=/tmp/learn/sync_s1 --out "$OUT/learn_gsm8k_h200.json"
   pack
   ;;
+gsm8k12)  # session 12: the easiest subset (<= 1 calculator step), a larger lr and 16 samples a prompt
+  # (the 135M model solves ~1 % of <= 2-step samples: too few non-zero advantages at 8 a prompt).
+  # 4 runs at once at 16k-token packs (4 at 32k ran a trainer out of memory in session 10).
+  install_wheels; model || { echo "model failed"; exit 1; }
+  D="$SRC/.data/gsm8k"
+  G=(--set "rollout.env_args.path=$D/train.jsonl" --set "rollout.env_args.eval_path=$D/test.jsonl"
+     --set "run.time_limit_s=$LIMIT_GSM8K" --set trainer.micro_batch_tokens=16384
+     --set rollout.n_samples_per_prompt=16 --set trainer.optim.lr=1e-5)
+  E1=(--set rollout.env_args.max_calc_steps=1 --set eval.num_prompts=83)
+  T=$((LIMIT_GSM8K + 150))
+  train s1_async_s0 examples/gsm8k.toml $T "${G[@]}" "${E1[@]}" --set run.seed=0 --set rollout.env_args.seed=0 &
+  train s1_async_s1 examples/gsm8k.toml $T "${G[@]}" "${E1[@]}" --set run.seed=1 --set rollout.env_args.seed=1 &
+  train s1_sync_s0 examples/gsm8k.toml $T "${G[@]}" "${E1[@]}" --set buffer.mode=sync --set run.seed=0 \
+    --set rollout.env_args.seed=0 &
+  train s2_async_s0 examples/gsm8k.toml $T "${G[@]}" --set run.seed=0 --set rollout.env_args.seed=0 &
+  wait
+  N="4 runs at once on one H200 (16k packs, 16 samples a prompt, lr 1e-5): GPU and 16 cores shared"
+  python3 bench/learn_summary.py gsm8k --commit "$COMMIT" --min-gain 0.15 --note "<= 1 calculator step; $N" \
+    --run fully_async:0=/tmp/learn/s1_async_s0 --run fully_async:1=/tmp/learn/s1_async_s1 \
+    --run sync:0=/tmp/learn/s1_sync_s0 --out "$OUT/learn_gsm8k1_h200.json"
+  python3 bench/learn_summary.py gsm8k --commit "$COMMIT" --min-gain 0.15 --note "<= 2 calculator steps; $N" \
+    --run fully_async:0=/tmp/learn/s2_async_s0 --out "$OUT/learn_gsm8k2_h200.json"
+  pack
+  ;;
 agentic_trl)
   install_wheels; model || { echo "model failed"; exit 1; }
-  D="$PWD/.data/gsm8k"
+  D="$SRC/.data/gsm8k"
   train agentic examples/agentic_calc.toml $((LIMIT_AGENTIC + 120)) --set "run.time_limit_s=$LIMIT_AGENTIC" &
   timeout $((LIMIT_TRL + 200)) python3 bench/learn_trl.py --model /tmp/smollm2-hf --data "$D" \
     --time-limit "$LIMIT_TRL" > /tmp/learn/trl.txt 2>&1; echo "trl exit $?" >> "$OUT/log.txt"

@@ -42,8 +42,8 @@ from miles.core.config import load_config  # noqa: E402
 from miles.core.logging import configure_logging  # noqa: E402
 from miles.core.schema import MilesConfig  # noqa: E402
 from miles.launch.local import LocalLauncher  # noqa: E402
-from miles.launch.metrics import read_metrics  # noqa: E402
-from miles.launch.warmup import with_initial_checkpoint  # noqa: E402
+from miles.metrics.sink import read_metrics  # noqa: E402
+from miles.warmup.sft import with_initial_checkpoint  # noqa: E402
 
 # The recipe's server flags (bench/gpu/README.md), CUDA graphs on.
 SERVER_ARGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
@@ -63,13 +63,20 @@ def commit() -> str:
         return "unknown"
 
 
-def quickstart(root: Path, case: str, steps: int) -> dict[str, Any]:
+SIM_PYTHON = REPO / "tests" / "sglang_sim" / "python"
+
+
+def quickstart(root: Path, case: str, steps: int, sim: bool = False) -> dict[str, Any]:
     _, engine, seed = case.split("-")
     run_dir = root / case
+    dev = "cpu" if sim else "cuda"
     sets = [f"run.dir={run_dir}", f"run.steps={steps}", f"run.seed={seed}", "run.progress=false",
-            "model.overrides.head_dim=64", "engine.device=cuda", "trainer.device=cuda"]
+            "model.overrides.head_dim=64", f"engine.device={dev}", f"trainer.device={dev}"]
     if engine == "sglang":
         sets += SGLANG + ["engine.sglang_return_routed_experts=true"]
+        if sim:  # the CPU rehearsal: tests/sglang_sim, a SIMULATION of SGLang's HTTP wire, not SGLang
+            os.environ["MILES_SGLANG_SIM_PYTHON"] = sys.executable
+            sets += [f"engine.sglang_python={SIM_PYTHON}"]
     cfg = with_initial_checkpoint(load_config(MilesConfig, REPO / "examples" / "quickstart.toml", sets))
     t0 = time.perf_counter()
     rc = asyncio.run(LocalLauncher(cfg).run())
@@ -91,9 +98,9 @@ def quickstart(root: Path, case: str, steps: int) -> dict[str, Any]:
     }
 
 
-def bench_case(root: Path, case: str, steps: int) -> dict[str, Any]:
+def bench_case(root: Path, case: str, steps: int, sim: bool = False) -> dict[str, Any]:
     if case.startswith("qs-"):
-        return quickstart(root, case, steps or 200)
+        return quickstart(root, case, steps or 200, sim)
     shape, update = case.split("-")
     r = run_case(root, shape, "cuda", steps or 12,
                  SGLANG + [f"engine.sglang_weight_update={update}", f"engine.sglang_return_routed_experts={str(shape == 'moe').lower()}"])
@@ -109,6 +116,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=0, help="0 = 12 (dense/moe) / 200 (quick start)")
     ap.add_argument("--limit-s", type=float, default=0, help="start no case after this many seconds (0 = none)")
     ap.add_argument("--out", default="bench/results/sglang_e2e_h200.json")
+    ap.add_argument("--sim", action="store_true", help="CPU rehearsal of the quick-start cases against "
+                    "tests/sglang_sim (a simulation of SGLang's wire, not SGLang)")
     a = ap.parse_args()
     configure_logging("error", None, run="bench", role="launcher")
     t0 = time.monotonic()
@@ -126,7 +135,7 @@ def main() -> None:
                 results.append({"case": case, "skipped": "time limit"})
                 continue
             try:
-                results.append(bench_case(Path(tmp), case, a.steps))
+                results.append(bench_case(Path(tmp), case, a.steps, a.sim))
             except Exception as exc:  # noqa: BLE001 - one failed case must not lose the others
                 results.append({"case": case, "error": f"{type(exc).__name__}: {exc}"[:4000]})
                 print(traceback.format_exc(), file=sys.stderr)

@@ -11,7 +11,7 @@ OUT="${OUT:-/tmp/out}"
 # shellcheck source=bench/gpu/sglang_install.sh
 source bench/gpu/sglang_install.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-CASES="${CASES:-dense-tensor,moe-tensor,qs-sglang-0,qs-torch-0,dense-disk,qs-sglang-1,qs-torch-1}"
+CASES="${CASES:-qs-sglang-0,dense-tensor,moe-tensor,qs-torch-0,dense-disk,qs-sglang-1,qs-torch-1}"
 timeout "${LIMIT_S:-560}" python3 bench/gpu/sglang_e2e.py --cases "$CASES" --steps "${STEPS:-0}" \
   --limit-s "$(( ${LIMIT_S:-560} - 150 ))" --out "$OUT/sglang_e2e_h200.json" 2>&1 | tee "$OUT/sglang_e2e.txt"
 exit 0
