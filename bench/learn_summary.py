@@ -24,9 +24,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO.parent) not in sys.path:
     sys.path.insert(0, str(REPO.parent))
 
-from miles.launch.metrics import read_metrics  # noqa: E402
 from miles.launch.run_summary import MISMATCH, REWARD, quarters, read_evals, series  # noqa: E402
 from miles.launch.svg_plot import trailing_mean  # noqa: E402
+from miles.metrics.sink import read_metrics  # noqa: E402
 
 
 def run_record(label: str, run_dir: Path) -> dict[str, Any]:

@@ -13,6 +13,7 @@ crash never rolls the served version back.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import re
 import signal
@@ -136,7 +137,7 @@ class SGLangServer:
             f.write(f"\n{LAUNCH_MARK}{' '.join(args)}\n".encode())
             f.flush()
             self._proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                                          env=dict(os.environ))
+                                          env=dict(os.environ), preexec_fn=_die_with_parent)
         self.starts += 1
         log.info("sglang_server_starting", pid=self._proc.pid, url=self.url, log=str(self.log_path))
         try:
@@ -157,6 +158,15 @@ class SGLangServer:
         except TimeoutError:
             _killpg(proc.pid, signal.SIGKILL)
             await asyncio.to_thread(proc.wait)
+
+
+def _die_with_parent() -> None:
+    """In the server's process, before exec: SIGTERM when the engine process dies. The server runs
+    in a session of its own (so `stop` can signal its whole group); without this an engine killed
+    hard left it holding the GPU and the port, and the engine's restart then failed with 'port in
+    use' (seen on the H200). Linux only; elsewhere the engine's own `stop` is the only cleanup."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 def _killpg(pgid: int, sig: int) -> None:

@@ -174,16 +174,22 @@ def parse_generate(body: Any, req: GenerateRequest, facts: ModelFacts) -> Genera
     prompt = int(meta.get("prompt_tokens", len(req.input_ids)))
     if prompt != len(req.input_ids):
         raise ProtocolError(f"{where}: server counted {prompt} prompt tokens, request had {len(req.input_ids)}")
-    routed = None
+    routed: np.ndarray | None = None
     if req.return_routed_experts:
         b64 = meta.get("routed_experts")
-        if not isinstance(b64, str):
+        if kind == "abort" and not isinstance(b64, str):
+            # Measured on the H200 (0.5.17): a request aborted by /pause_generation answers without
+            # routed_experts. Its partial output is continued (retract) and the continuation's
+            # routing covers the whole sequence, so nothing is lost here (rollout/requests.py).
+            routed = None
+        elif not isinstance(b64, str):
             raise ProtocolError(
                 f"{where}: routed_experts missing; start the server with --enable-return-routed-experts"
             )
-        routed = decode_routed_experts(b64, None if kind == "abort" else prompt + len(ids) - 1, facts, where)
-        if kind != "abort" and len(routed):
-            routed = np.concatenate([routed, routed[-1:]])  # the never-fed last token (module doc)
+        else:
+            routed = decode_routed_experts(b64, None if kind == "abort" else prompt + len(ids) - 1, facts, where)
+            if kind != "abort" and len(routed):
+                routed = np.concatenate([routed, routed[-1:]])  # the never-fed last token (module doc)
     return GenerateResult(
         request_id=req.request_id,
         output_ids=ids,

@@ -101,9 +101,11 @@ class EngineRequests:
         logprobs: list[float] = []
         versions: list[int] = []
         wire = None if images is None else images.to_wire()
+        routed_before = False
         while True:
             r = await self._once(key, Request(prompt_ids + ids, {**params, "max_new_tokens": budget - len(ids)},
                                               wire))
+            routed_before = routed_before or r["routed_experts"] is not None
             ids += r["output_ids"]
             logprobs += r["logprobs"]
             versions += r["versions"]
@@ -112,6 +114,11 @@ class EngineRequests:
                 break
             if len(ids) >= budget:
                 finish = "length"  # retracted exactly at the budget: nothing left to sample
+                if r["routed_experts"] is None and routed_before:
+                    # SGLang answers an aborted request without its routing, and no continuation
+                    # follows to bring it: the sample cannot be replayed (R3), so it fails, counted.
+                    raise EngineError(f"request retracted at its token budget ({budget}) by a weight update "
+                                      "came back without its routed experts; the sample cannot be replayed")
                 break
             # The routed experts of the continuation cover the whole sequence, so only its are kept.
             self.resubmits += 1

@@ -160,9 +160,15 @@ def _checked_output(pid: str, n_prompt: int, n_new: int, sampled_ids: list[int],
     if routed_experts is not None:
         ex = np.asarray(routed_experts)
         total = n_prompt + n
+        if ex.ndim == 3 and n and 0 < ex.shape[0] and ex.shape[0] + 1 in (seg_len, total):
+            # An engine that never feeds the last sampled token (SGLang; an aborted request of any
+            # engine) has no row for it: repeat the last one. Only that token's own position reads
+            # it in the replay, and no loss reads that position's output (engines/base.py).
+            ex = np.concatenate([ex, ex[-1:]])
         if ex.ndim != 3 or ex.shape[0] not in (seg_len, total):
             raise SessionError(f"commit {pid}: routed_experts has shape {list(ex.shape)}; expected "
-                               f"[{total} or {seg_len}, layers, k] (whole sequence or the new tokens)")
+                               f"[{total} or {seg_len}, layers, k] (whole sequence or the new tokens, "
+                               "or one row less)")
         experts = ex[-seg_len:] if seg_len else ex[:0]
     return sampled, vers, experts
 

@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -49,7 +50,7 @@ from miles.warmup.sft import with_initial_checkpoint  # noqa: E402
 SERVER_ARGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
                "--skip-server-warmup"]
 SGLANG = ["engine.type=sglang", "engine.sglang_extra_args=" + json.dumps(SERVER_ARGS),
-          "engine.sglang_startup_timeout_s=400"]
+          "engine.sglang_startup_timeout_s=400", *os.environ.get("SGLANG_E2E_SETS", "").split()]
 
 
 def commit() -> str:
@@ -116,6 +117,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=0, help="0 = 12 (dense/moe) / 200 (quick start)")
     ap.add_argument("--limit-s", type=float, default=0, help="start no case after this many seconds (0 = none)")
     ap.add_argument("--out", default="bench/results/sglang_e2e_h200.json")
+    ap.add_argument("--keep-logs", default="", help="copy each case's run folders (logs, metrics) here")
     ap.add_argument("--sim", action="store_true", help="CPU rehearsal of the quick-start cases against "
                     "tests/sglang_sim (a simulation of SGLang's wire, not SGLang)")
     a = ap.parse_args()
@@ -139,6 +141,11 @@ def main() -> None:
             except Exception as exc:  # noqa: BLE001 - one failed case must not lose the others
                 results.append({"case": case, "error": f"{type(exc).__name__}: {exc}"[:4000]})
                 print(traceback.format_exc(), file=sys.stderr)
+            if a.keep_logs:  # every role's and the server's whole log, metrics, the console (not the weights)
+                shutil.copytree(tmp, Path(a.keep_logs) / case, dirs_exist_ok=True, ignore=shutil.ignore_patterns(
+                    "*.safetensors", "*.pt", "final_hf", "tb", "checkpoints", "stage*"))
+                shutil.rmtree(tmp, ignore_errors=True)
+                Path(tmp).mkdir(exist_ok=True)
             Path(a.out).parent.mkdir(parents=True, exist_ok=True)
             Path(a.out).write_text(json.dumps(doc, indent=1))
     print(f"{'case':16s} {'steps':>5s} {'sync_s':>8s} {'step_s':>8s} {'reward':>7s}")

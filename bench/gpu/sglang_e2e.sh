@@ -13,5 +13,6 @@ source bench/gpu/sglang_install.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 CASES="${CASES:-qs-sglang-0,dense-tensor,moe-tensor,qs-torch-0,dense-disk,qs-sglang-1,qs-torch-1}"
 timeout "${LIMIT_S:-560}" python3 bench/gpu/sglang_e2e.py --cases "$CASES" --steps "${STEPS:-0}" \
-  --limit-s "$(( ${LIMIT_S:-560} - 150 ))" --out "$OUT/sglang_e2e_h200.json" 2>&1 | tee "$OUT/sglang_e2e.txt"
+  --limit-s "$(( ${LIMIT_S:-560} - 150 ))" --out "$OUT/sglang_e2e_h200.json" --keep-logs /tmp/e2e-logs 2>&1 | tee "$OUT/sglang_e2e.txt"
+(cd /tmp && tar czf "$OUT/e2e_logs.tgz" e2e-logs 2>/dev/null)
 exit 0

@@ -76,12 +76,14 @@ class EngineConfig:
         "the uncompiled graphs",
     )
     compile_background: bool = opt(
-        True,
+        False,
         "with compile_decode: the engine serves at once with uncompiled decode graphs while the compile runs in "
         "a worker thread (on a 2-row KV pool of its own), and swaps the compiled graphs in between two decode hops "
         "when it is ready (logged as decode_compile_started / decode_compile_ready); the first steps of a run no "
-        "longer wait for it. false = compile before the engine registers (its first requests then wait for "
-        "nothing, but the run's first step waits for the compile)",
+        "longer wait for it. Off by default: its first H200 run (the quick start on CUDA, weights committed "
+        "while it compiled) hit a CUDA caching-allocator INTERNAL ASSERT in the compile thread and then served "
+        "corrupt routed-expert ids, which the trainer refused (bench/results/sglang_e2e_h200.json, qs-torch-0). "
+        "false = compile before the engine registers (the run's first step waits for the compile)",
     )
     overlap_decode: bool = opt(
         True,

@@ -177,3 +177,16 @@ async def test_stage_and_commit_refuse_bad_input_before_any_http(engine: SGLangE
     assert set(engine.checksums()) == set(hf)
     await engine.close()
     assert not asyncio.all_tasks() - {asyncio.current_task()}
+
+
+def test_an_aborted_response_may_come_without_routing() -> None:
+    """SGLang 0.5.17 on the H200 answered requests aborted by /pause_generation without
+    routed_experts; the partial output is kept (the retract continues it) instead of failing."""
+    rec = DATA["generate"][0]
+    req = _request(rec)
+    body = copy.deepcopy(rec["response"])
+    del body["meta_info"]["routed_experts"]
+    body["meta_info"]["finish_reason"] = {"type": "abort", "message": "paused"}
+    res = parse_generate(body, req, FACTS)
+    assert res.finish_reason == "abort" and res.routed_experts is None
+    assert res.output_ids == body["output_ids"]

@@ -288,3 +288,21 @@ def test_auto_render_mode_is_full_for_non_local_template(tmp_path: Path) -> None
     r = store.commit_turn(sid, plan, tok.encode("1:x"), [0.0] * 3)
     plan2 = store.prepare_turn(sid, [A, r.message, C])
     assert tok.decode(plan2.prompt_ids).endswith("<|im_start|>user\n3:C<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_routing_one_row_short_repeats_its_last_row(tmp_path: Path) -> None:
+    """An engine that never feeds the last sampled token (SGLang, an aborted request) has one
+    row less; the store repeats the last row for it, so the sample has one row per token."""
+    store, tok = _tiny(tmp_path)
+    sid = store.create()
+    plan = store.prepare_turn(sid, [A])
+    n = len(plan.prompt_ids) + 2
+    ex = np.arange((n - 1) * 2 * 2, dtype=np.int64).reshape(n - 1, 2, 2).astype(np.uint8)
+    store.commit_turn(sid, plan, tok.encode("hi"), [-0.1, -0.2], routed_experts=ex, versions=[1, 1])
+    (s,) = store.export(sid)
+    assert s.routed_experts is not None and s.routed_experts.shape == (n, 2, 2)
+    assert (s.routed_experts[: n - 1] == ex).all() and (s.routed_experts[-1] == ex[-1]).all()
+    sid2 = store.create()
+    plan = store.prepare_turn(sid2, [A])
+    with pytest.raises(SessionError, match="routed_experts has shape"):  # two short: still refused
+        store.commit_turn(sid2, plan, tok.encode("hi"), [-0.1, -0.2], routed_experts=ex[:-1])

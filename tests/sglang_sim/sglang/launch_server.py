@@ -167,7 +167,9 @@ class SimServer:
             "output_token_logprobs_length": len(r.out), "reasoning_tokens": 0, "completion_tokens": len(r.out),
             "cached_tokens": 0, "cached_tokens_details": None,
         }
-        if r.routed and self.args.enable_return_routed_experts:
+        # An aborted request answers without routed_experts: what SGLang 0.5.17 did on the H200
+        # (requests aborted by /pause_generation while a weight version was committed).
+        if r.routed and self.args.enable_return_routed_experts and reason.get("type") != "abort":
             moe = torch.cat(r.routes) if r.routes else torch.zeros(0, len(self.spec.moe_layers),
                                                                    self.spec.num_experts_per_tok, dtype=torch.int32)
             # one row per decoder layer, as the server captures them (dense layers: zeros)
