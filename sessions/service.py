@@ -4,8 +4,8 @@ One chat turn = prepare (tokenize only the appended messages) → engine call wi
 the session's routing key (so the router keeps the session on one engine and the
 engine reuses its KV) → commit the sampled ids as they are. A failed engine call
 cancels the prepared turn, so the session stays as it was. Closing a session
-tells the engines (through `end_session`) to drop its KV. Both fronts of the
-session actor (HTTP and actor asks) call this class.
+releases its routing key (through `end_session`). The HTTP front (sessions/http.py)
+calls this class; `RoutedEngine` is its engine call in the rollout process.
 """
 
 from __future__ import annotations
@@ -16,15 +16,16 @@ from typing import Any
 import numpy as np
 
 from miles.core.errors import MilesError, SessionError
+from miles.core.images import ImageInput
 from miles.core.logging import get_logger
+from miles.rollout.requests import EngineRequests
 from miles.rollout.session_store import SessionStore
 from miles.rollout.types import Sample
 
 log = get_logger("miles.session")
 
-# (routing key, prompt ids, engine sampling params) -> the engine's result dict
-# (output_ids, logprobs, finish_reason, versions, cached_tokens, routed_experts, ...)
-# (routing key, prompt ids, sampling) -> engine result; a VL turn also passes `images=`
+# (routing key, prompt ids, sampling) -> the engine's result dict (output_ids, logprobs,
+# finish_reason, versions, cached_tokens, routed_experts); a VL turn also passes `images=`
 EngineCall = Callable[..., Awaitable[dict[str, Any]]]
 EndSessionCall = Callable[[str], Awaitable[Any]]
 SAMPLING_KEYS = frozenset({"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "seed"})
@@ -37,6 +38,24 @@ def check_sampling(sampling: Any, where: str = "sampling") -> dict[str, Any]:
     if unknown:
         raise SessionError(f"{where}: unknown key(s) {sorted(unknown)}; valid: {sorted(SAMPLING_KEYS)}")
     return dict(sampling)
+
+
+class RoutedEngine:
+    """The service's engine call over the rollout's `EngineRequests`: the same routed,
+    retract-aware path as in-process turns; `end_session` releases the session's routing key."""
+
+    def __init__(self, requests: EngineRequests) -> None:
+        self.requests = requests
+
+    async def __call__(self, key: str, ids: list[int], sampling: dict[str, Any],
+                       images: ImageInput | None = None) -> dict[str, Any]:
+        out = await self.requests.call(key, ids, sampling, images)
+        # cached_tokens 0: the rollout's requests carry no session key, so engines keep no session KV
+        return {"output_ids": out.ids, "logprobs": out.logprobs, "finish_reason": out.finish_reason,
+                "versions": out.version, "routed_experts": out.routed_experts, "cached_tokens": 0}
+
+    async def end_session(self, key: str) -> None:
+        self.requests.dispatch.release(key)
 
 
 class SessionService:
