@@ -57,6 +57,7 @@ class RolloutActor(Actor):
         self.cfg, self.engines, self.tokenizer = cfg, list(engines), tokenizer
         rc = cfg.rollout
         self.http: Any = None  # the session HTTP front, when rollout.http_front is on
+        self.service: Any = None  # ... and its session service
         self.http_url = self.http_token = ""
         self.timeout = rc.generate_timeout_s
         store = SessionStore.from_config(rc, tokenizer)
@@ -73,7 +74,8 @@ class RolloutActor(Actor):
         self._watchers: dict[str, asyncio.Task[None]] = {}
 
     def _fronted_client(self, engine_fn: EngineFn) -> FrontedClient:
-        return FrontedClient(self.store, engine_fn, self.http_url, self.http_token)
+        return FrontedClient(self.store, engine_fn, self.http_url, self.http_token,
+                             self.service.close if self.service is not None else None)
 
     # ------------------------------------------------------------------ engines
     def _on_death(self, notice: DeathNotice) -> None:
@@ -112,7 +114,7 @@ class RolloutActor(Actor):
             from miles.sessions.service import RoutedEngine, SessionService
 
             engine = RoutedEngine(self.requests)
-            service = SessionService(self.store, engine, engine.end_session, sampling=self.sampling)
+            self.service = service = SessionService(self.store, engine, engine.end_session, sampling=self.sampling)
             self.http_token = read_token(self.cfg.rollout.http_token_file)
             self.http = SessionHTTP(service, self.cfg.transport.interface, self.cfg.rollout.http_port,
                                     token=self.http_token)

@@ -12,9 +12,12 @@ store alone; `http_engine_turns_per_s` is the rollout process's real session pat
 real TorchEngine (tiny random model, 8 tokens a turn). On 3 engines, 6 sessions x 16
 turns over HTTP with affinity and without: `split_sessions` is the fraction of sessions
 whose turns reached more than one engine, and `prefix_hit_rate` the engines' reported
-cache hits (0 on this path: its requests carry no session key, so engines keep no
-session KV); the simulated-cache numbers (miles.rollout.prefix_cache_sim) show what
-affinity would give with session KV. Last line: one JSON object.
+cache hits (each turn carries its session's key, so its engine keeps the turn's KV for
+the next turn; a turn routed to another engine prefills it all again);
+`engine_sessions_left` is the session KV the engines still hold after every session
+was deleted (EndSession frees it: 0 expected). The simulated-cache numbers
+(miles.rollout.prefix_cache_sim) model the same with idealised caches. Last line: one
+JSON object.
 """
 
 from __future__ import annotations
@@ -124,7 +127,8 @@ async def _http_front(tok: HFTokenizer, sessions: int, turns: int) -> dict[str, 
     replies = _replies(tok, turns)
     seen: dict[str, int] = {}
 
-    async def trivial_engine(key: str, ids: list[int], sampling: dict[str, Any]) -> dict[str, Any]:
+    async def trivial_engine(key: str, ids: list[int], sampling: dict[str, Any],
+                             session: str | None = None) -> dict[str, Any]:
         """TRIVIAL ENGINE FUNCTION (not a model): the fixed reply of this session's turn."""
         t = seen[key] = seen.get(key, -1) + 1
         out = replies[t % turns]
@@ -175,6 +179,10 @@ async def _real_engine_numbers(tok: HFTokenizer, sessions: int, turns: int) -> d
             tag = "affinity" if affinity else "none"
             out[f"split_{tag}"] = c.groups_split / max(1, c.groups_routed)
             out[f"hit_{tag}"] = front.dispatch.policy.prefix_hit_rate
+            stats = [e.stats() for e in front.engines.values()]
+            out[f"left_{tag}"] = sum(st["cached_sessions"] for st in stats)
+            out[f"engine_hit_{tag}"] = (sum(st["prefix_cached_tokens"] for st in stats)
+                                        / max(1, sum(st["prompt_tokens"] for st in stats)))
         finally:
             await front.stop()
     return out
@@ -204,8 +212,11 @@ def main() -> None:
           f"{real['http_engine_turns_per_s']:.0f} turns/s")
     print(f"sessions split over engines (REAL path, 3 TorchEngines, 6 sessions x 16 turns): "
           f"affinity {real['split_affinity']:.4f}, no affinity {real['split_none']:.4f}")
-    print(f"prefix hit rate (REAL path, no session KV): affinity {real['hit_affinity']:.4f}, "
-          f"no affinity {real['hit_none']:.4f}")
+    print(f"prefix hit rate (REAL path, session KV on the engines): affinity {real['hit_affinity']:.4f}, "
+          f"no affinity {real['hit_none']:.4f}; engines' own counters: affinity {real['engine_hit_affinity']:.4f}, "
+          f"no affinity {real['engine_hit_none']:.4f}")
+    print(f"session KV left on the engines after every session was deleted: affinity {real['left_affinity']}, "
+          f"no affinity {real['left_none']}")
     print(f"prefix hit rate (SIMULATED caches, 4 engines): affinity {hit_aff:.4f}, no affinity {hit_none:.4f}")
     result = {
         "store_turns_per_s": round(rows[0]["turns_per_s"], 1),
@@ -218,7 +229,10 @@ def main() -> None:
         "http_engine_failed_turns": int(real["http_engine_errors"]),
         "prefix_hit_rate": round(real["hit_affinity"], 4),
         "prefix_hit_rate_no_affinity": round(real["hit_none"], 4),
-        "prefix_hit_rate_source": "real session path (3 TorchEngine actors); its requests carry no session key",
+        "prefix_hit_rate_source": "real session path (3 TorchEngine actors), turns carry the session key",
+        "engine_prefix_hit_rate": round(real["engine_hit_affinity"], 4),
+        "engine_prefix_hit_rate_no_affinity": round(real["engine_hit_none"], 4),
+        "engine_sessions_left": int(real["left_affinity"] + real["left_none"]),
         "split_sessions": round(real["split_affinity"], 4),
         "split_sessions_no_affinity": round(real["split_none"], 4),
         "sim_prefix_hit_rate": round(hit_aff, 4),
