@@ -155,8 +155,6 @@ class EngineRequests:
         n = len(req.input_ids)
         while True:
             engine = await self._route(key, n)
-            if req.session_key is not None:  # before the ask: the engine knows the key from its arrival
-                self._add_session(req.session_key, key, engine)
             try:
                 r = await self._queue(engine, req)
             except DOWN_ERRORS as exc:
@@ -165,9 +163,14 @@ class EngineRequests:
                 self.engine_down(engine, f"{type(exc).__name__}: {exc}")
                 self.dispatch.lost(engine, n)
                 continue  # nothing of it was kept: the whole request runs again elsewhere
+            except EngineError:
+                self.dispatch.finish(engine, n)  # refused by the engine: it kept nothing of the session
+                raise
             except BaseException:
+                self._add_session(req, key, engine)  # e.g. a timeout: the engine may hold the turn's KV
                 self.dispatch.finish(engine, n)
                 raise
+            self._add_session(req, key, engine)
             self.dispatch.finish(engine, n, int(r["cached_tokens"]))
             return r
 
@@ -186,7 +189,10 @@ class EngineRequests:
                     pass
 
     # ---------------------------------------------------------------- session ends
-    def _add_session(self, session: str, key: str, engine: str) -> None:
+    def _add_session(self, req: Request, key: str, engine: str) -> None:
+        session = req.session_key
+        if session is None:
+            return
         s = self.sessions.get(session)
         if s is None:
             s = self.sessions[session] = EngineSession(key)

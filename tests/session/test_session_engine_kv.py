@@ -83,3 +83,20 @@ async def test_releasing_a_routing_key_ends_its_sessions_on_the_engine(stack) ->
     await reqs.release("group-1")
     assert engine.stats()["cached_sessions"] == 0 and reqs.sessions == {} and reqs.sessions_ended == 2
     assert reqs.end_session_failures == 0 and s.dispatch.state()["keys_held"] == 0
+
+
+async def test_a_turn_the_engine_refused_leaves_nothing_to_end(stack) -> None:
+    """A turn the engine refuses (its prompt exceeds max_seq_len) never made the engine keep the
+    key: closing that session sends no EndSession, so nothing fails or is left behind."""
+    s, _ = stack
+    client = RemoteSessionClient(s.url)
+    try:
+        sid = await client.create_session()
+        with pytest.raises(Exception, match="max_seq_len"):
+            await client.chat(sid, [{"role": "user", "content": "7 " * 1200}], sampling={"max_new_tokens": 4})
+        assert sum(s.dispatch.counters.requests.values()) == 1  # it reached an engine, which refused it
+        await client.close(sid)
+        assert s.requests.end_session_failures == 0 and s.requests.sessions_ended == 0
+        assert s.requests.sessions == {} and s.dispatch.state()["keys_held"] == 0
+    finally:
+        await client.aclose()
