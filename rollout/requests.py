@@ -107,6 +107,8 @@ class EngineRequests:
     def engine_down(self, engine: str, why: str) -> bool:
         if not self.dispatch.mark_down(engine, why):
             return False
+        for s in self.sessions.values():  # a dead engine's session KV died with it: nothing to end there
+            s.engines.discard(engine)
         if not self.dispatch.live:
             self._live.clear()
         self.on_down(engine)

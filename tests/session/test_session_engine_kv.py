@@ -6,15 +6,22 @@ the HTTP front on loopback."""
 from __future__ import annotations
 
 import asyncio
+import signal
 
 import pytest
 
+from miles.actors.engine import EngineActor
+from miles.actors.runtime.host import Host
+from miles.bench.session_front import engine_requests
 from miles.core.errors import EngineError
+from miles.core.schema.engine import EngineConfig
+from miles.engines.torch_engine import TorchEngine
 
 from .http_client import RemoteSessionClient
-from .session_stack import make_tok, start_stack, tiny_lm
+from .session_stack import make_tok, start_host, start_stack, tiny_lm, transport_cfg
 
 pytestmark = pytest.mark.timeout(90)
+ENGINE_HOST = "tests/session/procs/session_engine_host.py"
 
 
 @pytest.fixture
@@ -100,3 +107,38 @@ async def test_a_turn_the_engine_refused_leaves_nothing_to_end(stack) -> None:
         assert s.requests.sessions == {} and s.dispatch.state()["keys_held"] == 0
     finally:
         await client.aclose()
+
+
+async def test_a_session_moved_off_a_dead_engine_ends_on_the_live_one(procs, tmp_path) -> None:
+    """The session's engine process is SIGKILLed: its next turn runs on the surviving engine with
+    the session key (kept there from then on), and the session's end goes to that engine only."""
+    tok = make_tok(tmp_path)
+    head = await start_host()
+    rollout_host = Host(transport_cfg(), head.address)  # the rollout's own host hears the death
+    await rollout_host.start()
+    reqs = None
+    try:
+        p, _ = await asyncio.to_thread(procs.spawn, [ENGINE_HOST, "--directory", head.address, "--name",
+                                                     "remote-0", "--vocab", str(tok.vocab_size)])
+        local = TorchEngine(tiny_lm(tok), EngineConfig(max_seq_len=1024))
+        await head.add(EngineActor(local), "local-0")
+        reqs = engine_requests(rollout_host, ["remote-0", "local-0"], timeout_s=30)
+        sampling = {"max_new_tokens": 4, "temperature": 0.0, "stop_token_ids": []}
+        ids = [3] * 12
+        t1 = await reqs.call("sess", ids, sampling, session="sess")
+        assert reqs.dispatch.policy.engine_of("sess") == "remote-0"
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+        ids += t1.ids + [4]
+        t2 = await reqs.call("sess", ids, sampling, session="sess")
+        assert t2.cached_tokens == 0 and reqs.sessions["sess"].engines == {"local-0"}
+        t3 = await reqs.call("sess", ids + t2.ids + [5], sampling, session="sess")
+        assert t3.cached_tokens == len(ids) + len(t2.ids)  # reused on the engine it moved to
+        await reqs.release("sess")
+        assert reqs.sessions_ended == 1 and reqs.end_session_failures == 0
+        assert local.stats()["cached_sessions"] == 0
+    finally:
+        if reqs is not None:
+            await reqs.close()
+        await rollout_host.stop()
+        await head.stop()
