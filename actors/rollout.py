@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles.actors.engine_link import ActorEngineLink
 from miles.actors.evaluator import Evaluator
@@ -42,6 +42,9 @@ from miles.rollout.session_store import SessionStore
 from miles.rollout.tokenizer import Tokenizer
 from miles.rollout.vl_placeholders import placeholders_from_checkpoint
 
+if TYPE_CHECKING:  # the annotation only: the front's modules load in on_start, with the front
+    from miles.sessions.service import SessionService
+
 log = get_logger("miles.rollout")
 _UP_POLL_S = 0.5  # how often a down engine is asked whether it is back
 _STATS_TIMEOUT_S = 5.0  # an engine's counters in the final state are a report, not worth a long wait
@@ -57,7 +60,7 @@ class RolloutActor(Actor):
         self.cfg, self.engines, self.tokenizer = cfg, list(engines), tokenizer
         rc = cfg.rollout
         self.http: Any = None  # the session HTTP front, when rollout.http_front is on
-        self.service: Any = None  # ... and its session service
+        self.service: SessionService | None = None  # ... and its session service
         self.http_url = self.http_token = ""
         self.timeout = rc.generate_timeout_s
         store = SessionStore.from_config(rc, tokenizer)
