@@ -91,18 +91,21 @@ class EngineActor(Actor):
     async def generate_many(self, msg: GenerateMany) -> list[dict[str, Any]]:
         if len(msg.input_ids) != len(msg.sampling):
             raise EngineError(f"GenerateMany: {len(msg.input_ids)} prompts for {len(msg.sampling)} samplings")
-        images = msg.images or [None] * len(msg.input_ids)
-        if len(images) != len(msg.input_ids):
-            raise EngineError(f"GenerateMany: {len(msg.input_ids)} prompts for {len(images)} image sets")
+        n = len(msg.input_ids)
+        images = msg.images or [None] * n
+        keys = msg.session_keys or [None] * n
+        if len(images) != n or len(keys) != n:
+            raise EngineError(f"GenerateMany: {n} prompts for {len(images)} image sets and {len(keys)} session keys")
 
-        async def one(ids: list[int], sampling: dict[str, Any], imgs: dict[str, Any] | None) -> dict[str, Any]:
-            req = GenerateRequest(ids, sampling_from_wire(sampling), None, msg.return_routed_experts,
+        async def one(ids: list[int], sampling: dict[str, Any], imgs: dict[str, Any] | None,
+                      key: str | None) -> dict[str, Any]:
+            req = GenerateRequest(ids, sampling_from_wire(sampling), key, msg.return_routed_experts,
                                   images=images_from_wire(imgs))
             return result_to_wire(await self.engine.generate(req))
 
         # Submitted together, so the engine admits them in one step (and shares their prompt).
-        done = await asyncio.gather(*(one(i, s, m) for i, s, m in zip(msg.input_ids, msg.sampling, images,
-                                                                      strict=True)),
+        done = await asyncio.gather(*(one(i, s, m, k) for i, s, m, k in zip(msg.input_ids, msg.sampling, images,
+                                                                            keys, strict=True)),
                                     return_exceptions=True)
         out: list[dict[str, Any]] = []
         for r in done:

@@ -35,6 +35,8 @@ class GenerateMany:
     sampling: list[dict[str, Any]]
     return_routed_experts: bool = False
     images: list[dict[str, Any] | None] = field(default_factory=list)  # per request; empty = none
+    # per request, as Generate.session_key (an HTTP session's turns); empty = none
+    session_keys: list[str | None] = field(default_factory=list)
 
 
 @message("engine.Pause")

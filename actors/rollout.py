@@ -14,13 +14,12 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from miles.actors.engine_link import ActorEngineLink
 from miles.actors.evaluator import Evaluator
 from miles.actors.messages import (
     DumpState,
-    Generate,
-    GenerateMany,
     Health,
     PullBatch,
     RunEval,
@@ -38,10 +37,13 @@ from miles.rollout.client import EngineFn, FrontedClient
 from miles.rollout.dispatch import Dispatch
 from miles.rollout.handout import Handout
 from miles.rollout.orchestrator import Orchestrator
-from miles.rollout.requests import EngineRequests, Request
+from miles.rollout.requests import EngineRequests
 from miles.rollout.session_store import SessionStore
 from miles.rollout.tokenizer import Tokenizer
 from miles.rollout.vl_placeholders import placeholders_from_checkpoint
+
+if TYPE_CHECKING:  # the annotation only: the front's modules load in on_start, with the front
+    from miles.sessions.service import SessionService
 
 log = get_logger("miles.rollout")
 _UP_POLL_S = 0.5  # how often a down engine is asked whether it is back
@@ -58,12 +60,14 @@ class RolloutActor(Actor):
         self.cfg, self.engines, self.tokenizer = cfg, list(engines), tokenizer
         rc = cfg.rollout
         self.http: Any = None  # the session HTTP front, when rollout.http_front is on
+        self.service: SessionService | None = None  # ... and its session service
         self.http_url = self.http_token = ""
         self.timeout = rc.generate_timeout_s
         store = SessionStore.from_config(rc, tokenizer)
         store.placeholders = placeholders_from_checkpoint(cfg.model.path)  # a VL policy's images
         self.sampling: dict[str, Any] = {**rc.sampling(), "stop_token_ids": tokenizer.stop_token_ids}
-        self.requests = EngineRequests(self, Dispatch(engines, rc.router_affinity), self.sampling,
+        link = ActorEngineLink(self.ref, self.timeout, cfg.trainer.routing_replay)
+        self.requests = EngineRequests(link, Dispatch(engines, rc.router_affinity), self.sampling,
                                        live_wait_s=self.timeout, on_down=self._watch_return)
         self.orch = Orchestrator(cfg, load_env(cfg), store, self.requests,
                                  self._fronted_client if rc.http_front else None)
@@ -73,20 +77,10 @@ class RolloutActor(Actor):
         self._watchers: dict[str, asyncio.Task[None]] = {}
 
     def _fronted_client(self, engine_fn: EngineFn) -> FrontedClient:
-        return FrontedClient(self.store, engine_fn, self.http_url, self.http_token)
+        return FrontedClient(self.store, engine_fn, self.http_url, self.http_token,
+                             self.service.close if self.service is not None else None)
 
-    # ------------------------------------------------------------------ engines (EngineLink)
-    async def generate(self, engine: str, batch: list[Request]) -> list[dict[str, Any]]:
-        rr = self.cfg.trainer.routing_replay
-        if len(batch) == 1:
-            q = batch[0]
-            return [await self.ref(engine).ask(Generate(q.input_ids, q.sampling, None, rr, images=q.images),
-                                               timeout=self.timeout)]
-        imgs = [q.images for q in batch] if any(q.images is not None for q in batch) else []
-        replies: list[dict[str, Any]] = await self.ref(engine).ask(
-            GenerateMany([q.input_ids for q in batch], [q.sampling for q in batch], rr, imgs), timeout=self.timeout)
-        return replies
-
+    # ------------------------------------------------------------------ engines
     def _on_death(self, notice: DeathNotice) -> None:
         for name in notice.names:
             if name in self.engines:
@@ -115,23 +109,15 @@ class RolloutActor(Actor):
             log.info("engine_up", engine=engine, live=self.requests.dispatch.live)
         self.orch.changed()
 
-    async def _service_engine(self, key: str, ids: list[int], sampling: dict[str, Any]) -> dict[str, Any]:
-        """The HTTP front's engine call: the same routed, retract-aware path as in-process turns."""
-        out = await self.requests.call(key, ids, sampling)
-        return {"output_ids": out.ids, "logprobs": out.logprobs, "finish_reason": out.finish_reason,
-                "versions": out.version, "routed_experts": out.routed_experts, "cached_tokens": 0}
-
-    async def _end_session(self, key: str) -> None:
-        self.requests.dispatch.release(key)
-
     # ------------------------------------------------------------------ life cycle
     async def on_start(self) -> None:
         self.host.on_death(self._on_death)
         if self.cfg.rollout.http_front:
             from miles.sessions.http import SessionHTTP, read_token
-            from miles.sessions.service import SessionService
+            from miles.sessions.service import RoutedEngine, SessionService
 
-            service = SessionService(self.store, self._service_engine, self._end_session, sampling=self.sampling)
+            engine = RoutedEngine(self.requests)
+            self.service = service = SessionService(self.store, engine, engine.end_session, sampling=self.sampling)
             self.http_token = read_token(self.cfg.rollout.http_token_file)
             self.http = SessionHTTP(service, self.cfg.transport.interface, self.cfg.rollout.http_port,
                                     token=self.http_token)

@@ -23,9 +23,12 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
+
+if TYPE_CHECKING:
+    from miles.bench.session_front import SessionFront
 
 USER = {"role": "user", "content": "hi"}
 WEIRD: list[Any] = [None, True, 0, -1, 1e308, -1e308, 1e-300, "", "x", [], {}, [[]], {"a": {}},
@@ -235,46 +238,20 @@ async def run_fuzz(url: str, n: int, seed: int = 0, concurrency: int = 8, max_hu
             "failures": failures[:50], "n_failures": len(failures), "alive": alive, "still_serves": still_serves}
 
 
-class Front:
-    """A real session front: directory + tiny TorchEngine + router + session actor on one host."""
-
-    def __init__(self, host: Any, url: str) -> None:
-        self.host = host
-        self.url = url
-
-    async def stop(self) -> None:
-        await self.host.stop()
-
-
-async def start_front(tmp: Path, token: str = "") -> Front:
-    from miles.actors.engine import EngineActor
-    from miles.actors.router import RouterActor
-    from miles.actors.runtime.directory import Directory
-    from miles.actors.runtime.host import DIRECTORY_NAME, Host
-    from miles.actors.session import SessionActor
+async def start_front(tmp: Path, token: str = "") -> SessionFront:
+    """A real session front (bench/session_front.py): the rollout's session path to one tiny
+    TorchEngine actor, on one host."""
+    from miles.bench.session_front import start_session_front
     from miles.core.schema.engine import EngineConfig
-    from miles.core.schema.transport import TransportConfig
-    from miles.engines.torch_engine import TorchEngine
     from miles.models.config import ModelSpec
     from miles.models.presets import tiny_config
     from miles.models.registry import build_model
-    from miles.rollout.session_store import SessionStore
     from miles.rollout.tiny_tokenizer import tiny_tokenizer
 
     tok = tiny_tokenizer(str(tmp / "tok"))
-    cfg = TransportConfig()
-    host = Host(cfg)
-    await host.start()
-    await host.add(Directory(cfg.heartbeat_timeout_s, cfg.heartbeat_interval_s), DIRECTORY_NAME)
     spec = ModelSpec.from_hf(tiny_config("qwen3", vocab_size=tok.vocab_size))
-    eng = TorchEngine(build_model(spec, seed=0), EngineConfig(max_batch_size=16, max_seq_len=1024,
-                                                              kv_budget_tokens=100_000))
-    await host.add(EngineActor(eng), "engine-0")
-    await host.add(RouterActor(["engine-0"]), "router")
-    session = SessionActor(SessionStore(tok), "router", engine_timeout_s=60.0)
-    await host.add(session, "session")
-    assert session.http is not None
-    return Front(host, session.http.url)
+    ecfg = EngineConfig(max_batch_size=16, max_seq_len=1024, kv_budget_tokens=100_000)
+    return await start_session_front(tok, [build_model(spec, seed=0)], engine_cfg=ecfg, token=token)
 
 
 async def _main(a: argparse.Namespace) -> dict[str, Any]:

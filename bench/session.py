@@ -7,12 +7,17 @@ every turn, which is what a server without checkpoints would do.
 HTTP: `http_turns_per_s` is turns/s through the session server's HTTP front
 (aiohttp, JSON, OpenAI schema; client and server share this process) with a
 TRIVIAL ENGINE FUNCTION that returns a fixed reply, so it measures the front +
-store alone; `http_engine_turns_per_s` is the same path through the router actor
-to a real TorchEngine (tiny random model, 8 tokens a turn). `prefix_hit_rate`
-is measured on REAL engines: the router actor over 3 TorchEngine actors running
-the multi-turn workload of miles.actors.router_workload, with affinity and
-without; the simulated-cache numbers (miles.rollout.prefix_cache_sim) are kept
-for comparison. Last line: one JSON object.
+store alone; `http_engine_turns_per_s` is the rollout process's real session path
+(bench/session_front.py: service -> EngineRequests + Dispatch -> engine actor) to a
+real TorchEngine (tiny random model, 8 tokens a turn). On 3 engines, 6 sessions x 16
+turns over HTTP with affinity and without: `split_sessions` is the fraction of sessions
+whose turns reached more than one engine, and `prefix_hit_rate` the engines' reported
+cache hits (each turn carries its session's key, so its engine keeps the turn's KV for
+the next turn; a turn routed to another engine prefills it all again);
+`engine_sessions_left` is the session KV the engines still hold after every session
+was deleted (EndSession frees it: 0 expected). The simulated-cache numbers
+(miles.rollout.prefix_cache_sim) model the same with idealised caches. Last line: one
+JSON object.
 """
 
 from __future__ import annotations
@@ -27,15 +32,8 @@ from typing import Any
 
 import aiohttp
 
-from miles.actors.engine import EngineActor
-from miles.actors.router import RouterActor
-from miles.actors.router_workload import MultiTurnWorkload, run_multi_turn
-from miles.actors.runtime.directory import Directory
-from miles.actors.runtime.host import DIRECTORY_NAME, Host
-from miles.actors.session import SessionActor
+from miles.bench.session_front import SessionFront, start_session_front
 from miles.core.schema.engine import EngineConfig
-from miles.core.schema.transport import TransportConfig
-from miles.engines.torch_engine import TorchEngine
 from miles.models.config import ModelSpec
 from miles.models.presets import tiny_config
 from miles.models.registry import build_model
@@ -129,7 +127,8 @@ async def _http_front(tok: HFTokenizer, sessions: int, turns: int) -> dict[str, 
     replies = _replies(tok, turns)
     seen: dict[str, int] = {}
 
-    async def trivial_engine(key: str, ids: list[int], sampling: dict[str, Any]) -> dict[str, Any]:
+    async def trivial_engine(key: str, ids: list[int], sampling: dict[str, Any],
+                             session: str | None = None) -> dict[str, Any]:
         """TRIVIAL ENGINE FUNCTION (not a model): the fixed reply of this session's turn."""
         t = seen[key] = seen.get(key, -1) + 1
         out = replies[t % turns]
@@ -156,41 +155,36 @@ MEASUREMENTS: list[Callable[[HFTokenizer, int, int], dict[str, Any]]] = [store_t
 
 
 # ---------------------------------------------------------------- real engines (actors)
-async def _actors(tok: HFTokenizer, n_engines: int, affinity: bool) -> tuple[Host, SessionActor]:
-    cfg = TransportConfig()
-    host = Host(cfg)
-    await host.start()
-    await host.add(Directory(cfg.heartbeat_timeout_s, cfg.heartbeat_interval_s), DIRECTORY_NAME)
+async def _front(tok: HFTokenizer, n_engines: int, affinity: bool) -> SessionFront:
     spec = ModelSpec.from_hf(tiny_config("qwen3", vocab_size=tok.vocab_size))
-    names = [f"engine-{i}" for i in range(n_engines)]
-    for i, name in enumerate(names):
-        eng = TorchEngine(build_model(spec, seed=i), EngineConfig(max_batch_size=16, max_seq_len=2048,
-                                                                  kv_budget_tokens=200_000))
-        await host.add(EngineActor(eng), name)
-    await host.add(RouterActor(names, affinity=affinity), "router")
-    session = SessionActor(SessionStore(tok), "router")
-    await host.add(session, "session")
-    return host, session
+    ecfg = EngineConfig(max_batch_size=16, max_seq_len=2048, kv_budget_tokens=200_000)
+    return await start_session_front(tok, [build_model(spec, seed=i) for i in range(n_engines)], affinity, ecfg)
 
 
 async def _real_engine_numbers(tok: HFTokenizer, sessions: int, turns: int) -> dict[str, float]:
     out: dict[str, float] = {}
-    host, session = await _actors(tok, 1, True)
+    front = await _front(tok, 1, True)
     try:
-        assert session.http is not None
-        dt, errors = await _drive_http(session.http.url, sessions, turns)
+        dt, errors = await _drive_http(front.url, sessions, turns)
         out["http_engine_turns_per_s"] = sessions * turns / dt
         out["http_engine_errors"] = errors
     finally:
-        await host.stop()
+        await front.stop()
     for affinity in (True, False):
-        host, _ = await _actors(tok, 3, affinity)
+        front = await _front(tok, 3, affinity)
         try:
-            wl = MultiTurnWorkload(sessions=6, turns=16, vocab=tok.vocab_size)
-            res = await run_multi_turn(host.ref("router"), wl)
-            out["hit_affinity" if affinity else "hit_none"] = res.prefix_hit_rate
+            _, errors = await _drive_http(front.url, 6, 16, concurrency=6)
+            assert errors == 0
+            c = front.dispatch.counters
+            tag = "affinity" if affinity else "none"
+            out[f"split_{tag}"] = c.groups_split / max(1, c.groups_routed)
+            out[f"hit_{tag}"] = front.dispatch.policy.prefix_hit_rate
+            stats = [e.stats() for e in front.engines.values()]
+            out[f"left_{tag}"] = sum(st["cached_sessions"] for st in stats)
+            out[f"engine_hit_{tag}"] = (sum(st["prefix_cached_tokens"] for st in stats)
+                                        / max(1, sum(st["prompt_tokens"] for st in stats)))
         finally:
-            await host.stop()
+            await front.stop()
     return out
 
 
@@ -214,10 +208,15 @@ def main() -> None:
     print(f"{'measurement':32} {'turns':>8} {'seconds':>9} {'turns/s':>10}")
     for r in rows:
         print(f"{r['name']:32} {r['turns']:>8} {r['seconds']:>9.3f} {r['turns_per_s']:>10.0f}")
-    print(f"HTTP front -> router actor -> TorchEngine (tiny random model, 8 tokens/turn, 16 sessions): "
+    print(f"HTTP front -> rollout request routing -> TorchEngine (tiny random model, 8 tokens/turn, 16 sessions): "
           f"{real['http_engine_turns_per_s']:.0f} turns/s")
-    print(f"prefix hit rate (REAL engines: router actor + 3 TorchEngines, 6 sessions x 16 turns): "
-          f"affinity {real['hit_affinity']:.4f}, no affinity {real['hit_none']:.4f}")
+    print(f"sessions split over engines (REAL path, 3 TorchEngines, 6 sessions x 16 turns): "
+          f"affinity {real['split_affinity']:.4f}, no affinity {real['split_none']:.4f}")
+    print(f"prefix hit rate (REAL path, session KV on the engines): affinity {real['hit_affinity']:.4f}, "
+          f"no affinity {real['hit_none']:.4f}; engines' own counters: affinity {real['engine_hit_affinity']:.4f}, "
+          f"no affinity {real['engine_hit_none']:.4f}")
+    print(f"session KV left on the engines after every session was deleted: affinity {real['left_affinity']}, "
+          f"no affinity {real['left_none']}")
     print(f"prefix hit rate (SIMULATED caches, 4 engines): affinity {hit_aff:.4f}, no affinity {hit_none:.4f}")
     result = {
         "store_turns_per_s": round(rows[0]["turns_per_s"], 1),
@@ -230,7 +229,12 @@ def main() -> None:
         "http_engine_failed_turns": int(real["http_engine_errors"]),
         "prefix_hit_rate": round(real["hit_affinity"], 4),
         "prefix_hit_rate_no_affinity": round(real["hit_none"], 4),
-        "prefix_hit_rate_source": "real engines (router actor, 3 TorchEngine actors)",
+        "prefix_hit_rate_source": "real session path (3 TorchEngine actors), turns carry the session key",
+        "engine_prefix_hit_rate": round(real["engine_hit_affinity"], 4),
+        "engine_prefix_hit_rate_no_affinity": round(real["engine_hit_none"], 4),
+        "engine_sessions_left": int(real["left_affinity"] + real["left_none"]),
+        "split_sessions": round(real["split_affinity"], 4),
+        "split_sessions_no_affinity": round(real["split_none"], 4),
         "sim_prefix_hit_rate": round(hit_aff, 4),
         "sim_prefix_hit_rate_no_affinity": round(hit_none, 4),
         "goal_store_turns_per_s": 10000,

@@ -2,7 +2,7 @@
 
 For each N (default 1, 4, 16, 64, 256) N clients run at once, each a session of
 `--turns` chat turns (the whole history every turn, as an OpenAI client sends it)
-through the HTTP front -> session store -> router -> TorchEngine (tiny random model,
+through the HTTP front -> session store -> request routing -> TorchEngine (tiny random model,
 `--max-tokens` tokens a turn), all in this process on CPU. Reported per N: p50/p99
 turn latency (client side, request to full reply), turns/s, errors, the process's
 RSS growth, and the bookkeeping check: every session's stored turn count equals the

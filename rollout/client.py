@@ -25,6 +25,7 @@ class EngineOutput:
     finish_reason: str = "stop"  # stop | length | abort | error
     version: int | list[int] = 0
     routed_experts: np.ndarray | None = None
+    cached_tokens: int = 0  # prompt tokens whose KV the engine reused (a session's earlier turns)
 
 
 # (prompt ids, sampling) -> output; a VL turn also passes `images=` (an ImageInput)
@@ -90,12 +91,23 @@ class LocalSessionClient:
 
 
 class FrontedClient(LocalSessionClient):
-    """In-process session client whose sessions are also reachable over the session HTTP front."""
+    """In-process session client whose sessions are also reachable over the session HTTP front.
 
-    def __init__(self, store: SessionStore, engine: EngineFn, url: str, token: str = "") -> None:
+    `close_session`: the front's own close (the session service's), so a session whose turns
+    went over HTTP also ends on its engines (their KV freed) when the generate layer closes it."""
+
+    def __init__(self, store: SessionStore, engine: EngineFn, url: str, token: str = "",
+                 close_session: Callable[[str], Awaitable[None]] | None = None) -> None:
         super().__init__(store, engine)
         self.url = url
         self.api_key = token  # the front's bearer token: what an OpenAI client sends as its api_key
+        self.close_session = close_session
+
+    async def close(self, session_id: str) -> None:
+        if self.close_session is None:
+            self.store.close(session_id)
+        else:
+            await self.close_session(session_id)
 
     def base_url(self, session_id: str) -> str | None:
         return f"{self.url}/sessions/{session_id}/v1"

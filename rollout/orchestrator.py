@@ -174,7 +174,7 @@ class Orchestrator:
             self.last_failure = f"{type(exc).__name__}: {exc}"
             started = self.buffer.fail(work, self.last_failure)
         if not self.buffer.group_open(work.group_id):
-            self.requests.dispatch.release(key)
+            await self.requests.release(key)  # and ends the engine sessions still open under it
         # The buffer starts new work in the freed slot at once; generate it if the mode allows.
         self._held += started
         self._release()
@@ -253,6 +253,10 @@ class Orchestrator:
             "rollout/generated_samples": float(self.gen_samples),
             "rollout/retracted_resubmits": float(rq.resubmits),
             "rollout/mixed_version_samples": float(rq.mixed_version_samples),
+            # HTTP-front sessions whose engines keep their KV, and the EndSessions that freed it
+            "rollout/engine_sessions_open": float(len(rq.sessions)),
+            "rollout/engine_sessions_ended": float(rq.sessions_ended),
+            "rollout/end_session_failures": float(rq.end_session_failures),
             **rq.dispatch.metrics(),
             "rollout/batch_ready_time": time.time(),
         })

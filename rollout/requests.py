@@ -13,6 +13,11 @@ sent again elsewhere when their engine is down.
   out of the router (`engine_down`) and the request is routed again to a live engine,
   without failing the trajectory. With no live engine it waits for one, up to
   `live_wait_s`, then fails as any engine error does.
+- Engine sessions: a request of a session (an HTTP-front session's turn) carries the
+  session's key, so its engine keeps the turn's KV and the next turn, routed to the same
+  engine by the routing key, prefills only its new tokens. The engines that served a
+  session are recorded; `end_session` (the session closed) or `release` (its routing key
+  released: the group ended) sends them `EndSession`, which frees that KV.
 Plain class over an `EngineLink` (the rollout actor sends the messages).
 """
 
@@ -21,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from miles.core.errors import (
@@ -29,15 +34,18 @@ from miles.core.errors import (
     ActorDeadError,
     EngineDown,
     EngineError,
+    MilesError,
     PeerGone,
     RemoteError,
 )
 from miles.core.images import ImageInput
+from miles.core.logging import get_logger
 from miles.rollout.client import EngineOutput
 from miles.rollout.dispatch import Dispatch, NoLiveEngine
 
 # The request never ran, or its engine is gone with it: not the prompt's fault.
 DOWN_ERRORS: tuple[type[Exception], ...] = (ActorDeadError, PeerGone, EngineDown)
+log = get_logger("miles.rollout.requests")
 
 
 @dataclass
@@ -45,13 +53,26 @@ class Request:
     input_ids: list[int]
     sampling: dict[str, Any]
     images: dict[str, Any] | None = None  # a VL request's images in wire form
+    session_key: str | None = None  # the engine keeps this session's KV for its next turn
+
+
+@dataclass
+class EngineSession:
+    """Where a session's KV may live: the engines that served its turns (more than one only
+    if its engine went down, or with affinity off), under the routing key of its turns."""
+
+    routing_key: str
+    engines: set[str] = field(default_factory=set)
 
 
 class EngineLink(Protocol):
     """Sends one engine the requests of one loop iteration; one reply dict per request, in
-    order (a reply with `error_type` is that request's own failure)."""
+    order (a reply with `error_type` is that request's own failure). `end_session` has the
+    engine drop the KV it keeps for a session key."""
 
     async def generate(self, engine: str, batch: list[Request]) -> list[dict[str, Any]]: ...
+
+    async def end_session(self, engine: str, key: str) -> None: ...
 
 
 def item_error(r: dict[str, Any]) -> Exception:
@@ -77,11 +98,17 @@ class EngineRequests:
         self.gen_tokens = 0
         self.resubmits = 0  # requests retracted by a weight update and continued under the new version
         self.mixed_version_samples = 0
+        self.sessions: dict[str, EngineSession] = {}  # session key -> engines holding its KV
+        self._by_key: dict[str, set[str]] = {}  # routing key -> its session keys in `sessions`
+        self.sessions_ended = 0  # EndSession messages an engine answered
+        self.end_session_failures = 0  # ... that failed (logged; the KV stays until the engine evicts it)
 
     # ---------------------------------------------------------------- liveness
     def engine_down(self, engine: str, why: str) -> bool:
         if not self.dispatch.mark_down(engine, why):
             return False
+        for s in self.sessions.values():  # a dead engine's session KV died with it: nothing to end there
+            s.engines.discard(engine)
         if not self.dispatch.live:
             self._live.clear()
         self.on_down(engine)
@@ -94,18 +121,22 @@ class EngineRequests:
 
     # ---------------------------------------------------------------- one sample's calls
     async def call(self, key: str, prompt_ids: list[int], sampling: dict[str, Any],
-                   images: ImageInput | None = None) -> EngineOutput:
+                   images: ImageInput | None = None, session: str | None = None) -> EngineOutput:
+        """One sample's generation, routed by `key`; `session`: the engine session key of a
+        multi-turn session (its engine keeps the KV for the next turn until `end_session`)."""
         params = {**self.defaults, **sampling}
         budget = int(params["max_new_tokens"])
         ids: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
+        cached = 0
         wire = None if images is None else images.to_wire()
         routed_before = False
         while True:
             r = await self._once(key, Request(prompt_ids + ids, {**params, "max_new_tokens": budget - len(ids)},
-                                              wire))
+                                              wire, session))
             routed_before = routed_before or r["routed_experts"] is not None
+            cached += int(r["cached_tokens"])
             ids += r["output_ids"]
             logprobs += r["logprobs"]
             versions += r["versions"]
@@ -127,7 +158,7 @@ class EngineRequests:
         if len(set(versions)) > 1:
             self.mixed_version_samples += 1
         self.gen_tokens += len(ids)
-        return EngineOutput(ids, logprobs, finish, versions, r["routed_experts"])
+        return EngineOutput(ids, logprobs, finish, versions, r["routed_experts"], cached)
 
     async def _once(self, key: str, req: Request) -> dict[str, Any]:
         n = len(req.input_ids)
@@ -141,9 +172,14 @@ class EngineRequests:
                 self.engine_down(engine, f"{type(exc).__name__}: {exc}")
                 self.dispatch.lost(engine, n)
                 continue  # nothing of it was kept: the whole request runs again elsewhere
+            except EngineError:
+                self.dispatch.finish(engine, n)  # refused by the engine: it kept nothing of the session
+                raise
             except BaseException:
+                self._add_session(req, key, engine)  # e.g. a timeout: the engine may hold the turn's KV
                 self.dispatch.finish(engine, n)
                 raise
+            self._add_session(req, key, engine)
             self.dispatch.finish(engine, n, int(r["cached_tokens"]))
             return r
 
@@ -160,6 +196,46 @@ class EngineRequests:
                     await asyncio.wait_for(self._live.wait(), left)
                 except TimeoutError:
                     pass
+
+    # ---------------------------------------------------------------- session ends
+    def _add_session(self, req: Request, key: str, engine: str) -> None:
+        session = req.session_key
+        if session is None:
+            return
+        s = self.sessions.get(session)
+        if s is None:
+            s = self.sessions[session] = EngineSession(key)
+            self._by_key.setdefault(key, set()).add(session)
+        s.engines.add(engine)
+
+    async def end_session(self, session: str) -> None:
+        """`session` closed: its engines drop its KV. A failure is logged and counted, never
+        raised: that KV is only a cache, which the engine's LRU budget evicts in time."""
+        s = self.sessions.pop(session, None)
+        if s is None:
+            return
+        held = self._by_key.get(s.routing_key)
+        if held is not None:
+            held.discard(session)
+            if not held:
+                del self._by_key[s.routing_key]
+        for engine in sorted(s.engines):
+            if engine in self.dispatch.down:
+                continue  # gone with the engine (a restarted one never saw the key)
+            try:
+                await self.link.end_session(engine, session)
+                self.sessions_ended += 1
+            except MilesError as exc:
+                self.end_session_failures += 1
+                log.warning("end_session_failed", engine=engine, session=session,
+                            error=f"{type(exc).__name__}: {exc}")
+
+    async def release(self, key: str) -> None:
+        """The routing key `key` is released (its group ended, or its last session closed): the
+        dispatch forgets it and every session still open under it ends on its engines."""
+        self.dispatch.release(key)
+        for session in sorted(self._by_key.get(key, ())):
+            await self.end_session(session)
 
     # ---------------------------------------------------------------- batching
     def _queue(self, engine: str, req: Request) -> asyncio.Future[dict[str, Any]]:

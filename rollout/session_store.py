@@ -9,7 +9,7 @@ sampled. `linear` sessions reject a history that diverges from the stored one
 (`Diverged`); `branching` sessions fork a child and export one trajectory per leaf.
 
 Plain class: no sockets, no globals; every argument and result is a plain
-value, so a thin actor shell can serve it (see actors/session.py).
+value; `sessions/service.py` serves it, in the rollout process.
 """
 
 from __future__ import annotations

@@ -1,11 +1,14 @@
 """The session server's logic without sockets: a `SessionStore` plus an engine call.
 
 One chat turn = prepare (tokenize only the appended messages) → engine call with
-the session's routing key (so the router keeps the session on one engine and the
-engine reuses its KV) → commit the sampled ids as they are. A failed engine call
-cancels the prepared turn, so the session stays as it was. Closing a session
-tells the engines (through `end_session`) to drop its KV. Both fronts of the
-session actor (HTTP and actor asks) call this class.
+the session's routing key (so the router keeps the session on one engine) and its
+session id as the engine's session key (so that engine keeps the turn's KV and the
+next turn prefills only its new tokens) → commit the sampled ids as they are. A failed
+engine call cancels the prepared turn, so the session stays as it was. Closing a
+session ends it on its engines (`EndSession` frees the KV) and, with the last open
+session of its routing key, releases that key (through `end_session`). The HTTP front
+(sessions/http.py) calls this class; `RoutedEngine` is its engine call in the rollout
+process.
 """
 
 from __future__ import annotations
@@ -16,17 +19,19 @@ from typing import Any
 import numpy as np
 
 from miles.core.errors import MilesError, SessionError
+from miles.core.images import ImageInput
 from miles.core.logging import get_logger
+from miles.rollout.requests import EngineRequests
 from miles.rollout.session_store import SessionStore
 from miles.rollout.types import Sample
 
 log = get_logger("miles.session")
 
-# (routing key, prompt ids, engine sampling params) -> the engine's result dict
-# (output_ids, logprobs, finish_reason, versions, cached_tokens, routed_experts, ...)
-# (routing key, prompt ids, sampling) -> engine result; a VL turn also passes `images=`
+# (routing key, prompt ids, sampling, session=session id) -> the engine's result dict (output_ids,
+# logprobs, finish_reason, versions, cached_tokens, routed_experts); a VL turn also passes `images=`
 EngineCall = Callable[..., Awaitable[dict[str, Any]]]
-EndSessionCall = Callable[[str], Awaitable[Any]]
+# (session id, routing key, release): the session closed; `release`: it was the routing key's last
+EndSessionCall = Callable[[str, str, bool], Awaitable[Any]]
 SAMPLING_KEYS = frozenset({"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "seed"})
 
 
@@ -37,6 +42,26 @@ def check_sampling(sampling: Any, where: str = "sampling") -> dict[str, Any]:
     if unknown:
         raise SessionError(f"{where}: unknown key(s) {sorted(unknown)}; valid: {sorted(SAMPLING_KEYS)}")
     return dict(sampling)
+
+
+class RoutedEngine:
+    """The service's engine call over the rollout's `EngineRequests`: the same routed,
+    retract-aware path as in-process turns, with the session id as the engine session key;
+    `end_session` frees the session's KV on its engines and releases its routing key."""
+
+    def __init__(self, requests: EngineRequests) -> None:
+        self.requests = requests
+
+    async def __call__(self, key: str, ids: list[int], sampling: dict[str, Any],
+                       images: ImageInput | None = None, session: str | None = None) -> dict[str, Any]:
+        out = await self.requests.call(key, ids, sampling, images, session)
+        return {"output_ids": out.ids, "logprobs": out.logprobs, "finish_reason": out.finish_reason,
+                "versions": out.version, "routed_experts": out.routed_experts, "cached_tokens": out.cached_tokens}
+
+    async def end_session(self, session: str, key: str, release: bool) -> None:
+        await self.requests.end_session(session)
+        if release:
+            await self.requests.release(key)
 
 
 class SessionService:
@@ -51,6 +76,7 @@ class SessionService:
         self.sampling = {"stop_token_ids": list(store.tok.stop_token_ids),
                          **check_sampling(sampling or {}, "default sampling")}
         self._keys: dict[str, str] = {}  # session id -> routing key, for sessions the engines saw
+        self._open_per_key: dict[str, int] = {}  # routing key -> its sessions in `_keys`
         self.turns = 0
         self.cached_tokens = 0
         self.prompt_tokens = 0
@@ -67,14 +93,16 @@ class SessionService:
         """One turn; returns {"message", "finish_reason", "usage"} (see rollout/client.py)."""
         params = {**self.sampling, **check_sampling(sampling or {})}
         plan = self.store.prepare_turn(session_id, messages, tools, params)
+        if session_id not in self._keys:  # before the call: a failed turn may have reached an engine
+            self._keys[session_id] = plan.routing_key
+            self._open_per_key[plan.routing_key] = self._open_per_key.get(plan.routing_key, 0) + 1
         try:
             # images only when the turn has some: text-only engine functions keep their signature
             extra = {} if plan.images is None else {"images": plan.images}
-            r = await self.engine(plan.routing_key, plan.prompt_ids, params, **extra)
+            r = await self.engine(plan.routing_key, plan.prompt_ids, params, session=session_id, **extra)
         except BaseException:
             self.store.cancel_turn(session_id, plan)
             raise
-        self._keys[session_id] = plan.routing_key
         experts = r.get("routed_experts")
         res = self.store.commit_turn(session_id, plan, r["output_ids"], r["logprobs"],
                                      None if experts is None else np.asarray(experts),
@@ -96,9 +124,15 @@ class SessionService:
     async def close(self, session_id: str) -> None:
         self.store.close(session_id)
         key = self._keys.pop(session_id, None)
-        if key is not None and self.end_session is not None:
+        if key is None:
+            return
+        left = self._open_per_key.pop(key) - 1
+        if left:
+            self._open_per_key[key] = left
+        if self.end_session is not None:
             try:
-                await self.end_session(key)
+                # the routing key stays pinned while another open session shares it
+                await self.end_session(session_id, key, left == 0)
             except MilesError as exc:  # the engine KV is only a cache; the session is closed anyway
                 log.warning("end_session_failed", session=session_id, error=f"{type(exc).__name__}: {exc}")
 

@@ -21,8 +21,12 @@ def test_openai_client_agent_trains(tmp_path: Path) -> None:
                   "--set", "rollout.max_new_tokens=16", "--set", "buffer.batch_groups=2",
                   "--set", "rollout.n_samples_per_prompt=2", "--set", "transport.curve=true")
     assert wait(p, 280) == 0, (tmp_path / "run.launcher.log").read_text()[-3000:]
-    assert [r["step"] for r in metrics(run)] == [1, 2]
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == [1, 2]
     assert check_ledger(run)["buffer"]["ledger"]["entries"]
+    # every turn went over the front with its session key; each trajectory's session, closed by the
+    # generate layer before its group could be collected, ended on its engine (its KV freed)
+    assert rows[0]["rollout/engine_sessions_ended"] >= 2 * 2 and rows[-1]["rollout/end_session_failures"] == 0
     secrets = list((run / "keys").rglob("*.key_secret"))
     assert secrets and all(s.stat().st_mode & 0o077 == 0 for s in secrets)
     # the HTTP front was authenticated too: the agent's OpenAI client sent the launcher's token

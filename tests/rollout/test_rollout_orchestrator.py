@@ -48,6 +48,7 @@ class ScriptedLink:
         self.served: list[tuple[str, tuple[int, ...]]] = []  # (engine, prompt ids) per request
         self.messages: list[tuple[str, int]] = []  # (engine, requests in the message)
         self.version = 0  # the engines' weight version (the tests' trainer publishes each one at once)
+        self.ended: list[tuple[str, str]] = []  # (engine, session key) per EndSession
 
     async def generate(self, engine: str, batch: list[Request]) -> list[dict[str, Any]]:
         await asyncio.sleep(0)
@@ -70,6 +71,9 @@ class ScriptedLink:
                         "versions": [self.version] * len(ids), "routed_experts": None, "cached_tokens": 0,
                         "retracted": retract})
         return out
+
+    async def end_session(self, engine: str, key: str) -> None:
+        self.ended.append((engine, key))
 
 
 def _orchestrator(tmp_path: Path, *sets: str, retract_first: bool = False

@@ -1,32 +1,28 @@
-"""Helpers for the session tests: a tiny model, a quick SFT warm-up, and an in-process actor stack.
+"""Helpers for the session tests: a tiny model, a quick SFT warm-up, and an in-process stack.
 
-The stack is real: a directory, engine actors over `TorchEngine`, the router
-actor and the session actor with its HTTP front, all on one host in the test's
-event loop (every message still goes through ZeroMQ sockets).
+The stack is the rollout process's real session path (bench/session_front.py): a
+directory, engine actors over `TorchEngine`, and the session service with its HTTP
+front over the rollout's request routing (EngineRequests + Dispatch), all on one host
+in the test's event loop (every engine message still goes through ZeroMQ sockets).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from miles.actors.engine import EngineActor
-from miles.actors.router import RouterActor
-from miles.actors.runtime.directory import Directory
-from miles.actors.runtime.host import DIRECTORY_NAME, Host
-from miles.actors.session import SessionActor
+from miles.actors.runtime.host import Host
+from miles.bench import session_front
+from miles.bench.session_front import SessionFront
 from miles.core.schema.engine import EngineConfig
 from miles.core.schema.transport import TransportConfig
-from miles.engines.torch_engine import TorchEngine
 from miles.models.config import ModelSpec
 from miles.models.decoder import CausalLM
 from miles.models.presets import tiny_config
 from miles.models.registry import build_model
 from miles.rollout.envs.calculator import CALC_TOOL
-from miles.rollout.session_store import SessionStore
 from miles.rollout.tiny_tokenizer import tiny_tokenizer
 from miles.rollout.tokenizer import HFTokenizer
 
@@ -109,41 +105,11 @@ def transport_cfg() -> TransportConfig:
     return TransportConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0)
 
 
-@dataclass
-class Stack:
-    host: Host
-    session: SessionActor
-    router: RouterActor
-    engines: dict[str, TorchEngine] = field(default_factory=dict)
-
-    @property
-    def url(self) -> str:
-        assert self.session.http is not None
-        return self.session.http.url
-
-    async def stop(self) -> None:
-        await self.host.stop()
-
-
 async def start_host(cfg: TransportConfig | None = None) -> Host:
     """A host running the directory (the head of a small actor system)."""
-    cfg = cfg or transport_cfg()
-    host = Host(cfg)
-    await host.start()
-    await host.add(Directory(cfg.heartbeat_timeout_s, cfg.heartbeat_interval_s), DIRECTORY_NAME)
-    return host
+    return await session_front.start_host(cfg or transport_cfg())
 
 
 async def start_stack(tok: HFTokenizer, models: list[CausalLM], affinity: bool = True,
-                      engine_cfg: EngineConfig | None = None, **session_kw: Any) -> Stack:
-    host = await start_host()
-    ecfg = engine_cfg or EngineConfig(max_batch_size=8, max_seq_len=1024, kv_budget_tokens=50_000)
-    engines: dict[str, TorchEngine] = {}
-    for i, model in enumerate(models):
-        engines[f"engine-{i}"] = TorchEngine(model, ecfg)
-        await host.add(EngineActor(engines[f"engine-{i}"]), f"engine-{i}")
-    router = RouterActor(list(engines), affinity=affinity, engine_timeout_s=60.0)
-    await host.add(router, "router")
-    session = SessionActor(SessionStore(tok), "router", engine_timeout_s=60.0, **session_kw)
-    await host.add(session, "session")
-    return Stack(host, session, router, engines)
+                      engine_cfg: EngineConfig | None = None) -> SessionFront:
+    return await session_front.start_session_front(tok, models, affinity, engine_cfg, transport_cfg())

@@ -35,8 +35,7 @@ async def test_fuzzed_requests_get_clear_4xx_and_the_server_keeps_serving(tmp_pa
 async def test_bearer_token_required_when_configured(tmp_path) -> None:
     token = "s3cret-token-0123456789"
     front = await start_front(tmp_path)
-    session = front.host.actors["session"]
-    guarded = SessionHTTP(session.service, token=token)  # type: ignore[attr-defined]
+    guarded = SessionHTTP(front.service, token=token)
     url = await guarded.start()
     try:
         async with aiohttp.ClientSession() as http:

@@ -1,6 +1,6 @@
 """The real `openai` client drives tool-calling sessions through the HTTP front against the
-embedded engine (actor stack: session → router → engine); the exported sample carries
-exactly the engine's sampled ids, turn by turn."""
+embedded engine over the rollout's session path (session service → EngineRequests + Dispatch →
+engine actor); the exported sample carries exactly the engine's sampled ids, turn by turn."""
 
 from __future__ import annotations
 
@@ -10,11 +10,10 @@ import pytest
 from openai import AsyncOpenAI
 
 from miles.actors.messages import Generate
-from miles.actors.runtime.host import Host
-from miles.actors.session_client import ActorSessionClient, RemoteSessionClient
 from miles.rollout.envs.calculator import CALC_TOOL
 from miles.rollout.envs.openai_agent import run_openai_tool_loop
 
+from .http_client import RemoteSessionClient
 from .session_stack import (
     ANSWER,
     QUESTION,
@@ -82,9 +81,9 @@ async def test_openai_agent_tool_loop_exports_the_engine_ids(stack) -> None:
     first = tok.decode(sample.response_ids[segs[0][0]:segs[0][1]])
     assert first.startswith("<tool_call>") and json.loads(first[11:first.index("</tool_call>")]) == {
         "name": "calc", "arguments": {"expr": "12*3+4"}}
-    # Turn 2 reused the engine's KV of turn 1 (session affinity through the router).
-    stats = s.router.policy.stats()["engines"]["engine-0"]
-    assert stats["cached_tokens"] >= segs[0][1] + len(sample.prompt_ids) - 1
+    # Both turns went through the dispatch under the session's one routing key, held until close.
+    assert s.dispatch.counters.requests == {"engine-0": 2}
+    assert s.dispatch.state()["keys_held"] == 1
 
 
 async def test_streaming_with_the_openai_client(stack) -> None:
@@ -121,14 +120,11 @@ async def test_streaming_with_the_openai_client(stack) -> None:
         await client.aclose()
 
 
-async def test_actor_client_drives_the_same_server(stack) -> None:
-    s, tok = stack
-    host = Host(s.host.cfg, s.host.address)  # a second process's view: its own host and sockets
-    await host.start()
+async def test_close_releases_the_sessions_routing_key(stack) -> None:
+    s, _ = stack
+    client = RemoteSessionClient(s.url)
     try:
-        client = await ActorSessionClient(host.ref("session")).connect()
         sid = await client.create_session(tools=[CALC_TOOL])
-        assert client.base_url(sid) == f"{s.url}/sessions/{sid}/v1"
         reply = await client.chat(sid, [{"role": "user", "content": QUESTION}], [CALC_TOOL],
                                   {"temperature": 0.0, "max_new_tokens": 80})
         assert reply["finish_reason"] == "tool_calls"
@@ -136,8 +132,12 @@ async def test_actor_client_drives_the_same_server(stack) -> None:
         assert json.loads(call["function"]["arguments"]) == {"expr": "12*3+4"}
         (sample,) = await client.export(sid)
         assert sample.num_sampled == reply["usage"]["completion_tokens"]
+        assert s.dispatch.state()["keys_held"] == 1
         await client.close(sid)
+        # closing the session released its key: the dispatch holds nothing, one group routed unsplit
+        st = s.dispatch.state()
+        assert st["keys_held"] == 0 and st["groups_routed"] == 1 and st["groups_split"] == 0
         with pytest.raises(Exception, match="unknown session"):
             await client.export(sid)
     finally:
-        await host.stop()
+        await client.aclose()

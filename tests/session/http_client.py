@@ -1,10 +1,5 @@
-"""`SessionClient` implementations that talk to a session server in another process.
-
-`RemoteSessionClient` speaks the HTTP front (the same endpoints a black-box
-OpenAI agent uses, plus create/export/close); `ActorSessionClient` uses actor
-asks. Both return each session's OpenAI base URL from `base_url`, so agents
-written against the `openai` client run unchanged behind either.
-"""
+"""A client of the session HTTP front for the tests: the endpoints a black-box OpenAI agent uses,
+plus create / info / export / close, with the front's JSON errors raised as miles errors."""
 
 from __future__ import annotations
 
@@ -12,14 +7,6 @@ from typing import Any
 
 import aiohttp
 
-from miles.actors.runtime.ref import ActorRef
-from miles.actors.session_messages import (
-    ChatTurn,
-    CloseSession,
-    CreateSession,
-    ExportSamples,
-    ServerInfo,
-)
 from miles.core.errors import KNOWN_ERRORS, MilesError, SessionError
 from miles.rollout.types import Sample
 from miles.sessions.openai_api import sample_from_json
@@ -97,41 +84,4 @@ class RemoteSessionClient:
         await self._call("DELETE", f"/sessions/{session_id}")
 
     def base_url(self, session_id: str) -> str | None:
-        return f"{self.url}/sessions/{session_id}/v1"
-
-
-class ActorSessionClient:
-    """`SessionClient` over actor asks to a `SessionActor`; `await connect()` once for base URLs."""
-
-    def __init__(self, ref: ActorRef, timeout_s: float = 300.0) -> None:
-        self.ref = ref
-        self.timeout_s = timeout_s
-        self.url = ""
-
-    async def connect(self) -> ActorSessionClient:
-        self.url = str((await self.ref.ask(ServerInfo(), timeout=self.timeout_s))["url"])
-        return self
-
-    async def create_session(self, tools: list[dict[str, Any]] | None = None,
-                             metadata: dict[str, Any] | None = None) -> str:
-        d = await self.ref.ask(CreateSession(tools, dict(metadata or {})), timeout=self.timeout_s)
-        return str(d["session_id"])
-
-    async def chat(self, session_id: str, messages: list[dict[str, Any]],
-                   tools: list[dict[str, Any]] | None = None,
-                   sampling: dict[str, Any] | None = None) -> dict[str, Any]:
-        d: dict[str, Any] = await self.ref.ask(ChatTurn(session_id, messages, tools, dict(sampling or {})),
-                                               timeout=self.timeout_s)
-        return d
-
-    async def export(self, session_id: str) -> list[Sample]:
-        wire = await self.ref.ask(ExportSamples(session_id), timeout=self.timeout_s)
-        return [Sample.from_wire(s, f"samples[{i}]") for i, s in enumerate(wire)]
-
-    async def close(self, session_id: str) -> None:
-        await self.ref.ask(CloseSession(session_id), timeout=self.timeout_s)
-
-    def base_url(self, session_id: str) -> str | None:
-        if not self.url:
-            raise MilesError("ActorSessionClient: call `await client.connect()` before base_url()")
         return f"{self.url}/sessions/{session_id}/v1"
