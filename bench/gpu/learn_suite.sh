@@ -115,7 +115,7 @@ gsm8k12)  # session 12: the easiest subset (<= 1 calculator step), a larger lr a
   D="$SRC/.data/gsm8k"
   G=(--set "rollout.env_args.path=$D/train.jsonl" --set "rollout.env_args.eval_path=$D/test.jsonl"
      --set "run.time_limit_s=$LIMIT_GSM8K" --set trainer.micro_batch_tokens=16384
-     --set rollout.n_samples_per_prompt=16 --set trainer.optim.lr=1e-5)
+     --set rollout.n_samples_per_prompt=16 --set trainer.optim.lr=1e-5 --set transport.heartbeat_timeout_s=10)
   E1=(--set rollout.env_args.max_calc_steps=1 --set eval.num_prompts=83)
   T=$((LIMIT_GSM8K + 150))
   train s1_async_s0 examples/gsm8k.toml $T "${G[@]}" "${E1[@]}" --set run.seed=0 --set rollout.env_args.seed=0 &
