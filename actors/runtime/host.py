@@ -117,7 +117,7 @@ class Host:
         if self.cfg.curve_server_key:
             make_curve_server(self._pub, self.cfg.curve_server_key, self.cfg.curve_allow_dir)
         self.pub_address = bind(self._pub, self.cfg.scheme, self.cfg.interface, "pub", self.cfg.ipc_dir)
-        self._subscriber = Subscriber(self)
+        self._subscriber = Subscriber(self.cfg)
         self._tasks.append(asyncio.create_task(self._recv_loop(), name="host-recv"))
         self._tasks.append(asyncio.create_task(self._lag_monitor(), name="host-lag"))
         if self.directory_addr is None:
