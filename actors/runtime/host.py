@@ -137,7 +137,7 @@ class Host:
     async def _watch_deaths(self) -> None:
         assert self._subscriber is not None
         loc = await self._lookup(DIRECTORY_NAME, wait_s=0.0, timeout=self.cfg.default_deadline_s)
-        await self._subscriber.subscribe(loc.pub_address, DEATH_TOPIC, self._on_death)
+        await self._subscriber.subscribe(loc.pub_address, DEATH_TOPIC, self.hear_death)
 
     async def add(self, actor: Actor, name: str) -> ActorRef:
         """Start serving `actor` under `name` and register it with the directory."""
@@ -479,7 +479,8 @@ class Host:
                 else:
                     log.warning("event_loop_lag", lag_ms=round(lag, 1))
 
-    def _on_death(self, notice: DeathNotice) -> None:
+    def hear_death(self, notice: DeathNotice) -> None:
+        """Act on a death notice: fail asks to the dead, forget their addresses, or rejoin."""
         if notice.host_id == self.host_id and notice.names:
             # This host is alive: the directory missed its heartbeats (a stalled loop, a long GC).
             if not self._stopping and (self._rejoining is None or self._rejoining.done()):
