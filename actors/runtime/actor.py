@@ -17,13 +17,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
+from miles.actors.runtime.host_view import ActorHost
+from miles.actors.runtime.ref import ActorRef
 from miles.transport.schema import spec_for_class
-
-if TYPE_CHECKING:
-    from miles.actors.runtime.host import Host
-    from miles.actors.runtime.ref import ActorRef
 
 _ATTR = "__miles_handler__"
 WhenFull = Literal["block", "refuse"]
@@ -59,7 +57,7 @@ class Actor:
     """Base class: subclass, declare `@handler`s, optionally override `on_start` / `on_stop`."""
 
     name: str = ""
-    host: Host
+    host: ActorHost  # set by Host.add; typed by what an actor may use of it (host_view.py)
 
     async def on_start(self) -> None:
         """Called once after the actor is registered and before it receives messages."""

@@ -146,5 +146,5 @@ class Directory(Actor):
         notice = DeathNotice(host_id, names, reason)
         if names:
             self.dead[host_id] = notice
-        self.host._on_death(notice)  # actors co-hosted with the directory learn it too
+        self.host.hear_death(notice)  # actors co-hosted with the directory learn it too
         await self.host.publish(DEATH_TOPIC, notice)

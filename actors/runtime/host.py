@@ -18,11 +18,11 @@ from typing import Any
 import zmq
 
 from miles.actors.runtime.actor import Actor, Mailbox
-from miles.actors.runtime.liveness import DIRECTORY_NAME, heartbeat_thread, rejoin
+from miles.actors.runtime.liveness import directory_heartbeats, heartbeat_thread, lag_monitor
 from miles.actors.runtime.messages import (
     DEATH_TOPIC,
+    DIRECTORY_NAME,
     DeathNotice,
-    Heartbeat,
     Location,
     Lookup,
     Register,
@@ -93,8 +93,10 @@ class Host:
         self.starting = False
         self.serving_since = 0.0
         self._stopping = False
-        self._last_tick = time.monotonic()  # the loop's last sign of life (lag monitor)
-        self._beat_stop = threading.Event()
+        # Read by the heartbeat thread (liveness.HostPulse): the loop's last sign of life (set by
+        # the lag monitor), and the event that stops the beats.
+        self.last_tick = time.monotonic()
+        self.beat_stop = threading.Event()
         self._beat_thread: threading.Thread | None = None
         # Fault injection for soak tests (transport.faults): None unless configured, and then
         # each send below is one `is None` test away from what it is without it.
@@ -117,27 +119,27 @@ class Host:
         if self.cfg.curve_server_key:
             make_curve_server(self._pub, self.cfg.curve_server_key, self.cfg.curve_allow_dir)
         self.pub_address = bind(self._pub, self.cfg.scheme, self.cfg.interface, "pub", self.cfg.ipc_dir)
-        self._subscriber = Subscriber(self)
+        self._subscriber = Subscriber(self.cfg)
         self._tasks.append(asyncio.create_task(self._recv_loop(), name="host-recv"))
-        self._tasks.append(asyncio.create_task(self._lag_monitor(), name="host-lag"))
+        self._tasks.append(asyncio.create_task(lag_monitor(self), name="host-lag"))
         if self.directory_addr is None:
             # This host will run the directory itself.
             self.directory_addr = self.address
         else:
             await self._watch_deaths()
         if self.directory_addr == self.address:
-            self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="host-heartbeat"))
+            self._tasks.append(asyncio.create_task(directory_heartbeats(self), name="host-heartbeat"))
         else:
             # Heartbeats from a thread: a loop busy for a few seconds (imports, a long GC, a
             # blocking call) is not a dead process. A loop stuck past loop_stall_timeout_s is.
-            self._beat_thread = threading.Thread(target=self._heartbeat_thread, args=(self.directory_addr,),
+            self._beat_thread = threading.Thread(target=heartbeat_thread, args=(self, self.directory_addr),
                                                  name="miles-heartbeat", daemon=True)
             self._beat_thread.start()
 
     async def _watch_deaths(self) -> None:
         assert self._subscriber is not None
         loc = await self._lookup(DIRECTORY_NAME, wait_s=0.0, timeout=self.cfg.default_deadline_s)
-        await self._subscriber.subscribe(loc.pub_address, DEATH_TOPIC, self._on_death)
+        await self._subscriber.subscribe(loc.pub_address, DEATH_TOPIC, self.hear_death)
 
     async def add(self, actor: Actor, name: str) -> ActorRef:
         """Start serving `actor` under `name` and register it with the directory."""
@@ -169,7 +171,7 @@ class Host:
         if self._stopping:
             return
         self._stopping = True
-        self._beat_stop.set()
+        self.beat_stop.set()
         for name in list(self.actors):
             if name != DIRECTORY_NAME and self.directory_addr != self.address:
                 try:
@@ -453,33 +455,8 @@ class Host:
             log.warning("protocol_error", where=where, error=str(exc), count=n)
 
     # ---------------------------------------------------------------- liveness
-    async def _heartbeat_loop(self) -> None:
-        """The directory's own host: beats straight into the co-hosted directory."""
-        while True:
-            await asyncio.sleep(self.cfg.heartbeat_interval_s)
-            directory = self.actors.get(DIRECTORY_NAME)
-            if directory is not None:
-                names = [n for n in self.actors if n != DIRECTORY_NAME]
-                directory.beat(Heartbeat(self.host_id, names, self.loop_lag_ms))  # type: ignore[attr-defined]
-
-    def _heartbeat_thread(self, address: str) -> None:
-        heartbeat_thread(self, address)
-
-    async def _lag_monitor(self, interval: float = 0.1) -> None:
-        while True:
-            t0 = time.monotonic()
-            await asyncio.sleep(interval)
-            self._last_tick = time.monotonic()
-            lag = max(0.0, (self._last_tick - t0 - interval) * 1e3)
-            self.loop_lag_ms = 0.8 * self.loop_lag_ms + 0.2 * lag
-            self.max_loop_lag_ms = max(self.max_loop_lag_ms, lag)
-            if lag > 500:
-                if self.starting or t0 < self.serving_since:
-                    log.debug("event_loop_lag_at_start", lag_ms=round(lag, 1))
-                else:
-                    log.warning("event_loop_lag", lag_ms=round(lag, 1))
-
-    def _on_death(self, notice: DeathNotice) -> None:
+    def hear_death(self, notice: DeathNotice) -> None:
+        """Act on a death notice: fail asks to the dead, forget their addresses, or rejoin."""
         if notice.host_id == self.host_id and notice.names:
             # This host is alive: the directory missed its heartbeats (a stalled loop, a long GC).
             if not self._stopping and (self._rejoining is None or self._rejoining.done()):
@@ -504,9 +481,30 @@ class Host:
         for cb in self._death_callbacks:
             cb(notice)
 
-
     async def _rejoin(self, notice: DeathNotice) -> None:
-        await rejoin(self, notice)
+        """Register every actor again under a new incarnation: same names, same address.
+
+        Peers failed their asks to the old incarnation when they heard of its death; its
+        late replies find no pending request and are refused (`stale_replies`). This rewrites
+        the host's identity and address book, so it is a method here, not a liveness helper.
+        """
+        old = self.host_id
+        self._old_ids.add(old)
+        self.incarnation += 1
+        self.host_id = f"{self._base_id}#{self.incarnation}"
+        log.warning("host_rejoining", old_host=old, host=self.host_id, reason=notice.reason)
+        for name in list(self.actors):
+            if name == DIRECTORY_NAME:
+                continue
+            self._locations[name] = Location(name, self.address, self.pub_address, self.host_id)
+            try:
+                await self._directory_ask(Register(name, self.address, self.pub_address, self.host_id))
+            except MilesError as exc:
+                log.error("rejoin_failed", actor=name, error=str(exc))
+                return
+        self._dead_hosts.add(old)
+        log.warning("host_rejoined", host=self.host_id, actors=[n for n in self.actors if n != DIRECTORY_NAME])
+
 
 def _wire_name(msg: Any) -> str:
     """A message's registered wire name (e.g. engine.Generate): what transport.faults.drop_types names."""

@@ -1,34 +1,73 @@
-"""Liveness of a host: heartbeats from a thread, and rejoining after a wrong death notice.
+"""Liveness of a host: the event-loop lag monitor, and heartbeats (from a thread, or straight
+into a co-hosted directory).
 
 Heartbeats come from a thread with its own socket, so a loop busy for a few seconds
 (imports, a long GC, a blocking call) is not mistaken for a dead process; a loop that
 has not ticked for `transport.loop_stall_timeout_s` stops them, and the directory then
 declares the host dead. A host declared dead that is in fact alive registers its actors
-again under a new incarnation (same names, same address).
+again under a new incarnation (same names, same address): that is `Host._rejoin`, since it
+rewrites the host's own identity and address book.
+
+The monitor and the beats share a few of the host's fields; `HostPulse` names them, so this
+module needs nothing of host.py (which starts both) and the two do not import each other.
 """
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import Protocol
 
 import zmq
 
-from miles.actors.runtime.messages import DeathNotice, Heartbeat, Location, Register
-from miles.core.errors import MilesError
+from miles.actors.runtime.messages import DIRECTORY_NAME, Heartbeat
 from miles.core.logging import get_logger
+from miles.core.schema.transport import TransportConfig
 from miles.transport import codec
 from miles.transport.curve import make_curve_client
+from miles.transport.faults import FaultHook
 from miles.transport.sockets import apply_options
 
-if TYPE_CHECKING:
-    from miles.actors.runtime.host import Host
-
 log = get_logger("miles.host")
-DIRECTORY_NAME = "directory"  # the directory actor's name (re-exported by host.py)
 
 
-def heartbeat_thread(host: Host, address: str) -> None:
+class HostPulse(Protocol):
+    """The host's liveness fields: the lag monitor writes them on the loop, the heartbeat
+    thread reads them (plain attribute reads, without the loop)."""
+
+    cfg: TransportConfig
+    host_id: str  # changes when the host rejoins: each beat reads it afresh
+    faults: FaultHook | None
+    beat_stop: threading.Event  # set when the host stops: the thread exits
+    last_tick: float  # time.monotonic() of the loop's last sign of life
+    loop_lag_ms: float  # smoothed lag, sent with each beat
+    max_loop_lag_ms: float
+    starting: bool  # the process is setting up its actors (serve()): a stall then is expected
+    serving_since: float  # when that set-up ended
+
+    @property
+    def actors(self) -> Mapping[str, object]: ...
+
+
+async def lag_monitor(host: HostPulse, interval: float = 0.1) -> None:
+    """Tick every `interval`: record the loop's last sign of life and how late the tick was."""
+    while True:
+        t0 = time.monotonic()
+        await asyncio.sleep(interval)
+        host.last_tick = time.monotonic()
+        lag = max(0.0, (host.last_tick - t0 - interval) * 1e3)
+        host.loop_lag_ms = 0.8 * host.loop_lag_ms + 0.2 * lag
+        host.max_loop_lag_ms = max(host.max_loop_lag_ms, lag)
+        if lag > 500:
+            if host.starting or t0 < host.serving_since:
+                log.debug("event_loop_lag_at_start", lag_ms=round(lag, 1))
+            else:
+                log.warning("event_loop_lag", lag_ms=round(lag, 1))
+
+
+def heartbeat_thread(host: HostPulse, address: str) -> None:
     """Beat from a thread with its own socket, while the loop has ticked within the stall bound."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     apply_options(sock, hwm=4, linger_ms=0)  # a few beats queue at most; older ones are moot
@@ -37,8 +76,8 @@ def heartbeat_thread(host: Host, address: str) -> None:
             make_curve_client(sock, host.cfg.curve_client_key, host.cfg.curve_public_key)
         sock.connect(address)
         warned = False
-        while not host._beat_stop.wait(host.cfg.heartbeat_interval_s):
-            stalled_s = time.monotonic() - host._last_tick
+        while not host.beat_stop.wait(host.cfg.heartbeat_interval_s):
+            stalled_s = time.monotonic() - host.last_tick
             if stalled_s > host.cfg.loop_stall_timeout_s:
                 if not warned:  # silence now lets the directory declare this host dead
                     log.error("event_loop_stalled", stalled_s=round(stalled_s, 1), host=host.host_id)
@@ -65,27 +104,11 @@ def heartbeat_thread(host: Host, address: str) -> None:
         sock.close(0)
 
 
-async def rejoin(host: Host, notice: DeathNotice) -> None:
-    """Register every actor again under a new incarnation: same names, same address.
-
-    Peers failed their asks to the old incarnation when they heard of its death; its
-    late replies find no pending request and are refused (`stale_replies`).
-    """
-    old = host.host_id
-    host._old_ids.add(old)
-    host.incarnation += 1
-    host.host_id = f"{host._base_id}#{host.incarnation}"
-    log.warning("host_rejoining", old_host=old, host=host.host_id, reason=notice.reason)
-    for name in list(host.actors):
-        if name == DIRECTORY_NAME:
-            continue
-        loc = Location(name, host.address, host.pub_address, host.host_id)
-        host._locations[name] = loc
-        try:
-            await host._directory_ask(Register(name, host.address, host.pub_address, host.host_id))
-        except MilesError as exc:
-            log.error("rejoin_failed", actor=name, error=str(exc))
-            return
-    host._dead_hosts.add(old)
-    log.warning("host_rejoined", host=host.host_id, actors=[n for n in host.actors if n != DIRECTORY_NAME])
-
+async def directory_heartbeats(host: HostPulse) -> None:
+    """The directory's own host: beats straight into the co-hosted directory, no socket."""
+    while True:
+        await asyncio.sleep(host.cfg.heartbeat_interval_s)
+        directory = host.actors.get(DIRECTORY_NAME)
+        if directory is not None:
+            names = [n for n in host.actors if n != DIRECTORY_NAME]
+            directory.beat(Heartbeat(host.host_id, names, host.loop_lag_ms))  # type: ignore[attr-defined]

@@ -74,3 +74,4 @@ class Ping:
 
 
 DEATH_TOPIC = "miles.dead"
+DIRECTORY_NAME = "directory"  # the directory actor's name (re-exported by host.py)

@@ -1,21 +1,23 @@
-"""Pub/sub fan-out over ZeroMQ PUB/SUB, for broadcasts such as weight-version announcements."""
+"""Pub/sub fan-out over ZeroMQ PUB/SUB, for broadcasts such as weight-version announcements.
+
+The subscriber needs only the transport's settings, not the host that owns it: it takes the
+`TransportConfig`, so this module sits below host.py and imports nothing of the runtime.
+"""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import zmq
 
 from miles.core.errors import ProtocolError
 from miles.core.logging import get_logger
+from miles.core.schema.transport import TransportConfig
 from miles.transport import codec
 from miles.transport.curve import make_curve_client
 from miles.transport.sockets import socket
-
-if TYPE_CHECKING:
-    from miles.actors.runtime.host import Host
 
 log = get_logger("miles.pubsub")
 
@@ -27,12 +29,12 @@ async def publish_frames(pub: Any, topic: str, frames: list[Any]) -> None:
 class Subscriber:
     """One SUB socket per host, connected to any number of publishers, dispatching by topic."""
 
-    def __init__(self, host: Host) -> None:
-        self.host = host
-        self.sock = socket(zmq.SUB, hwm=host.cfg.hwm, linger_ms=0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, host.cfg.max_frame_bytes)
-        if host.cfg.curve_client_key:
-            make_curve_client(self.sock, host.cfg.curve_client_key, host.cfg.curve_public_key)
+    def __init__(self, cfg: TransportConfig) -> None:
+        self.cfg = cfg
+        self.sock = socket(zmq.SUB, hwm=cfg.hwm, linger_ms=0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_frame_bytes)
+        if cfg.curve_client_key:
+            make_curve_client(self.sock, cfg.curve_client_key, cfg.curve_public_key)
         self.callbacks: dict[str, list[Callable[[Any], Any]]] = {}
         self.connected: set[str] = set()
         self.tasks: list[asyncio.Task[Any]] = [asyncio.create_task(self._loop(), name="host-sub")]
@@ -53,7 +55,7 @@ class Subscriber:
             frames = await self.sock.recv_multipart(copy=False)
             topic = frames[0].bytes.decode(errors="replace")
             try:
-                env = codec.decode(frames[1:], self.host.cfg.max_frame_bytes)
+                env = codec.decode(frames[1:], self.cfg.max_frame_bytes)
             except ProtocolError as exc:
                 log.warning("bad_broadcast", topic=topic, error=str(exc))
                 continue

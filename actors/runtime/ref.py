@@ -1,11 +1,23 @@
-"""`ActorRef`: how one actor talks to another, by name, through its host."""
+"""`ActorRef`: how one actor talks to another, by name, through its host.
+
+A ref needs only the host's three sends by name, so it holds a `Messenger` (declared here,
+where it is used) rather than the `Host`: this module imports nothing of the runtime, and
+host.py, which builds refs, depends on it and not the other way round.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from miles.actors.runtime.host import Host
+
+class Messenger(Protocol):
+    """What a ref sends through: the host's ask / tell / tell_many by actor name."""
+
+    async def ask(self, name: str, msg: Any, timeout: float) -> Any: ...
+
+    async def tell(self, name: str, msg: Any, timeout: float | None = None) -> None: ...
+
+    async def tell_many(self, name: str, msgs: list[Any], timeout: float | None = None) -> None: ...
 
 
 class ActorRef:
@@ -13,7 +25,7 @@ class ActorRef:
 
     __slots__ = ("host", "name")
 
-    def __init__(self, host: Host, name: str) -> None:
+    def __init__(self, host: Messenger, name: str) -> None:
         self.host = host
         self.name = name
 
