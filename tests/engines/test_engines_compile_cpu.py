@@ -101,8 +101,8 @@ async def test_background_compile_serves_before_it_is_ready_and_swaps_in(monkeyp
     model = tiny_model("qwen3", num_hidden_layers=1, hidden_size=40)  # a shape no other test compiled
     plain, _ = await _generate(model, 4, compiled=False)
     monkeypatch.setattr(cuda_graph, "_compiled_forward", held)
-    eng = TorchEngine(model, EngineConfig(max_batch_size=4, max_seq_len=64, kv_budget_tokens=0))
-    assert eng.cfg.compile_background
+    eng = TorchEngine(model, EngineConfig(max_batch_size=4, max_seq_len=64, kv_budget_tokens=0,
+                                          compile_background=True))  # opt-in since its first H200 run
     graphs = eng.stepper.graphs = DecodeGraphs(eng.model, eng.pool, capture=False, compiled=True)
     prompts = [[1, 2, 3], [4] * 9, [5, 6]]
 
