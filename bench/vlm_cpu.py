@@ -83,7 +83,9 @@ def main() -> None:
 
     run_dir = tempfile.mkdtemp(prefix="vlm_cpu_")
     sets = [f"run.dir={run_dir}", *a.set] + ([f"run.steps={a.steps}"] if a.steps else [])
-    cmd = [str(REPO / "miles.sh"), "train", a.config, *[x for s in sets for x in ("--set", s)]]
+    # this interpreter, not miles.sh: the run needs only what already imports here (the H200 image
+    # has no virtualenv of miles and no index to build one from)
+    cmd = [sys.executable, "-m", "miles.launch.cli", "train", a.config, *[x for s in sets for x in ("--set", s)]]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=os.environ)
     wall = time.monotonic() - t0
