@@ -215,6 +215,13 @@ class SGLangEngine(Engine):
                     raise EngineError(f"sglang {path}: HTTP {r.status}: {text[:500]}")
         except aiohttp.ClientError as exc:
             self._last_error = f"{path}: {type(exc).__name__}: {exc}"
+            if self.server is not None and isinstance(exc, aiohttp.ClientConnectionError):
+                # a killed server resets its connections a moment before its exit can be reaped:
+                # wait for that moment, so its death is reported as such and not as this call's error
+                for _ in range(20):
+                    if not self.server.alive:
+                        break
+                    await asyncio.sleep(0.05)
             if self.server is not None and not self.server.alive:
                 code = self.server.exit_code()
                 raise EngineDown(f"sglang server died (exit code {code}) during {path}; it is restarted "
