@@ -99,7 +99,6 @@ class EngineRequests:
         self.resubmits = 0  # requests retracted by a weight update and continued under the new version
         self.mixed_version_samples = 0
         self.sessions: dict[str, EngineSession] = {}  # session key -> engines holding its KV
-        self._by_key: dict[str, set[str]] = {}  # routing key -> its session keys in `sessions`
         self.sessions_ended = 0  # EndSession messages an engine answered
         self.end_session_failures = 0  # ... that failed (logged; the KV stays until the engine evicts it)
 
@@ -202,11 +201,7 @@ class EngineRequests:
         session = req.session_key
         if session is None:
             return
-        s = self.sessions.get(session)
-        if s is None:
-            s = self.sessions[session] = EngineSession(key)
-            self._by_key.setdefault(key, set()).add(session)
-        s.engines.add(engine)
+        self.sessions.setdefault(session, EngineSession(key)).engines.add(engine)
 
     async def end_session(self, session: str) -> None:
         """`session` closed: its engines drop its KV. A failure is logged and counted, never
@@ -214,11 +209,6 @@ class EngineRequests:
         s = self.sessions.pop(session, None)
         if s is None:
             return
-        held = self._by_key.get(s.routing_key)
-        if held is not None:
-            held.discard(session)
-            if not held:
-                del self._by_key[s.routing_key]
         for engine in sorted(s.engines):
             if engine in self.dispatch.down:
                 continue  # gone with the engine (a restarted one never saw the key)
@@ -234,7 +224,7 @@ class EngineRequests:
         """The routing key `key` is released (its group ended, or its last session closed): the
         dispatch forgets it and every session still open under it ends on its engines."""
         self.dispatch.release(key)
-        for session in sorted(self._by_key.get(key, ())):
+        for session in sorted(k for k, s in self.sessions.items() if s.routing_key == key):
             await self.end_session(session)
 
     # ---------------------------------------------------------------- batching

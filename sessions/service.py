@@ -76,7 +76,6 @@ class SessionService:
         self.sampling = {"stop_token_ids": list(store.tok.stop_token_ids),
                          **check_sampling(sampling or {}, "default sampling")}
         self._keys: dict[str, str] = {}  # session id -> routing key, for sessions the engines saw
-        self._open_per_key: dict[str, int] = {}  # routing key -> its sessions in `_keys`
         self.turns = 0
         self.cached_tokens = 0
         self.prompt_tokens = 0
@@ -93,9 +92,7 @@ class SessionService:
         """One turn; returns {"message", "finish_reason", "usage"} (see rollout/client.py)."""
         params = {**self.sampling, **check_sampling(sampling or {})}
         plan = self.store.prepare_turn(session_id, messages, tools, params)
-        if session_id not in self._keys:  # before the call: a failed turn may have reached an engine
-            self._keys[session_id] = plan.routing_key
-            self._open_per_key[plan.routing_key] = self._open_per_key.get(plan.routing_key, 0) + 1
+        self._keys.setdefault(session_id, plan.routing_key)  # before the call: a failed turn may have reached an engine
         try:
             # images only when the turn has some: text-only engine functions keep their signature
             extra = {} if plan.images is None else {"images": plan.images}
@@ -126,13 +123,10 @@ class SessionService:
         key = self._keys.pop(session_id, None)
         if key is None:
             return
-        left = self._open_per_key.pop(key) - 1
-        if left:
-            self._open_per_key[key] = left
         if self.end_session is not None:
             try:
                 # the routing key stays pinned while another open session shares it
-                await self.end_session(session_id, key, left == 0)
+                await self.end_session(session_id, key, key not in self._keys.values())
             except MilesError as exc:  # the engine KV is only a cache; the session is closed anyway
                 log.warning("end_session_failed", session=session_id, error=f"{type(exc).__name__}: {exc}")
 
