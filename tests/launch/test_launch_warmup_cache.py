@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -26,20 +27,30 @@ def test_ctrl_c_during_warm_up_leaves_no_temp_dir(tmp_path: Path) -> None:
                           "--set", f"run.dir={tmp_path / 'run'}", "--set", "run.warmup_sft_steps=1000000"],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          env={**os.environ, "MILES_CACHE": str(cache)})
+    lines: list[str] = []
+    assert p.stdout is not None
+    reader = threading.Thread(target=lambda: lines.extend(iter(p.stdout.readline, "")), daemon=True)
+    reader.start()
     try:
+        # The signal goes once the first SFT step has printed: inside the training loop for certain
+        # (a fixed sleep after the temp dir appeared was, on a loaded 2-core CI runner, sometimes not).
         deadline = time.monotonic() + 90
-        while not list(cache.glob("*.tmp*")) or not list(cache.glob("*.tmp*/tokenizer.json")):
-            assert p.poll() is None and time.monotonic() < deadline, "the warm-up did not start"
+        while not any(ln.startswith("warm-up 1/") for ln in list(lines)):
+            assert p.poll() is None and time.monotonic() < deadline, f"the warm-up did not start: {''.join(lines)}"
             time.sleep(0.05)
-        time.sleep(0.5)  # inside the training loop
+        assert list(cache.glob("*.tmp*/tokenizer.json")), "the warm-up writes into a temp dir"
         p.send_signal(signal.SIGINT)
-        out, _ = p.communicate(timeout=30)
+        p.wait(timeout=30)
+        reader.join(5)
     finally:
         if p.poll() is None:
             p.kill()
             p.wait(5)
-    assert p.returncode == 130, out
-    assert list(cache.iterdir()) == [], out  # neither a temp dir nor a checkpoint
+    log = tmp_path / "run" / "logs" / "launcher.log"
+    why = (f"rc={p.returncode}\noutput:\n{''.join(lines)}\ncache: {sorted(x.name for x in cache.iterdir())}\n"
+           f"launcher.log:\n{log.read_text()[-3000:] if log.is_file() else '(none)'}")
+    assert p.returncode == 130, why
+    assert list(cache.iterdir()) == [], why  # neither a temp dir nor a checkpoint
 
 
 def test_an_orphaned_temp_dir_is_removed_by_the_next_warm_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
