@@ -107,6 +107,8 @@ class LoopSocket:
 
         delay = 0.0001
         while True:
+            if self._closed:  # this process is stopping (host.stop closed its sockets): not a raw ENOTSOCK
+                raise TransportError(f"send {what or 'message'}: the socket is closed; this process is stopping")
             try:
                 self.sync.send_multipart(frames, zmq.NOBLOCK, copy=False)
                 break
