@@ -78,7 +78,8 @@ class RolloutActor(Actor):
 
     def _fronted_client(self, engine_fn: EngineFn) -> FrontedClient:
         return FrontedClient(self.store, engine_fn, self.http_url, self.http_token,
-                             self.service.close if self.service is not None else None)
+                             self.service.close if self.service is not None else None,
+                             self.requests.end_session if self.cfg.rollout.engine_sessions else None)
 
     # ------------------------------------------------------------------ engines
     def _on_death(self, notice: DeathNotice) -> None:

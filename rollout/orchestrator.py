@@ -52,7 +52,9 @@ class Orchestrator:
         self.generate = load_layer("generate", rc.generate_fn or "miles.rollout.layers:default_generate")
         self.reward = RewardGuard(resolve_hook(rc.reward_fn, "rollout.reward_fn") if rc.reward_fn else env.reward,
                                   rc.reward_errors, rc.reward_max_errors_in_a_row)
-        self.make_client = make_client or (lambda fn: LocalSessionClient(store, fn))
+        # A multi-turn trajectory's engine keeps its KV between turns (rollout.engine_sessions).
+        end = requests.end_session if rc.engine_sessions else None
+        self.make_client = make_client or (lambda fn: LocalSessionClient(store, fn, end))
         # The default single-turn layers need no session: `_one_turn` gives the same sample
         # (tests/rollout/test_rollout_one_turn.py) for ~1/3 less rollout CPU. Not when the
         # sessions must be reachable over the HTTP front.
@@ -143,8 +145,9 @@ class Orchestrator:
     async def _run(self, work: Work) -> None:
         key = work.group_id  # the whole group on one engine: its prompt is prefilled once
 
-        async def engine_fn(ids: list[int], sampling: dict[str, Any], images: ImageInput | None = None) -> EngineOutput:
-            return await self.requests.call(key, ids, sampling, images)
+        async def engine_fn(ids: list[int], sampling: dict[str, Any], images: ImageInput | None = None,
+                            session: str | None = None) -> EngineOutput:
+            return await self.requests.call(key, ids, sampling, images, session)
 
         own = dict(work.prompt.get("sampling") or {})  # per-prompt sampling overrides
         if "max_new_tokens" in work.prompt:
@@ -253,7 +256,7 @@ class Orchestrator:
             "rollout/generated_samples": float(self.gen_samples),
             "rollout/retracted_resubmits": float(rq.resubmits),
             "rollout/mixed_version_samples": float(rq.mixed_version_samples),
-            # HTTP-front sessions whose engines keep their KV, and the EndSessions that freed it
+            # sessions whose engines keep their KV between turns, and the EndSessions that freed it
             "rollout/engine_sessions_open": float(len(rq.sessions)),
             "rollout/engine_sessions_ended": float(rq.sessions_ended),
             "rollout/end_session_failures": float(rq.end_session_failures),

@@ -79,6 +79,12 @@ class RolloutConfig:
     router_affinity: bool = opt(
         True, "route every turn of a session to the engine that served its first turn (KV-cache reuse)"
     )
+    engine_sessions: bool = opt(
+        True, "a multi-turn trajectory's turns carry its session id to the engine, which keeps the turn's KV "
+        "for the next turn (prefill of the new tokens only; freed when the session closes or its group ends); "
+        "off = every turn prefills its whole context. The torch engine's (SGLang's radix cache reuses "
+        "prefixes by itself)"
+    )
     http_front: bool = opt(
         False, "serve the OpenAI-compatible session front from the rollout process, so black-box agents "
         "(e.g. miles.rollout.envs.openai_agent) reach their session at ctx.base_url"

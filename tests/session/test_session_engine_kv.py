@@ -142,3 +142,36 @@ async def test_a_session_moved_off_a_dead_engine_ends_on_the_live_one(procs, tmp
             await reqs.close()
         await rollout_host.stop()
         await head.stop()
+
+
+@pytest.mark.parametrize("engine_sessions", [True, False])
+async def test_in_process_sessions_reuse_their_engine_kv(stack, engine_sessions: bool) -> None:
+    """A rollout worker's in-process session (LocalSessionClient, what agents use without the HTTP
+    front) sends its id as the engine session key when given `end_session`: turn 2 prefills only
+    what turn 1 did not feed, and close frees the KV. Without it every turn prefills it all."""
+    from miles.rollout.client import LocalSessionClient
+    from miles.rollout.session_store import SessionStore
+
+    s, tok = stack
+
+    async def engine_fn(ids, sampling, images=None, session=None):
+        return await s.requests.call("group-in-process", ids, sampling, images, session)
+
+    client = LocalSessionClient(SessionStore(tok), engine_fn,
+                                s.requests.end_session if engine_sessions else None)
+    sid = await client.create_session()
+    sampling = {"max_new_tokens": 8, "temperature": 0.0}
+    msgs = [{"role": "user", "content": "What is 2+3?"}]
+    r1 = await client.chat(sid, msgs, sampling=sampling)
+    msgs += [r1["message"], {"role": "user", "content": "And 4+5?"}]
+    r2 = await client.chat(sid, msgs, sampling=sampling)
+    engine = s.engines[s.dispatch.policy.engine_of("group-in-process") or ""]
+    u1, u2 = r1["usage"], r2["usage"]
+    if engine_sessions:
+        assert u2["cached_tokens"] == u1["prompt_tokens"] + u1["completion_tokens"] < u2["prompt_tokens"]
+        assert engine.stats()["cached_sessions"] == 1
+    else:
+        assert u2["cached_tokens"] == 0 and engine.stats()["cached_sessions"] == 0
+    await client.close(sid)
+    assert engine.stats()["cached_sessions"] == 0 and s.requests.sessions == {}
+    assert s.requests.sessions_ended == int(engine_sessions) and s.requests.end_session_failures == 0
