@@ -12,7 +12,7 @@ included, plus decode).
     python bench/vlm_decode.py --device cuda --shape 3b --batch 32 --new 128
     python bench/vlm_decode.py --shape tiny --batch 4 --new 16      # CPU smoke run
 
-Last line: one JSON object.
+Last line: one JSON object. Results: bench/results/vlm_decode_<shape>_<device>.txt (or --name).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -97,6 +98,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--text", type=int, default=32, help="text tokens beside the image in each prompt")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--name", default="", help="results file stem (default vlm_decode_<shape>_<device>)")
     a = ap.parse_args()
     from miles.core.images import ImageInput, expand_placeholders, patchify
 
@@ -118,13 +120,17 @@ def main() -> None:
         "vl text": asyncio.run(run_case(vl, plain_prompts, none, a.new, a.batch, a.device)),
         "text model": asyncio.run(run_case(plain, plain_prompts, none, a.new, a.batch, a.device)),
     }
-    print(f"shape {a.shape}, {a.device} {a.dtype if a.device != 'cpu' else 'float32'}, batch {a.batch}, "
-          f"prompt {len(with_img[0])} tokens ({n_img} image tokens per prompt in vl+images), {a.new} new tokens")
-    print("| case | wall s | tokens | tok/s |\n|---|---|---|---|")
-    for k, r in res.items():
-        print(f"| {k} | {r['wall_s']} | {r['tokens']} | {r['tok_per_s']} |")
-    print(json.dumps({"shape": a.shape, "device": a.device, "batch": a.batch, "new": a.new,
-                      "prompt_tokens": len(with_img[0]), "image_tokens": n_img, **res}))
+    lines = [f"shape {a.shape}, {a.device} {a.dtype if a.device != 'cpu' else 'float32'}, batch {a.batch}, "
+             f"prompt {len(with_img[0])} tokens ({n_img} image tokens per prompt in vl+images), {a.new} new tokens",
+             "| case | wall s | tokens | tok/s |", "|---|---|---|---|"]
+    lines += [f"| {k} | {r['wall_s']} | {r['tokens']} | {r['tok_per_s']} |" for k, r in res.items()]
+    summary = json.dumps({"shape": a.shape, "device": a.device, "batch": a.batch, "new": a.new,
+                          "prompt_tokens": len(with_img[0]), "image_tokens": n_img, **res})
+    print("\n".join(lines))
+    out = Path(__file__).resolve().parent / "results" / f"{a.name or f'vlm_decode_{a.shape}_{a.device}'}.txt"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n" + summary + "\n")
+    print(summary)
 
 
 if __name__ == "__main__":
