@@ -83,15 +83,16 @@ for s in $SUITE; do
            --plain-cases dense:b128,moe:b128 --repeats 3 --budget-s 15 --out "$OUT/engine_h200_s9.json"
       step decode_profile_h200_s9 150 python bench/gpu/decode_profile.py --models dense,moe --cases b128 --top 15 ;;
     perf38)  # issue 38 in one call (~570 s): the background decode compile's GPU test, then the time
-      # to first step from cold compile caches with it (engine.compile_background, the default), dense
-      # 1.3B then MoE (COLD_SETS="--set engine.compile_background=false" gives the blocking
-      # compile for comparison), then the trainer's MFU at the goal pack sizes: MoE at 32k, dense at 16k
+      # to first step from cold compile caches with it (engine.compile_background, off by default since
+      # 13c0eff, so COLD_SETS sets it; COLD_SETS="--set engine.compile_background=false" gives the
+      # blocking compile for comparison), dense 1.3B then MoE, then the trainer's MFU at the goal pack
+      # sizes: MoE at 32k, dense at 16k
       step engine_bg_compile_gpu_tests_h200_s38 80 "${PYTEST[@]}" tests/engines/test_engines_compiled_decode.py
       for c in dense moe; do
         step "cold_start_${c}_h200_s38" "$([ "$c" = dense ] && echo 150 || echo 110)" \
              env TORCHINDUCTOR_CACHE_DIR="/tmp/cold38-$c/inductor" TRITON_CACHE_DIR="/tmp/cold38-$c/triton" \
              python bench/e2e_gpu.py --device cuda --cases "$c" --steps 3 --out "$OUT/cold_start_${c}_h200_s38.json" \
-             ${COLD_SETS:-}
+             ${COLD_SETS:---set engine.compile_background=true}
       done
       step trainer_moe_mb32k_h200_s38 110 python bench/trainer.py --device cuda --models moe_small --seqs 1024,4096 \
            --micro-tokens 32768 ${TRAINER38_ARGS:-}
