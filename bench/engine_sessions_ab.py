@@ -17,28 +17,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+from launched import REPO, train  # bench/ is on sys.path when this file runs as a script
+
 OUT = REPO / "bench" / "results"
 
 
 def run(config: str, steps: int, on: bool, run_dir: Path, extra: list[str]) -> dict[str, Any]:
     sets = [f"run.dir={run_dir}", f"run.steps={steps}", f"rollout.engine_sessions={str(on).lower()}", *extra]
-    cmd = [sys.executable, "-m", "miles.launch.cli", "train", config, *[x for s in sets for x in ("--set", s)]]
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=os.environ)
-    wall = time.monotonic() - t0
-    if proc.returncode:
-        sys.exit(f"miles train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows, wall = train(config, sets)
     q = max(len(rows) // 4, 1)
     # steps/s over the run's second half: the first steps include the engines' and trainer's start
     half = rows[len(rows) // 2:]

@@ -19,22 +19,17 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from launched import train  # bench/ is on sys.path when this file runs as a script
 
 REPO = Path(__file__).resolve().parents[1]
 GOAL_RISE, GOAL_WALL_S = 0.25, 180.0
 
 
 def run_seed(seed: int, sets: list[str], run_dir: Path) -> dict[str, float]:
-    t0 = time.time()
-    p = subprocess.run([sys.executable, "-m", "miles.launch.cli", "train", str(REPO / "examples" / "quickstart.toml"),
-                        "--set", f"run.dir={run_dir}", "--set", f"run.seed={seed}",
-                        *[x for s in sets for x in ("--set", s)]], capture_output=True, text=True)
-    wall = time.time() - t0
-    if p.returncode != 0:
-        raise SystemExit(f"seed {seed} failed:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
-    rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows, wall = train(REPO / "examples" / "quickstart.toml",
+                       [f"run.dir={run_dir}", f"run.seed={seed}", *sets], what=f"seed {seed}")
     r = [x["rollout/reward_mean"] for x in rows]
     q = max(1, len(r) // 4)
     first, last = sum(r[:q]) / q, sum(r[-q:]) / q

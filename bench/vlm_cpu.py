@@ -17,15 +17,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+from launched import REPO, train  # bench/ is on sys.path when this file runs as a script
+
 OUT = REPO / "bench" / "results"
 
 
@@ -83,18 +80,10 @@ def main() -> None:
 
     run_dir = tempfile.mkdtemp(prefix="vlm_cpu_")
     sets = [f"run.dir={run_dir}", *a.set] + ([f"run.steps={a.steps}"] if a.steps else [])
-    # this interpreter, not miles.sh: the run needs only what already imports here (the H200 image
-    # has no virtualenv of miles and no index to build one from)
-    cmd = [sys.executable, "-m", "miles.launch.cli", "train", a.config, *[x for s in sets for x in ("--set", s)]]
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=os.environ)
-    wall = time.monotonic() - t0
-    if proc.returncode:
-        sys.exit(f"miles train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    rows, wall = train(a.config, sets)
     cfg = load_config(MilesConfig, a.config, sets)
     resolved = json.loads((Path(run_dir) / "config.resolved.json").read_text())
     init = resolved["model"]["path"]
-    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     q = max(len(rows) // 4, 1)
     first = sum(r["rollout/reward_mean"] for r in rows[:q]) / q if "rollout/reward_mean" in rows[0] else float("nan")
     last = sum(r["rollout/reward_mean"] for r in rows[-q:]) / q if "rollout/reward_mean" in rows[0] else float("nan")
