@@ -203,6 +203,7 @@ class TrainerActor(Actor):
                 async with self.yielder.during("train"):
                     metrics = await asyncio.to_thread(self.trainer.train_step, batch)
             version, step = self.trainer.weight_version, self.trainer.step  # train_step made a new version
+            await self._check_publishable(step)
             metrics.update(await self._hand_off(version))
             ph.add("sync", metrics.get("perf/sync_s", metrics["perf/export_s"]))
             if self.cfg.trainer.memory.offload_when_idle:
@@ -255,6 +256,15 @@ class TrainerActor(Actor):
                 raise TrainerError(f"step {self.trainer.step}: {bad} image token(s) do not line up with their "
                                    "samples' image grids; the engine and the trainer would fill different slots")
         return batch, reply["metrics"]
+
+    async def _check_publishable(self, step: int) -> None:
+        """Weights holding a NaN or inf never reach an engine: the run stops here with the reason.
+        (A non-finite gradient is already skipped by the step; this catches any other way in.)"""
+        bad = await asyncio.to_thread(self.trainer.nonfinite_weights)
+        if bad:
+            raise TrainerError(f"step {step}: weights {bad} are not finite after the update; they are not "
+                               "published to the engines (the logs' nonfinite_grad_skipped lines and "
+                               "metrics.jsonl's train/* show what led here)")
 
     async def _hand_off(self, version: int) -> dict[str, float]:
         """Export (every rank), push and announce (rank 0) a weight version."""
