@@ -151,6 +151,8 @@ class RLStep:
                 "train/weight_version": float(b.weight_version),
             }
         )
+        if b.device.type == "cuda":  # what one trainer needs of a shared card (issue 44's memory goal)
+            out["perf/trainer_peak_gb"] = torch.cuda.max_memory_allocated(b.device) / 1e9
         return out
 
     def _pack_mini(
