@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# Real learning on Qwen2.5-Coder-0.5B-Instruct (issue 44) and SGLang on it (issue 45), one GPU.
+# Every call carries one chunk folder (64 MiB cap per call, the machine warm between back-to-back calls):
+#   run(command="bash bench/gpu/qwen_suite.sh take", carry=[".carry/cNN"])     NN = 00..19
+# c00-c09: learn.tar (cp312 wheels, GSM8K gz, the 491 MB GGUF); c10-c19: sglw.tar (SGLang 0.5.17's 56
+# wheels); carry.sha in c00 and c10. `take` joins and unpacks each tar once all its chunks are here:
+#   /root/pl/{whl,data,qwen.gguf} -> /tmp/site (wheels), /root/gsm8k, /root/qwen-hf (converted in `learn`)
+# Then detached stages (they survive their call while the machine stays warm) and their collection:
+#   bash bench/gpu/qwen_suite.sh bg learn     # memory bench, then 3 GSM8K runs at once (torch engine)
+#   bash bench/gpu/qwen_suite.sh bg sgl       # SGLang GSM8K run(s) + TRL + a torch run, at once
+#   bash bench/gpu/qwen_suite.sh collect learn 560
+# Results in $OUT: runs_<stage>.tgz (each run's metrics.jsonl, eval jsonl, console tail, errors), memory.json,
+# trl.txt, stage.log. Summaries are made on the CPU side from the run dirs (bench/learn_summary.py).
+set -u
+STAGE="${1:-take}"
+OUT="${OUT:-/tmp/out}"
+LIMIT="${LIMIT:-600}"          # run.time_limit_s of each GSM8K run
+# A detached stage imports miles from its own snapshot through its own link (PKG), so the next call's
+# fresh copy of the tree never changes the code under a running stage.
+PKG="${PKG:-/tmp/pkg}"
+mkdir -p "$OUT" "$PKG" /tmp/learn
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+ln -sfn "$PWD" "$PKG/miles"
+export PYTHONPATH="$PKG:/tmp/site:${PYTHONPATH:-}"
+COMMIT="${MILES_COMMIT:-$(cat .commit 2>/dev/null || echo unknown)}"
+D=/root/gsm8k
+M=/root/qwen-hf
+
+take() {
+  mkdir -p /root/carry && cp .carry/c*/* /root/carry/ 2>/dev/null
+  cd /root/carry || return 3
+  echo "carry: $(ls | tr '\n' ' ')"
+  if [ -f L.09 ] && [ ! -f /root/pl/.done ]; then
+    cat $(ls L.* | sort -V) > learn.tar && grep learn.tar carry.sha | sha256sum -c - || return 3
+    mkdir -p /root/pl "$D" && tar xf learn.tar -C /root/pl && rm -f L.* learn.tar || return 3
+    gunzip -c /root/pl/data/train.jsonl.gz > "$D/train.jsonl" && gunzip -c /root/pl/data/test.jsonl.gz > "$D/test.jsonl"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      /root/pl/whl/*.whl > /root/pl/install.log 2>&1 || { tail -5 /root/pl/install.log; return 4; }
+    touch /root/pl/.done && echo "learn payload: $(ls /root/pl/whl | wc -l) wheels, $(wc -l < "$D/train.jsonl") train rows"
+  fi
+  if [ -f S.09 ] && [ ! -d /tmp/sgl-site/sglang ]; then
+    cat $(ls S.* | sort -V) > sglw.tar && grep sglw.tar carry.sha | sha256sum -c - || return 3
+    mkdir -p /root/sglw/whl && tar xf sglw.tar -C /root/sglw/whl && rm -f S.* sglw.tar || return 3
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/sgl-site \
+      /root/sglw/whl/*.whl > /root/sglw/install.log 2>&1 || { tail -5 /root/sglw/install.log; return 4; }
+    echo "sglang payload: $(ls /root/sglw/whl | wc -l) wheels installed"
+  fi
+}
+
+convert() {  # the GGUF -> HF directory once (the fetch-model command where this tree has it)
+  [ -f "$M/config.json" ] && return 0
+  t0=$(date +%s)
+  if python3 -m miles.launch.cli fetch-model --help > /dev/null 2>&1; then
+    python3 -m miles.launch.cli fetch-model qwen2.5-coder-0.5b --out "$M" --from /root/pl > "$OUT/convert.log" 2>&1 \
+      || { tail -20 "$OUT/convert.log"; }
+  fi
+  if [ ! -f "$M/config.json" ]; then
+    python3 - > "$OUT/convert.log" 2>&1 <<'EOF'
+import importlib.util, pathlib
+spec = importlib.util.spec_from_file_location("sp", "examples/smollm2_packaged.py")
+sp = importlib.util.module_from_spec(spec); spec.loader.exec_module(sp)
+sp.convert(pathlib.Path("/root/pl/qwen.gguf"), pathlib.Path("/root/qwen-hf"))
+EOF
+  fi
+  echo "converted in $(( $(date +%s) - t0 )) s: $(ls "$M" | tr '\n' ' ')"
+}
+
+# The recipe: examples/gsm8k.toml on all of GSM8K with the real checkpoint, 512 new tokens, the held-out
+# eval on all 1,319 test rows at start and end; a run sharing the card sets a longer heartbeat timeout.
+RECIPE="${RECIPE:-examples/gsm8k_qwen.toml}"
+[ -f "$RECIPE" ] || RECIPE=examples/gsm8k.toml
+G=(--set "model.path=$M" --set "rollout.env_args.path=$D/train.jsonl" --set "rollout.env_args.eval_path=$D/test.jsonl"
+   --set rollout.env_args.max_calc_steps=0 --set "run.time_limit_s=$LIMIT" --set transport.heartbeat_timeout_s=20
+   --set trainer.micro_batch_tokens=16384 --set trainer.recompute=full ${EXTRA_SETS:-})
+
+train() {  # NAME TIMEOUT --set ...
+  local name="$1" to="$2"; shift 2
+  rm -rf "/tmp/learn/$name"
+  MILES_CACHE="/tmp/cache-$name" timeout "$to" python3 -m miles.launch.cli train "$RECIPE" \
+    --set "run.dir=/tmp/learn/$name" --set run.progress=false "${G[@]}" "$@" > "/tmp/learn/$name.console" 2>&1
+  echo "$name exit $? at $(date +%T)" >> "$OUT/log.txt"
+}
+
+pack() {
+  for d in /tmp/learn/*/; do
+    [ -d "$d" ] || continue
+    n=$(basename "$d")
+    python3 -m miles.launch.cli report "$d" > /dev/null 2>&1
+    tail -60 "/tmp/learn/$n.console" > "$d/console_tail.txt" 2>/dev/null
+    grep -h '"level": "error"\|nonfinite' "$d"/logs/*.log 2>/dev/null | tail -40 > "$d/errors.txt"
+  done
+  (cd /tmp/learn && tar czf "$OUT/runs_$1.tgz" --exclude=final_hf --exclude=tb --exclude='*.safetensors' \
+    --exclude=checkpoints --exclude=eval . 2>/dev/null)
+}
+
+case "$STAGE" in
+take) take; exit $? ;;
+bg)  # bg STAGE: STAGE detached, from a snapshot of this tree (the next call's copy replaces this one)
+  S="$2"; rm -rf "/root/snap-$S" "/root/out-$S"; mkdir -p "/root/out-$S"
+  tar cf - --exclude=./.carry . | (mkdir -p "/root/snap-$S" && cd "/root/snap-$S" && tar xf -)
+  (cd "/root/snap-$S" && PKG="/tmp/pkg-$S" OUT="/root/out-$S" MILES_COMMIT="$COMMIT" LIMIT="$LIMIT" EXTRA_SETS="${EXTRA_SETS:-}" TRL="${TRL:-1}" \
+    setsid nohup bash -c "bash bench/gpu/qwen_suite.sh $S; touch /root/out-$S/done" > "/root/out-$S/stage.log" 2>&1 < /dev/null &)
+  sleep 3; echo "started $S: $(pgrep -fc "qwen_suite.sh $S") processes"; exit 0 ;;
+collect)  # collect STAGE WAIT_S: wait for a bg STAGE (at most WAIT_S), then copy its results to $OUT
+  S="$2"; W="${3:-0}"; t0=$(date +%s)
+  while [ ! -f "/root/out-$S/done" ] && [ $(( $(date +%s) - t0 )) -lt "$W" ]; do sleep 5; done
+  [ -f "/root/out-$S/done" ] && echo "$S done" || echo "$S still running after ${W}s"
+  cat "/root/out-$S/log.txt" 2>/dev/null; tail -3 /tmp/learn/*.console 2>/dev/null | cut -c1-300
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader
+  cp -r "/root/out-$S"/. "$OUT/" 2>/dev/null; exit 0 ;;
+learn)
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/gpu.txt"
+  convert || exit 1
+  timeout 240 python3 bench/trainer_memory.py --model "$M" --cases bf16_16k_before,bf16_16k,fp32_8k \
+    --out "$OUT/memory.json" > "$OUT/memory.txt" 2>&1
+  train sync_s0 $((LIMIT + 400)) --set buffer.mode=sync --set run.seed=0 --set rollout.env_args.seed=0 &
+  train async_s0 $((LIMIT + 400)) --set run.seed=0 --set rollout.env_args.seed=0 &
+  train async_s1 $((LIMIT + 400)) --set run.seed=1 --set rollout.env_args.seed=1 &
+  wait; pack learn ;;
+sgl)
+  export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
+  SG=(--set engine.type=sglang --set 'engine.sglang_extra_args=["--attention-backend","triton","--sampling-backend","pytorch","--grammar-backend","none","--skip-server-warmup"]'
+      --set engine.sglang_startup_timeout_s=400 --set engine.sglang_mem_fraction=0.25)
+  PYTHONPATH="/tmp/sgl-site:$PYTHONPATH" train sgl_async_s0 $((LIMIT + 500)) "${SG[@]}" --set run.seed=0 --set rollout.env_args.seed=0 &
+  train sync_s1 $((LIMIT + 400)) --set buffer.mode=sync --set run.seed=1 --set rollout.env_args.seed=1 &
+  if [ "${TRL:-1}" != 0 ]; then
+    timeout $((LIMIT + 400)) python3 bench/learn_trl.py --model "$M" --data "$D" --max-calc-steps 0 \
+      --max-new-tokens 512 --lr "${TRL_LR:-2e-6}" --eval-prompts 1319 --time-limit "$LIMIT" > /tmp/learn/trl.txt 2>&1
+    echo "trl exit $? at $(date +%T)" >> "$OUT/log.txt"; cp /tmp/learn/trl.txt "$OUT/trl.txt"
+  fi
+  wait; pack sgl ;;
+*) echo "unknown stage $STAGE"; exit 2 ;;
+esac
+exit 0
