@@ -40,6 +40,11 @@ def _file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _version(v: str) -> tuple[int, int]:
+    major, minor = (v.split(".") + ["0"])[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
 def convert(gguf: Path, out: Path, model: PackagedModel, dtype: str) -> dict[str, Any]:
     """Write the HF directory for `gguf` at `out` (which must not exist); return its manifest."""
     try:
@@ -62,8 +67,9 @@ def convert(gguf: Path, out: Path, model: PackagedModel, dtype: str) -> dict[str
             # transformers >= 5 keeps GGUF blocks packed where a matmul kernel exists (the GPU
             # machine has `kernels`); the saved checkpoint needs plain dense weights
             kw["quantization_config"] = transformers.GgufConfig(dequantize=True)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                               dtype=getattr(torch, dtype), **kw)
+        # transformers < 4.56 names the load dtype `torch_dtype`
+        kw["dtype" if _version(transformers.__version__) >= (4, 56) else "torch_dtype"] = getattr(torch, dtype)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, **kw)
         cfg = hf.config.to_dict()
         if cfg.get("model_type") != model.architecture:
             raise IntegrityError(f"{gguf}: transformers reads model_type {cfg.get('model_type')!r}; "
