@@ -121,6 +121,15 @@ class TrainerActor(Actor):
             _write_text(run_dir / "checkpoints" / "latest", ckpt.name)
             log.info("checkpoint_saved", step=step, path=str(ckpt))
 
+    def _export_hf(self, path: Path) -> None:
+        """The weights (a collective: every rank calls) plus, from rank 0, the start model's
+        tokenizer files and chat template, so the directory loads for chat on its own."""
+        from miles.models.hf_companions import copy_companions
+
+        self.trainer.export_hf_checkpoint(path)
+        if self.rank == 0:
+            copy_companions(self.cfg.model.path, path)
+
     # ------------------------------------------------------------------ evaluation
     def _maybe_eval(self, step: int, version: int, run_dir: Path) -> None:
         ec = self.cfg.eval
@@ -128,7 +137,7 @@ class TrainerActor(Actor):
             return
         if ec.mode == "external":  # a collective over FSDP shards: every rank exports
             ckpt = run_dir / "eval" / f"step_{step:06d}"
-            self.trainer.export_hf_checkpoint(ckpt)
+            self._export_hf(ckpt)
         if self.rank != 0:
             return
         if self._eval_task is not None and not self._eval_task.done():
@@ -140,7 +149,7 @@ class TrainerActor(Actor):
     async def _eval_at_start(self) -> None:
         """Step 0: the initial weights, evaluated before any training (the 'before' of a run)."""
         if self.cfg.eval.mode == "external":
-            self.trainer.export_hf_checkpoint(self.run_dir / "eval" / "step_000000")
+            self._export_hf(self.run_dir / "eval" / "step_000000")
         if self.rank == 0:
             await self._run_eval(0, self.trainer.weight_version, self.run_dir)
 
@@ -287,14 +296,14 @@ class TrainerActor(Actor):
         step = self.trainer.step
         if cfg.eval.at_end and cfg.eval.mode != "none" and step > 0 and step % cfg.eval.every_steps != 0:
             if cfg.eval.mode == "external":
-                self.trainer.export_hf_checkpoint(self.run_dir / "eval" / f"step_{step:06d}")
+                self._export_hf(self.run_dir / "eval" / f"step_{step:06d}")
             if self.rank == 0:
                 await self._run_eval(step, self.trainer.weight_version, self.run_dir)
         if self.rank == 0:
             state = await self.ref("rollout").ask(DumpState(), timeout=cfg.transport.default_deadline_s)
             _write_json(self.run_dir / "ledger.json", state["buffer"]["ledger"])
             _write_json(self.run_dir / "rollout_final.json", state)
-        await asyncio.to_thread(self.trainer.export_hf_checkpoint, self.run_dir / "final_hf")
+        await asyncio.to_thread(self._export_hf, self.run_dir / "final_hf")
         log.info("training_done", steps=self.trainer.step, version=self.trainer.weight_version)
 
 
