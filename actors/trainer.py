@@ -151,14 +151,14 @@ class TrainerActor(Actor):
         if self.cfg.eval.mode == "external":
             self._export_hf(self.run_dir / "eval" / "step_000000")
         if self.rank == 0:
-            await self._run_eval(0, self.trainer.weight_version, self.run_dir)
+            await self._run_eval(0, self.trainer.weight_version, self.run_dir, full=self.cfg.eval.full_at_ends)
 
-    async def _run_eval(self, step: int, version: int, run_dir: Path) -> None:
+    async def _run_eval(self, step: int, version: int, run_dir: Path, full: bool = False) -> None:
         ec = self.cfg.eval
         t_ready = time.monotonic() - getattr(self, "_t_loop", time.monotonic())
         try:
             if ec.mode == "shared":
-                m = await self.ref("rollout").ask(RunEval(step, version), timeout=ec.timeout_s)
+                m = await self.ref("rollout").ask(RunEval(step, version, full), timeout=ec.timeout_s)
             elif ec.mode == "snapshot":
                 assert self.publisher is not None
                 snap = WeightSync(self.host, self.cfg.snapshot_sync, ["eval-engine"])
@@ -172,7 +172,8 @@ class TrainerActor(Actor):
                     from miles.rollout.tokenizer import load_tokenizer
 
                     self._evaluator = Evaluator(self.cfg, load_tokenizer(self.cfg.model.path))
-                m = await asyncio.wait_for(self._evaluator.evaluate(self.host, ["eval-engine"]), ec.timeout_s)
+                m = await asyncio.wait_for(self._evaluator.evaluate(self.host, ["eval-engine"], full=full),
+                                           ec.timeout_s)
             else:
                 m = await run_external(ec.command, str(run_dir / "eval" / f"step_{step:06d}"), step,
                                        ec.timeout_s)
@@ -294,11 +295,13 @@ class TrainerActor(Actor):
             except TimeoutError:
                 log.warning("eval_abandoned_at_end")
         step = self.trainer.step
-        if cfg.eval.at_end and cfg.eval.mode != "none" and step > 0 and step % cfg.eval.every_steps != 0:
+        # a full evaluation at the end runs even after an every_steps one at the same step (a subset)
+        last_done = step % cfg.eval.every_steps == 0 and not cfg.eval.full_at_ends
+        if cfg.eval.at_end and cfg.eval.mode != "none" and step > 0 and not last_done:
             if cfg.eval.mode == "external":
                 self._export_hf(self.run_dir / "eval" / f"step_{step:06d}")
             if self.rank == 0:
-                await self._run_eval(step, self.trainer.weight_version, self.run_dir)
+                await self._run_eval(step, self.trainer.weight_version, self.run_dir, full=cfg.eval.full_at_ends)
         if self.rank == 0:
             state = await self.ref("rollout").ask(DumpState(), timeout=cfg.transport.default_deadline_s)
             _write_json(self.run_dir / "ledger.json", state["buffer"]["ledger"])

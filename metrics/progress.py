@@ -12,12 +12,24 @@ def fmt_eta(s: float) -> str:
 
 
 def eval_part(rec: dict[str, Any]) -> str:
-    """`eval@40 greedy 0.125 avg@8 0.094 pass@8 0.312` from an evaluation's metrics."""
+    """`eval@40 greedy 0.125 strict 0.109 lenient 0.156 avg@8 0.094 pass@8 0.312 all(1319) strict 0.27
+    lenient 0.30` from an evaluation's metrics: strict/lenient where the env scores answers both
+    ways (GSM8K), all(N) where the evaluation covered every one of the N eval rows."""
     acc = rec.get("eval/greedy_accuracy", rec["eval/reward_mean"])
     out = f"eval@{int(rec.get('eval/step', rec.get('step', 0)))} greedy {acc:.3f}"
+    for name in ("strict", "lenient"):
+        if f"eval/accuracy_{name}" in rec:
+            out += f" {name} {rec[f'eval/accuracy_{name}']:.3f}"
     k = int(rec.get("eval/samples", 0))
     if k:
         out += f" avg@{k} {rec.get(f'eval/avg_at_{k}', 0.0):.3f} pass@{k} {rec.get(f'eval/pass_at_{k}', 0.0):.3f}"
+    if "eval/full/num_prompts" in rec:
+        out += f" all({int(rec['eval/full/num_prompts'])})"
+        scored = [n for n in ("strict", "lenient") if f"eval/full/accuracy_{n}" in rec]
+        for name in scored:
+            out += f" {name} {rec[f'eval/full/accuracy_{name}']:.3f}"
+        if not scored:
+            out += f" greedy {rec.get('eval/full/greedy_accuracy', 0.0):.3f}"
     return out
 
 
