@@ -1,4 +1,4 @@
-"""The `miles` command line: train, launch (Slurm), config, check-template, bench."""
+"""The `miles` command line: train, launch (Slurm), config, check-template, bench, fetch-model."""
 
 from __future__ import annotations
 
@@ -139,6 +139,7 @@ SUBCOMMAND_MODULES: list[str] = [
     "miles.launch.data_check",
     "miles.launch.report",
     "miles.diffusion.cli",
+    "miles.packaged.fetch",
 ]
 
 

@@ -22,12 +22,25 @@ def fmt_eta(s: float) -> str:
 
 
 def eval_part(rec: dict[str, Any]) -> str:
-    """`eval@40 greedy 0.125 avg@8 0.094 pass@8 0.312` from an evaluation's metrics."""
+    """`eval@40 greedy 0.125 strict 0.109 lenient 0.156 avg@8 0.094 pass@8 0.312 all(1319) strict 0.27
+    lenient 0.30` from an evaluation's metrics: strict/lenient where the env scores answers both
+    ways (GSM8K), all(N) where the evaluation covered every one of the N eval rows; `n/a` for a
+    value that is missing or was not finite."""
     acc = "eval/greedy_accuracy" if "eval/greedy_accuracy" in rec else "eval/reward_mean"
     out = f"eval@{int(rec.get('eval/step') or rec.get('step') or 0)} greedy {num(rec, acc, '.3f')}"
+    for name in ("strict", "lenient"):
+        if f"eval/accuracy_{name}" in rec:
+            out += f" {name} {num(rec, f'eval/accuracy_{name}', '.3f')}"
     k = int(rec.get("eval/samples") or 0)
     if k:
         out += f" avg@{k} {num(rec, f'eval/avg_at_{k}', '.3f')} pass@{k} {num(rec, f'eval/pass_at_{k}', '.3f')}"
+    if rec.get("eval/full/num_prompts"):
+        out += f" all({int(rec['eval/full/num_prompts'])})"
+        scored = [n for n in ("strict", "lenient") if f"eval/full/accuracy_{n}" in rec]
+        for name in scored:
+            out += f" {name} {num(rec, f'eval/full/accuracy_{name}', '.3f')}"
+        if not scored:
+            out += f" greedy {num(rec, 'eval/full/greedy_accuracy', '.3f')}"
     return out
 
 

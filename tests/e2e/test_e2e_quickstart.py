@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from miles.rollout.tokenizer import load_tokenizer
 
 from .e2e_helpers import QUICKSTART, check_ledger, kill_tree, metrics, miles_argv, start_run, wait
 
@@ -40,9 +43,21 @@ def test_quickstart_writes_every_output(tmp_path: Path) -> None:
     assert page.count("<svg ") == 8 and "groups trained" in page  # 5 run plots + the 3 Figure 5 panels
     assert list((run / "tb").glob("events.*"))
     check_ledger(run)
+    # final_hf is a complete checkpoint: the start model's tokenizer files and chat template,
+    # byte for byte, beside the trained weights; transformers loads both and chats with it
+    start = Path(json.loads((run / "config.resolved.json").read_text())["model"]["path"])
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (run / "final_hf" / name).read_bytes() == (start / name).read_bytes(), name
     transformers = pytest.importorskip("transformers")
     model = transformers.AutoModelForCausalLM.from_pretrained(run / "final_hf")
     assert model.config.model_type == "qwen3_moe"
+    tok = transformers.AutoTokenizer.from_pretrained(run / "final_hf")
+    chat = [{"role": "user", "content": "2+3?"}]
+    text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert text == load_tokenizer(start).apply_chat_template(chat, add_generation_prompt=True)
+    ids = tok(text, return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert out.shape[1] > ids.shape[1]  # it answers (random weights: what it says is noise)
 
 
 def test_quickstart_as_shipped_learns_on_a_clean_console(tmp_path: Path) -> None:
