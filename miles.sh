@@ -45,5 +45,6 @@ case "$cmd" in
         [ "$given" = 1 ] || set -- "$@" "$ROOT/tests"
         exec "$VENV/bin/python" -m pytest -q -c "$ROOT/pyproject.toml" --rootdir "$ROOT" "$@" ;;
   "") echo "usage: ./miles.sh train CONFIG.toml | test | <any miles subcommand>" >&2; exit 2 ;;
-  *) exec "$VENV/bin/miles" "$cmd" "$@" ;;
+  # MILES_PROG: the commands miles prints (e.g. how to resume a run) start the way this one did
+  *) MILES_PROG="$0" exec "$VENV/bin/miles" "$cmd" "$@" ;;
 esac
