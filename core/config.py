@@ -14,7 +14,7 @@ import typing
 from pathlib import Path
 from typing import Any, TypeVar, get_args, get_origin
 
-from miles.core.config_paths import resolve_dotted, resolve_table
+from miles.core.config_paths import resolve_dotted, resolve_table, with_default_paths
 from miles.core.errors import ConfigError
 from miles.core.typecheck import convert
 
@@ -148,7 +148,7 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
             raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}") from exc
         data = resolve_table(cls, data, p.parent)
     data = apply_overrides(cls, data, overrides or [])
-    return _build(cls, data, "")
+    return _build(cls, with_default_paths(cls, data, Path.cwd()), "")
 
 
 def from_dict(cls: type[T], data: dict[str, Any]) -> T:

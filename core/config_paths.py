@@ -5,7 +5,9 @@ runs (`examples/dataset.toml` names `data/word_problems.jsonl` beside itself); a
 given on the command line (`--set`) means a place under the caller's working directory, as
 every shell argument does. Both are made absolute when the config is loaded, so every process
 of a run (started elsewhere, or on another node) and every error message sees the one place
-that was meant. Defaults are left as declared (relative to the working directory).
+that was meant. A relative default (run.dir = "runs/latest") is from the working directory, and
+made absolute too: after loading, every path a config holds is absolute (so a dumped config
+loads back the same from any folder).
 
 Which values are paths:
 - every option declared with unit "path" (`opt(..., "path")`);
@@ -84,3 +86,20 @@ def resolve_dotted(cls: type, dotted: str, value: Any, base: Path) -> Any:
         else:
             return value
     return resolve_value(tp, meta, value, base)
+
+
+def with_default_paths(cls: type, data: dict[str, Any], base: Path) -> dict[str, Any]:
+    """`data` plus every path option it does not set whose default is a non-empty path, made
+    absolute against `base` (the working directory)."""
+    out = dict(data)
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        tp, meta = _fields(cls)[f.name]
+        if dataclasses.is_dataclass(tp):
+            sub = data.get(f.name, {})
+            if isinstance(sub, dict):
+                filled = with_default_paths(tp, sub, base)  # type: ignore[arg-type]
+                if filled:
+                    out[f.name] = filled
+        elif meta.get("unit") == PATH_UNIT and f.name not in data and isinstance(f.default, str) and f.default:
+            out[f.name] = absolute(f.default, base)
+    return out
