@@ -5,8 +5,9 @@
 # It (re)installs when the virtualenv is missing or pyproject.toml (the dependency list) has
 # changed since the last install: the marker file holds the hash of the pyproject.toml it
 # installed from. MILES_VENV picks another virtualenv directory.
-# It runs in the caller's directory: paths given to it (configs, data, run dirs) are relative
-# to where it is called from, as for `.venv/bin/miles` itself; only the install runs in the repo.
+# It runs in the caller's directory: a path given on its command line (a config, --set) is
+# relative to where it is called from, one written in a config file to that file's folder, as
+# for `.venv/bin/miles` itself; only the install runs in the repo.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")" && pwd)"
 VENV="${MILES_VENV:-$ROOT/.venv}"
