@@ -29,8 +29,8 @@ def errors_on_console(text: str) -> list[str]:
     return [ln for ln in text.splitlines() if ln.startswith(("error", "Traceback")) or "miles: error" in ln]
 
 
-def test_ctrl_c_prints_the_resume_command_which_resumes_without_errors(tmp_path: Path) -> None:
-    run, cache = tmp_path / "run", tmp_path / "cache"
+def test_ctrl_c_prints_the_resume_command_which_resumes_without_errors(tmp_path: Path, miles_cache: Path) -> None:
+    run, cache = tmp_path / "run", miles_cache
     first = tmp_path / "first.out"
     # run.log_json as shipped (auto): the console a user sees
     p = run_cli(miles_argv("train", str(QUICKSTART), "--set", "run.dir=run", "--set", "run.warmup_sft_steps=0",
