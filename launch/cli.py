@@ -105,7 +105,7 @@ def _resume_config(run_dir: str, overrides: list[str]) -> tuple[MilesConfig, str
     if not resolved.is_file():
         raise ConfigError(f"--resume {run_dir!r}: no config.resolved.json there; is it a miles run directory?")
     data = apply_overrides(MilesConfig, json.loads(resolved.read_text()), overrides)
-    data.setdefault("run", {})["dir"] = str(run_dir)
+    data.setdefault("run", {})["dir"] = str(Path(run_dir).absolute())  # absolute, as a loaded config
     cfg = from_dict(MilesConfig, data)
     from miles.metrics.run_dir import finished_at
 
