@@ -147,7 +147,7 @@ def summarize_run(run_dir: str | Path) -> RunSummary:
     s.ledger = ledger_summary(run)
     s.evals = read_evals(run)
     s.warnings = warning_counts(run)
-    s.outputs = [str(run / n) for n in ("metrics.jsonl", "report.html", "final_hf", "logs", "tb")
+    s.outputs = [str(run / n) for n in ("metrics.jsonl", "report.html", "final_hf", "checkpoints", "logs", "tb")
                  if (run / n).exists()]
     return s
 

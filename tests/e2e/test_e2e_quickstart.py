@@ -22,9 +22,9 @@ REQUIRED = ["step", "rollout/reward_mean", "train/train_rollout_logprob_abs_diff
             "rollout/fully_async/buffer_max_staleness"]
 
 
-def test_quickstart_writes_every_output(tmp_path: Path) -> None:
+def test_quickstart_writes_every_output(tmp_path: Path, miles_cache: Path) -> None:
     run = tmp_path / "run"
-    p = start_run(run, tmp_path / "cache", "--set", "run.steps=4")
+    p = start_run(run, miles_cache, "--set", "run.steps=4")
     assert wait(p, 280) == 0, (tmp_path / "run.launcher.log").read_text()[-3000:]
     rows = metrics(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -60,7 +60,7 @@ def test_quickstart_writes_every_output(tmp_path: Path) -> None:
     assert out.shape[1] > ids.shape[1]  # it answers (random weights: what it says is noise)
 
 
-def test_quickstart_as_shipped_learns_on_a_clean_console(tmp_path: Path) -> None:
+def test_quickstart_as_shipped_learns_on_a_clean_console(tmp_path: Path, miles_cache: Path) -> None:
     """The shipped config, unchanged: the reward climbs, and the console shows progress lines,
     the end-of-run table and nothing of the JSON event stream."""
     run = tmp_path / "run"
@@ -68,7 +68,7 @@ def test_quickstart_as_shipped_learns_on_a_clean_console(tmp_path: Path) -> None
     with out.open("wb") as f:
         p = subprocess.Popen(miles_argv("train", str(QUICKSTART), "--set", f"run.dir={run}"), stdout=f,
                              stderr=subprocess.STDOUT, start_new_session=True,
-                             env={**os.environ, "MILES_CACHE": str(tmp_path / "cache")})
+                             env={**os.environ, "MILES_CACHE": str(miles_cache)})
         try:
             assert p.wait(290) == 0, out.read_text()[-3000:]
         finally:
