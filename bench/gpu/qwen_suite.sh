@@ -6,8 +6,9 @@
 # wheels); carry.sha in c00 and c10. `take` joins and unpacks each tar once all its chunks are here:
 #   /root/pl/{whl,data,qwen.gguf} -> /tmp/site (wheels), /root/gsm8k, /root/qwen-hf (converted in `learn`)
 # Then detached stages (they survive their call while the machine stays warm) and their collection:
-#   bash bench/gpu/qwen_suite.sh bg learn     # memory bench, then 3 GSM8K runs at once (torch engine)
-#   bash bench/gpu/qwen_suite.sh bg sgl       # SGLang GSM8K run(s) + TRL + a torch run, at once
+#   bash bench/gpu/qwen_suite.sh bg learn     # 3 GSM8K runs at once (torch engine: sync s0, fully_async s0/s1)
+#   bash bench/gpu/qwen_suite.sh bg sgl       # the same recipe with engine.type=sglang, beside them
+#   bash bench/gpu/qwen_suite.sh mem | trl    # foreground, the GPU to itself: trainer memory; TRL
 #   bash bench/gpu/qwen_suite.sh collect learn 560
 # Results in $OUT: runs_<stage>.tgz (each run's metrics.jsonl, eval jsonl, console tail, errors), memory.json,
 # trl.txt, stage.log. Summaries are made on the CPU side from the run dirs (bench/learn_summary.py).
@@ -47,31 +48,20 @@ take() {
   fi
 }
 
-convert() {  # the GGUF -> HF directory once (the fetch-model command where this tree has it)
+convert() {  # the GGUF -> HF directory once, through `miles fetch-model --from` (sha256, join, convert, template)
   [ -f "$M/config.json" ] && return 0
   t0=$(date +%s)
-  if python3 -m miles.launch.cli fetch-model --help > /dev/null 2>&1; then
-    python3 -m miles.launch.cli fetch-model qwen2.5-coder-0.5b --out "$M" --from /root/pl > "$OUT/convert.log" 2>&1 \
-      || { tail -20 "$OUT/convert.log"; }
-  fi
-  if [ ! -f "$M/config.json" ]; then
-    python3 - > "$OUT/convert.log" 2>&1 <<'EOF'
-import importlib.util, pathlib
-spec = importlib.util.spec_from_file_location("sp", "examples/smollm2_packaged.py")
-sp = importlib.util.module_from_spec(spec); spec.loader.exec_module(sp)
-sp.convert(pathlib.Path("/root/pl/qwen.gguf"), pathlib.Path("/root/qwen-hf"))
-EOF
-  fi
-  echo "converted in $(( $(date +%s) - t0 )) s: $(ls "$M" | tr '\n' ' ')"
+  mkdir -p /root/pl/gg && ln -sf /root/pl/qwen.gguf /root/pl/gg/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+  python3 -m miles.launch.cli fetch-model qwen2.5-coder-0.5b --out "$M" --from /root/pl/gg > "$OUT/convert.log" 2>&1 \
+    || { tail -20 "$OUT/convert.log"; return 1; }
+  echo "converted in $(( $(date +%s) - t0 )) s: $(ls "$M" | tr '\n' ' ')" | tee -a "$OUT/log.txt"
 }
 
 # The recipe: examples/gsm8k.toml on all of GSM8K with the real checkpoint, 512 new tokens, the held-out
 # eval on all 1,319 test rows at start and end; a run sharing the card sets a longer heartbeat timeout.
 RECIPE="${RECIPE:-examples/gsm8k_qwen.toml}"
-[ -f "$RECIPE" ] || RECIPE=examples/gsm8k.toml
 G=(--set "model.path=$M" --set "rollout.env_args.path=$D/train.jsonl" --set "rollout.env_args.eval_path=$D/test.jsonl"
-   --set rollout.env_args.max_calc_steps=0 --set "run.time_limit_s=$LIMIT" --set transport.heartbeat_timeout_s=20
-   --set trainer.micro_batch_tokens=16384 --set trainer.recompute=full ${EXTRA_SETS:-})
+   --set "run.time_limit_s=$LIMIT" --set transport.heartbeat_timeout_s=20 ${EXTRA_SETS:-})
 
 train() {  # NAME TIMEOUT --set ...
   local name="$1" to="$2"; shift 2
@@ -98,7 +88,7 @@ take) take; exit $? ;;
 bg)  # bg STAGE: STAGE detached, from a snapshot of this tree (the next call's copy replaces this one)
   S="$2"; rm -rf "/root/snap-$S" "/root/out-$S"; mkdir -p "/root/out-$S"
   tar cf - --exclude=./.carry . | (mkdir -p "/root/snap-$S" && cd "/root/snap-$S" && tar xf -)
-  (cd "/root/snap-$S" && PKG="/tmp/pkg-$S" OUT="/root/out-$S" MILES_COMMIT="$COMMIT" LIMIT="$LIMIT" EXTRA_SETS="${EXTRA_SETS:-}" TRL="${TRL:-1}" \
+  (cd "/root/snap-$S" && PKG="/tmp/pkg-$S" OUT="/root/out-$S" MILES_COMMIT="$COMMIT" LIMIT="$LIMIT" EXTRA_SETS="${EXTRA_SETS:-}" \
     setsid nohup bash -c "bash bench/gpu/qwen_suite.sh $S; touch /root/out-$S/done" > "/root/out-$S/stage.log" 2>&1 < /dev/null &)
   sleep 3; echo "started $S: $(pgrep -fc "qwen_suite.sh $S") processes"; exit 0 ;;
 collect)  # collect STAGE WAIT_S: wait for a bg STAGE (at most WAIT_S), then copy its results to $OUT
@@ -108,27 +98,27 @@ collect)  # collect STAGE WAIT_S: wait for a bg STAGE (at most WAIT_S), then cop
   cat "/root/out-$S/log.txt" 2>/dev/null; tail -3 /tmp/learn/*.console 2>/dev/null | cut -c1-300
   nvidia-smi --query-gpu=memory.used --format=csv,noheader
   cp -r "/root/out-$S"/. "$OUT/" 2>/dev/null; exit 0 ;;
-learn)
+learn)  # three torch-engine runs at once (~16 GB each: trainer ~11 GB at 16k packs + engine)
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/gpu.txt"
   convert || exit 1
-  timeout 240 python3 bench/trainer_memory.py --model "$M" --cases bf16_16k_before,bf16_16k,fp32_8k \
-    --out "$OUT/memory.json" > "$OUT/memory.txt" 2>&1
-  train sync_s0 $((LIMIT + 400)) --set buffer.mode=sync --set run.seed=0 --set rollout.env_args.seed=0 &
-  train async_s0 $((LIMIT + 400)) --set run.seed=0 --set rollout.env_args.seed=0 &
-  train async_s1 $((LIMIT + 400)) --set run.seed=1 --set rollout.env_args.seed=1 &
+  train sync_s0 $((LIMIT + 500)) --set buffer.mode=sync --set run.seed=0 --set rollout.env_args.seed=0 &
+  train async_s0 $((LIMIT + 500)) --set run.seed=0 --set rollout.env_args.seed=0 &
+  train async_s1 $((LIMIT + 500)) --set run.seed=1 --set rollout.env_args.seed=1 &
   wait; pack learn ;;
-sgl)
+sgl)  # SGLang as the engine of the same recipe, beside the learn stage's runs (server capped at 15 %)
   export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
   SG=(--set engine.type=sglang --set 'engine.sglang_extra_args=["--attention-backend","triton","--sampling-backend","pytorch","--grammar-backend","none","--skip-server-warmup"]'
-      --set engine.sglang_startup_timeout_s=400 --set engine.sglang_mem_fraction=0.25)
-  PYTHONPATH="/tmp/sgl-site:$PYTHONPATH" train sgl_async_s0 $((LIMIT + 500)) "${SG[@]}" --set run.seed=0 --set rollout.env_args.seed=0 &
-  train sync_s1 $((LIMIT + 400)) --set buffer.mode=sync --set run.seed=1 --set rollout.env_args.seed=1 &
-  if [ "${TRL:-1}" != 0 ]; then
-    timeout $((LIMIT + 400)) python3 bench/learn_trl.py --model "$M" --data "$D" --max-calc-steps 0 \
-      --max-new-tokens 512 --lr "${TRL_LR:-2e-6}" --eval-prompts 1319 --time-limit "$LIMIT" > /tmp/learn/trl.txt 2>&1
-    echo "trl exit $? at $(date +%T)" >> "$OUT/log.txt"; cp /tmp/learn/trl.txt "$OUT/trl.txt"
-  fi
-  wait; pack sgl ;;
+      --set engine.sglang_startup_timeout_s=400 --set engine.sglang_mem_fraction=0.15)
+  PYTHONPATH="/tmp/sgl-site:$PYTHONPATH" train sgl_async_s0 $((LIMIT + 600)) "${SG[@]}" --set run.seed=0 \
+    --set rollout.env_args.seed=0
+  pack sgl ;;
+mem)  # trainer peak memory per case, the GPU to itself
+  timeout 300 python3 bench/trainer_memory.py --model "$M" --cases bf16_16k_before,bf16_16k,fp32_8k_before,fp32_8k \
+    --out "$OUT/memory.json" > "$OUT/memory.txt" 2>&1; cat "$OUT/memory.txt" ;;
+trl)  # TRL's GRPOTrainer on the same checkpoint, data, batch and sampling, the GPU to itself
+  timeout $((LIMIT + 500)) python3 bench/learn_trl.py --model "$M" --data "$D" --max-calc-steps 0 \
+    --max-new-tokens 512 --lr "${TRL_LR:-2e-6}" --eval-prompts 1319 --eval-batch 330 --micro-batch 16 \
+    --time-limit "$LIMIT" > "$OUT/trl.txt" 2>&1; echo "trl exit $?" >> "$OUT/log.txt"; tail -3 "$OUT/trl.txt" ;;
 *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
 exit 0
