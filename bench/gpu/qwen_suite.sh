@@ -88,7 +88,7 @@ take) take; exit $? ;;
 bg)  # bg STAGE: STAGE detached, from a snapshot of this tree (the next call's copy replaces this one)
   S="$2"; rm -rf "/root/snap-$S" "/root/out-$S"; mkdir -p "/root/out-$S"
   tar cf - --exclude=./.carry . | (mkdir -p "/root/snap-$S" && cd "/root/snap-$S" && tar xf -)
-  (cd "/root/snap-$S" && PKG="/tmp/pkg-$S" OUT="/root/out-$S" MILES_COMMIT="$COMMIT" LIMIT="$LIMIT" EXTRA_SETS="${EXTRA_SETS:-}" \
+  (cd "/root/snap-$S" && PKG="/tmp/pkg-$S" OUT="/root/out-$S" MILES_COMMIT="$COMMIT" LIMIT="$LIMIT" EXTRA_SETS="${EXTRA_SETS:-}" SYNC1="${SYNC1:-0}" \
     setsid nohup bash -c "bash bench/gpu/qwen_suite.sh $S; touch /root/out-$S/done" > "/root/out-$S/stage.log" 2>&1 < /dev/null &)
   sleep 3; echo "started $S: $(pgrep -fc "qwen_suite.sh $S") processes"; exit 0 ;;
 collect)  # collect STAGE WAIT_S: wait for a bg STAGE (at most WAIT_S), then copy its results to $OUT
@@ -104,6 +104,9 @@ learn)  # three torch-engine runs at once (~16 GB each: trainer ~11 GB at 16k pa
   train sync_s0 $((LIMIT + 500)) --set buffer.mode=sync --set run.seed=0 --set rollout.env_args.seed=0 &
   train async_s0 $((LIMIT + 500)) --set run.seed=0 --set rollout.env_args.seed=0 &
   train async_s1 $((LIMIT + 500)) --set run.seed=1 --set rollout.env_args.seed=1 &
+  if [ "${SYNC1:-0}" = 1 ]; then  # a card with room for a fourth (H200)
+    train sync_s1 $((LIMIT + 500)) --set buffer.mode=sync --set run.seed=1 --set rollout.env_args.seed=1 &
+  fi
   wait; pack learn ;;
 sgl)  # SGLang as the engine of the same recipe, beside the learn stage's runs (server capped at 15 %)
   export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
