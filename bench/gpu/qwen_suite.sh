@@ -115,6 +115,16 @@ sgl)  # SGLang as the engine of the same recipe, beside the learn stage's runs (
   PYTHONPATH="/tmp/sgl-site:$PYTHONPATH" train sgl_async_s0 $((LIMIT + 600)) "${SG[@]}" --set run.seed=0 \
     --set rollout.env_args.seed=0
   pack sgl ;;
+strict)  # the reward asks for the prompt's format (math, extract = "hash": only the number after ####), sync
+  # and fully_async, beside TRL's GRPOTrainer with the same reward, batch, sampling and lr (the card shared)
+  R=(--set 'rollout.env_args.rewards=[{type="math", extract="hash"}]')
+  train strict_sync_s0 $((LIMIT + 500)) "${R[@]}" --set buffer.mode=sync --set run.seed=0 --set rollout.env_args.seed=0 &
+  train strict_async_s0 $((LIMIT + 500)) "${R[@]}" --set run.seed=0 --set rollout.env_args.seed=0 &
+  timeout $((LIMIT + 400)) python3 bench/learn_trl.py --model "$M" --data "$D" --max-calc-steps 0 \
+    --max-new-tokens 512 --lr 2e-6 --eval-prompts 1319 --eval-batch 660 --micro-batch 16 --reward-extract hash \
+    --time-limit "$LIMIT" > /tmp/learn/trl.txt 2>&1; echo "trl exit $? at $(date +%T)" >> "$OUT/log.txt"
+  cp /tmp/learn/trl.txt "$OUT/trl.txt"
+  wait; pack strict ;;
 mem)  # trainer peak memory per case, the GPU to itself
   timeout 300 python3 bench/trainer_memory.py --model "$M" --cases bf16_16k_before,bf16_16k,fp32_8k_before,fp32_8k \
     --out "$OUT/memory.json" > "$OUT/memory.txt" 2>&1; cat "$OUT/memory.txt" ;;
