@@ -115,16 +115,51 @@ sgl)  # SGLang as the engine of the same recipe, beside the learn stage's runs (
   PYTHONPATH="/tmp/sgl-site:$PYTHONPATH" train sgl_async_s0 $((LIMIT + 600)) "${SG[@]}" --set run.seed=0 \
     --set rollout.env_args.seed=0
   pack sgl ;;
-strict)  # the reward asks for the prompt's format (math, extract = "hash": only the number after ####), sync
-  # and fully_async, beside TRL's GRPOTrainer with the same reward, batch, sampling and lr (the card shared)
+strict)  # the reward asks for the prompt's format (math, extract = "hash": only the number after ####):
+  # torch engine sync and fully_async, SGLang fully_async, and TRL's GRPOTrainer with the same reward, batch,
+  # sampling and lr, all at once (the card and its 16 cores shared). An 80 GB card takes three miles runs.
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/gpu.txt"
+  convert || exit 1
+  big=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | awk '{print ($1 > 100000)}')
+  export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
   R=(--set 'rollout.env_args.rewards=[{type="math", extract="hash"}]')
+  SG=(--set engine.type=sglang --set 'engine.sglang_extra_args=["--attention-backend","triton","--sampling-backend","pytorch","--grammar-backend","none","--skip-server-warmup"]'
+      --set engine.sglang_startup_timeout_s=400 --set "engine.sglang_mem_fraction=$([ "$big" = 1 ] && echo 0.15 || echo 0.12)")
   train strict_sync_s0 $((LIMIT + 500)) "${R[@]}" --set buffer.mode=sync --set run.seed=0 --set rollout.env_args.seed=0 &
   train strict_async_s0 $((LIMIT + 500)) "${R[@]}" --set run.seed=0 --set rollout.env_args.seed=0 &
-  timeout $((LIMIT + 400)) python3 bench/learn_trl.py --model "$M" --data "$D" --max-calc-steps 0 \
-    --max-new-tokens 512 --lr 2e-6 --eval-prompts 1319 --eval-batch 660 --micro-batch 16 --reward-extract hash \
-    --time-limit "$LIMIT" > /tmp/learn/trl.txt 2>&1; echo "trl exit $? at $(date +%T)" >> "$OUT/log.txt"
-  cp /tmp/learn/trl.txt "$OUT/trl.txt"
+  if [ -d /tmp/sgl-site/sglang ]; then
+    PYTHONPATH="/tmp/sgl-site:$PYTHONPATH" train strict_sgl_async_s0 $((LIMIT + 600)) "${R[@]}" "${SG[@]}" \
+      --set run.seed=0 --set rollout.env_args.seed=0 &
+  fi
+  if [ "$big" = 1 ]; then
+    train strict_async_s1 $((LIMIT + 500)) "${R[@]}" --set run.seed=1 --set rollout.env_args.seed=1 &
+    timeout $((LIMIT + 400)) python3 bench/learn_trl.py --model "$M" --data "$D" --max-calc-steps 0 \
+      --max-new-tokens 512 --lr 2e-6 --eval-prompts 1319 --eval-batch 660 --micro-batch 16 --reward-extract hash \
+      --time-limit "$LIMIT" > /tmp/learn/trl.txt 2>&1; echo "trl exit $? at $(date +%T)" >> "$OUT/log.txt"
+    cp /tmp/learn/trl.txt "$OUT/trl.txt"
+  fi
   wait; pack strict ;;
+snap)  # what the runs have so far, to $OUT (a hedge against losing the machine mid-run)
+  pack partial; cp /root/out-*/log.txt "$OUT/" 2>/dev/null; cp /tmp/learn/trl.txt "$OUT/" 2>/dev/null; exit 0 ;;
+status)  # one line per run: step, reward, peak GB, skipped, last eval
+  cd /tmp/learn 2>/dev/null || exit 0
+  for d in */; do python3 - "$d" <<'EOF2'
+import glob, json, sys
+d = sys.argv[1]
+try:
+    rows = [json.loads(x) for x in open(d + "metrics.jsonl")]
+except OSError:
+    print(d, "no metrics yet"); sys.exit()
+r = rows[-1]
+ks = ["step", "rollout/reward_mean", "train/train_rollout_logprob_abs_diff", "perf/trainer_peak_gb",
+      "train/skipped_nonfinite_total", "perf/step_time_s"]
+print(d, {k.split("/")[-1]: round(r[k], 4) if isinstance(r.get(k), float) else r.get(k) for k in ks})
+for e in ([json.loads(x) for x in open(d + "eval.jsonl")] if glob.glob(d + "eval.jsonl") else [])[-2:]:
+    print("  eval", e.get("step"), {k.split("/", 1)[-1]: round(v, 3) for k, v in e.items()
+                                    if "accuracy" in k and isinstance(v, float)})
+EOF2
+  done
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader; tail -2 /tmp/learn/trl.txt 2>/dev/null | cut -c1-300 ;;
 mem)  # trainer peak memory per case, the GPU to itself
   timeout 300 python3 bench/trainer_memory.py --model "$M" --cases bf16_16k_before,bf16_16k,fp32_8k_before,fp32_8k \
     --out "$OUT/memory.json" > "$OUT/memory.txt" 2>&1; cat "$OUT/memory.txt" ;;
