@@ -31,6 +31,7 @@ VERDICTS = {
     "smollm2_rl_cpu.toml": "starts",  # SmolLM2-135M: head_dim 64 (or refused for its model.path when absent)
     "gsm8k.toml": "starts",  # SmolLM2-135M: head_dim 64, bf16 (refused for its model.path when absent)
     "agentic_calc.toml": "starts",  # the same checkpoint
+    "gsm8k_qwen.toml": "starts",  # Qwen2.5-Coder-0.5B: head_dim 64 (refused for its model.path when absent)
     "vlm.toml": "a vision-language model is not available with engine.type=sglang",
     "vlm_multiturn.toml": "a vision-language model is not available with engine.type=sglang",
     "slurm/multinode.toml": "starts",  # Qwen3-30B-A3B: head_dim 128 (refused for its model.path when absent)

@@ -137,7 +137,7 @@ def test_fetch_converts_then_only_checks(tmp_path: Path, tiny: tuple[Path, Packa
     again = fetch(model, out, [tmp_path / "src"], None)
     assert not again.converted and again.template_ok
     cfg = out / "tokenizer_config.json"
-    cfg.write_text(cfg.read_text().replace("<|im_end|>", "<|endoftext|>"))
+    cfg.write_bytes(cfg.read_bytes() + b" ")  # one byte more: still valid JSON, no longer the file converted
     with pytest.raises(IntegrityError, match=f"{cfg}: .*{MANIFEST} recorded"):
         fetch(model, out, [tmp_path / "src"], None)
     with pytest.raises(IntegrityError, match="holds 'tiny-test'"):
