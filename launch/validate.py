@@ -41,6 +41,10 @@ def validate_launch(cfg: MilesConfig) -> None:
     if cfg.model.path and not (Path(cfg.model.path) / "config.json").is_file():
         raise ConfigError(f"model.path {cfg.model.path!r} has no config.json: point it at an HF model "
                           "directory, or leave it empty to start from the tiny preset")
+    rm = cfg.reward_model
+    if rm.num_engines and rm.path and not (Path(rm.path) / "config.json").is_file():
+        raise ConfigError(f"reward_model.path {rm.path!r} has no config.json: point it at the judge's HF model "
+                          "directory, or leave it empty to judge with the policy's initial checkpoint")
     from miles.launch.sglang_checks import sglang_launch_errors
 
     sglang = sglang_launch_errors(cfg)
