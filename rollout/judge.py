@@ -9,7 +9,8 @@ restarts it, and a watcher puts it back once it answers `Health` ok.
 
 Each call has a deadline per attempt (`timeout_s`) and `retries` more attempts with a
 backoff; a call that still fails raises `JudgeUnavailable` with the reason (no live judge,
-timeout, engine error). The reward guard counts it and drops the sample with that reason; it
+timeout, engine error). A request the judge refuses (too long for reward_model.max_seq_len)
+raises `JudgeRefused` at once: retrying cannot help, and the guard treats it as a bug. The reward guard counts it and drops the sample with that reason; it
 never ends the run (rollout/reward_guard.py), so a judge that is down costs rewards, counted,
 and never hangs the run. `metrics()` reports `reward_model/*` per training step.
 """
@@ -22,7 +23,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from miles.core.errors import EngineError, MilesError
+from miles.core.errors import BadRequest, EngineError, MilesError
 from miles.core.logging import get_logger
 from miles.core.schema.reward_model import RewardModelConfig
 from miles.rollout.requests import EngineRequests
@@ -34,6 +35,11 @@ _UP_POLL_S = 0.5  # how often a down judge is asked whether it is back
 
 class JudgeUnavailable(EngineError):
     """A judge call failed after its retries (the reason names why); the reward is not computed."""
+
+
+class JudgeRefused(EngineError):
+    """The judge engine refused the request itself (e.g. a prompt over reward_model.max_seq_len):
+    not an outage, so not retried, and it counts toward the reward guard's stop like a bug."""
 
 
 def judge_names(n: int) -> list[str]:
@@ -93,6 +99,9 @@ class JudgeClient:
                     out = await asyncio.wait_for(self.requests.call(key, ids, sampling), self.cfg.timeout_s)
                 except TimeoutError:
                     last = f"timeout: no answer in reward_model.timeout_s={self.cfg.timeout_s:g}s"
+                except BadRequest as exc:  # the same request fails the same way on every try
+                    self.failed["refused"] += 1
+                    raise JudgeRefused(f"the judge refused the request: {exc} (see [reward_model])") from exc
                 except MilesError as exc:
                     last = f"{type(exc).__name__}: {exc}"
                 else:
@@ -164,7 +173,8 @@ class JudgeClient:
 
 
 def _reason(error: str) -> str:
-    """A short reason tag for the metrics: timeout | no_live_judge | engine_down | engine_error."""
+    """A short reason tag for the metrics: timeout | no_live_judge | engine_down | engine_error
+    (and `refused`, counted where it is raised)."""
     if error.startswith("timeout"):
         return "timeout"
     if "no live engine" in error:

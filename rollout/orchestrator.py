@@ -28,7 +28,7 @@ from miles.core.logging import get_logger
 from miles.core.schema import MilesConfig
 from miles.rollout.buffer import RolloutBuffer, Work
 from miles.rollout.client import EngineFn, EngineOutput, LocalSessionClient, SessionClient
-from miles.rollout.judge import JudgeClient
+from miles.rollout.judge import JudgeClient, JudgeUnavailable
 from miles.rollout.layers import GenerateContext, default_generate, load_layer, single_turn_agent
 from miles.rollout.requests import EngineRequests
 from miles.rollout.reward_guard import RewardGuard
@@ -170,10 +170,10 @@ class Orchestrator:
         except Exception as exc:  # noqa: BLE001 - any failure is recorded in the buffer, never lost
             log.warning("trajectory_failed", group=work.group_id, sample=work.sample_index,
                         error=f"{type(exc).__name__}: {exc}")
-            if isinstance(exc, ActorDeadError):
-                # No engine came back in time: the supervisor's to restart (or to give up on,
-                # which ends the run), not "hopeless generation". Hold the slot a moment so its
-                # prompts are not burnt through at the speed of an instant refusal meanwhile.
+            if isinstance(exc, ActorDeadError) or isinstance(exc.__cause__, JudgeUnavailable):
+                # No engine (or judge) came back in time: the supervisor's to restart (or to give
+                # up on, which ends the run), not "hopeless generation". Hold the slot a moment so
+                # its prompts are not burnt through at the speed of an instant refusal meanwhile.
                 await asyncio.sleep(_DEAD_ENGINE_BACKOFF_S)
             else:
                 self.failures_in_a_row += 1

@@ -15,7 +15,7 @@ from miles.actors.runtime.host import Host
 from miles.actors.runtime.messages import DeathNotice
 from miles.core.errors import RewardError
 from miles.core.schema.reward_model import RewardModelConfig
-from miles.rollout.judge import JudgeClient, JudgeUnavailable, judge_names
+from miles.rollout.judge import JudgeClient, JudgeRefused, JudgeUnavailable, judge_names
 from miles.rollout.judge_rewards import judge_correct, parse_verdict
 from miles.rollout.reward_guard import RewardGuard
 from miles.rollout.types import Sample
@@ -107,6 +107,11 @@ async def test_judge_answers_fail_when_killed_and_recover_on_restart(procs, tmp_
             await asyncio.sleep(0.1)
         got2, _ = await judge.generate(ids)
         assert got2 == got  # the same frozen weights (the same seed) answer the same
+        # a request the judge refuses (over its max_seq_len) fails at once, not retried, as a bug
+        retries = judge.retries
+        with pytest.raises(JudgeRefused, match="max_seq_len"):
+            await judge.generate([1] * 2000)
+        assert judge.retries == retries and judge.failed["refused"] == 1
     finally:
         await judge.close()
         await rollout_host.stop()
