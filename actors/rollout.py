@@ -6,7 +6,8 @@ orchestrator which engines are down: the runtime's death notices (a dead engine
 process) and failed asks take an engine out of the router; a watcher puts it back once
 it answers Health ok again (restarted by the supervisor, or its server back up). With
 rollout.http_front the sessions are also reachable over the session HTTP front.
-On stop the buffer's state (ledger included) is written to `<run.dir>/rollout_state.json`.
+With [reward_model] it also holds the judge pool's client (rollout/judge.py), whose judges'
+death notices it passes on. On stop the buffer's state (ledger included) is written to `<run.dir>/rollout_state.json`.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from miles.core.schema import MilesConfig
 from miles.rollout.client import EngineFn, FrontedClient
 from miles.rollout.dispatch import Dispatch
 from miles.rollout.handout import Handout
+from miles.rollout.judge import JudgeClient, judge_names
 from miles.rollout.orchestrator import Orchestrator
 from miles.rollout.requests import EngineRequests
 from miles.rollout.session_store import SessionStore
@@ -56,7 +58,8 @@ def load_env(cfg: MilesConfig) -> Any:
 
 
 class RolloutActor(Actor):
-    def __init__(self, cfg: MilesConfig, engines: list[str], tokenizer: Tokenizer) -> None:
+    def __init__(self, cfg: MilesConfig, engines: list[str], tokenizer: Tokenizer,
+                 judge_tokenizer: Tokenizer | None = None) -> None:
         self.cfg, self.engines, self.tokenizer = cfg, list(engines), tokenizer
         rc = cfg.rollout
         self.http: Any = None  # the session HTTP front, when rollout.http_front is on
@@ -69,12 +72,26 @@ class RolloutActor(Actor):
         link = ActorEngineLink(self.ref, self.timeout, cfg.trainer.routing_replay)
         self.requests = EngineRequests(link, Dispatch(engines, rc.router_affinity), self.sampling,
                                        live_wait_s=self.timeout, on_down=self._watch_return)
+        self.judge = self._judge_client(cfg, judge_tokenizer) if cfg.reward_model.num_engines else None
         self.orch = Orchestrator(cfg, load_env(cfg), store, self.requests,
-                                 self._fronted_client if rc.http_front else None)
+                                 self._fronted_client if rc.http_front else None, self.judge)
         self.buffer, self.env, self.store = self.orch.buffer, self.orch.env, store
         self.handout = Handout()  # the step's batch, each trainer rank's shard cut from it
         self._pull_lock = asyncio.Lock()  # ranks asking for the same step must not collect twice
         self._watchers: dict[str, asyncio.Task[None]] = {}
+
+    def _judge_client(self, cfg: MilesConfig, tok: Tokenizer | None) -> JudgeClient:
+        """The judge pool's client ([reward_model]): its own request path to the judge engines,
+        on the same runtime (death notices, health) as the policy's."""
+        rm = cfg.reward_model
+        link = ActorEngineLink(self.ref, rm.timeout_s)
+        reqs = EngineRequests(link, Dispatch(judge_names(rm.num_engines), affinity=False), {},
+                              live_wait_s=rm.live_wait_s)
+
+        async def health(engine: str) -> dict[str, Any]:
+            return await self.ref(engine).ask(Health(), timeout=max(1.0, _UP_POLL_S * 4))
+
+        return JudgeClient(rm, reqs, tok or self.tokenizer, health)
 
     def _fronted_client(self, engine_fn: EngineFn) -> FrontedClient:
         return FrontedClient(self.store, engine_fn, self.http_url, self.http_token,
@@ -86,6 +103,8 @@ class RolloutActor(Actor):
         for name in notice.names:
             if name in self.engines:
                 self.requests.engine_down(name, f"declared dead: {notice.reason}")
+            elif self.judge is not None and name in self.judge.requests.dispatch.known:
+                self.judge.engine_down(name, f"declared dead: {notice.reason}")
 
     def _watch_return(self, engine: str) -> None:
         log.warning("engine_down", engine=engine, why=self.requests.dispatch.down.get(engine, ""),
@@ -130,6 +149,8 @@ class RolloutActor(Actor):
         for t in self._watchers.values():
             t.cancel()
         await self.orch.stop()
+        if self.judge is not None:
+            await self.judge.close()
         if self.http is not None:
             await self.http.stop()
         path = Path(self.cfg.run.dir) / "rollout_state.json"

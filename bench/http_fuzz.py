@@ -1,5 +1,8 @@
 """HTTP fuzz of the session server's OpenAI front: every malformed request must get a clear 4xx.
 
+The chat route, and (since issue 47) the token-level routes: `/sessions/{id}/v1/generate`
+(token ids in), `/v1/tokenize`, and chat completions asking for `logprobs` / `top_logprobs`.
+
 Sends N requests (default 10,000) built from a seeded generator of malformed bodies
 (deep nesting, lone surrogates, wrong types for every field, huge bodies, undecodable
 Content-Encoding, absurd sampling values, unknown session ids, cancelled requests,
@@ -50,8 +53,11 @@ IDS = ["a/b", "..", ".", "a b", "a?b", "a#b", "%2F", "\u00fc", "x" * 200, "ok-id
 
 def case(rng: random.Random, i: int = 0) -> tuple[str, dict[str, str], bytes, bool]:
     """(kind, extra headers, raw body, expect_ok): one request body for the chat route; the
-    create kinds carry the session-create body in an X-Fuzz-Create header."""
-    k = rng.randrange(21)
+    create kinds carry the session-create body in an X-Fuzz-Create header, the token-route
+    kinds their route in X-Fuzz-Route."""
+    k = rng.randrange(25)
+    if k >= 21:
+        return _token_case(rng, k)
     body: dict[str, Any] = {"messages": [USER], "max_tokens": 2}
     if k == 0:
         d = rng.choice([100, 1000, 200_000])
@@ -114,6 +120,41 @@ def case(rng: random.Random, i: int = 0) -> tuple[str, dict[str, str], bytes, bo
     return "valid", {}, json.dumps(body).encode(), True
 
 
+# token-route bodies: the ids field and the sampling / logprob fields, each valid or weird
+BAD_IDS: list[Any] = [*WEIRD, [None], [1.5], ["1"], [True], [-1], [2**31], [2**70], [1] * 5000, [[1]], {"0": 1}]
+
+
+def _token_case(rng: random.Random, k: int) -> tuple[str, dict[str, str], bytes, bool]:
+    ids = [rng.randrange(1, 100) for _ in range(rng.randrange(1, 12))]  # the tiny vocabulary has 108
+    if k == 21:  # generate with a weird field: refused or served, never a 5xx
+        body: dict[str, Any] = {"input_ids": ids, "max_tokens": 2}
+        f = rng.choice(["input_ids", "input_ids", *FIELDS, "messages"])
+        body[f] = rng.choice(BAD_IDS if f == "input_ids" else WEIRD)
+        return f"generate_{f}", {"X-Fuzz-Route": "generate"}, json.dumps(body).encode(), None  # type: ignore[return-value]
+    if k == 22:  # a well-formed token turn on a fresh session: must be served
+        body = {"input_ids": ids, "max_tokens": 2, "temperature": rng.choice([0.0, 1.0]),
+                "logprobs": rng.choice([True, False, None])}
+        return "generate_ok", {"X-Fuzz-Route": "generate", "X-Fuzz-Fresh": "1"}, json.dumps(body).encode(), True
+    if k == 23:  # tokenize, global or on the session, valid or weird
+        route = rng.choice(["tokenize", "session_tokenize"])
+        good = rng.random() < 0.3
+        if good:
+            body = rng.choice([{"messages": [USER]}, {"prompt": "one two"}])
+        else:
+            body = {rng.choice(["messages", "prompt", "tools", "x"]): rng.choice(WEIRD)}
+            if rng.random() < 0.3:
+                body["prompt"] = "p"
+        return f"{route}_{'ok' if good else 'weird'}", {"X-Fuzz-Route": route}, json.dumps(body).encode(), \
+            (True if good else None)  # type: ignore[return-value]
+    # chat with logprobs: true is served, top_logprobs > 0 or a non-bool is refused
+    lp = rng.choice([True, True, *WEIRD])
+    body = {"messages": [USER], "max_tokens": 2, "logprobs": lp}
+    if rng.random() < 0.5:
+        body["top_logprobs"] = rng.choice([0, 1, 5, 21, -1, *WEIRD])
+    ok = lp is True and body.get("top_logprobs", 0) in (0, None) and not isinstance(body.get("top_logprobs"), bool)
+    return "chat_logprobs", {"X-Fuzz-Fresh": "1"} if ok else {}, json.dumps(body).encode(), (True if ok else None)  # type: ignore[return-value]
+
+
 def _huge() -> bytes:
     """A body just over the front's 64 MiB limit."""
     return b'{"messages": [{"role": "user", "content": "' + b"x" * (65 << 20) + b'"}]}'
@@ -140,6 +181,7 @@ async def run_fuzz(url: str, n: int, seed: int = 0, concurrency: int = 8, max_hu
             create = headers.pop("X-Fuzz-Create", "")
             # a fresh session, so the refusal is this request's own (the shared one may have diverged)
             fresh = headers.pop("X-Fuzz-Fresh", "")
+            route = headers.pop("X-Fuzz-Route", "")
             hdrs = {"Content-Type": "application/json", **headers}
             async with sem:
                 chat = ""
@@ -166,6 +208,9 @@ async def run_fuzz(url: str, n: int, seed: int = 0, concurrency: int = 8, max_hu
                     async with http.post(f"{url}/sessions") as r:
                         s = (await r.json())["session_id"]
                 chat = chat or f"{url}/sessions/{s}/v1/chat/completions"
+                if route:
+                    chat = {"generate": f"{url}/sessions/{s}/v1/generate", "tokenize": f"{url}/v1/tokenize",
+                            "session_tokenize": f"{url}/sessions/{s}/v1/tokenize"}[route]
                 if cancel:
                     task = asyncio.ensure_future(http.post(chat, data=raw, headers=hdrs))
                     await asyncio.sleep(rng.random() * 0.01)

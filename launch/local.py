@@ -151,6 +151,8 @@ class LocalLauncher:
             ("trainer", r) for r in range(self.cfg.trainer.world_size)]
         if self.cfg.eval.mode == "snapshot":
             roles.insert(0, ("eval_engine", 0))  # a dedicated engine that evaluates weight snapshots
+        # the judge pool ([reward_model]): engines of a frozen model, supervised like the policy's
+        roles[:0] = [("judge_engine", i) for i in range(self.cfg.reward_model.num_engines)]
         for role, i in roles:
             log_path = self.run_dir / "logs" / f"{role}-{i}.log"
             argv = [*base, role, "--config", str(cfg_path), "--index", str(i), "--directory", host.address,

@@ -55,7 +55,7 @@ def wandb_settings(cfg: MilesConfig) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="miles-role")
-    ap.add_argument("role", choices=["engine", "eval_engine", "rollout", "trainer"])
+    ap.add_argument("role", choices=["engine", "eval_engine", "judge_engine", "rollout", "trainer"])
     ap.add_argument("--config", required=True, help="resolved config JSON written by the launcher")
     ap.add_argument("--index", type=int, default=0, help="engine index or trainer rank")
     ap.add_argument("--directory", default=os.environ.get("MILES_DIRECTORY", ""))
@@ -71,7 +71,15 @@ def main(argv: list[str] | None = None) -> int:
     code = {"rc": 0}
 
     async def setup(host: Host) -> None:
-        if a.role in ("engine", "eval_engine"):
+        if a.role == "judge_engine":  # the judge pool's: a frozen model, never sent weights
+            from miles.actors.engine import EngineActor
+            from miles.engines.torch_engine import TorchEngine
+
+            rm = cfg.reward_model
+            engine = TorchEngine.from_config(rm.engine_config(cfg.engine), rm.model_config(cfg.model))
+            await engine.warm_up()
+            await host.add(EngineActor(engine), f"judge-{a.index}")
+        elif a.role in ("engine", "eval_engine"):
             from miles.actors.engine import EngineActor
             from miles.engines.base import ENGINES
 
@@ -114,7 +122,13 @@ def main(argv: list[str] | None = None) -> int:
 
             await _wait_engines(host, cfg)
             tok = load_tokenizer(cfg.model.path)
-            actor = RolloutActor(cfg, engine_names(cfg), tok)
+            judge_tok = None
+            if cfg.reward_model.num_engines:  # the judges are ready before the first reward needs them
+                from miles.rollout.judge import judge_names
+
+                await _wait_for(host, judge_names(cfg.reward_model.num_engines), cfg.engine.ready_wait_s)
+                judge_tok = load_tokenizer(cfg.reward_model.model_config(cfg.model).path)
+            actor = RolloutActor(cfg, engine_names(cfg), tok, judge_tok)
             resume = os.environ.get("MILES_RESUME", "")
             if resume:
                 with open(os.path.join(resume, "rollout_state.json")) as f:

@@ -53,6 +53,7 @@ class RunSummary:
     warnings: dict[str, int] = field(default_factory=dict)  # event -> count over the role logs
     outputs: list[str] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)  # eval.jsonl rows, by step
+    judge: dict[str, float] = field(default_factory=dict)  # the last row's reward_model/* totals (a judge pool)
 
 
 def read_evals(run_dir: Path) -> list[dict[str, Any]]:
@@ -145,6 +146,9 @@ def summarize_run(run_dir: str | Path) -> RunSummary:
         if med is not None:
             s.phases[k] = med
     s.ledger = ledger_summary(run)
+    if rows and "reward_model/calls" in rows[-1]:
+        s.judge = {k.removeprefix("reward_model/"): float(v) for k, v in rows[-1].items()
+                   if k.startswith("reward_model/")}
     s.evals = read_evals(run)
     s.warnings = warning_counts(run)
     s.outputs = [str(run / n) for n in ("metrics.jsonl", "report.html", "final_hf", "checkpoints", "logs", "tb")
@@ -172,6 +176,13 @@ def format_table(s: RunSummary) -> str:
         rows.append(("weight sync", f"median {s.sync_median_s * 1e3:.1f} ms, total {_f(s.sync_total_s, '.2f')} s"))
     if s.mismatch_mean is not None:
         rows.append(("|logp train - rollout| (mean)", f"{s.mismatch_mean:.4f}"))
+    if s.judge:  # the judge's cost: its calls run beside generation, so as load, not as a phase
+        j = s.judge
+        fails = ", ".join(f"{k.removeprefix('failed_')} {v:.0f}" for k, v in sorted(j.items())
+                          if k.startswith("failed_"))
+        rows.append(("judge (reward_model)", f"{j['calls']:.0f} calls, {j['failed']:.0f} failed"
+                     + (f" ({fails})" if fails else "") + f", {j['mean_call_s']:.3f} s/call, "
+                     f"{j['time_s'] / max(1, s.steps):.2f} judge-s per step"))
     if s.evals:
         first, last = s.evals[0], s.evals[-1]
         rows.append((f"held-out eval, step {int(first.get('step', 0))}", eval_row(first)))

@@ -159,6 +159,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if loaded is None:
         return 0
     cfg, resume = loaded
+    if cfg.reward_model.num_engines:
+        raise ConfigError("reward_model.num_engines > 0: the judge pool is started by `miles train` (local) "
+                          "only so far; under Slurm serve the judge yourself and call it from the reward function")
     plan = make_plan(cfg, options_from_args(args, env))
     if env.in_allocation and env.num_nodes and env.num_nodes < plan.nodes:
         raise ConfigError(f"the plan needs {plan.nodes} nodes but allocation {env.job_id} has {env.num_nodes}: "

@@ -47,6 +47,10 @@ def validate_launch(cfg: MilesConfig) -> None:
             resolve_hook(path, f"rollout.{field}")
     if cfg.buffer.filter_fn:
         resolve_hook(cfg.buffer.filter_fn, "buffer.filter_fn")
+    rm = cfg.reward_model
+    if rm.num_engines and rm.path and not (Path(rm.path) / "config.json").is_file():
+        raise ConfigError(f"reward_model.path {rm.path!r} has no config.json: point it at the judge's HF model "
+                          "directory, or leave it empty to judge with the policy's initial checkpoint")
     from miles.launch.sglang_checks import sglang_launch_errors
 
     sglang = sglang_launch_errors(cfg)

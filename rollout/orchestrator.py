@@ -28,6 +28,7 @@ from miles.core.logging import get_logger
 from miles.core.schema import MilesConfig
 from miles.rollout.buffer import RolloutBuffer, Work
 from miles.rollout.client import EngineFn, EngineOutput, LocalSessionClient, SessionClient
+from miles.rollout.judge import JudgeClient, JudgeUnavailable
 from miles.rollout.layers import GenerateContext, default_generate, load_layer, single_turn_agent
 from miles.rollout.requests import EngineRequests
 from miles.rollout.reward_guard import RewardGuard
@@ -43,15 +44,16 @@ ClientFactory = Callable[[EngineFn], SessionClient]
 
 class Orchestrator:
     def __init__(self, cfg: MilesConfig, env: Any, store: SessionStore, requests: EngineRequests,
-                 make_client: ClientFactory | None = None) -> None:
+                 make_client: ClientFactory | None = None, judge: JudgeClient | None = None) -> None:
         self.cfg, self.env, self.store, self.requests = cfg, env, store, requests
+        self.judge = judge  # the judge pool's client ([reward_model]), handed to reward functions that ask
         rc, bc = cfg.rollout, cfg.buffer
         self.mode = bc.mode
         self.buffer = RolloutBuffer.from_config(bc, rc.n_samples_per_prompt, prompt_source=env.prompts.next)
         self.agent = load_layer("agent", rc.agent_fn or env.agent)
         self.generate = load_layer("generate", rc.generate_fn or "miles.rollout.layers:default_generate")
         self.reward = RewardGuard(resolve_hook(rc.reward_fn, "rollout.reward_fn") if rc.reward_fn else env.reward,
-                                  rc.reward_errors, rc.reward_max_errors_in_a_row)
+                                  rc.reward_errors, rc.reward_max_errors_in_a_row, judge)
         # A multi-turn trajectory's engine keeps its KV between turns (rollout.engine_sessions).
         end = requests.end_session if rc.engine_sessions else None
         self.make_client = make_client or (lambda fn: LocalSessionClient(store, fn, end))
@@ -74,6 +76,7 @@ class Orchestrator:
         self.last_failure = ""
         self.gen_samples = 0  # samples of finished trajectories, trained or not (for the length bias)
         self.gen_response_tokens = 0
+        self._judge_last: dict[str, float] = {}  # the judge's totals at the last collect
 
     # ------------------------------------------------------------------ life cycle
     def start(self) -> None:
@@ -167,10 +170,10 @@ class Orchestrator:
         except Exception as exc:  # noqa: BLE001 - any failure is recorded in the buffer, never lost
             log.warning("trajectory_failed", group=work.group_id, sample=work.sample_index,
                         error=f"{type(exc).__name__}: {exc}")
-            if isinstance(exc, ActorDeadError):
-                # No engine came back in time: the supervisor's to restart (or to give up on,
-                # which ends the run), not "hopeless generation". Hold the slot a moment so its
-                # prompts are not burnt through at the speed of an instant refusal meanwhile.
+            if isinstance(exc, ActorDeadError) or isinstance(exc.__cause__, JudgeUnavailable):
+                # No engine (or judge) came back in time: the supervisor's to restart (or to give
+                # up on, which ends the run), not "hopeless generation". Hold the slot a moment so
+                # its prompts are not burnt through at the speed of an instant refusal meanwhile.
                 await asyncio.sleep(_DEAD_ENGINE_BACKOFF_S)
             else:
                 self.failures_in_a_row += 1
@@ -263,7 +266,21 @@ class Orchestrator:
             **rq.dispatch.metrics(),
             "rollout/batch_ready_time": time.time(),
         })
+        for kind, n in self.reward.errors.items():  # failed rewards by type (their samples were dropped)
+            m[f"rollout/reward_failed_{kind}"] = float(n)
+        if self.judge is not None:
+            m.update(self._judge_metrics())
         return m
+
+    def _judge_metrics(self) -> dict[str, float]:
+        """The judge's totals, and this step's share of its calls and time (the step breakdown's
+        `reward_model/step_time_s`: judge seconds spent on this batch's window, overlapping generation)."""
+        assert self.judge is not None
+        now = self.judge.metrics()
+        last, self._judge_last = self._judge_last, now
+        for k in ("calls", "failed", "time_s"):
+            now[f"reward_model/step_{k}"] = now[f"reward_model/{k}"] - last.get(f"reward_model/{k}", 0.0)
+        return now
 
     def dump(self) -> dict[str, Any]:
         return {"buffer": self.buffer.dump(), "data": self.env.prompts.state(),

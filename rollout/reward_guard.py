@@ -7,6 +7,11 @@ ledger (which may retry the prompt). With `on_error = "stop"` (the default), aft
 `max_in_a_row` failures with no success in between the guard latches: every later
 call fails at once and `check()` raises the cause, which the rollout turns into
 the end of the run. With `on_error = "drop"` the run goes on.
+
+A reward function with a `judge` parameter gets the judge pool's client (rollout/judge.py).
+A judge that is down (`JudgeUnavailable`) fails its rewards, counted by reason like any
+failure, but does not count toward the stop: it is the pool's outage, which the supervisor
+repairs, not a bug of the function, and it must not end the run.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any, Literal
 
 from miles.core.errors import RewardError
 from miles.core.logging import get_logger
+from miles.rollout.judge import JudgeUnavailable
 from miles.rollout.types import Sample
 
 log = get_logger("miles.reward")
@@ -29,7 +35,7 @@ class RewardGuard:
     """Callable like the reward function it wraps: `await guard(prompt, sample) -> float`."""
 
     def __init__(self, fn: Callable[[dict[str, Any], Sample], Any], on_error: OnError = "stop",
-                 max_in_a_row: int = 3) -> None:
+                 max_in_a_row: int = 3, judge: Any = None) -> None:
         if on_error not in ("stop", "drop"):
             raise ValueError(f"rollout.reward_errors {on_error!r}: valid are 'stop', 'drop'")
         if max_in_a_row < 1:
@@ -40,12 +46,15 @@ class RewardGuard:
         self.errors: Counter[str] = Counter()  # exception type name -> count, over the whole run
         self.in_a_row = 0
         self.stopped: RewardError | None = None
+        self.extra: dict[str, Any] = {}  # keyword arguments the function asks for by name
+        if judge is not None and _takes(fn, "judge"):
+            self.extra["judge"] = judge
 
     async def __call__(self, prompt: dict[str, Any], sample: Sample) -> float:
         if self.stopped is not None:
             raise self.stopped
         try:
-            r = self.fn(prompt, sample)
+            r = self.fn(prompt, sample, **self.extra)
             if inspect.isawaitable(r):
                 r = await r
             value = float(r)  # numpy / torch scalars and bools convert, as they always did
@@ -59,6 +68,11 @@ class RewardGuard:
     def _failed(self, prompt: dict[str, Any], exc: Exception) -> RewardError:
         kind = type(exc).__name__
         self.errors[kind] += 1
+        if isinstance(exc, JudgeUnavailable):  # the pool's outage, not the function's bug: no stop
+            log.warning("reward_failed", prompt_id=prompt.get("id", "?"), error_type=kind, error=str(exc),
+                        counts=dict(self.errors))
+            return RewardError(f"reward function raised {kind}: {exc} (prompt {prompt.get('id', '?')!r}); "
+                               "sample dropped")
         self.in_a_row += 1
         pid = prompt.get("id", "?")
         log.error("reward_failed", prompt_id=pid, error_type=kind, error=str(exc), in_a_row=self.in_a_row,
@@ -75,3 +89,10 @@ class RewardGuard:
         """Raise the cause once the guard has stopped (the rollout fails the trainer's pull with it)."""
         if self.stopped is not None:
             raise self.stopped
+
+
+def _takes(fn: Callable[..., Any], name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return False

@@ -286,6 +286,10 @@ class SessionStore:
         self._get(session_id)
         del self._sessions[session_id]
 
+    def routing_key(self, session_id: str) -> str:
+        """The session's routing key (its engine); for the front's token route."""
+        return self._get(session_id).routing_key
+
     def __contains__(self, session_id: str) -> bool:
         return session_id in self._sessions
 

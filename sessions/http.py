@@ -2,7 +2,9 @@
 
     POST   /sessions                              -> 201 {"session_id", "base_url"}
     GET    /sessions/{id}                         -> the session's summary
-    POST   /sessions/{id}/v1/chat/completions     -> OpenAI chat completion (or SSE chunks)
+    POST   /sessions/{id}/v1/chat/completions     -> OpenAI chat completion (or SSE chunks), logprobs on ask
+    POST   /sessions/{id}/v1/generate             -> token ids in, token ids and logprobs out
+    POST   /v1/tokenize, /sessions/{id}/v1/tokenize -> {"tokens", "count"} (sessions/token_api.py)
     GET    /sessions/{id}/v1/models               -> the one served model (some clients ask)
     POST   /sessions/{id}/samples                 -> {"session_id", "samples": [Sample as JSON]}
     DELETE /sessions/{id}                         -> {"session_id", "closed": true}
@@ -52,6 +54,12 @@ from miles.sessions.openai_api import (
     sample_to_json,
 )
 from miles.sessions.service import SessionService
+from miles.sessions.token_api import (
+    content_logprobs,
+    generate_reply,
+    parse_generate_request,
+    parse_tokenize_request,
+)
 
 log = get_logger("miles.session_http")
 MAX_BODY = 64 << 20  # long multi-turn histories with tool outputs exceed aiohttp's 1 MiB default
@@ -175,6 +183,9 @@ class SessionHTTP:
         app.router.add_post("/sessions/{sid}/samples", self.samples)
         app.router.add_post("/sessions/{sid}/v1/chat/completions", self.chat)
         app.router.add_get("/sessions/{sid}/v1/models", self.models)
+        app.router.add_post("/sessions/{sid}/v1/generate", self.generate)
+        app.router.add_post("/sessions/{sid}/v1/tokenize", self.tokenize)
+        app.router.add_post("/v1/tokenize", self.tokenize)
         return app
 
     async def start(self) -> str:
@@ -250,13 +261,27 @@ class SessionHTTP:
         sid = self._sid(request)
         req = parse_chat_request(await _json_body(request))
         turn = await self.service.chat(sid, req.messages, req.tools, req.sampling)
+        lps = content_logprobs(self.service.store.tok, turn["output_ids"], turn["logprobs"]) if req.logprobs else None
         if not req.stream:
-            return web.json_response(completion(turn, req.model))
+            return web.json_response(completion(turn, req.model, lps))
         # The engine returns a turn whole; it still goes out as SSE chunks for streaming clients.
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        for chunk in completion_chunks(turn, req.model, req.include_usage):
+        for chunk in completion_chunks(turn, req.model, req.include_usage, lps):
             await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+    async def generate(self, request: web.Request) -> web.Response:
+        sid = self._sid(request)
+        req = parse_generate_request(await _json_body(request))
+        out = await self.service.generate(sid, req.input_ids, req.sampling)
+        return web.json_response(generate_reply(out, len(req.input_ids)))
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        if "sid" in request.match_info:
+            self._sid(request)
+        req = parse_tokenize_request(await _json_body(request))
+        ids = self.service.tokenize(req.messages, req.tools, req.prompt)
+        return web.json_response({"tokens": ids, "count": len(ids)})

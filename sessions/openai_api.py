@@ -3,10 +3,11 @@
 Request bodies are checked field by field (a bad one raises `SessionError`
 naming it); OpenAI sampling fields map to the engine's (`max_tokens` →
 `max_new_tokens`; `top_k`, `stop_token_ids` accepted as extensions). Fields the
-server cannot honour (n > 1, stop strings, forced tool choice, logprobs) are
-refused rather than silently ignored; other unknown fields are ignored, as
-agents often send client-specific extras. Replies are `chat.completion`
-objects, or `chat.completion.chunk` lists for streaming.
+server cannot honour (n > 1, stop strings, forced tool choice, top_logprobs > 0)
+are refused rather than silently ignored; other unknown fields are ignored, as
+agents often send client-specific extras. `logprobs: true` returns, per sampled
+token, the engine's own logprob (the one the session's sample carries). Replies
+are `chat.completion` objects, or `chat.completion.chunk` lists for streaming.
 """
 
 from __future__ import annotations
@@ -68,6 +69,46 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     model: str = "policy"
+    logprobs: bool = False  # return each sampled token's logprob (choices[0].logprobs.content)
+
+
+def parse_logprobs(body: dict[str, Any]) -> bool:
+    """OpenAI `logprobs` (bool) and `top_logprobs` (0 only: the engines return the sampled
+    token's logprob, not the runners-up; refused rather than answered with an empty list)."""
+    lp = body.get("logprobs")
+    if lp is not None and not isinstance(lp, bool):
+        raise SessionError(f"logprobs: expected true or false, got {lp!r}")
+    top = _int(body, "top_logprobs", 0, 20)
+    if top:
+        raise SessionError(f"top_logprobs: only 0 is supported, got {top} (the engines return the sampled "
+                           "token's logprob only)")
+    return bool(lp)
+
+
+def parse_sampling(body: dict[str, Any]) -> dict[str, Any]:
+    """The engine sampling of an OpenAI-style body (chat and token routes alike)."""
+    sampling: dict[str, Any] = {}
+    for key, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0)):
+        v = _number(body, key, lo, hi)
+        if v is not None:
+            sampling[key] = v
+    t = sampling.get("temperature")
+    if t is not None and 0.0 < t < MIN_TEMPERATURE:
+        raise SessionError(f"temperature: expected 0 (greedy) or a number in [{MIN_TEMPERATURE}, 2.0], got {t!r}")
+    max_tokens = _int(body, "max_completion_tokens", 1) or _int(body, "max_tokens", 1)
+    if max_tokens is not None:
+        sampling["max_new_tokens"] = max_tokens
+    for key, lo in (("top_k", -1), ("seed", 0)):
+        iv = _int(body, key, lo)
+        if iv is not None:
+            sampling[key] = max(0, iv) if key == "top_k" else iv
+    stops = body.get("stop_token_ids")
+    if stops is not None:
+        if not isinstance(stops, list) or not all(
+                isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 31 for x in stops):
+            raise SessionError(f"stop_token_ids: expected a list of ints, got {stops!r}")
+        sampling["stop_token_ids"] = stops
+    return sampling
 
 
 def _number(body: dict[str, Any], key: str, lo: float, hi: float) -> float | None:
@@ -115,35 +156,14 @@ def parse_chat_request(body: Any) -> ChatRequest:
     if body.get("stop") not in (None, [], ""):
         raise SessionError("stop: stop strings are not supported (the engine stops on token ids; "
                            "use stop_token_ids)")
-    if body.get("logprobs") not in (None, False):
-        raise SessionError("logprobs: not returned by this server (export the session's samples instead)")
+    logprobs = parse_logprobs(body)
     choice = body.get("tool_choice")
     if choice not in (None, "auto", "none"):
         raise SessionError(f"tool_choice: only 'auto' and 'none' are supported, got {choice!r}")
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise SessionError(f"response_format: only {{'type': 'text'}} is supported, got {fmt!r}")
-    sampling: dict[str, Any] = {}
-    for key, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0)):
-        v = _number(body, key, lo, hi)
-        if v is not None:
-            sampling[key] = v
-    t = sampling.get("temperature")
-    if t is not None and 0.0 < t < MIN_TEMPERATURE:
-        raise SessionError(f"temperature: expected 0 (greedy) or a number in [{MIN_TEMPERATURE}, 2.0], got {t!r}")
-    max_tokens = _int(body, "max_completion_tokens", 1) or _int(body, "max_tokens", 1)
-    if max_tokens is not None:
-        sampling["max_new_tokens"] = max_tokens
-    for key, lo in (("top_k", -1), ("seed", 0)):
-        iv = _int(body, key, lo)
-        if iv is not None:
-            sampling[key] = max(0, iv) if key == "top_k" else iv
-    stops = body.get("stop_token_ids")
-    if stops is not None:
-        if not isinstance(stops, list) or not all(
-                isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 31 for x in stops):
-            raise SessionError(f"stop_token_ids: expected a list of ints, got {stops!r}")
-        sampling["stop_token_ids"] = stops
+    sampling = parse_sampling(body)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise SessionError(f"stream: expected true or false, got {stream!r}")
@@ -155,7 +175,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         raise SessionError(f"model: expected a string, got {model!r}")
     tools = check_tools(body.get("tools"))
     return ChatRequest(body["messages"], tools if choice != "none" else None, sampling, stream,
-                       bool(opts.get("include_usage")), model)
+                       bool(opts.get("include_usage")), model, logprobs)
 
 
 def _usage(u: dict[str, Any]) -> dict[str, Any]:
@@ -164,21 +184,25 @@ def _usage(u: dict[str, Any]) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]}}
 
 
-def completion(turn: dict[str, Any], model: str) -> dict[str, Any]:
-    """A `chat.completion` object from a session turn (see SessionService.chat)."""
+def completion(turn: dict[str, Any], model: str, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A `chat.completion` object from a session turn (see SessionService.chat); `logprobs`:
+    its `choices[0].logprobs` (sessions/token_api.py `content_logprobs`), when asked for."""
     return {"id": new_id("chatcmpl-"), "object": "chat.completion", "created": int(time.time()),
-            "model": model, "choices": [{"index": 0, "message": turn["message"], "logprobs": None,
+            "model": model, "choices": [{"index": 0, "message": turn["message"], "logprobs": logprobs,
                                          "finish_reason": turn["finish_reason"]}],
             "usage": _usage(turn["usage"])}
 
 
-def completion_chunks(turn: dict[str, Any], model: str, include_usage: bool) -> list[dict[str, Any]]:
-    """The same turn as `chat.completion.chunk`s: role, content, one per tool call, finish (, usage)."""
+def completion_chunks(turn: dict[str, Any], model: str, include_usage: bool,
+                      logprobs: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The same turn as `chat.completion.chunk`s: role, content, one per tool call, finish (, usage);
+    the turn's logprobs, when asked for, ride on the finish chunk (the turn comes whole)."""
     cid, created = new_id("chatcmpl-"), int(time.time())
 
     def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        lp = logprobs if finish is not None else None
         c: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+                             "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
         if include_usage:
             c["usage"] = None
         return c

@@ -110,7 +110,33 @@ class SessionService:
         self.cached_tokens += cached
         return {"message": res.message, "finish_reason": res.finish_reason,
                 "usage": {"prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens,
-                          "cached_tokens": cached}}
+                          "cached_tokens": cached},
+                # the engine's sampled ids and their logprobs, as the session stored them
+                "output_ids": list(r["output_ids"]), "logprobs": [float(x) for x in r["logprobs"]]}
+
+    async def generate(self, session_id: str, input_ids: list[int],
+                       sampling: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A token-level turn (sessions/token_api.py): `input_ids` to the session's engine under its
+        routing key and engine session key; the engine's result as it is. Not recorded in the
+        session's history. Truncated sampling is refused as on chat turns (one rule for samples)."""
+        params = {**self.sampling, **check_sampling(sampling or {})}
+        self.store.turn_temperature(params)
+        key = self.store.routing_key(session_id)
+        self._keys.setdefault(session_id, key)  # the engine may keep KV under the session: end it at close
+        r = await self.engine(key, list(input_ids), params, session=session_id)
+        cached = int(r.get("cached_tokens", 0))
+        self.turns += 1
+        self.prompt_tokens += len(input_ids)
+        self.cached_tokens += cached
+        return {"output_ids": list(r["output_ids"]), "logprobs": [float(x) for x in r["logprobs"]],
+                "finish_reason": r["finish_reason"], "versions": r.get("versions", 0), "cached_tokens": cached}
+
+    def tokenize(self, messages: list[Any] | None = None, tools: list[dict[str, Any]] | None = None,
+                 prompt: str | None = None) -> list[int]:
+        """The prompt ids a session's first chat turn with `messages` sends; or `prompt` encoded."""
+        if prompt is not None:
+            return self.store.tok.encode(prompt)
+        return self.store.prepare_one(messages, tools).prompt_ids
 
     def info(self, session_id: str) -> dict[str, Any]:
         return self.store.info(session_id)

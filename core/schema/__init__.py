@@ -14,6 +14,7 @@ from miles.core.schema.engine import EngineConfig
 from miles.core.schema.eval import EvalConfig
 from miles.core.schema.model import ModelConfig
 from miles.core.schema.resolve import check, resolve
+from miles.core.schema.reward_model import RewardModelConfig
 from miles.core.schema.rollout import RolloutConfig
 from miles.core.schema.run import RunConfig
 from miles.core.schema.sync import SyncConfig
@@ -42,6 +43,7 @@ class MilesConfig(Derived):
     trainer: TrainerConfig = section(TrainerConfig, "trainer backend, losses, corrections, optimizer")
     sync: SyncConfig = section(SyncConfig, "weight handoff: transport, bucket size, deadlines")
     eval: EvalConfig = section(EvalConfig, "evaluation during training: shared, snapshot or external")
+    reward_model: RewardModelConfig = section(RewardModelConfig, "judge engine pool: a frozen model served for rewards")
 
     def __post_init__(self) -> None:
         resolve(self)  # the one step after the sections are built (core/schema/resolve.py)
