@@ -84,7 +84,7 @@ async def run_adapter(name: str, env: Any, engine: Any, tok: Any, n: int, max_tu
 
     store = SessionStore(tok, max_sessions=10_000)
     agent = load_layer("agent", env.agent)
-    gate = asyncio.Semaphore(64)
+    gate = asyncio.Semaphore(16)  # trajectories in flight (16 WebSocket sessions on the OpenEnv server)
     stats = {"trajectories": 0, "turns": 0, "sampled_tokens": 0, "drift_tokens": 0, "drifted": 0,
              "id_mismatches": 0, "logprob_mismatches": 0, "failed": 0, "reward_sum": 0.0}
 
