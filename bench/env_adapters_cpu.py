@@ -38,13 +38,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_openenv(port: int) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen([sys.executable, str(REPO / "examples" / "openenv_sum_env.py"), "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+def start_openenv(port: int, log: Path) -> subprocess.Popen[bytes]:
+    # its output to a file: a pipe nobody reads fills up and blocks the server mid-run
+    with log.open("wb") as f:
+        proc = subprocess.Popen([sys.executable, str(REPO / "examples" / "openenv_sum_env.py"), "--port", str(port)],
+                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"openenv server exited: {proc.stderr.read().decode()[-2000:] if proc.stderr else ''}")
+            raise SystemExit(f"openenv server exited: {log.read_text()[-2000:]}")
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
             return proc
@@ -139,11 +141,12 @@ async def main_async(n: int) -> list[dict[str, Any]]:
     from miles.rollout.envs import openenv_env, reasoning_gym_env, verifiers_env
     from miles.rollout.tiny_tokenizer import tiny_tokenizer
 
-    tok = tiny_tokenizer(tempfile.mkdtemp(prefix="env_adapters_"))
+    tmp = Path(tempfile.mkdtemp(prefix="env_adapters_"))
+    tok = tiny_tokenizer(tmp)
     model = build_model(ModelSpec.from_hf(tiny_config("qwen3", vocab_size=tok.vocab_size)), seed=0)
     engine = TorchEngine(model, EngineConfig(max_batch_size=64, max_seq_len=1024))
     port = free_port()
-    server = start_openenv(port)
+    server = start_openenv(port, tmp / "openenv_server.log")
     try:
         envs = [
             ("reasoning_gym:basic_arithmetic", reasoning_gym_env.make_env("basic_arithmetic", size=500), 1),

@@ -96,7 +96,7 @@ async def openenv_agent(ctx: AgentContext) -> dict[str, Any]:
             reply = await chat_turn(ctx, messages, count)
             msg = reply["message"]
             reply_text, finish = msg.get("content") or "", reply["finish_reason"]
-            messages.append({"role": "assistant", "content": reply_text})
+            messages.append(msg)  # as the session stored it (split reasoning, parsed tool calls)
             res = await env.step({conn["action_field"]: reply_text})
             steps += 1
             last = float(res.reward or 0.0)

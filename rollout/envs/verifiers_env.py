@@ -170,7 +170,7 @@ async def verifiers_agent(ctx: AgentContext) -> dict[str, Any]:
     for _ in range(ctx.max_turns):
         reply = await chat_turn(ctx, messages, count)
         msg = reply["message"]
-        messages.append({k: v for k, v in msg.items() if v is not None})
+        messages.append(msg)  # as the session stored it: the next turn must match it
         if not msg.get("tool_calls") or reply["finish_reason"] not in ("tool_calls", "stop"):
             break
         for call in msg["tool_calls"]:
@@ -200,7 +200,7 @@ def to_trace(task: Any, messages: list[dict[str, Any]], sample: Sample | None = 
     trace = vf.Trace(task=vf.TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
                      agent=vf.AgentInfo(config=vf.AgentConfig(), name="miles"))
     for i, m in enumerate(messages):
-        d = dict(m)
+        d = {k: v for k, v in m.items() if v is not None}
         if d.get("tool_calls"):  # OpenAI {function: {name, arguments}} -> verifiers' flat ToolCall
             d["tool_calls"] = [{"id": c.get("id", ""), "name": c.get("function", {}).get("name", ""),
                                 "arguments": c.get("function", {}).get("arguments", "{}")} for c in d["tool_calls"]]
