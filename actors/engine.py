@@ -27,7 +27,6 @@ from miles.actors.messages import (
     Stats,
 )
 from miles.actors.runtime.actor import Actor, handler
-from miles.actors.sync_messages import BulkClose, BulkOpen, BulkPlan, BulkRecv, FlatRange, Stage
 from miles.core.errors import EngineError, PlanMissing, SyncError
 from miles.core.images import ImageInput
 from miles.core.logging import get_logger
@@ -35,7 +34,8 @@ from miles.engines.base import Engine, GenerateRequest, GenerateResult, Sampling
 from miles.models.hf_io import hf_param_views, hf_tensor_views
 from miles.transport.bulk.base import BulkReceiver, LocalWeights, make_receiver
 from miles.transport.bulk.buckets import Reassembler
-from miles.transport.bulk.flat import FlatDeclined, FlatLanding, FlatPlan
+from miles.weightsync.flat import FlatDeclined, FlatLanding, FlatPlan
+from miles.weightsync.messages import BulkClose, BulkOpen, BulkPlan, BulkRecv, FlatRange, Stage
 
 log = get_logger("miles.engine_actor")
 

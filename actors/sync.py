@@ -16,15 +16,15 @@ import torch
 
 from miles.actors.messages import AbortVersion, Checksums, Commit, Pause, Resume
 from miles.actors.runtime.host import Host
-from miles.actors.sync_messages import BulkClose, BulkOpen, BulkPlan, BulkRecv, FlatRange, Stage
 from miles.core.schema.sync import SyncConfig
 from miles.transport.bulk.base import BulkSender, make_sender
-from miles.transport.bulk.coordinator import GatheredCoordinator
-from miles.transport.bulk.push_round import SyncReport
-from miles.transport.bulk.rank_group import RankGroup, TorchRankGroup
 from miles.transport.bulk.shard_channels import ShardTransport, make_shard_sender
-from miles.transport.bulk.shard_plan import ShardExport
-from miles.transport.bulk.sharded import ShardedCoordinator, ShardedOptions
+from miles.weightsync.coordinator import GatheredCoordinator
+from miles.weightsync.messages import BulkClose, BulkOpen, BulkPlan, BulkRecv, FlatRange, Stage
+from miles.weightsync.push_round import SyncReport
+from miles.weightsync.rank_group import RankGroup, TorchRankGroup
+from miles.weightsync.shard_coordinator import ShardedCoordinator, ShardedOptions
+from miles.weightsync.shard_plan import ShardExport
 
 
 def _advertise(host: Host, cfg: SyncConfig) -> str:
@@ -87,7 +87,7 @@ class WeightSync:
 
 
 class ActorEngineLink:
-    """The sharded coordinator's EngineLink (transport/bulk/coordinator.py) over the actor wire:
+    """The sharded coordinator's EngineLink (weightsync/coordinator.py) over the actor wire:
     each step one ask with the step deadline (sync.step_timeout_s)."""
 
     def __init__(self, host: Host, timeout_s: float) -> None:

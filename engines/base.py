@@ -21,8 +21,8 @@ from miles.core.hooks import Registry
 from miles.core.images import ImageInput
 
 if TYPE_CHECKING:  # the contract names them; engines that stage import them anyway
-    from miles.engines.weights import WeightStager
     from miles.models.decoder import CausalLM
+    from miles.weightsync.stager import WeightStager
 
 FinishReason = Literal["stop", "length", "abort"]
 PauseMode = Literal["abort", "retract", "in_place"]

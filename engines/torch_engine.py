@@ -39,7 +39,6 @@ from miles.engines.sequence import Sequence
 from miles.engines.stepper import StepOut, Stepper
 from miles.engines.validate import validate_request
 from miles.engines.vl_inputs import check_request, is_vl
-from miles.engines.weights import WeightStager
 from miles.models.decoder import CausalLM
 from miles.models.factory import model_from_config
 from miles.models.fp8_layout import fp8_block
@@ -47,6 +46,7 @@ from miles.models.fp8_linear import weights_changed
 from miles.models.fp8_model import to_fp8_weights
 from miles.models.hf_io import checksums, hf_tensor_views
 from miles.models.lora import is_adapter_name
+from miles.weightsync.stager import WeightStager
 
 log = get_logger("miles.engine")
 

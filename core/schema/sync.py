@@ -95,7 +95,7 @@ class SyncConfig:
 
     @property
     def flat(self) -> bool:
-        """Whether the trainer exports its weights flat (transport/bulk/flat.py)."""
+        """Whether the trainer exports its weights flat (weightsync/flat.py)."""
         return self.flat_export == "on" or (self.flat_export == "auto" and self.transport != "disk_delta")
 
     def __post_init__(self) -> None:

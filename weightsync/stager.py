@@ -24,7 +24,7 @@ from miles.core.errors import EngineError
 from miles.core.logging import get_logger
 from miles.models.fp8 import FP8
 from miles.models.fp8_layout import quantize_hf_state
-from miles.models.param_buffer import pack_parameters
+from miles.weightsync.param_buffer import pack_parameters
 
 log = get_logger("miles.engine.weights")
 
@@ -163,7 +163,7 @@ class WeightStager:
 
     def mark_staged(self, version: int, names: list[str]) -> int:
         """A receiver wrote `names` straight into their slots, checked once against a flat plan
-        (transport/bulk/flat.py): bookkeeping only, no per-tensor work."""
+        (weightsync/flat.py): bookkeeping only, no per-tensor work."""
         self._begin(version)
         self._staged.update(names)
         return len(self._staged)

@@ -5,7 +5,7 @@ engines; the actor wire in miles, actors/sync.py) and a bulk channel (transport/
 
 - `GatheredCoordinator` (here): one process holds the whole model (trainer rank 0 after the
   gather, or a flat export buffer) and pushes it to every engine.
-- `ShardedCoordinator` (transport/bulk/sharded.py): every trainer rank sends its own slices.
+- `ShardedCoordinator` (weightsync/shard_coordinator.py): every trainer rank sends its own slices.
 
 Protocol per version v: pause (configured mode) -> stage every bucket on every engine
 -> commit(v) everywhere -> resume -> optional checksum check. Buckets travel on the
@@ -35,8 +35,8 @@ from miles.core.logging import get_logger
 from miles.core.schema.sync import SyncConfig
 from miles.transport.bulk.base import BulkSender, make_sender
 from miles.transport.bulk.buckets import Bucket, iter_buckets
-from miles.transport.bulk.flat import FlatWeights
-from miles.transport.bulk.push_round import Call, PushRound, SyncReport, each
+from miles.weightsync.flat import FlatWeights
+from miles.weightsync.push_round import Call, PushRound, SyncReport, each
 
 log = get_logger("miles.sync")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

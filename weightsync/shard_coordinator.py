@@ -2,7 +2,7 @@
 
 A plain class, readable and testable without sockets: it talks to engines through an
 `EngineLink` (the actor wire in miles: actors/sync.py) and to the other trainer ranks
-through a `RankGroup` (transport/bulk/rank_group.py). Every rank runs one; rank 0 also
+through a `RankGroup` (weightsync/rank_group.py). Every rank runs one; rank 0 also
 drives the engines' control steps.
 
 Per version v (every rank calls `push(v, export)`; each phase ends in one all_gather of
@@ -12,7 +12,7 @@ every rank's outcome, so a failure anywhere takes every rank down the same path)
    (the engine set changed) and whether the plan is (re)sent;
 2. open: every rank opens its sender, rank 0 hands every engine the ranks' connect infos;
    rank 0 sends the engines the flat plan (the whole model's HF layout) once per plan;
-3. send: every rank moves its buckets (transport/bulk/shard_plan.py) to every live engine,
+3. send: every rank moves its buckets (weightsync/shard_plan.py) to every live engine,
    up to sync.pipeline_depth in flight, each (rank, engine) pair in order;
 4. commit on rank 0 when every rank delivered every bucket, else abort v on every engine;
 5. resume; every N versions, verify the engines' per-tensor checksums.
@@ -36,12 +36,12 @@ import xxhash
 from miles.core.errors import SyncError
 from miles.core.logging import get_logger
 from miles.transport.bulk.base import dtype_of
-from miles.transport.bulk.coordinator import EngineLink, adopt, drain
-from miles.transport.bulk.push_round import PushRound, SyncReport, each
-from miles.transport.bulk.rank_group import RankGroup
 from miles.transport.bulk.shard_channels import SHARDED_TAG, ShardSender
 from miles.transport.bulk.shard_delta import IDX_BYTES, encode
-from miles.transport.bulk.shard_plan import ShardBucket, ShardExport, TransferPlan
+from miles.weightsync.coordinator import EngineLink, adopt, drain
+from miles.weightsync.push_round import PushRound, SyncReport, each
+from miles.weightsync.rank_group import RankGroup
+from miles.weightsync.shard_plan import ShardBucket, ShardExport, TransferPlan
 
 log = get_logger("miles.sync.sharded")
 
