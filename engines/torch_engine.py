@@ -30,7 +30,7 @@ from miles.engines.base import (
     RequestTotals,
     Staging,
 )
-from miles.engines.kv_cache import KVPool, RowPool, SessionKV, SessionStore, common_prefix
+from miles.engines.kv_cache import KVPool, RowPool, SessionKV, SessionKVStore, common_prefix
 from miles.engines.lora import AdapterMerge
 from miles.engines.paged_kv import PagedPool
 from miles.engines.prompt_share import PromptShare
@@ -89,7 +89,7 @@ class TorchEngine(Engine):
             model, self.pool, self.device, batch_invariant, self.cfg.cuda_graphs, self.cfg.compile_decode,
             overlap=self.cfg.overlap_decode,
         )
-        self.sessions = SessionStore(self.cfg.kv_budget_tokens)
+        self.sessions = SessionKVStore(self.cfg.kv_budget_tokens)
         self.stale_session_kv = 0  # saved session KV not reused: older weights wrote it (session_kv_reuse)
         self.stager = WeightStager(hf_tensor_views(model), self.fp8_block)
         self.adapters = AdapterMerge(model)  # LoRA runs sync adapters only (engines/lora.py)

@@ -1,6 +1,6 @@
 """Weight-sync coordinators: the protocol between the trainer and the engines, without sockets.
 
-Two coordinators, both plain classes typed against `EngineLink` (the control path to the
+Two coordinators, both plain classes typed against `SyncLink` (the control path to the
 engines; the actor wire in miles, actors/sync.py) and a bulk channel (transport/bulk/):
 
 - `GatheredCoordinator` (here): one process holds the whole model (trainer rank 0 after the
@@ -48,8 +48,8 @@ def tensor_checksum(t: torch.Tensor) -> str:
     return xxhash.xxh64(t.detach().contiguous().to("cpu").view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-class EngineLink(Protocol):
-    """The control path to engines, by name (in miles the actor wire: actors/sync.py ActorEngineLink).
+class SyncLink(Protocol):
+    """The control path to engines, by name (in miles the actor wire: actors/sync.py ActorSyncLink).
     Each call has the step deadline; an engine that is gone raises ActorDeadError, any other
     failure a MilesError."""
 
@@ -130,7 +130,7 @@ def adopt(coord: _Adopting, engine: str, version: int, rep: SyncReport) -> None:
 class GatheredCoordinator:
     """Pushes weight versions held by one process (trainer rank 0) to engines over `sender`."""
 
-    def __init__(self, link: EngineLink, sender: BulkSender, cfg: SyncConfig, engines: list[str],
+    def __init__(self, link: SyncLink, sender: BulkSender, cfg: SyncConfig, engines: list[str],
                  device: str | torch.device = "cpu") -> None:
         self.link = link
         self.cfg = cfg

@@ -64,7 +64,7 @@ async def each(step: str, names: list[str], call: Call, dead: list[str]) -> list
 
 
 class PauseLink(Protocol):
-    """The engine calls a round makes itself (a part of `EngineLink`)."""
+    """The engine calls a round makes itself (a part of `SyncLink`)."""
 
     async def pause(self, engine: str, mode: str) -> None: ...
     async def resume(self, engine: str) -> None: ...

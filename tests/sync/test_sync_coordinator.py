@@ -84,7 +84,7 @@ class MemEngine:
 
 
 class MemLink:
-    """EngineLink over in-process engines; `fail[(engine, version)]` makes that engine's ranges
+    """SyncLink over in-process engines; `fail[(engine, version)]` makes that engine's ranges
     raise (an ActorDeadError: it died)."""
 
     def __init__(self) -> None:
