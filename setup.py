@@ -1,21 +1,30 @@
 """Packaging: the repository root is the `miles` package, each folder below it a subpackage.
 
-The subpackages are found, not listed: a new folder with an `__init__.py` installs as
-`miles.<folder>` with no edit here. Everything else (name, dependencies, scripts) is in
-pyproject.toml.
+setup.cfg holds the setuptools configuration and pyproject.toml the metadata. This file does
+the one thing a declarative file cannot: it finds the subpackages under the `miles.` prefix,
+so a new folder with an `__init__.py` installs as `miles.<folder>` with no edit here.
 """
+
+from configparser import ConfigParser
+from pathlib import Path
 
 from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
-# Folders of the repository that are not part of the installed package.
-NOT_PACKAGED = ["tests", "tests.*", "bench", "bench.*", "scripts", "scripts.*", "examples",
-                "examples.*", "docs", "docs.*", "build", "build.*"]
+HERE = Path(__file__).resolve().parent
+
+
+def not_packaged() -> list[str]:
+    """setup.cfg's folders that are not part of the installed package, with their subfolders."""
+    cfg = ConfigParser()
+    cfg.read(HERE / "setup.cfg")
+    folders = cfg["miles.packaging"]["not_packaged"].split()
+    return [*folders, *(f"{f}.*" for f in folders)]
 
 
 def packages() -> list[str]:
     """`miles` plus `miles.<dotted folder>` for every package folder below the root."""
-    return ["miles", *(f"miles.{name}" for name in find_packages(".", exclude=NOT_PACKAGED))]
+    return ["miles", *(f"miles.{name}" for name in find_packages(str(HERE), exclude=not_packaged()))]
 
 
 class BuildPy(build_py):
@@ -27,9 +36,4 @@ class BuildPy(build_py):
 
 
 if __name__ == "__main__":
-    setup(
-        package_dir={"miles": "."},
-        packages=packages(),
-        package_data={"miles.rollout.envs": ["*.json", "*.jinja"]},
-        cmdclass={"build_py": BuildPy},
-    )
+    setup(packages=packages(), cmdclass={"build_py": BuildPy})

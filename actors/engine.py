@@ -1,17 +1,14 @@
 """Engine actor: serves the engine contract (engines/base.py) over the wire.
 
-A thin shell: messages in, calls into an `Engine` out. Weight buckets arrive as
-zero-copy tensor frames (or through a bulk receiver) and are copied once into the
-engine's staging area; a torch engine's stager is bound to its model so that commit
-swaps parameter storages instead of copying them again.
+A thin shell: messages in, calls into an `Engine` out. The weight-sync messages go to the
+engine's `WeightReceiver` (weightsync/receiver.py), which lands buckets and byte ranges in
+the engine's staging area and commits versions.
 """
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
-
-import torch
 
 from miles.actors.messages import (
     AbortRequest,
@@ -27,17 +24,11 @@ from miles.actors.messages import (
     Stats,
 )
 from miles.actors.runtime.actor import Actor, handler
-from miles.actors.sync_messages import BulkClose, BulkOpen, BulkPlan, BulkRecv, FlatRange, Stage
-from miles.core.errors import EngineError, PlanMissing, SyncError
+from miles.core.errors import EngineError
 from miles.core.images import ImageInput
-from miles.core.logging import get_logger
 from miles.engines.base import Engine, GenerateRequest, GenerateResult, SamplingParams
-from miles.models.hf_io import hf_param_views, hf_tensor_views
-from miles.transport.bulk.base import BulkReceiver, LocalWeights, make_receiver
-from miles.transport.bulk.buckets import Reassembler
-from miles.transport.bulk.flat import FlatDeclined, FlatLanding, FlatPlan
-
-log = get_logger("miles.engine_actor")
+from miles.weightsync.messages import BulkClose, BulkOpen, BulkPlan, BulkRecv, FlatRange, Stage
+from miles.weightsync.receiver import WeightReceiver
 
 
 def result_to_wire(r: GenerateResult) -> dict[str, Any]:
@@ -65,18 +56,13 @@ def images_from_wire(d: dict[str, Any] | None) -> ImageInput | None:
 class EngineActor(Actor):
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._reassembler = Reassembler()
-        self._receiver: BulkReceiver | None = None
-        self._live: dict[str, torch.Tensor] | None = None
-        self._pending: asyncio.Future[int] | None = None  # the bucket being staged in the background
-        self._landing: FlatLanding | None = None  # the flat plan byte ranges land by
-        self._staging = engine.staging()
-        if self._staging is not None and self._staging.model is not None:
-            model = self._staging.model
-            self._staging.stager.bind_model(model, lambda n, t: hf_param_views(model.spec, n, t))
+        self.weights = WeightReceiver(engine, "")  # named at start (the runtime names the actor)
+
+    async def on_start(self) -> None:
+        self.weights.name = self.name
 
     async def on_stop(self) -> None:
-        await self._close_receiver()
+        await self.weights.close()
         await self.engine.close()
 
     @handler(Generate, concurrency=1024)
@@ -132,56 +118,38 @@ class EngineActor(Actor):
     async def abort(self, msg: AbortRequest) -> bool:
         return await self.engine.abort(msg.request_id)
 
+    # ---- weight sync: forwarded to the receiver (weightsync/receiver.py) -----------------
     @handler(Stage)
     async def stage(self, msg: Stage) -> int:
-        if len(msg.names) != len(msg.tensors):
-            raise EngineError(f"stage v{msg.version}: {len(msg.names)} names for {len(msg.tensors)} tensors")
-        whole = []
-        for name, t in zip(msg.names, msg.tensors, strict=True):
-            done = self._reassembler.add(name, t)  # tensors larger than a bucket arrive in chunks
-            if done is not None:
-                whole.append(done)
-        return await self._stage_behind(msg.version, whole)
-
-    async def _stage_behind(self, version: int, whole: list[tuple[str, torch.Tensor]]) -> int:
-        """Start staging one bucket and answer at once, so its copy overlaps the next bucket's
-        transfer. One bucket is in flight at most; its failure surfaces at the next bucket or
-        at commit (both abort the version). The tensors must stay valid until `_settle`."""
-        staged = await self._settle()
-        self._pending = asyncio.ensure_future(self.engine.stage(version, whole))
-        return staged + len(whole)
-
-    async def _settle(self) -> int:
-        """Wait for the bucket still being staged; re-raises its error."""
-        task, self._pending = self._pending, None
-        return 0 if task is None else await task
+        return await self.weights.stage(msg.version, msg.names, msg.tensors)
 
     @handler(Commit)
     async def commit(self, msg: Commit) -> None:
-        try:
-            await self._settle()
-            # The swap is host-side and the receiver's copies run on the stream generation uses,
-            # so the engine commits while the last copies finish; they are waited for before
-            # the reply (after which the trainer may reuse what they read) and before unmapping.
-            await self.engine.commit(msg.version)
-        finally:
-            self._live = None  # a swapping commit moves the live tensors
-            await self._release_receiver()
+        await self.weights.commit(msg.version)
 
     @handler(AbortVersion)
     async def abort_version(self, msg: AbortVersion) -> None:
-        self._reassembler = Reassembler()
-        try:
-            await self._settle()
-        except Exception as exc:  # noqa: BLE001 - the version is being dropped anyway
-            log.info("abort_version_staging_failed", version=msg.version, error=str(exc))
-        await self._release_receiver()
-        await self.engine.abort_version(msg.version)
+        await self.weights.abort_version(msg.version)
 
-    async def _release_receiver(self) -> None:
-        if self._receiver is not None:
-            await self._receiver.settle()
-            self._receiver.release()
+    @handler(BulkOpen)
+    async def bulk_open(self, msg: BulkOpen) -> None:
+        await self.weights.open(msg.transport, msg.info, msg.bucket_bytes)
+
+    @handler(BulkRecv)
+    async def bulk_recv(self, msg: BulkRecv) -> int:
+        return await self.weights.recv(msg.version, msg.header)
+
+    @handler(BulkPlan)
+    async def bulk_plan(self, msg: BulkPlan) -> bool | str:
+        return await self.weights.plan(msg.plan)
+
+    @handler(FlatRange)
+    async def flat_range(self, msg: FlatRange) -> int:
+        return await self.weights.flat_range(msg.version, msg.digest, msg.lo, msg.hi, msg.header, msg.data)
+
+    @handler(BulkClose)
+    async def bulk_close(self, msg: BulkClose) -> None:
+        await self.weights.close()
 
     @handler(EndSession, concurrency=16)
     async def end_session(self, msg: EndSession) -> None:
@@ -200,82 +168,3 @@ class EngineActor(Actor):
         # Hashing every weight takes seconds on a large model: a worker thread does it, so the
         # loop keeps serving heartbeats and requests meanwhile.
         return await asyncio.to_thread(self.engine.checksums)
-
-    # ---- receiver side of the bulk weight channels (transport/bulk) -------------------
-    async def _close_receiver(self) -> None:
-        rx, self._receiver = self._receiver, None
-        if rx is not None:
-            await rx.close()
-
-    def _local(self) -> LocalWeights:
-        def get(name: str) -> torch.Tensor:
-            # Built on first use only (delta channels read the live weights; the others never
-            # do): listing every HF view costs per tensor, every version.
-            if self._live is None:
-                model = self._staging.model if self._staging is not None else None
-                # Live views (updated in place by commit); engines without a miles model give copies.
-                self._live = hf_tensor_views(model) if model is not None else self.engine.state_dict_hf()
-            t = self._live.get(name)
-            if t is None:
-                raise SyncError(f"engine {self.name!r} holds no tensor {name!r}")
-            return t
-
-        slot = self._staging.stager.slot if self._staging is not None else None
-        return LocalWeights(int(self.engine.health()["version"]), get, slot)
-
-    @handler(BulkOpen)
-    async def bulk_open(self, msg: BulkOpen) -> None:
-        await self._close_receiver()
-        rx = make_receiver(msg.transport, msg.info, msg.bucket_bytes)
-        await rx.open()
-        self._receiver = rx
-
-    @handler(BulkRecv)
-    async def bulk_recv(self, msg: BulkRecv) -> int:
-        if self._receiver is None:
-            raise SyncError(f"engine {self.name!r}: bucket of v{msg.version} arrived before BulkOpen")
-        await self._settle()  # the receiver may reuse the buffer the last bucket is staged from
-        whole = []
-        for name, t in await self._receiver.recv(msg.header, self._local()):
-            done = self._reassembler.add(name, t)
-            if done is not None:
-                whole.append(done)
-        return await self._stage_behind(msg.version, whole)
-
-    @handler(BulkPlan)
-    async def bulk_plan(self, msg: BulkPlan) -> bool | str:
-        """Take a flat plan: checked against the staging slots now, so a mismatch is refused
-        before any range moves. True: taken; else the reason it is declined (the coordinator
-        then sends tensors, and warns with this reason)."""
-        if self._staging is None:
-            return f"engine {self.name!r} ({type(self.engine).__name__}) has no staging slots to land byte ranges in"
-        landing = FlatLanding(FlatPlan.from_wire(msg.plan))
-        await self._settle()
-        try:
-            landing.region(self._local())
-        except FlatDeclined as exc:
-            log.warning("flat_plan_declined", reason=str(exc))
-            return f"engine {self.name!r}: {exc}"
-        self._landing = landing
-        return True
-
-    @handler(FlatRange)
-    async def flat_range(self, msg: FlatRange) -> int:
-        landing = self._landing
-        if landing is None or landing.plan.digest != msg.digest:
-            raise PlanMissing(f"engine {self.name!r}: flat range of v{msg.version} for plan {msg.digest} arrived, "
-                              f"this engine holds plan {landing.plan.digest if landing else None}")
-        await self._settle()
-        local = self._local()
-        if msg.data is not None:  # inline (zmq)
-            names = landing.land(msg.lo, msg.hi, msg.data.reshape(-1).view(torch.uint8), local)
-        elif self._receiver is None:
-            raise SyncError(f"engine {self.name!r}: flat range of v{msg.version} arrived before BulkOpen")
-        else:
-            names = await self._receiver.recv_flat(msg.header, landing, local)
-        assert self._staging is not None  # a plan was taken (bulk_plan), so the engine stages
-        return self._staging.mark_staged(msg.version, names)
-
-    @handler(BulkClose)
-    async def bulk_close(self, msg: BulkClose) -> None:
-        await self._close_receiver()

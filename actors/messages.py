@@ -7,7 +7,7 @@ from typing import Any
 
 from miles.transport.schema import message
 
-# `Stage`, the one message with tensors, is in actors/sync_messages.py: importing torch here
+# `Stage`, the one message with tensors, is in weightsync/messages.py: importing torch here
 # would load it (~1 s of CPU) into the rollout process, which never touches a tensor.
 
 

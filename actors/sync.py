@@ -1,9 +1,9 @@
 """Weight-sync actor shells: the trainer side's coordinators over the actor wire.
 
 The protocol (pause -> buckets -> atomic commit -> resume, abort, catch-up, verify) lives in
-plain classes in transport/bulk/: `GatheredCoordinator` (coordinator.py: one process holds
-the model and pushes it) and `ShardedCoordinator` (sharded.py: every trainer rank sends its
-own slices). Here: `ActorEngineLink`, their `EngineLink` over actor asks with the step
+plain classes: `GatheredCoordinator` (weightsync/coordinator.py: one process holds the model
+and pushes it) and `ShardedCoordinator` (weightsync/shard_coordinator.py: every trainer rank
+sends its own slices). Here: `ActorSyncLink`, their `SyncLink` over actor asks with the step
 deadline, and the shells the trainer uses, `WeightSync` and `ShardedWeightSync`.
 """
 
@@ -16,15 +16,15 @@ import torch
 
 from miles.actors.messages import AbortVersion, Checksums, Commit, Pause, Resume
 from miles.actors.runtime.host import Host
-from miles.actors.sync_messages import BulkClose, BulkOpen, BulkPlan, BulkRecv, FlatRange, Stage
 from miles.core.schema.sync import SyncConfig
 from miles.transport.bulk.base import BulkSender, make_sender
-from miles.transport.bulk.coordinator import GatheredCoordinator
-from miles.transport.bulk.push_round import SyncReport
-from miles.transport.bulk.rank_group import RankGroup, TorchRankGroup
 from miles.transport.bulk.shard_channels import ShardTransport, make_shard_sender
-from miles.transport.bulk.shard_plan import ShardExport
-from miles.transport.bulk.sharded import ShardedCoordinator, ShardedOptions
+from miles.weightsync.coordinator import GatheredCoordinator
+from miles.weightsync.messages import BulkClose, BulkOpen, BulkPlan, BulkRecv, FlatRange, Stage
+from miles.weightsync.push_round import SyncReport
+from miles.weightsync.rank_group import RankGroup, TorchRankGroup
+from miles.weightsync.shard_coordinator import ShardedCoordinator, ShardedOptions
+from miles.weightsync.shard_plan import ShardExport
 
 
 def _advertise(host: Host, cfg: SyncConfig) -> str:
@@ -52,7 +52,7 @@ class WeightSync:
             sender.device = self.device  # type: ignore[attr-defined]
         if hasattr(sender, "advertise"):
             sender.advertise = _advertise(host, cfg)
-        self.coordinator = GatheredCoordinator(ActorEngineLink(host, cfg.step_timeout_s), sender, cfg, engines,
+        self.coordinator = GatheredCoordinator(ActorSyncLink(host, cfg.step_timeout_s), sender, cfg, engines,
                                                self.device)
 
     @property
@@ -86,8 +86,8 @@ class WeightSync:
         self.coordinator._forget()
 
 
-class ActorEngineLink:
-    """The sharded coordinator's EngineLink (transport/bulk/coordinator.py) over the actor wire:
+class ActorSyncLink:
+    """The sharded coordinator's SyncLink (weightsync/coordinator.py) over the actor wire:
     each step one ask with the step deadline (sync.step_timeout_s)."""
 
     def __init__(self, host: Host, timeout_s: float) -> None:
@@ -144,7 +144,7 @@ class ShardedWeightSync:
         self.device = torch.device(device)
         self.group = group if group is not None else TorchRankGroup("cuda" if self.device.type == "cuda" else "cpu")
         self.advertise = _advertise(host, cfg)
-        self.link = ActorEngineLink(host, cfg.step_timeout_s)
+        self.link = ActorSyncLink(host, cfg.step_timeout_s)
         # delta: only changed words when that moves fewer bytes (transport/bulk/shard_delta.py; +1 shard)
         self.opts = ShardedOptions(bucket_bytes or cfg.bucket_mib << 20, cfg.pipeline_depth, cfg.pause_mode,
                                    cfg.verify_every, delta, cfg.receive_ahead_mib << 20)

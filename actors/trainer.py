@@ -26,11 +26,11 @@ from miles.core.schema import MilesConfig
 from miles.metrics.progress import Progress
 from miles.models.config import ModelSpec
 from miles.models.fp8_layout import fp8_block
-from miles.publish.gathered import WeightPublisher
-from miles.publish.sharded import ShardedPublisher
 from miles.rollout.handout import shard_from_wire
 from miles.trainer.backends import data_parallel, make_trainer
 from miles.trainer.batch import TrainBatch, TrainSample, image_token_counts
+from miles.weightsync.publisher import WeightPublisher
+from miles.weightsync.shard_publisher import ShardedPublisher
 
 log = get_logger("miles.trainer")
 

@@ -4,7 +4,7 @@ Transports modelled:
   bcast_ring / bcast_tree  today's gathered path at scale: the trainer gathers each bucket to one
                            source GPU, which NCCL-broadcasts it to every rollout GPU (each engine
                            rank receives the whole bucket and keeps its slice)
-  p2p                      the sharded plan (transport/bulk/shard_plan.py): every trainer GPU sends
+  p2p                      the sharded plan (weightsync/shard_plan.py): every trainer GPU sends
                            its own bytes straight to the engine GPUs that hold them
   delta                    p2p sending only the changed fraction of the bytes (sparse, with indices)
 

@@ -11,7 +11,7 @@ channel moving the same bytes in the same bucket sizes, measured in this run:
              ucx_perftest's bandwidth test), into one flat buffer of a second process
   disk_delta write + read back of the full weights as files (what a naive disk sync moves)
   <t>-flat   transport <t> (zmq, ucx, broadcast, disk_delta) fed a flat export: the trainer's weights packed
-             in one buffer (transport/bulk/flat.py: plan once, then byte ranges; what a launched
+             in one buffer (weightsync/flat.py: plan once, then byte ranges; what a launched
              run sends by default); raw = <t>'s
 plus a host memcpy of the weights as the machine's limit. disk_delta sends a sparse
 update (half the tensors change, as with a small-lr step); its GB/s counts the full
@@ -47,10 +47,10 @@ from miles.core.schema.sync import SyncConfig
 from miles.core.schema.transport import TransportConfig
 from miles.models.config import ModelSpec
 from miles.models.hf_io import hf_tensor_views
-from miles.models.param_buffer import pack_parameters
 from miles.models.presets import tiny_config
 from miles.models.registry import build_model
-from miles.transport.bulk.flat import FlatWeights
+from miles.weightsync.flat import FlatWeights
+from miles.weightsync.param_buffer import pack_parameters
 
 torch.set_num_threads(1)
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")

@@ -2,7 +2,7 @@
 
 The trainer side (this process) and one engine process (a real EngineActor, bf16 model
 built on the GPU) share the GPU. Transports:
-  cuda_ipc       colocated handoff of a flat export (transport/bulk/flat.py): the trainer's
+  cuda_ipc       colocated handoff of a flat export (weightsync/flat.py): the trainer's
                  weights in one buffer in HF order, its plan sent once, every version moved
                  as byte-range buckets (one copy each, no per-tensor work)
   cuda_ipc_tensors  the same buffer pushed tensor by tensor (the generic path: a bucket is
@@ -38,8 +38,8 @@ import torch
 import weight_sync as ws  # bench/ is on sys.path when this file runs as a script
 
 from miles.models.hf_io import hf_tensor_views
-from miles.models.param_buffer import pack_parameters
-from miles.transport.bulk.flat import FlatWeights
+from miles.weightsync.flat import FlatWeights
+from miles.weightsync.param_buffer import pack_parameters
 
 HIDDEN = 2048
 LAYER_BYTES = 100_663_296  # one qwen3 layer at hidden 2048, intermediate 6144, bf16

@@ -1,7 +1,7 @@
 """`DiffusionEngine`: the rollout engine of a diffusion policy, behind the LLM engines' contract.
 
 What it shares with them (engines/base.py): weight versions, staged weights swapped in
-atomically between two forward passes (engines/weights.py's `WeightStager`, so every bulk
+atomically between two forward passes (weightsync/stager.py's `WeightStager`, so every bulk
 transport that lands buckets on an LLM engine lands them here), pause / resume, checksums.
 What differs: a request is an image to denoise, `(condition, seed)`, not a token prompt, so
 `denoise()` replaces `generate()` (which refuses, naming the right call).
@@ -35,8 +35,8 @@ from miles.diffusion.sampler import (
     step_noise,
 )
 from miles.engines.base import Engine, GenerateRequest, GenerateResult, PauseMode, Staging
-from miles.engines.weights import WeightStager
 from miles.models.hf_io import tensor_checksum
+from miles.weightsync.stager import WeightStager
 
 log = get_logger("miles.diffusion.engine")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -20,9 +20,8 @@ from miles.core.clock import new_id
 from miles.core.hooks import Registry
 from miles.core.images import ImageInput
 
-if TYPE_CHECKING:  # the contract names them; engines that stage import them anyway
-    from miles.engines.weights import WeightStager
-    from miles.models.decoder import CausalLM
+# Staging: the landing an engine offers (weightsync/stager.py), named by the contract below
+from miles.weightsync.stager import Staging
 
 FinishReason = Literal["stop", "length", "abort"]
 PauseMode = Literal["abort", "retract", "in_place"]
@@ -71,23 +70,6 @@ class GenerateResult:
     # [T, L_moe, k] expert ids (uint8 / uint16) for the prompt + output tokens fed to the model:
     # T = prompt_tokens + len(output_ids) normally; one less when the request was aborted.
     routed_experts: np.ndarray | None = None
-
-
-class Staging(Protocol):
-    """The in-place weight landing an engine may offer (`Engine.staging()`): staging slots that
-    bulk channels and flat byte ranges land in directly, and the bookkeeping of what landed.
-
-    `model` is the live miles model the slots are bound to (its parameters are swapped at
-    commit), or None for an engine without one (its live weights are `state_dict_hf()` copies).
-    """
-
-    stager: WeightStager
-    model: CausalLM | None
-
-    def mark_staged(self, version: int, names: list[str]) -> int:
-        """Tensors `names` of `version` landed in their slots by byte range; returns how many
-        tensors of `version` are staged so far."""
-        ...
 
 
 class Engine(abc.ABC):

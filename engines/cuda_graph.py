@@ -14,7 +14,7 @@ launch. Shapes are made static by padding:
 Decode rows are always pool rows 0..n-1 (the engine keeps rows compact), so a graph
 writes the same KV tensors every replay; inputs live in static device tensors that are
 refilled (one host-to-device copy) before each replay. A weight commit swaps the
-parameters between two persistent storages (engines/weights.py), so graphs are kept per
+parameters between two persistent storages (weightsync/stager.py), so graphs are kept per
 weight storage: after the first two commits both sets have theirs and a commit costs no
 copy and no capture. Graphs share one memory pool and never run concurrently (the engine
 steps under its lock).

@@ -149,7 +149,7 @@ class SessionKV:
     version: int = 0
 
 
-class SessionStore:
+class SessionKVStore:
     """LRU map session key -> SessionKV, holding at most `budget_tokens` tokens in total."""
 
     def __init__(self, budget_tokens: int) -> None:

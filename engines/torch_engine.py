@@ -30,7 +30,7 @@ from miles.engines.base import (
     RequestTotals,
     Staging,
 )
-from miles.engines.kv_cache import KVPool, RowPool, SessionKV, SessionStore, common_prefix
+from miles.engines.kv_cache import KVPool, RowPool, SessionKV, SessionKVStore, common_prefix
 from miles.engines.lora import AdapterMerge
 from miles.engines.paged_kv import PagedPool
 from miles.engines.prompt_share import PromptShare
@@ -39,7 +39,6 @@ from miles.engines.sequence import Sequence
 from miles.engines.stepper import StepOut, Stepper
 from miles.engines.validate import validate_request
 from miles.engines.vl_inputs import check_request, is_vl
-from miles.engines.weights import WeightStager
 from miles.models.decoder import CausalLM
 from miles.models.factory import model_from_config
 from miles.models.fp8_layout import fp8_block
@@ -47,6 +46,7 @@ from miles.models.fp8_linear import weights_changed
 from miles.models.fp8_model import to_fp8_weights
 from miles.models.hf_io import checksums, hf_tensor_views
 from miles.models.lora import is_adapter_name
+from miles.weightsync.stager import WeightStager
 
 log = get_logger("miles.engine")
 
@@ -89,7 +89,7 @@ class TorchEngine(Engine):
             model, self.pool, self.device, batch_invariant, self.cfg.cuda_graphs, self.cfg.compile_decode,
             overlap=self.cfg.overlap_decode,
         )
-        self.sessions = SessionStore(self.cfg.kv_budget_tokens)
+        self.sessions = SessionKVStore(self.cfg.kv_budget_tokens)
         self.stale_session_kv = 0  # saved session KV not reused: older weights wrote it (session_kv_reuse)
         self.stager = WeightStager(hf_tensor_views(model), self.fp8_block)
         self.adapters = AdapterMerge(model)  # LoRA runs sync adapters only (engines/lora.py)

@@ -172,10 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check-template", help="verify a tokenizer's chat template is append-only")
     p.add_argument("model_dir")
     p.set_defaults(fn=cmd_check_template)
-    p = sub.add_parser("bench", help="run a benchmark script from bench/")
-    p.add_argument("name")
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(fn=cmd_bench)
+    if BENCH_DIR.is_dir():  # a checkout: an installed wheel holds no bench/, so offers no `bench`
+        p = sub.add_parser("bench", help="run a benchmark script from bench/")
+        p.add_argument("name")
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+        p.set_defaults(fn=cmd_bench)
     import importlib
 
     for mod in SUBCOMMAND_MODULES:

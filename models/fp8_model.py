@@ -90,7 +90,7 @@ def fp8_export(named: Iterable[tuple[str, torch.Tensor]], spec: ModelSpec) -> It
     weight its codes `X.weight` and fp32 scales `X.weight_scale_inv`; the rest unchanged (all
     unchanged without an FP8 quantization_config). The codes travel as their raw bytes
     (uint8, same shape): the actor wire and gloo have no float8 dtype; an FP8 engine views
-    them back (engines/weights.py), and a checksum of either is the same xxh64 of the bytes.
+    them back (weightsync/stager.py), and a checksum of either is the same xxh64 of the bytes.
     The codes are those of the bf16-rounded weights (`fp8.contract_input`), so an fp32 or bf16
     export gives the codes the trainer's forward uses; cast the unquantized tensors to the
     engine's dtype as usual (before or after this hook)."""

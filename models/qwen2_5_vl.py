@@ -5,7 +5,7 @@ The language side is `CausalLM` unchanged except for its rotary tables (M-RoPE,
 models/mrope.py); the vision tower (models/vision.py) turns an image's patches into one
 feature row per image token, and those rows replace the embeddings of the `image_token_id`
 placeholders in order. How many placeholders an image has is fixed by its grid
-(`image_tokens`), computed once when the prompt is built (rollout/images.py) and carried with
+(`image_tokens`), computed once when the prompt is built (core/images.py) and carried with
 the sample, so the engine and the trainer scatter the same features into the same slots.
 
 Checkpoint names are the original Qwen layout (`model.*`, `visual.*`, `lm_head.weight`), which

@@ -1,6 +1,6 @@
 """The Qwen2.5-VL-style vision tower: patch embedding, 2-D rotary, window attention, patch merger.
 
-Input is what `rollout/images.py` (or the HF image processor) produces: `pixels` [N, C*tp*p*p],
+Input is what `core/images.py` `patchify` (or the HF image processor) produces: `pixels` [N, C*tp*p*p],
 one row per patch (a 3-D patch over `temporal_patch_size` frames), patches ordered frame by
 frame, then merge block by merge block (the `spatial_merge_size`^2 patches of one LM token
 consecutive), with each image's (t, h, w) patch grid in `grid` [n, 3]. Output: one feature

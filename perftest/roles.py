@@ -23,13 +23,13 @@ from miles.transport.perf.control import Control, route_ip
 from miles.transport.perf.limits import cuda_limits, host_limits
 from miles.transport.perf.patterns import Plan, drive, make_plans, respond
 from miles.transport.perf.raw import Ctx, make_raw
-from miles.transport.perf.report import Row, Stats, table, write_csv, write_json
+from miles.transport.perf.report import LatencyStats, ReportRow, table, write_csv, write_json
 
 
 @dataclass
 class Report:
     meta: dict[str, Any]
-    rows: list[Row]
+    rows: list[ReportRow]
 
     def emit(self, a: argparse.Namespace) -> None:
         if not a.quiet:
@@ -89,7 +89,7 @@ async def run_driver(ctl: Control, a: argparse.Namespace, ctx: Ctx, sizes: list[
         miles = await _miles_sweep(ctl, a.transport, a.pattern, ctx, plans)
     finally:
         await ctl.send("bye")
-    rows = [Row.build(a.transport, a.pattern, ctx.device, p.size, p.block, m, r, kind, lim)
+    rows = [ReportRow.build(a.transport, a.pattern, ctx.device, p.size, p.block, m, r, kind, lim)
             for p, m, r, lim in zip(plans, miles, raw, limits, strict=True)]
     meta = {"transport": a.transport, "pattern": a.pattern, "device": ctx.device, "window": window,
             "iters": a.iters, "warmup": a.warmup, "max_bytes": max_bytes, "limit_kind": kind,
@@ -99,7 +99,7 @@ async def run_driver(ctl: Control, a: argparse.Namespace, ctx: Ctx, sizes: list[
     return Report(meta, rows)
 
 
-async def _raw_sweep(ctl: Control, transport: str, ctx: Ctx, plans: list[Plan]) -> list[Stats]:
+async def _raw_sweep(ctl: Control, transport: str, ctx: Ctx, plans: list[Plan]) -> list[LatencyStats]:
     link = make_raw(transport)
     info = await link.open(ctx)
     try:
@@ -113,7 +113,7 @@ async def _raw_sweep(ctl: Control, transport: str, ctx: Ctx, plans: list[Plan]) 
     return stats
 
 
-async def _miles_sweep(ctl: Control, transport: str, pattern: str, ctx: Ctx, plans: list[Plan]) -> list[Stats]:
+async def _miles_sweep(ctl: Control, transport: str, pattern: str, ctx: Ctx, plans: list[Plan]) -> list[LatencyStats]:
     from miles.perftest.miles_runner import MilesDriver
 
     drv = MilesDriver(transport, pattern, ctx, block=plans[0].block)

@@ -1,4 +1,4 @@
-"""The bounded rollout buffer (plain class; actors/buffer.py is its thin shell).
+"""The bounded rollout buffer (plain class; rollout/orchestrator.py drives it, actors/rollout.py is the shell).
 
 Slots: at most `capacity` trajectories generate at once. A finished trajectory
 frees its slot and `finish` returns the new work that starts in it right away

@@ -28,7 +28,6 @@ from miles.trainer.config_checks import check_world, compile_enabled
 from miles.trainer.deterministic import enable_deterministic
 from miles.trainer.dist import Collectives, ensure_process_group, pick_device
 from miles.trainer.distill import load_teacher
-from miles.trainer.flat_export import FlatExportBuffer, ShardExportBuffer
 from miles.trainer.forward import ForwardOut, RouterProbe, packed_forward, padded_forward
 from miles.trainer.lora import (
     apply_lora,
@@ -46,8 +45,9 @@ from miles.trainer.rl_step import RLStep
 from miles.trainer.sharding import build_policy, compute_dtype, is_dtensor, make_mesh, shard, wraps
 from miles.trainer.true_on_policy import invariant_forward
 from miles.trainer.value import ValueModel
-from miles.transport.bulk.flat import FlatWeights
-from miles.transport.bulk.shard_plan import ShardExport
+from miles.weightsync.flat import FlatWeights
+from miles.weightsync.flat_export import FlatExportBuffer, ShardExportBuffer
+from miles.weightsync.shard_plan import ShardExport
 
 log = get_logger("trainer.fsdp")
 
@@ -206,7 +206,7 @@ class FSDPTrainer:
         their base, `engines/lora.py`), else every HF weight. A collective, like the others.
 
         `flat`: the full weights gathered into rank 0's persistent flat buffer (in `dtype`),
-        sent as byte ranges (transport/bulk/flat.py); the other ranks drain the gather here
+        sent as byte ranges (weightsync/flat.py); the other ranks drain the gather here
         and return nothing to push.
         """
         if not self.lora:
@@ -218,7 +218,7 @@ class FSDPTrainer:
                 return []
             if self.world == 1 and type(self).export_hf_state is FSDPTrainer.export_hf_state:
                 # One rank holds every parameter whole: no gather, and the export is one
-                # multi-tensor copy into the buffer (trainer/flat_export.py).
+                # multi-tensor copy into the buffer (weightsync/flat_export.py).
                 self.ensure_loaded()
                 local = [(n, (p.to_local() if is_dtensor(p) else p).detach())
                          for n, p in self.policy.named_parameters()]
@@ -229,7 +229,7 @@ class FSDPTrainer:
 
     def export_sharded_state(self, dtype: torch.dtype | None = None) -> ShardExport:
         """This rank's own slices of every HF weight, cast to `dtype`, in the transfer plan's order
-        (trainer/flat_export.py): what a sharded sync (ShardedWeightSync) sends from every rank.
+        (weightsync/flat_export.py): what a sharded sync (ShardedWeightSync) sends from every rank.
 
         Not a collective and no gather: no rank holds a tensor it does not own, and the extra
         memory is this rank's shard in `dtype`."""

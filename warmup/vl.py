@@ -1,8 +1,8 @@
 """The supervised warm-up of a vision-language preset (warmup/sft.py): examples with images.
 
 The prompt is rendered and tokenized as the rollout's session store does it (image parts as
-the template's marker, each placeholder expanded to its image's tokens: rollout/
-vl_placeholders.py), so the warm-up trains on exactly the ids the engine will be fed. A
+the template's marker, each placeholder expanded to its image's tokens:
+rollout/vl_placeholders.py), so the warm-up trains on exactly the ids the engine will be fed. A
 two-turn prompt (`second` in the prompt, rollout/envs/shapes.py) gives second-turn examples
 too: the first answer is the reference one, then the second image and question.
 """

@@ -42,8 +42,8 @@ from miles.actors.runtime.host import Host  # noqa: E402
 from miles.core.schema.sync import SyncConfig  # noqa: E402
 from miles.core.schema.transport import TransportConfig  # noqa: E402
 from miles.models.hf_io import hf_tensor_views  # noqa: E402
-from miles.models.param_buffer import pack_parameters  # noqa: E402
-from miles.transport.bulk.flat import FlatWeights  # noqa: E402
+from miles.weightsync.flat import FlatWeights  # noqa: E402
+from miles.weightsync.param_buffer import pack_parameters  # noqa: E402
 
 HIDDEN, LAYER_BYTES = 2048, 100_663_296
 
@@ -53,9 +53,9 @@ def serve(layers: int, ready: str, trace: str) -> None:
     from miles.actors.messages import Commit
     from miles.actors.runtime.actor import handler
     from miles.actors.runtime.process import run
-    from miles.actors.sync_messages import FlatRange
     from miles.core.schema.engine import EngineConfig
     from miles.engines.torch_engine import TorchEngine
+    from miles.weightsync.messages import FlatRange
 
     class Tracing(EngineActor):
         marks: dict[str, Any] = {}

@@ -41,7 +41,7 @@ from miles.trainer.dist import free_port  # noqa: E402
 from miles.transport.bulk.base import Layout, LocalWeights  # noqa: E402
 from miles.transport.bulk.broadcast import BroadcastReceiver, BroadcastSender  # noqa: E402
 from miles.transport.bulk.buckets import Reassembler, iter_buckets  # noqa: E402
-from miles.transport.bulk.flat import FlatWeights  # noqa: E402
+from miles.weightsync.flat import FlatWeights  # noqa: E402
 
 
 def _packed(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:

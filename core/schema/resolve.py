@@ -25,7 +25,7 @@ from miles.core.schema.sync import SyncConfig
 from miles.core.schema.trainer import TrainerConfig, check_async_correction
 
 
-class MilesConfig(Protocol):
+class ResolvedSections(Protocol):
     """The sections of `miles.core.schema.MilesConfig` this step reads, and what it derives
     (a Protocol, so that this module does not import the one that runs it)."""
 
@@ -40,7 +40,7 @@ class MilesConfig(Protocol):
     snapshot_sync: SyncConfig
 
 
-def resolve(cfg: MilesConfig) -> None:
+def resolve(cfg: ResolvedSections) -> None:
     """'auto' and 'engine' values that depend on another section, then the derived channels."""
     if cfg.sync.pause_mode == "auto":
         cfg.sync.pause_mode = cfg.engine.default_pause_mode  # type: ignore[assignment]
@@ -64,7 +64,7 @@ def resolve(cfg: MilesConfig) -> None:
     cfg.snapshot_sync = replace(cfg.channel_sync, transport="zmq", pause_mode="none")
 
 
-def check(cfg: MilesConfig) -> None:
+def check(cfg: ResolvedSections) -> None:
     """Rules across sections; ConfigError naming the options and the fix."""
     tr = cfg.trainer
     check_async_correction(tr.correction.types, asynchronous=cfg.buffer.mode != "sync")
@@ -80,7 +80,7 @@ def check(cfg: MilesConfig) -> None:
         raise ConfigError("; ".join(errs))
 
 
-def _check_hand_off(cfg: MilesConfig) -> None:
+def _check_hand_off(cfg: ResolvedSections) -> None:
     """The weight hand-off. A sharded sync (FSDP2 shards or megatron's tensor-/expert-parallel
     slices) keeps no whole-model snapshot; LoRA runs sync only adapters (+ their scale) and the
     engines merge them: the engine and the channel must carry them as sent."""
@@ -102,7 +102,7 @@ def _check_hand_off(cfg: MilesConfig) -> None:
                           f"travels as a number), got {cfg.sync.dtype!r}")
 
 
-def fp8_errors(cfg: MilesConfig) -> list[str]:
+def fp8_errors(cfg: ResolvedSections) -> list[str]:
     """The parts of a run that do not (yet) go under the FP8 contract (empty when model.fp8 is off)."""
     if cfg.model.fp8 == "off":
         return []

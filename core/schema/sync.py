@@ -53,9 +53,9 @@ class SyncConfig:
         "for every transport but disk_delta"
     )
     sharded: bool = opt(
-        False, "every trainer rank sends its own FSDP slices straight to the engines (transport/bulk/"
-        "sharded.py): no rank gathers the model (extra memory per rank: its shard + one bucket); zmq, ucx or "
-        "broadcast; a restarted engine gets the whole version at the next push"
+        False, "every trainer rank sends its own FSDP slices straight to the engines "
+        "(weightsync/shard_coordinator.py): no rank gathers the model (extra memory per rank: its shard + one "
+        "bucket); zmq, ucx or broadcast; a restarted engine gets the whole version at the next push"
     )
     delta: bool = opt(
         False, "sharded only: send a bucket as (index, word) pairs of the changed words when that is smaller "
@@ -95,7 +95,7 @@ class SyncConfig:
 
     @property
     def flat(self) -> bool:
-        """Whether the trainer exports its weights flat (transport/bulk/flat.py)."""
+        """Whether the trainer exports its weights flat (weightsync/flat.py)."""
         return self.flat_export == "on" or (self.flat_export == "auto" and self.transport != "disk_delta")
 
     def __post_init__(self) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-# Folders that are not part of the installed package (setup.py's NOT_PACKAGED).
+# Folders that are not part of the installed package (setup.cfg [miles.packaging] not_packaged).
 OUTSIDE = {"tests", "bench", "scripts", "examples", "docs", "build"}
 
 

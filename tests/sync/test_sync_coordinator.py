@@ -1,4 +1,4 @@
-"""The sharded coordinator (transport/bulk/sharded.py) on its own, without sockets or processes.
+"""The sharded coordinator (weightsync/shard_coordinator.py) on its own, without sockets or processes.
 
 Four trainer ranks run as tasks of one loop, agreeing through an in-process RankGroup; the
 two engines are in-process too: the real engine-side receiver (ShardReceiver, zmq channel:
@@ -23,12 +23,12 @@ from miles.models.config import ModelSpec
 from miles.models.hf_io import tensor_checksum
 from miles.models.presets import tiny_config
 from miles.models.registry import build_model
-from miles.trainer.flat_export import ShardExportBuffer
 from miles.transport.bulk.base import LocalWeights, make_receiver
-from miles.transport.bulk.flat import FlatLanding, FlatPlan, FlatWeights
 from miles.transport.bulk.shard_channels import ZmqShardSender
-from miles.transport.bulk.shard_plan import ShardExport, fsdp_rows
-from miles.transport.bulk.sharded import ShardedCoordinator, ShardedOptions
+from miles.weightsync.flat import FlatLanding, FlatPlan, FlatWeights
+from miles.weightsync.flat_export import ShardExportBuffer
+from miles.weightsync.shard_coordinator import ShardedCoordinator, ShardedOptions
+from miles.weightsync.shard_plan import ShardExport, fsdp_rows
 
 pytestmark = pytest.mark.timeout(60)
 WORLD, ENGINES = 4, ["e0", "e1"]
@@ -84,7 +84,7 @@ class MemEngine:
 
 
 class MemLink:
-    """EngineLink over in-process engines; `fail[(engine, version)]` makes that engine's ranges
+    """SyncLink over in-process engines; `fail[(engine, version)]` makes that engine's ranges
     raise (an ActorDeadError: it died)."""
 
     def __init__(self) -> None:

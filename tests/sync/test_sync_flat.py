@@ -1,4 +1,4 @@
-"""Flat exports (transport/bulk/flat.py): plans, byte-range buckets, landing, and a real sync.
+"""Flat exports (weightsync/flat.py): plans, byte-range buckets, landing, and a real sync.
 
 The multi-process tests push a trainer whose weights lie in one buffer to 2 engine
 processes over zmq, broadcast (gloo) and ucx (TCP, when installed): once in the engines'
@@ -17,11 +17,11 @@ from miles.actors.messages import Health
 from miles.actors.sync import WeightSync
 from miles.core.errors import EngineError, SyncError
 from miles.core.schema.sync import SyncConfig
-from miles.engines.weights import WeightStager
 from miles.models.hf_io import hf_tensor_views, tensor_checksum
-from miles.models.param_buffer import pack_parameters
 from miles.transport.bulk.base import LocalWeights
-from miles.transport.bulk.flat import FlatLanding, FlatPlan, FlatWeights
+from miles.weightsync.flat import FlatLanding, FlatPlan, FlatWeights
+from miles.weightsync.param_buffer import pack_parameters
+from miles.weightsync.stager import WeightStager
 
 from .sync_helpers import client, held, perturb, start_engines, trainer_model
 

@@ -70,8 +70,8 @@ async def test_cuda_ipc_flat_sync_is_bit_equal(procs) -> None:
     """A flat export over cuda_ipc: the buffer is mapped once and kept across versions; a new
     buffer (re-packed) and a re-opened channel are shared afresh; tensor pushes still mix in."""
     from miles.models.hf_io import hf_tensor_views
-    from miles.models.param_buffer import pack_parameters
-    from miles.transport.bulk.flat import FlatWeights
+    from miles.weightsync.flat import FlatWeights
+    from miles.weightsync.param_buffer import pack_parameters
 
     directory = start_engines(procs, extra=["--device", "cuda"])
     host = await client(directory)

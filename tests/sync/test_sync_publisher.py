@@ -1,6 +1,6 @@
-"""The trainer's weight hand-off (publish/gathered.py) against real engine processes.
+"""The trainer's weight hand-off (weightsync/publisher.py) against real engine processes.
 
-The exporter is the FSDP trainer's own flat export buffer (trainer/flat_export.py) over a
+The exporter is the FSDP trainer's own flat export buffer (weightsync/flat_export.py) over a
 real fp32 model; the engines are real torch engines in bf16 or fp32 over zmq.
 """
 
@@ -15,9 +15,9 @@ from miles.core.config import load_config
 from miles.core.schema import MilesConfig
 from miles.core.schema.sync import SyncConfig
 from miles.models.hf_io import hf_tensor_views, tensor_checksum
-from miles.publish.gathered import WeightPublisher
-from miles.trainer.flat_export import FlatExportBuffer
-from miles.transport.bulk.flat import FlatWeights
+from miles.weightsync.flat import FlatWeights
+from miles.weightsync.flat_export import FlatExportBuffer
+from miles.weightsync.publisher import WeightPublisher
 
 from .sync_helpers import ENGINE_HOST, client, held, perturb, start_engines, trainer_model
 
@@ -138,7 +138,7 @@ async def test_catch_up_needs_no_host_copy_on_the_push_path(procs, source: str) 
 def test_host_copy_of_a_cuda_export_is_pinned_and_exact() -> None:
     """host_copy mode on a GPU trainer: the copy is made on a side stream into pinned memory,
     ordered after the export's fill, and reused (no new allocation) for the next version."""
-    from miles.publish.gathered import _host_copy
+    from miles.weightsync.publisher import _host_copy
 
     model = trainer_model(hidden=512, layers=1).cuda()
     exporter = FlatExporter(model)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from miles.core.errors import ActorDeadError, EngineError, SyncError
-from miles.transport.bulk.push_round import PushRound
+from miles.weightsync.push_round import PushRound
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,5 +1,5 @@
-"""The sharded-sync transfer plan (transport/bulk/shard_plan.py) and the per-rank export
-(trainer/flat_export.py ShardExportBuffer), without processes: the ranks' send buffers,
+"""The sharded-sync transfer plan (weightsync/shard_plan.py) and the per-rank export
+(weightsync/flat_export.py ShardExportBuffer), without processes: the ranks' send buffers,
 landed where the plan says, rebuild every engine's bytes exactly."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from miles.models.config import ModelSpec
 from miles.models.hf_io import hf_tensor_views
 from miles.models.presets import tiny_config
 from miles.models.registry import build_model
-from miles.trainer.flat_export import ShardExportBuffer, hf_parts
-from miles.transport.bulk.flat import FlatWeights
-from miles.transport.bulk.shard_plan import EngineLayout, TrainerLayout, TransferPlan, fsdp_rows
+from miles.weightsync.flat import FlatWeights
+from miles.weightsync.flat_export import ShardExportBuffer, hf_parts
+from miles.weightsync.shard_plan import EngineLayout, TrainerLayout, TransferPlan, fsdp_rows
 
 pytestmark = pytest.mark.timeout(60)
 

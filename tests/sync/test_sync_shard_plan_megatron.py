@@ -1,4 +1,4 @@
-"""Megatron TP/EP trainer layouts in the sharded-sync plan (transport/bulk/shard_megatron.py),
+"""Megatron TP/EP trainer layouts in the sharded-sync plan (weightsync/shard_megatron.py),
 on CPU without megatron: every rank's local weights are cut from random HF tensors by the
 megatron backend's own loader transforms (trainer/megatron/layout.py: fused QKV per query
 group, [gate_t; up_t], row-parallel columns, vocab rows, whole experts per EP rank), packed
@@ -20,26 +20,26 @@ from miles.models.config import ModelSpec
 from miles.models.hf_io import hf_tensor_views
 from miles.models.presets import tiny_config
 from miles.models.registry import build_model
-from miles.trainer.flat_export import hf_parts
 from miles.trainer.megatron.layout import fuse, targets, tp_shard
 from miles.transport.bulk.base import LocalWeights
-from miles.transport.bulk.flat import FlatLanding, FlatPlan, FlatWeights
 from miles.transport.bulk.shard_channels import ShardReceiver, ZmqShardSender, parse_ranges
-from miles.transport.bulk.shard_megatron import (
+from miles.weightsync.flat import FlatLanding, FlatPlan, FlatWeights
+from miles.weightsync.flat_export import hf_parts
+from miles.weightsync.shard_coordinator import ShardedCoordinator, ShardedOptions, bucket_bytes
+from miles.weightsync.shard_megatron import (
     MegatronParallel,
     MegatronShardExporter,
     megatron_layout,
     pack_rank,
     param_key,
 )
-from miles.transport.bulk.shard_plan import (
+from miles.weightsync.shard_plan import (
     EngineLayout,
     ShardExport,
     TrainerLayout,
     TransferPlan,
     fsdp_rows,
 )
-from miles.transport.bulk.sharded import ShardedCoordinator, ShardedOptions, bucket_bytes
 
 from .test_sync_coordinator import ENGINES, Hub, LocalRankGroup, MemLink
 
@@ -278,10 +278,10 @@ def test_megatron_layout_refuses_what_megatron_cannot_split() -> None:
 @pytest.mark.parametrize(("tp", "ep", "dp", "dtype"), [(2, 2, 2, "float32"), (2, 1, 1, "bfloat16")])
 async def test_the_megatron_backends_sharded_export_rebuilds_every_hf_tensor(tp: int, ep: int, dp: int,
                                                                              dtype: str) -> None:
-    """MegatronTrainer.export_sharded_state's plain part (trainer/megatron/shard_export.py): each
+    """MegatronTrainer.export_sharded_state's plain part (weightsync/megatron_export.py): each
     rank's parameters by megatron name, cut as the backend's loader cuts them, become send
     buffers whose union lands every HF tensor byte for byte."""
-    from miles.trainer.megatron.shard_export import MegatronShards
+    from miles.weightsync.megatron_export import MegatronShards
 
     spec = _spec("qwen3_moe")
     hf = _hf(spec, seed=3)
@@ -292,7 +292,7 @@ async def test_the_megatron_backends_sharded_export_rebuilds_every_hf_tensor(tp:
         params = {t.mcore: tp_shard(t.kind, fuse(t.kind, [hf[n] for n in t.hf], spec),
                                     tp_rank if t.expert is None else 0, tp if t.expert is None else 1).contiguous()
                   for t in targets(spec, set(), ep_rank, ep)}
-        shards = MegatronShards(spec, params.keys(), par, r, ep_rank)
+        shards = MegatronShards(spec, params.keys(), par, r, ep_rank, targets)
         exports.append(shards.export(params, dtype))
         assert shards.export(params, dtype).plan is exports[-1].plan  # built once
     plan = exports[0].plan

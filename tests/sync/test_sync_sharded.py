@@ -1,6 +1,6 @@
 """Sharded weight sync, real processes: 4 FSDP trainer ranks (gloo) -> 2 engine processes.
 
-Every rank sends only its own slices (transfer plan, transport/bulk/shard_plan.py), over ucx
+Every rank sends only its own slices (transfer plan, weightsync/shard_plan.py), over ucx
 (when UCXX is installed), zmq and broadcast (send/recv per rank-engine pair). After each of
 5 versions per transport both engines hold exactly the trainer's model (checksums against
 the gathered model, computed outside the sync), and no rank's sync created more than its

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from miles.core.errors import EngineError
-from miles.engines.weights import WeightStager
 from miles.models.hf_io import hf_param_views, hf_tensor_views
+from miles.weightsync.stager import WeightStager
 
 from .sync_helpers import trainer_model
 

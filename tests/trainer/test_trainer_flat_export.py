@@ -1,11 +1,11 @@
-"""The trainer's flat export buffer (trainer/flat_export.py): filled in place, rebuilt on change."""
+"""The trainer's flat export buffer (weightsync/flat_export.py): filled in place, rebuilt on change."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from miles.trainer.flat_export import FlatExportBuffer
+from miles.weightsync.flat_export import FlatExportBuffer
 
 pytestmark = pytest.mark.timeout(30)
 

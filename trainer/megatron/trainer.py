@@ -32,14 +32,13 @@ from miles.trainer.batch import TrainBatch
 from miles.trainer.config_checks import check_world
 from miles.trainer.deterministic import enable_deterministic
 from miles.trainer.dist import ensure_process_group, pick_device
-from miles.trainer.flat_export import FlatExportBuffer
 from miles.trainer.forward import ForwardOut
 from miles.trainer.megatron.available import require_megatron
 from miles.trainer.megatron.build import build_gpt, check_parallel, init_parallel
 from miles.trainer.megatron.forward import mcore_forward
 from miles.trainer.megatron.grads import GroupCollectives, reduce_and_clip
+from miles.trainer.megatron.layout import targets
 from miles.trainer.megatron.replay import MegatronRouting
-from miles.trainer.megatron.shard_export import MegatronShards
 from miles.trainer.megatron.weights import iter_hf, load_hf
 from miles.trainer.nonfinite import nonfinite_params, skip_nonfinite
 from miles.trainer.optim import lr_at, set_lr
@@ -48,9 +47,11 @@ from miles.trainer.packing import MicroBatch
 from miles.trainer.rank_state import Offloader, load_rank, save_rank
 from miles.trainer.rl_step import RLStep
 from miles.trainer.sharding import build_policy, compute_dtype
-from miles.transport.bulk.flat import FlatWeights
-from miles.transport.bulk.shard_megatron import MegatronParallel
-from miles.transport.bulk.shard_plan import ShardExport
+from miles.weightsync.flat import FlatWeights
+from miles.weightsync.flat_export import FlatExportBuffer
+from miles.weightsync.megatron_export import MegatronShards
+from miles.weightsync.shard_megatron import MegatronParallel
+from miles.weightsync.shard_plan import ShardExport
 
 
 class MegatronTrainer:
@@ -179,7 +180,7 @@ class MegatronTrainer:
     def export_sharded_state(self, dtype: torch.dtype | None = None) -> ShardExport:
         """This rank's own tensor-/expert-parallel slices of every HF weight, cast to `dtype` (None:
         the parameters' dtype), by the Megatron transfer plan: what a sharded sync sends from
-        every rank (trainer/megatron/shard_export.py). Not a collective, no gather."""
+        every rank (weightsync/megatron_export.py). Not a collective, no gather."""
         self.ensure_loaded()
         params = dict(self.policy.named_parameters())
         if self._shards is None:
@@ -187,7 +188,7 @@ class MegatronTrainer:
 
             tp, ep, dp = check_parallel(self.cfg.megatron, self.spec, self.global_world)
             self._shards = MegatronShards(self.spec, params.keys(), MegatronParallel(tp=tp, ep=ep, dp=dp),
-                                          self.rank, ps.get_expert_model_parallel_rank())
+                                          self.rank, ps.get_expert_model_parallel_rank(), targets)
         wire = dtype if dtype is not None else next(iter(params.values())).dtype
         return self._shards.export(params, str(wire).removeprefix("torch."))
 

@@ -187,7 +187,7 @@ class BulkSender(abc.ABC):
         """Stage bucket `seq` of `version` for sending; returns the header every receiver gets."""
 
     def prepare_flat(self, version: int, seq: int, lo: int, hi: int, weights: Any) -> dict[str, Any]:
-        """Stage bytes [lo, hi) of a flat export (transport/bulk/flat.py) for sending; returns
+        """Stage bytes [lo, hi) of a flat export (weightsync/flat.py) for sending; returns
         the header every receiver's `recv_flat` gets. Only channels with `flat = True`."""
         raise SyncError(f"the {self.tag} channel has no flat path")
 

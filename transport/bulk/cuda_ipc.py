@@ -17,7 +17,7 @@ when the version ends (commit or abort), which lets the trainer's allocator reus
 memory. (An aborted version's copies may still read memory the trainer reuses: they land
 in staging the engine drops.)
 
-Flat exports (transport/bulk/flat.py): the trainer's flat buffer persists across versions,
+Flat exports (weightsync/flat.py): the trainer's flat buffer persists across versions,
 so it is shared once per channel and mapped once by each engine, which keeps the mapping
 until the buffer changes or the channel closes. A bucket is then a header of four ints
 and one copy; the trainer synchronizes once per version and the engine once, at commit

@@ -20,7 +20,7 @@ header over the actor wire; the bytes go on the channel:
   transfers only need each pair's order, which the header order gives.
 
 A receiver lands a bucket's bytes in the engine's staging slots through the flat plan's
-landing (transport/bulk/flat.py): straight into the slots when the bucket is one range and
+landing (weightsync/flat.py): straight into the slots when the bucket is one range and
 the slots are laid out like the plan, else through its bucket buffer, range by range.
 """
 

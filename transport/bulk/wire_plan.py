@@ -162,7 +162,7 @@ class SegmentSender(BulkSender):
 
 def flat_target(tag: str, header: dict[str, Any], landing: Any, local: LocalWeights,
                 buf: torch.Tensor) -> tuple[int, int, torch.Tensor, bool, torch.Tensor]:
-    """Where one flat range (transport/bulk/flat.py) is received: (lo, hi, destination, whether
+    """Where one flat range (weightsync/flat.py) is received: (lo, hi, destination, whether
     that is the engine's staging slots themselves, the receiver's bucket buffer). Not in
     place: after the receive, `landing.land(lo, hi, destination, local)` copies it there."""
     try:

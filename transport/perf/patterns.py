@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from miles.transport.perf.report import Stats
+from miles.transport.perf.report import LatencyStats
 from miles.transport.perf.sizes import iterations
 
 PATTERNS = ("pingpong", "stream", "bucket")
@@ -61,7 +61,7 @@ class ResponderLink(Protocol):
     async def ack(self) -> None: ...
 
 
-async def drive(link: DriverLink, plan: Plan) -> Stats:
+async def drive(link: DriverLink, plan: Plan) -> LatencyStats:
     samples: list[float] = []
     seconds = 0.0
     for b in range(plan.total // plan.block):
@@ -73,7 +73,7 @@ async def drive(link: DriverLink, plan: Plan) -> Stats:
         if b * plan.block >= plan.warmup:
             samples.append(dt / plan.block)
             seconds += dt
-    return Stats.of(samples, plan.size, plan.measured, seconds)
+    return LatencyStats.of(samples, plan.size, plan.measured, seconds)
 
 
 async def respond(link: ResponderLink, plans: list[Plan]) -> None:

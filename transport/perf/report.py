@@ -19,7 +19,7 @@ from miles.transport.perf.sizes import fmt_size
 
 
 @dataclass
-class Stats:
+class LatencyStats:
     """One flavor's figures at one size: per-message latency percentiles and throughput."""
 
     p50_us: float
@@ -30,7 +30,7 @@ class Stats:
     messages: int
 
     @classmethod
-    def of(cls, samples_s: list[float], size: int, messages: int, seconds: float) -> Stats:
+    def of(cls, samples_s: list[float], size: int, messages: int, seconds: float) -> LatencyStats:
         if not samples_s or seconds <= 0:
             raise ValueError("no samples measured")
         s = sorted(samples_s)
@@ -45,7 +45,7 @@ def _pct(sorted_s: list[float], q: float) -> float:
 
 
 @dataclass
-class Row:
+class ReportRow:
     transport: str
     pattern: str
     device: str
@@ -69,8 +69,8 @@ class Row:
     d2h_gbps: float | None
 
     @classmethod
-    def build(cls, transport: str, pattern: str, device: str, size: int, window: int, miles: Stats,
-              raw: Stats, limit_kind: str, limits: dict[str, float]) -> Row:
+    def build(cls, transport: str, pattern: str, device: str, size: int, window: int, miles: LatencyStats,
+              raw: LatencyStats, limit_kind: str, limits: dict[str, float]) -> ReportRow:
         lim = limits[limit_kind]
         return cls(transport, pattern, device, size, fmt_size(size), miles.messages, window,
                    miles.p50_us, miles.p99_us, miles.max_us, miles.gbps, miles.msgs_per_s,
@@ -78,10 +78,10 @@ class Row:
                    miles.gbps / lim, limits.get("h2d"), limits.get("d2h"))
 
 
-COLUMNS = [f.name for f in fields(Row)]
+COLUMNS = [f.name for f in fields(ReportRow)]
 
 
-def table(rows: list[Row]) -> str:
+def table(rows: list[ReportRow]) -> str:
     head = (f"{'size':>8} {'msgs':>6} {'p50 us':>9} {'p99 us':>9} {'max us':>9} {'GB/s':>8} {'msg/s':>9} "
             f"{'raw p50':>9} {'raw GB/s':>9} {'x raw':>6} {'limit':>9} {'x limit':>8}")
     lines = [head, "-" * len(head)]
@@ -96,12 +96,12 @@ def _clean(v: Any) -> Any:
     return float(f"{v:.6g}") if isinstance(v, float) else v  # 6 significant digits, tiny values too
 
 
-def write_json(path: str | Path, meta: dict[str, Any], rows: list[Row]) -> None:
+def write_json(path: str | Path, meta: dict[str, Any], rows: list[ReportRow]) -> None:
     doc = {"meta": meta, "columns": COLUMNS, "rows": [{k: _clean(v) for k, v in asdict(r).items()} for r in rows]}
     Path(path).write_text(json.dumps(doc, indent=1) + "\n")
 
 
-def write_csv(path: str | Path, rows: list[Row]) -> None:
+def write_csv(path: str | Path, rows: list[ReportRow]) -> None:
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()

@@ -32,9 +32,9 @@ from miles.core.schema.trainer import TrainerConfig
 from miles.core.schema.transport import TransportConfig
 from miles.launch.role import exit_now
 from miles.models.hf_io import tensor_checksum
-from miles.publish.sharded import ShardedPublisher
 from miles.trainer.dist import leave_process_group
 from miles.trainer.fsdp import FSDPTrainer
+from miles.weightsync.shard_publisher import ShardedPublisher
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sync_helpers import spec  # noqa: E402 - the engines' architecture, shared with the test
@@ -130,7 +130,7 @@ async def run(trainer: FSDPTrainer, directory: str, out: Path, transports: list[
                                                "bytes": rep.bytes, "full_bytes": rep.full_bytes})
             finally:
                 await sync.close()
-        # The trainer loop's hand-off (publish/sharded.py) on every rank: export in a worker
+        # The trainer loop's hand-off (weightsync/shard_publisher.py) on every rank: export in a worker
         # thread, push with the engines paused in place, rank 0 announces.
         cfg = SyncConfig(transport="zmq", step_timeout_s=30, pause_mode="in_place", verify_every=1)
         sync = ShardedWeightSync(host, cfg, ["e0", "e1"], bucket_bytes=BUCKET)

@@ -31,8 +31,8 @@ from miles.core.schema.sync import SyncConfig
 from miles.models.config import ModelSpec
 from miles.models.fp8_layout import fp8_block
 from miles.models.fp8_model import fp8_export
-from miles.transport.bulk.flat import FlatWeights
-from miles.transport.bulk.push_round import SyncReport
+from miles.weightsync.flat import FlatWeights
+from miles.weightsync.push_round import SyncReport
 
 log = get_logger("miles.trainer")
 

@@ -2,7 +2,7 @@
 
 `Stage` carries zmq buckets inline; the others drive every other
 channel: open a receiver with the sender's connect info, receive one bucket whose
-bytes travel on the channel, close the receiver. A flat export (transport/bulk/flat.py)
+bytes travel on the channel, close the receiver. A flat export (weightsync/flat.py)
 sends its plan once and then byte ranges.
 """
 
@@ -54,7 +54,7 @@ class BulkClose:
 @message("engine.BulkPlan")
 @dataclass
 class BulkPlan:
-    """The flat plan (transport/bulk/flat.py) of the byte ranges that follow; answered with
+    """The flat plan (weightsync/flat.py) of the byte ranges that follow; answered with
     whether this engine lands them (False: the coordinator sends tensors instead)."""
 
     plan: dict[str, Any]

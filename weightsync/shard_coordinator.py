@@ -1,8 +1,8 @@
 """Sharded weight-sync coordinator (the gathered one and the contracts: coordinator.py): every trainer rank sends its own bytes; no rank holds the model.
 
 A plain class, readable and testable without sockets: it talks to engines through an
-`EngineLink` (the actor wire in miles: actors/sync.py) and to the other trainer ranks
-through a `RankGroup` (transport/bulk/rank_group.py). Every rank runs one; rank 0 also
+`SyncLink` (the actor wire in miles: actors/sync.py) and to the other trainer ranks
+through a `RankGroup` (weightsync/rank_group.py). Every rank runs one; rank 0 also
 drives the engines' control steps.
 
 Per version v (every rank calls `push(v, export)`; each phase ends in one all_gather of
@@ -12,7 +12,7 @@ every rank's outcome, so a failure anywhere takes every rank down the same path)
    (the engine set changed) and whether the plan is (re)sent;
 2. open: every rank opens its sender, rank 0 hands every engine the ranks' connect infos;
    rank 0 sends the engines the flat plan (the whole model's HF layout) once per plan;
-3. send: every rank moves its buckets (transport/bulk/shard_plan.py) to every live engine,
+3. send: every rank moves its buckets (weightsync/shard_plan.py) to every live engine,
    up to sync.pipeline_depth in flight, each (rank, engine) pair in order;
 4. commit on rank 0 when every rank delivered every bucket, else abort v on every engine;
 5. resume; every N versions, verify the engines' per-tensor checksums.
@@ -36,12 +36,12 @@ import xxhash
 from miles.core.errors import SyncError
 from miles.core.logging import get_logger
 from miles.transport.bulk.base import dtype_of
-from miles.transport.bulk.coordinator import EngineLink, adopt, drain
-from miles.transport.bulk.push_round import PushRound, SyncReport, each
-from miles.transport.bulk.rank_group import RankGroup
 from miles.transport.bulk.shard_channels import SHARDED_TAG, ShardSender
 from miles.transport.bulk.shard_delta import IDX_BYTES, encode
-from miles.transport.bulk.shard_plan import ShardBucket, ShardExport, TransferPlan
+from miles.weightsync.coordinator import SyncLink, adopt, drain
+from miles.weightsync.push_round import PushRound, SyncReport, each
+from miles.weightsync.rank_group import RankGroup
+from miles.weightsync.shard_plan import ShardBucket, ShardExport, TransferPlan
 
 log = get_logger("miles.sync.sharded")
 
@@ -101,8 +101,8 @@ class ShardedOptions:
     pipeline_depth: int = 2
     pause_mode: str = "none"
     verify_every: int = 0
-    delta: bool = False  # send only changed words when fewer bytes (shard_delta.py); +1 shard of memory
-    receive_ahead_bytes: int = 0  # ucx engines: a bucket per rank, up to this much (shard_channels.py)
+    delta: bool = False  # send only changed words when fewer bytes (transport/bulk/shard_delta.py); +1 shard of memory
+    receive_ahead_bytes: int = 0  # ucx engines: a bucket per rank, up to this much (transport/bulk/shard_channels.py)
 
 
 class _Failed(SyncError):
@@ -112,7 +112,7 @@ class _Failed(SyncError):
 class ShardedCoordinator:
     """One trainer rank's side of a sharded sync to `engines` (every rank has the same list)."""
 
-    def __init__(self, link: EngineLink, group: RankGroup, sender: ShardSender, engines: list[str],
+    def __init__(self, link: SyncLink, group: RankGroup, sender: ShardSender, engines: list[str],
                  opts: ShardedOptions) -> None:
         self.link, self.group, self.sender, self.opts = link, group, sender, opts
         self.engines = list(engines)

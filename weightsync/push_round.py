@@ -69,7 +69,7 @@ def _stopping(exc: SyncError) -> bool:
 
 
 class PauseLink(Protocol):
-    """The engine calls a round makes itself (a part of `EngineLink`)."""
+    """The engine calls a round makes itself (a part of `SyncLink`)."""
 
     async def pause(self, engine: str, mode: str) -> None: ...
     async def resume(self, engine: str) -> None: ...

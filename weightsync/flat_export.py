@@ -1,13 +1,13 @@
 """The trainer's flat export buffer: its HF weights gathered into one persistent buffer.
 
-A weight sync of a flat export (transport/bulk/flat.py) moves byte ranges instead of
+A weight sync of a flat export (weightsync/flat.py) moves byte ranges instead of
 tensors: the plan goes to the engines once, and no per-tensor work is left on either
 side per version. The buffer is allocated at the first export, in HF order and the sync
 dtype, and refilled in place by every later one (one copy per tensor, as the gather
 produces it); a different tensor list (names, shapes) builds it afresh.
 
 `ShardExportBuffer` is the sharded export (ShardedWeightSync): each rank keeps only its own
-slices, in the order of the transfer plan (transport/bulk/shard_plan.py), and sends them.
+slices, in the order of the transfer plan (weightsync/shard_plan.py), and sends them.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from miles.core.errors import TrainerError
 from miles.models.config import ModelSpec
 from miles.models.hf_io import hf_param_views
 from miles.models.hf_names import hf_param_slices
-from miles.transport.bulk.flat import FlatWeights
-from miles.transport.bulk.shard_plan import (
+from miles.weightsync.flat import FlatWeights
+from miles.weightsync.shard_plan import (
     EngineLayout,
     HFPart,
     ShardExport,
@@ -102,7 +102,7 @@ def hf_parts(spec: ModelSpec, name: str, shape: tuple[int, ...]) -> list[HFPart]
 
 class ShardExportBuffer:
     """One trainer rank's sharded export: its own slices of every HF tensor, cast to the wire
-    dtype, back to back in the transfer plan's order (transport/bulk/shard_plan.py).
+    dtype, back to back in the transfer plan's order (weightsync/shard_plan.py).
 
     Nothing is gathered: the buffer is this rank's shard and nothing more (the cast is the one
     copy). The plan and the (parameter slice -> buffer view) pairs are built once; every later

@@ -1,11 +1,11 @@
 """Weight-sync coordinators: the protocol between the trainer and the engines, without sockets.
 
-Two coordinators, both plain classes typed against `EngineLink` (the control path to the
+Two coordinators, both plain classes typed against `SyncLink` (the control path to the
 engines; the actor wire in miles, actors/sync.py) and a bulk channel (transport/bulk/):
 
 - `GatheredCoordinator` (here): one process holds the whole model (trainer rank 0 after the
   gather, or a flat export buffer) and pushes it to every engine.
-- `ShardedCoordinator` (transport/bulk/sharded.py): every trainer rank sends its own slices.
+- `ShardedCoordinator` (weightsync/shard_coordinator.py): every trainer rank sends its own slices.
 
 Protocol per version v: pause (configured mode) -> stage every bucket on every engine
 -> commit(v) everywhere -> resume -> optional checksum check. Buckets travel on the
@@ -35,8 +35,8 @@ from miles.core.logging import get_logger
 from miles.core.schema.sync import SyncConfig
 from miles.transport.bulk.base import BulkSender, make_sender
 from miles.transport.bulk.buckets import Bucket, iter_buckets
-from miles.transport.bulk.flat import FlatWeights
-from miles.transport.bulk.push_round import Call, PushRound, SyncReport, each
+from miles.weightsync.flat import FlatWeights
+from miles.weightsync.push_round import Call, PushRound, SyncReport, each
 
 log = get_logger("miles.sync")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -48,8 +48,8 @@ def tensor_checksum(t: torch.Tensor) -> str:
     return xxhash.xxh64(t.detach().contiguous().to("cpu").view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-class EngineLink(Protocol):
-    """The control path to engines, by name (in miles the actor wire: actors/sync.py ActorEngineLink).
+class SyncLink(Protocol):
+    """The control path to engines, by name (in miles the actor wire: actors/sync.py ActorSyncLink).
     Each call has the step deadline; an engine that is gone raises ActorDeadError, any other
     failure a MilesError."""
 
@@ -130,7 +130,7 @@ def adopt(coord: _Adopting, engine: str, version: int, rep: SyncReport) -> None:
 class GatheredCoordinator:
     """Pushes weight versions held by one process (trainer rank 0) to engines over `sender`."""
 
-    def __init__(self, link: EngineLink, sender: BulkSender, cfg: SyncConfig, engines: list[str],
+    def __init__(self, link: SyncLink, sender: BulkSender, cfg: SyncConfig, engines: list[str],
                  device: str | torch.device = "cpu") -> None:
         self.link = link
         self.cfg = cfg

@@ -1,6 +1,6 @@
 """Every trainer rank's weight hand-off for a sharded sync: export its own slices, push them.
 
-The sharded counterpart of `WeightPublisher` (publish/gathered.py), with the same
+The sharded counterpart of `WeightPublisher` (weightsync/publisher.py), with the same
 surface the trainer loop uses (`hand_off`, `lock`, `last_version`, `source`, `catch_up`):
 
 - every rank exports (`export_sharded_state`: its slices cast into its send buffer, in a
@@ -22,11 +22,11 @@ import torch
 
 from miles.core.logging import get_logger
 from miles.core.schema.sync import SyncConfig
-from miles.publish.gathered import hand_off_metrics
-from miles.transport.bulk.push_round import SyncReport
-from miles.transport.bulk.rank_group import RankGroup
-from miles.transport.bulk.shard_plan import ShardExport
-from miles.transport.bulk.sharded import ShardedCoordinator
+from miles.weightsync.publisher import hand_off_metrics
+from miles.weightsync.push_round import SyncReport
+from miles.weightsync.rank_group import RankGroup
+from miles.weightsync.shard_coordinator import ShardedCoordinator
+from miles.weightsync.shard_plan import ShardExport
 
 log = get_logger("miles.trainer")
 

@@ -10,17 +10,17 @@ experts: one expert per index of dim 0). The plan intersects the two and says, f
 - where its bytes lie in the rank's *send buffer* (the rank's own slices, cast to the wire
   dtype, back to back in engine order: the only copy a rank makes, and only of what it owns);
 - which engine layout group receives it, and where its bytes land in that group's flat
-  plan (transport/bulk/flat.py: the engine's staging slots, HF order). A column slice
+  plan (weightsync/flat.py: the engine's staging slots, HF order). A column slice
   [rows, c0:c1) is one contiguous block in the send buffer and a strided set of row
   segments on the engine (`Piece.stride`): each HF row gets bytes [c0, c1) of that row.
 
 It is computed once from both sides' layouts (`TrainerLayout`, `EngineLayout`) and rebuilt
 when either changes (its `digest` names it). Everything here is plain data: no torch
-collectives, no sockets; `transport/bulk/coordinator.py` moves the bytes it describes.
+collectives, no sockets; `weightsync/coordinator.py` moves the bytes it describes.
 
 Layouts covered:
 - trainer: FSDP2 dim-0 shards (`TrainerLayout.fsdp`), replicated parameters (owned by one
-  rank), and Megatron TP/EP/PP (`transport/bulk/shard_megatron.py`: column-parallel fused
+  rank), and Megatron TP/EP/PP (`weightsync/shard_megatron.py`: column-parallel fused
   QKV and gate/up as row segments, row-parallel `linear_proj`/`linear_fc2` as column
   slices, vocab-parallel embedding rows, whole experts per EP rank, optionally TP-split).
 - engine: a group of engines holding the same slice of each HF tensor. Whole-model engines
@@ -40,7 +40,7 @@ import xxhash
 
 from miles.core.errors import SyncError
 from miles.transport.bulk.base import dtype_of
-from miles.transport.bulk.flat import FlatPlan
+from miles.weightsync.flat import FlatPlan
 
 Rows = tuple[int, int]
 

@@ -17,6 +17,7 @@ version, so receiving a tensor is exactly one copy into it. How `apply` installs
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -24,7 +25,10 @@ from miles.core.errors import EngineError
 from miles.core.logging import get_logger
 from miles.models.fp8 import FP8
 from miles.models.fp8_layout import quantize_hf_state
-from miles.models.param_buffer import pack_parameters
+from miles.weightsync.param_buffer import pack_parameters
+
+if TYPE_CHECKING:
+    from miles.models.decoder import CausalLM
 
 log = get_logger("miles.engine.weights")
 
@@ -163,7 +167,7 @@ class WeightStager:
 
     def mark_staged(self, version: int, names: list[str]) -> int:
         """A receiver wrote `names` straight into their slots, checked once against a flat plan
-        (transport/bulk/flat.py): bookkeeping only, no per-tensor work."""
+        (weightsync/flat.py): bookkeeping only, no per-tensor work."""
         self._begin(version)
         self._staged.update(names)
         return len(self._staged)
@@ -234,3 +238,20 @@ class WeightStager:
     def drop(self) -> None:
         self.version = None
         self._staged = set()
+
+
+class Staging(Protocol):
+    """The in-place weight landing an engine may offer (`Engine.staging()`): staging slots that
+    bulk channels and flat byte ranges land in directly, and the bookkeeping of what landed.
+
+    `model` is the live miles model the slots are bound to (its parameters are swapped at
+    commit), or None for an engine without one (its live weights are `state_dict_hf()` copies).
+    """
+
+    stager: WeightStager
+    model: CausalLM | None
+
+    def mark_staged(self, version: int, names: list[str]) -> int:
+        """Tensors `names` of `version` landed in their slots by byte range; returns how many
+        tensors of `version` are staged so far."""
+        ...

@@ -37,7 +37,7 @@ import torch
 
 from miles.core.errors import SyncError
 from miles.transport.bulk.base import dtype_of
-from miles.transport.bulk.shard_plan import (
+from miles.weightsync.shard_plan import (
     EngineLayout,
     HFPart,
     ParamLayout,

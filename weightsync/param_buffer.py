@@ -1,7 +1,7 @@
 """Move a model's parameters into one contiguous buffer (a flat parameter buffer).
 
 A trainer whose weights lie back to back in HF order can hand them to the engines as
-byte ranges (transport/bulk/flat.py) instead of tensor by tensor; engines keep their own
+byte ranges (weightsync/flat.py) instead of tensor by tensor; engines keep their own
 weights this way so a bucket lands in one copy. Parameters keep their identity (only
 `.data` moves), so optimizers and hooks built on them are unaffected.
 """
