@@ -32,7 +32,7 @@ _NOT_ON_TOKENS = ("messages", "tools", "tool_choice", "stream", "n", "stop", "re
 
 
 @dataclass
-class GenerateRequest:
+class TokenGenerateBody:
     input_ids: list[int]
     sampling: dict[str, Any]
 
@@ -55,7 +55,7 @@ def check_ids(v: Any, where: str = "input_ids") -> list[int]:
     return v
 
 
-def parse_generate_request(body: Any) -> GenerateRequest:
+def parse_generate_request(body: Any) -> TokenGenerateBody:
     """Validate a token-route body; raises SessionError naming the bad field."""
     body = _body(body)
     if "input_ids" not in body:
@@ -64,7 +64,7 @@ def parse_generate_request(body: Any) -> GenerateRequest:
     if given:
         raise SessionError(f"{given[0]}: not a field of the token route (use /v1/chat/completions for messages)")
     parse_logprobs(body)  # always returned here; the fields are checked as on the chat route
-    return GenerateRequest(check_ids(body["input_ids"]), parse_sampling(body))
+    return TokenGenerateBody(check_ids(body["input_ids"]), parse_sampling(body))
 
 
 def generate_reply(out: dict[str, Any], prompt_tokens: int) -> dict[str, Any]:
