@@ -95,8 +95,8 @@ collect)  # collect STAGE WAIT_S: wait for a bg STAGE (at most WAIT_S), then cop
   S="$2"; W="${3:-0}"; t0=$(date +%s)
   while [ ! -f "/root/out-$S/done" ] && [ $(( $(date +%s) - t0 )) -lt "$W" ]; do sleep 5; done
   [ -f "/root/out-$S/done" ] && echo "$S done" || echo "$S still running after ${W}s"
-  cat "/root/out-$S/log.txt" 2>/dev/null; tail -3 /tmp/learn/*.console 2>/dev/null | cut -c1-300
-  nvidia-smi --query-gpu=memory.used --format=csv,noheader
+  cat "/root/out-$S/log.txt" 2>/dev/null
+  bash "$0" status
   cp -r "/root/out-$S"/. "$OUT/" 2>/dev/null; exit 0 ;;
 learn)  # three torch-engine runs at once (~16 GB each: trainer ~11 GB at 16k packs + engine)
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/gpu.txt"
