@@ -149,7 +149,9 @@ d = sys.argv[1]
 try:
     rows = [json.loads(x) for x in open(d + "metrics.jsonl")]
 except OSError:
-    print(d, "no metrics yet"); sys.exit()
+    rows = []
+if not rows:
+    print(d, "no step yet"); sys.exit()
 r = rows[-1]
 ks = ["step", "rollout/reward_mean", "train/train_rollout_logprob_abs_diff", "perf/trainer_peak_gb",
       "train/skipped_nonfinite_total", "perf/step_time_s"]
