@@ -88,15 +88,15 @@ take) take; exit $? ;;
 bg)  # bg STAGE: STAGE detached, from a snapshot of this tree (the next call's copy replaces this one)
   S="$2"; rm -rf "/root/snap-$S" "/root/out-$S"; mkdir -p "/root/out-$S"
   tar cf - --exclude=./.carry . | (mkdir -p "/root/snap-$S" && cd "/root/snap-$S" && tar xf -)
-  (cd "/root/snap-$S" && PKG="/tmp/pkg-$S" OUT="/root/out-$S" MILES_COMMIT="$COMMIT" LIMIT="$LIMIT" EXTRA_SETS="${EXTRA_SETS:-}" SYNC1="${SYNC1:-0}" \
+  (cd "/root/snap-$S" && PKG="/tmp/pkg-$S" OUT="/root/out-$S" MILES_COMMIT="$COMMIT" LIMIT="$LIMIT" EXTRA_SETS="${EXTRA_SETS:-}" SYNC1="${SYNC1:-0}" TRL="${TRL:-1}" \
     setsid nohup bash -c "bash bench/gpu/qwen_suite.sh $S; touch /root/out-$S/done" > "/root/out-$S/stage.log" 2>&1 < /dev/null &)
   sleep 3; echo "started $S: $(pgrep -fc "qwen_suite.sh $S") processes"; exit 0 ;;
 collect)  # collect STAGE WAIT_S: wait for a bg STAGE (at most WAIT_S), then copy its results to $OUT
   S="$2"; W="${3:-0}"; t0=$(date +%s)
   while [ ! -f "/root/out-$S/done" ] && [ $(( $(date +%s) - t0 )) -lt "$W" ]; do sleep 5; done
   [ -f "/root/out-$S/done" ] && echo "$S done" || echo "$S still running after ${W}s"
-  cat "/root/out-$S/log.txt" 2>/dev/null; tail -3 /tmp/learn/*.console 2>/dev/null | cut -c1-300
-  nvidia-smi --query-gpu=memory.used --format=csv,noheader
+  cat "/root/out-$S/log.txt" 2>/dev/null
+  bash "$0" status
   cp -r "/root/out-$S"/. "$OUT/" 2>/dev/null; exit 0 ;;
 learn)  # three torch-engine runs at once (~16 GB each: trainer ~11 GB at 16k packs + engine)
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/gpu.txt"
@@ -131,8 +131,10 @@ strict)  # the reward asks for the prompt's format (math, extract = "hash": only
     PYTHONPATH="/tmp/sgl-site:$PYTHONPATH" train strict_sgl_async_s0 $((LIMIT + 600)) "${R[@]}" "${SG[@]}" \
       --set run.seed=0 --set rollout.env_args.seed=0 &
   fi
-  if [ "$big" = 1 ]; then
+  if [ "$big" = 1 ] || [ ! -d /tmp/sgl-site/sglang ]; then
     train strict_async_s1 $((LIMIT + 500)) "${R[@]}" --set run.seed=1 --set rollout.env_args.seed=1 &
+  fi
+  if [ "$big" = 1 ] && [ "${TRL:-1}" = 1 ]; then
     timeout $((LIMIT + 400)) python3 bench/learn_trl.py --model "$M" --data "$D" --max-calc-steps 0 \
       --max-new-tokens 512 --lr 2e-6 --eval-prompts 1319 --eval-batch 660 --micro-batch 16 --reward-extract hash \
       --time-limit "$LIMIT" > /tmp/learn/trl.txt 2>&1; echo "trl exit $? at $(date +%T)" >> "$OUT/log.txt"
@@ -149,7 +151,9 @@ d = sys.argv[1]
 try:
     rows = [json.loads(x) for x in open(d + "metrics.jsonl")]
 except OSError:
-    print(d, "no metrics yet"); sys.exit()
+    rows = []
+if not rows:
+    print(d, "no step yet"); sys.exit()
 r = rows[-1]
 ks = ["step", "rollout/reward_mean", "train/train_rollout_logprob_abs_diff", "perf/trainer_peak_gb",
       "train/skipped_nonfinite_total", "perf/step_time_s"]
