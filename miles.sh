@@ -5,8 +5,9 @@
 # It (re)installs when the virtualenv is missing or pyproject.toml (the dependency list) has
 # changed since the last install: the marker file holds the hash of the pyproject.toml it
 # installed from. MILES_VENV picks another virtualenv directory.
-# It runs in the caller's directory: paths given to it (configs, data, run dirs) are relative
-# to where it is called from, as for `.venv/bin/miles` itself; only the install runs in the repo.
+# It runs in the caller's directory: a path given on its command line (a config, --set) is
+# relative to where it is called from, one written in a config file to that file's folder, as
+# for `.venv/bin/miles` itself; only the install runs in the repo.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")" && pwd)"
 VENV="${MILES_VENV:-$ROOT/.venv}"
@@ -45,5 +46,6 @@ case "$cmd" in
         [ "$given" = 1 ] || set -- "$@" "$ROOT/tests"
         exec "$VENV/bin/python" -m pytest -q -c "$ROOT/pyproject.toml" --rootdir "$ROOT" "$@" ;;
   "") echo "usage: ./miles.sh train CONFIG.toml | test | <any miles subcommand>" >&2; exit 2 ;;
-  *) exec "$VENV/bin/miles" "$cmd" "$@" ;;
+  # MILES_PROG: the commands miles prints (e.g. how to resume a run) start the way this one did
+  *) MILES_PROG="$0" exec "$VENV/bin/miles" "$cmd" "$@" ;;
 esac

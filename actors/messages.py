@@ -128,3 +128,4 @@ class RunEval:
 
     step: int
     version: int
+    full: bool = False  # also greedy-decode every row of the eval set (eval.full_at_ends)

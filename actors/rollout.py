@@ -144,7 +144,7 @@ class RolloutActor(Actor):
         """Stop starting new work, let in-flight trajectories finish, evaluate, resume."""
         try:
             drained = await self.orch.drain()
-            m = await Evaluator(self.cfg, self.tokenizer).evaluate(self.host, self.engines)
+            m = await Evaluator(self.cfg, self.tokenizer).evaluate(self.host, self.engines, full=msg.full)
             m["eval/drain_s"] = drained
             return m
         finally:

@@ -121,6 +121,15 @@ class TrainerActor(Actor):
             _write_text(run_dir / "checkpoints" / "latest", ckpt.name)
             log.info("checkpoint_saved", step=step, path=str(ckpt))
 
+    def _export_hf(self, path: Path) -> None:
+        """The weights (a collective: every rank calls) plus, from rank 0, the start model's
+        tokenizer files and chat template, so the directory loads for chat on its own."""
+        from miles.models.hf_companions import copy_companions
+
+        self.trainer.export_hf_checkpoint(path)
+        if self.rank == 0:
+            copy_companions(self.cfg.model.path, path)
+
     # ------------------------------------------------------------------ evaluation
     def _maybe_eval(self, step: int, version: int, run_dir: Path) -> None:
         ec = self.cfg.eval
@@ -128,7 +137,7 @@ class TrainerActor(Actor):
             return
         if ec.mode == "external":  # a collective over FSDP shards: every rank exports
             ckpt = run_dir / "eval" / f"step_{step:06d}"
-            self.trainer.export_hf_checkpoint(ckpt)
+            self._export_hf(ckpt)
         if self.rank != 0:
             return
         if self._eval_task is not None and not self._eval_task.done():
@@ -140,16 +149,16 @@ class TrainerActor(Actor):
     async def _eval_at_start(self) -> None:
         """Step 0: the initial weights, evaluated before any training (the 'before' of a run)."""
         if self.cfg.eval.mode == "external":
-            self.trainer.export_hf_checkpoint(self.run_dir / "eval" / "step_000000")
+            self._export_hf(self.run_dir / "eval" / "step_000000")
         if self.rank == 0:
-            await self._run_eval(0, self.trainer.weight_version, self.run_dir)
+            await self._run_eval(0, self.trainer.weight_version, self.run_dir, full=self.cfg.eval.full_at_ends)
 
-    async def _run_eval(self, step: int, version: int, run_dir: Path) -> None:
+    async def _run_eval(self, step: int, version: int, run_dir: Path, full: bool = False) -> None:
         ec = self.cfg.eval
         t_ready = time.monotonic() - getattr(self, "_t_loop", time.monotonic())
         try:
             if ec.mode == "shared":
-                m = await self.ref("rollout").ask(RunEval(step, version), timeout=ec.timeout_s)
+                m = await self.ref("rollout").ask(RunEval(step, version, full), timeout=ec.timeout_s)
             elif ec.mode == "snapshot":
                 assert self.publisher is not None
                 snap = WeightSync(self.host, self.cfg.snapshot_sync, ["eval-engine"])
@@ -163,7 +172,8 @@ class TrainerActor(Actor):
                     from miles.rollout.tokenizer import load_tokenizer
 
                     self._evaluator = Evaluator(self.cfg, load_tokenizer(self.cfg.model.path))
-                m = await asyncio.wait_for(self._evaluator.evaluate(self.host, ["eval-engine"]), ec.timeout_s)
+                m = await asyncio.wait_for(self._evaluator.evaluate(self.host, ["eval-engine"], full=full),
+                                           ec.timeout_s)
             else:
                 m = await run_external(ec.command, str(run_dir / "eval" / f"step_{step:06d}"), step,
                                        ec.timeout_s)
@@ -203,6 +213,7 @@ class TrainerActor(Actor):
                 async with self.yielder.during("train"):
                     metrics = await asyncio.to_thread(self.trainer.train_step, batch)
             version, step = self.trainer.weight_version, self.trainer.step  # train_step made a new version
+            await self._check_publishable(step)
             metrics.update(await self._hand_off(version))
             ph.add("sync", metrics.get("perf/sync_s", metrics["perf/export_s"]))
             if self.cfg.trainer.memory.offload_when_idle:
@@ -256,6 +267,15 @@ class TrainerActor(Actor):
                                    "samples' image grids; the engine and the trainer would fill different slots")
         return batch, reply["metrics"]
 
+    async def _check_publishable(self, step: int) -> None:
+        """Weights holding a NaN or inf never reach an engine: the run stops here with the reason.
+        (A non-finite gradient is already skipped by the step; this catches any other way in.)"""
+        bad = await asyncio.to_thread(self.trainer.nonfinite_weights)
+        if bad:
+            raise TrainerError(f"step {step}: weights {bad} are not finite after the update; they are not "
+                               "published to the engines (the logs' nonfinite_grad_skipped lines and "
+                               "metrics.jsonl's train/* show what led here)")
+
     async def _hand_off(self, version: int) -> dict[str, float]:
         """Export (every rank), push and announce (rank 0) a weight version."""
         assert self.publisher is not None
@@ -285,16 +305,18 @@ class TrainerActor(Actor):
             except TimeoutError:
                 log.warning("eval_abandoned_at_end")
         step = self.trainer.step
-        if cfg.eval.at_end and cfg.eval.mode != "none" and step > 0 and step % cfg.eval.every_steps != 0:
+        # a full evaluation at the end runs even after an every_steps one at the same step (a subset)
+        last_done = step % cfg.eval.every_steps == 0 and not cfg.eval.full_at_ends
+        if cfg.eval.at_end and cfg.eval.mode != "none" and step > 0 and not last_done:
             if cfg.eval.mode == "external":
-                self.trainer.export_hf_checkpoint(self.run_dir / "eval" / f"step_{step:06d}")
+                self._export_hf(self.run_dir / "eval" / f"step_{step:06d}")
             if self.rank == 0:
-                await self._run_eval(step, self.trainer.weight_version, self.run_dir)
+                await self._run_eval(step, self.trainer.weight_version, self.run_dir, full=cfg.eval.full_at_ends)
         if self.rank == 0:
             state = await self.ref("rollout").ask(DumpState(), timeout=cfg.transport.default_deadline_s)
             _write_json(self.run_dir / "ledger.json", state["buffer"]["ledger"])
             _write_json(self.run_dir / "rollout_final.json", state)
-        await asyncio.to_thread(self.trainer.export_hf_checkpoint, self.run_dir / "final_hf")
+        await asyncio.to_thread(self._export_hf, self.run_dir / "final_hf")
         log.info("training_done", steps=self.trainer.step, version=self.trainer.weight_version)
 
 

@@ -40,15 +40,30 @@ def run_record(label: str, run_dir: Path) -> dict[str, Any]:
     k = int(evals[-1].get("eval/samples", 0)) if evals else 0
     curve = [{"step": int(e["step"]), "loop_s": round(float(e.get("eval/loop_s", 0.0)), 1),
               "greedy": e.get("eval/greedy_accuracy"), f"avg@{k}": e.get(f"eval/avg_at_{k}"),
-              f"pass@{k}": e.get(f"eval/pass_at_{k}")} for e in evals]
+              f"pass@{k}": e.get(f"eval/pass_at_{k}"),
+              # GSM8K's two scorers on the subset, and on every test row at the ends (eval.full_at_ends)
+              "strict": e.get("eval/accuracy_strict"), "lenient": e.get("eval/accuracy_lenient"),
+              "full_strict": e.get("eval/full/accuracy_strict"), "full_lenient": e.get("eval/full/accuracy_lenient"),
+              "full_rows": e.get("eval/full/num_prompts")} for e in evals]
+    full = [c for c in curve if c["full_strict"] is not None]
     q = quarters(rew)
     errors = run_dir / "errors.txt"
     return {
         "kind": "run", "mode": mode, "failed": not rows,
         "error": errors.read_text()[:400] if not rows and errors.is_file() else "", "seed": int(seed or 0), "run_dir": run_dir.name, "steps": len(rows),
         "eval_curve": curve,
-        "eval_accuracy_before": curve[0]["greedy"] if curve and curve[0]["step"] == 0 else None,
-        "eval_accuracy_after": curve[-1]["greedy"] if curve else None,
+        # strict held-out accuracy on every test row where the run evaluated them all, else greedy
+        "eval_accuracy_before": (full[0]["full_strict"] if full and full[0]["step"] == 0 else
+                                 curve[0]["greedy"] if curve and curve[0]["step"] == 0 and not full else None),
+        "eval_accuracy_after": (full[-1]["full_strict"] if len(full) > 1 else
+                                curve[-1]["greedy"] if curve and not full else None),
+        "eval_lenient_before": full[0]["full_lenient"] if full and full[0]["step"] == 0 else None,
+        "eval_lenient_after": full[-1]["full_lenient"] if len(full) > 1 else None,
+        "eval_rows": full[0]["full_rows"] if full else None,
+        "subset_strict_best": max((c["strict"] for c in curve if c["strict"] is not None), default=None),
+        "subset_strict_last": next((c["strict"] for c in reversed(curve) if c["strict"] is not None), None),
+        "skipped_nonfinite": max((v for _, v in series(rows, "train/skipped_nonfinite_total")), default=0.0),
+        "trainer_peak_gb": max((v for _, v in series(rows, "perf/trainer_peak_gb")), default=None),
         "train_s": curve[-1]["loop_s"] if curve else round(sum(step_t), 1),
         "sum_step_s": round(sum(step_t), 1),
         "step_s_median": round(statistics.median(step_t), 3) if step_t else None,

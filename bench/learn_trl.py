@@ -35,6 +35,11 @@ def main() -> int:
     ap.add_argument("--eval-prompts", type=int, default=128)
     ap.add_argument("--eval-batch", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--reward-extract", default="auto", choices=["auto", "hash", "boxed"],
+                    help="the math reward's answer extraction, as miles' rollout.env_args.rewards sets it")
+    ap.add_argument("--micro-batch", type=int, default=0,
+                    help="sequences per forward/backward (gradient accumulation over prompts x samples, with "
+                         "gradient checkpointing); 0 = the whole batch at once")
     a = ap.parse_args()
     t_launch = time.time()
 
@@ -50,7 +55,8 @@ def main() -> int:
 
     template = "{prompt}\nThink step by step, then give the final answer as a number after ####."
     common = {"path": f"{a.data}/train.jsonl", "eval_path": f"{a.data}/test.jsonl",
-              "max_calc_steps": a.max_calc_steps, "prompt_template": template}
+              "max_calc_steps": a.max_calc_steps, "prompt_template": template,
+              "rewards": [{"type": "math", "extract": a.reward_extract}]}
     env = make_env(**common)
     test = make_env(**common, split="eval")
     torch.manual_seed(a.seed)
@@ -110,12 +116,18 @@ def main() -> int:
                 state["reward"].append(float(logs["reward"]))
 
     gpu = a.device == "cuda"
+    batch = a.prompts * a.samples
+    micro = a.micro_batch or batch
+    if batch % micro:
+        ap.error(f"--micro-batch {micro} must divide prompts x samples = {batch}")
     cfg = GRPOConfig(
-        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=a.prompts * a.samples,
+        # one optimizer step per prompts x samples, as miles takes (the same batch, in micro-batches)
+        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=micro,
+        gradient_accumulation_steps=batch // micro, generation_batch_size=batch,
         num_generations=a.samples, max_completion_length=a.max_new_tokens, temperature=1.0,
         learning_rate=a.lr, weight_decay=0.0, lr_scheduler_type="constant", warmup_steps=0,
         max_grad_norm=1.0, beta=0.0, num_iterations=1, max_steps=a.max_steps, logging_steps=1,
-        report_to="none", use_cpu=not gpu, bf16=gpu, fp16=False, gradient_checkpointing=False,
+        report_to="none", use_cpu=not gpu, bf16=gpu, fp16=False, gradient_checkpointing=micro < batch,
         save_strategy="no", shuffle_dataset=False, disable_tqdm=True, seed=a.seed,
     )
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=ds,
@@ -133,8 +145,9 @@ def main() -> int:
                                                          strict=True))[len(state["landed"]) // 2]
            if state["landed"] else None,
            "reward": state["reward"], "landed_s": [round(x, 2) for x in state["landed"]],
-           "batch": f"{a.prompts} prompts x {a.samples} samples", "max_new_tokens": a.max_new_tokens,
-           "lr": a.lr, "launch_to_end_s": round(time.time() - t_launch, 1)}
+           "batch": f"{a.prompts} prompts x {a.samples} samples", "micro_batch": micro,
+           "max_new_tokens": a.max_new_tokens,
+           "lr": a.lr, "reward_extract": a.reward_extract, "launch_to_end_s": round(time.time() - t_launch, 1)}
     print(json.dumps(res), flush=True)
     return 0
 

@@ -14,6 +14,7 @@ import typing
 from pathlib import Path
 from typing import Any, TypeVar, get_args, get_origin
 
+from miles.core.config_paths import resolve_dotted, resolve_table, with_default_paths
 from miles.core.errors import ConfigError
 from miles.core.typecheck import convert
 
@@ -109,7 +110,8 @@ def _field_type(cls: type, dotted: str) -> Any:
 
 
 def apply_overrides(cls: type, data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply 'a.b.c=value' overrides onto a raw dict, typed by the schema of `cls`."""
+    """Apply 'a.b.c=value' overrides onto a raw dict, typed by the schema of `cls`; a relative
+    path among them is made absolute against the working directory."""
     for item in overrides:
         if "=" not in item:
             # the example is a key of every config (miles train and miles diffusion alike)
@@ -126,23 +128,27 @@ def apply_overrides(cls: type, data: dict[str, Any], overrides: list[str]) -> di
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {key}: {part!r} is not a table")
-        node[parts[-1]] = value
+        # a path on the command line means one under the caller's directory (core/config_paths.py)
+        node[parts[-1]] = resolve_dotted(cls, key, value, Path.cwd())
     return data
 
 
 def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
-    """Load `cls` from a TOML file (optional) plus overrides; strict and typed."""
+    """Load `cls` from a TOML file (optional) plus overrides; strict and typed. A relative path
+    in the file is made absolute against the file's directory, one in an override against the
+    working directory (core/config_paths.py)."""
     data: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
+        p = Path(path).absolute()
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
         try:
             data = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}") from exc
+        data = resolve_table(cls, data, p.parent)
     data = apply_overrides(cls, data, overrides or [])
-    return _build(cls, data, "")
+    return _build(cls, with_default_paths(cls, data, Path.cwd()), "")
 
 
 def from_dict(cls: type[T], data: dict[str, Any]) -> T:

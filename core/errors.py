@@ -38,6 +38,11 @@ class MailboxFull(TransportError):
     """The target handler's bounded mailbox is full and its policy is to refuse, not to wait."""
 
 
+class Stopping(TransportError):
+    """A send on a socket this process already closed: it is shutting down (SIGINT/SIGTERM), so
+    the call is not a failure of the peer; shutdown paths log it as such, not as an error."""
+
+
 class PeerGone(TransportError):
     """A peer closed its connection or disappeared."""
 
@@ -114,6 +119,7 @@ KNOWN_ERRORS: dict[str, type[MilesError]] = {
         ConfigError,
         ProtocolError,
         TransportError,
+        Stopping,
         PeerTimeout,
         MailboxFull,
         PeerGone,

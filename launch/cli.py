@@ -1,4 +1,4 @@
-"""The `miles` command line: train, launch (Slurm), config, check-template, bench."""
+"""The `miles` command line: train, launch (Slurm), config, check-template, bench, fetch-model."""
 
 from __future__ import annotations
 
@@ -41,8 +41,9 @@ def load_run(args: argparse.Namespace) -> tuple[MilesConfig, str] | None:
             return None
     else:
         cfg = _load(args)
+    validate_launch(cfg)  # first: a wrong config is named before anything about the run directory
+    if not resume:
         rd.check_fresh(cfg.run.dir)  # one run per directory: never append to another run's files
-    validate_launch(cfg)
     return cfg, resume
 
 
@@ -75,7 +76,20 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     # report.html (inline SVG plots) and the summary table; PNGs: miles report RUN_DIR --png
     print(finish_run(cfg.run.dir), flush=True)
+    if rc == 130:
+        print(interrupted_note(cfg.run.dir), flush=True)
     return rc
+
+
+def interrupted_note(run_dir: str) -> str:
+    """What a stopped run (Ctrl-C, SIGTERM) tells its user: where it can go on from, and the command."""
+    from miles.metrics import run_dir as rd
+
+    step = rd.latest_checkpoint_step(run_dir)
+    if step is None:
+        return ("miles: stopped before its first checkpoint, so it cannot be resumed; set "
+                "trainer.checkpoint_interval = N (steps) to make a run resumable")
+    return f"miles: stopped; the last checkpoint is step {step}. Resume with:\n  {rd.resume_command(run_dir)}"
 
 
 def _resume_config(run_dir: str, overrides: list[str]) -> tuple[MilesConfig, str]:
@@ -91,7 +105,7 @@ def _resume_config(run_dir: str, overrides: list[str]) -> tuple[MilesConfig, str
     if not resolved.is_file():
         raise ConfigError(f"--resume {run_dir!r}: no config.resolved.json there; is it a miles run directory?")
     data = apply_overrides(MilesConfig, json.loads(resolved.read_text()), overrides)
-    data.setdefault("run", {})["dir"] = str(run_dir)
+    data.setdefault("run", {})["dir"] = str(Path(run_dir).absolute())  # absolute, as a loaded config
     cfg = from_dict(MilesConfig, data)
     from miles.metrics.run_dir import finished_at
 
@@ -139,6 +153,7 @@ SUBCOMMAND_MODULES: list[str] = [
     "miles.launch.data_check",
     "miles.launch.report",
     "miles.diffusion.cli",
+    "miles.packaged.fetch",
 ]
 
 

@@ -30,6 +30,7 @@ from miles.core.schema import MilesConfig
 from miles.launch.console import Console
 from miles.launch.supervision import CrashReport, RestartPolicy, crash_report
 from miles.launch.supervisor import Supervisor, die_with_parent, stop_units
+from miles.metrics.run_dir import resume_command
 from miles.transport.curve import apply_cluster_keys
 
 log = get_logger("miles.launch")
@@ -161,7 +162,7 @@ class LocalLauncher:
             c.start()
         console_done = asyncio.Event()
         console = asyncio.create_task(self.console.follow(console_done), name="console")
-        supervisor = Supervisor(list(self.children), self.policy, f"miles train --resume {self.run_dir}", self._stop)
+        supervisor = Supervisor(list(self.children), self.policy, resume_command(self.run_dir), self._stop)
         try:
             rc = await supervisor.run()
         finally:

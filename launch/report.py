@@ -68,7 +68,9 @@ def _eval_plot(evals: list[dict[str, Any]]) -> list[str]:
     if not evals:
         return []
     k = int(evals[-1].get("eval/samples", 0))
-    keys = {"greedy accuracy": "eval/greedy_accuracy"}
+    keys = {"greedy accuracy": "eval/greedy_accuracy", "strict": "eval/accuracy_strict",
+            "lenient": "eval/accuracy_lenient", "all rows, strict": "eval/full/accuracy_strict",
+            "all rows, lenient": "eval/full/accuracy_lenient"}
     if k:
         keys.update({f"avg@{k}": f"eval/avg_at_{k}", f"pass@{k}": f"eval/pass_at_{k}"})
     lines = {name: [(int(e["step"]), float(e[key])) for e in evals if key in e] for name, key in keys.items()}

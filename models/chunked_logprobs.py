@@ -27,8 +27,13 @@ from typing import Any
 
 import torch
 
-CHUNK_ELEMS = 1 << 28  # logits elements per chunk: ~1 GB of fp32 working set per temporary
-SAVE_LOGITS_BYTES = 8 << 30  # keep the compute-dtype logits for backward up to this size
+# Memory, not speed, sets these (issue 44: a 0.5B trainer took 30-37 GB at 16k-token packs). A
+# chunk is 2^26 logits: 256 MB per fp32 temporary (~440 rows of a 152k vocabulary, still a full
+# GEMM). Logits are kept for the backward only up to 1 GiB (4.3 GB for 14k response tokens of a
+# 152k vocabulary before); past that each chunk's GEMM runs again in the backward, ~2 % of a
+# 0.5B model's step (one head GEMM of 3 x 6 per token).
+CHUNK_ELEMS = 1 << 26  # logits elements per chunk
+SAVE_LOGITS_BYTES = 1 << 30  # keep the compute-dtype logits for backward up to this size
 
 
 def _chunks(m: int, vocab: int) -> list[tuple[int, int]]:

@@ -116,12 +116,15 @@ class MathReward:
     """1.0 when the answer equals the label as mathematics (`math-verify`): 0.5 = \\frac{1}{2}.
 
     The answer is the response's last `\\boxed{}`, else what follows `####`, else the whole
-    response. A GSM8K-style label ("reasoning #### 72") is reduced the same way. Plain
-    numbers on both sides are compared numerically without a parse.
+    response (`extract = "auto"`; `"none"`: always the whole response); `extract = "hash"` takes only what follows the last `####`
+    and `"boxed"` only the last `\\boxed{}` (no marker: 0), so the reward also asks for the
+    format the prompt names. A GSM8K-style label ("reasoning #### 72") is reduced the same
+    way. Plain numbers on both sides are compared numerically without a parse.
     """
 
     weight: float = 1.0
     timeout_s: int = 5  # per parse / verify call; needs the main thread (else no limit)
+    extract: Extract = "auto"
     needs_label = True
 
     def gold(self, label: Any) -> str:
@@ -131,9 +134,15 @@ class MathReward:
     def __call__(self, prompt: dict[str, Any], sample: Sample) -> float:
         gold = self.gold(prompt["label"])
         text = response_text(sample)
-        marked = extract_boxed(text)
-        if marked is None:
-            marked = extract_hash(text)
+        marked: str | None = None
+        if self.extract in ("hash", "boxed"):  # the format is part of the answer
+            marked = extract_hash(text) if self.extract == "hash" else extract_boxed(text)
+            if marked is None:
+                return 0.0
+        elif self.extract == "auto":
+            marked = extract_boxed(text)
+            if marked is None:
+                marked = extract_hash(text)
         pred = (text if marked is None else marked).strip()
         g, p = _as_number(gold), _as_number(pred)
         if g is not None and p is not None:

@@ -80,6 +80,15 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
         pool.stop_all()
 
 
+@pytest.fixture(scope="session")
+def miles_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One MILES_CACHE for the session's launched runs. A warm-up checkpoint is cached under a
+    hash of everything that shaped it (warmup/sft.py) and written atomically, so runs with the
+    same warm-up share it, as a user's runs do: each warm-up trains once a session, not once a
+    test (the tests of the cache itself, tests/launch/test_launch_warmup_cache.py, keep their own)."""
+    return tmp_path_factory.mktemp("miles_cache")
+
+
 @pytest.fixture(autouse=True)
 def _fresh_logging() -> Iterator[None]:
     """Each test logs at info level to its own captured stderr. An in-process CLI call or bench

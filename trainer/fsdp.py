@@ -36,6 +36,7 @@ from miles.trainer.lora import (
     iter_adapters,
     iter_merged_hf_state,
 )
+from miles.trainer.nonfinite import nonfinite_params, skip_nonfinite
 from miles.trainer.optim import lr_at, set_lr
 from miles.trainer.optim_stream import build_optimizer
 from miles.trainer.packing import MicroBatch
@@ -134,17 +135,26 @@ class FSDPTrainer:
         return self._rl.run(batch)
 
     def clip_and_step(self) -> float:
-        """Clip the accumulated gradients, take one optimizer step; return the grad norm.
+        """Clip the accumulated gradients, take one optimizer step; return the grad norm. A
+        non-finite norm takes no step (trainer/nonfinite.py).
         (The megatron backend overrides it to reduce over its own process groups first.)"""
         cfg = self.cfg
         clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(list(self.trainable.parameters()), clip)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
+        value = float(norm)
+        if skip_nonfinite(self.opt, value):
+            return value
         set_lr(self.opt, lr_at(cfg.optim, self.opt_steps))
         self.opt.step()
         self.opt_steps += 1
-        return float(norm)
+        return value
+
+    def nonfinite_weights(self) -> list[str]:
+        """Names of this rank's policy weights holding a NaN or inf (none: publishable)."""
+        self.ensure_loaded()
+        return nonfinite_params(self.policy.named_parameters())
 
     def forward_model(
         self, model: nn.Module, mb: MicroBatch, *, temperature: float, replay: bool, with_entropy: bool

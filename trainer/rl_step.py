@@ -11,6 +11,7 @@ collectives and the clip-and-step. A backend holds an `RLStep` and calls `run(ba
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Protocol
 
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from miles.core.logging import get_logger
 from miles.core.schema.trainer import TrainerConfig
 from miles.models.config import ModelSpec
 from miles.trainer.advantages import (
@@ -35,10 +37,13 @@ from miles.trainer.distill import distill_advantages
 from miles.trainer.forward import ForwardOut, RouterProbe
 from miles.trainer.kl import kl_estimate
 from miles.trainer.metrics import StepMetrics
+from miles.trainer.nonfinite import find_culprit
 from miles.trainer.optim import lr_at
 from miles.trainer.packing import MicroBatch, filler_micro_batch, pack, plan_micro_batches
 from miles.trainer.rl_loss import LossInputs, rl_loss
 from miles.trainer.value import ValueModel
+
+log = get_logger("trainer.step")
 
 _SUM_KEYS = ("train/loss", "train/pg_loss", "train/kl_loss", "train/value_loss")
 
@@ -69,7 +74,9 @@ class StepBackend(Protocol):
                       with_entropy: bool) -> ForwardOut: ...
 
     def clip_and_step(self) -> float:
-        """Clip the accumulated gradients, take one optimizer step (opt_steps += 1); the grad norm."""
+        """Clip the accumulated gradients and take one optimizer step (opt_steps += 1); return the
+        global grad norm. A non-finite norm takes no step and drops the gradients
+        (`nonfinite.skip_nonfinite`)."""
         ...
 
 
@@ -80,6 +87,7 @@ class RLStep:
         self.b = backend
         self.rollout_lp = False  # every sample of this step carries the engine's logprobs
         self.old_is_current = False  # set per step by `_single_update`
+        self.skipped = 0  # updates skipped for a non-finite gradient, over the run
 
     def run(self, batch: TrainBatch) -> dict[str, float]:
         """One RL update on this rank's shard; returns globally reduced metrics."""
@@ -115,9 +123,9 @@ class RLStep:
         self.old_is_current = self._single_update(len(plans))
         self._no_grad_passes([mb for p in plans for mb in p], metrics)
         self._advantages(samples, plans, metrics)
-        grad_norms = []
-        for plan in plans:
-            grad_norms.append(self._optimize(plan, metrics))
+        skipped = self.skipped
+        grad_norms = [self._optimize(plan, metrics) for plan in plans]
+        applied = [g for g in grad_norms if math.isfinite(g)]
         out = metrics.reduce(b.coll.sum, b.coll.max)
         finish_ess(out)
         for k in _SUM_KEYS:
@@ -131,7 +139,10 @@ class RLStep:
         b.weight_version += 1
         out.update(
             {
-                "train/grad_norm": float(np.mean(grad_norms)),
+                # of the applied updates; NaN (None in metrics.jsonl) when none was
+                "train/grad_norm": float(np.mean(applied)) if applied else float("nan"),
+                "train/skipped_nonfinite": float(self.skipped - skipped),
+                "train/skipped_nonfinite_total": float(self.skipped),
                 "train/lr": lr_at(cfg.optim, b.opt_steps - 1),
                 "train/step_time_s": dt,
                 "train/tokens": tokens,
@@ -140,6 +151,8 @@ class RLStep:
                 "train/weight_version": float(b.weight_version),
             }
         )
+        if b.device.type == "cuda":  # what one trainer needs of a shared card (issue 44's memory goal)
+            out["perf/trainer_peak_gb"] = torch.cuda.max_memory_allocated(b.device) / 1e9
         return out
 
     def _pack_mini(
@@ -309,8 +322,10 @@ class RLStep:
                 metrics.add_mean("train/staleness", float(stale.sum()), float(stale.size))
 
     def _optimize(self, plan: list[MicroBatch], metrics: StepMetrics) -> float:
+        """Forward/backward over the mini-batch's micro-batches, then clip and step. A non-finite
+        gradient norm takes no step (the backend skips it): counted, and its micro-batch found
+        and logged (trainer/nonfinite.py)."""
         b = self.b
-        cfg = b.cfg
         local = torch.zeros(2, dtype=torch.float64)
         for mb in plan:
             local += local_denominators(mb.loss_mask, mb.resp_seq, mb.num_seqs)
@@ -318,38 +333,56 @@ class RLStep:
         denom = Denominators(tokens=float(tot[0]), seqs=float(tot[1]))
         b.opt.zero_grad(set_to_none=True)
         for cpu_mb in plan:
-            mb = cpu_mb.to(b.device)
-            probe = self.old_is_current and mb.num_seqs > 0
-            fo = self._policy_forward(mb, metrics, probe=probe, with_entropy=True)
-            if self.old_is_current and mb.num_seqs:
-                mb.fields["old_logp"] = fo.logp.detach()  # the recompute pass's value, exactly
-            if not mb.num_seqs:
-                loss = fo.logits.sum() * 0.0
-                if b.critic is not None:
-                    loss = loss + b.critic(mb).sum() * 0.0
-                (loss * b.world).backward()
-                continue
-            f = mb.fields
-            values = None
-            if b.critic is not None:
-                routes = mb.routed_experts.unsqueeze(0) if mb.routed_experts is not None else None
-                values = b.critic(mb, routes)
-            x = LossInputs(
-                logp=fo.logp,
-                old_logp=f.get("old_logp"),
-                rollout_logp=f["rollout_logp"] if self.rollout_lp else None,
-                adv=f["adv"],
-                mask=mb.loss_mask,
-                seq=mb.resp_seq,
-                num_seqs=mb.num_seqs,
-                ref_logp=f.get("ref_logp"),
-                entropy=fo.entropy,
-                values=values,
-                old_values=f.get("old_values"),
-                returns=f.get("returns"),
+            self._backward(cpu_mb, denom, metrics)
+        norm = b.clip_and_step()
+        if not math.isfinite(norm):
+            self.skipped += 1
+            culprit = find_culprit(
+                plan,
+                lambda mb: self._backward(mb, denom, StepMetrics()),
+                lambda: b.policy.named_parameters(),
+                lambda: b.opt.zero_grad(set_to_none=True),
             )
-            loss = rl_loss(cfg, x, denom, metrics)
-            # FSDP averages gradients over ranks; each rank's loss is its share of the global
-            # loss, so scaling by world makes the reduced gradient that of the global loss.
+            log.warning("nonfinite_grad_skipped", step=b.step, grad_norm=str(norm),
+                        skipped_total=self.skipped, culprit=culprit or "none alone (their sum overflowed)")
+        return norm
+
+    def _backward(self, cpu_mb: MicroBatch, denom: Denominators, metrics: StepMetrics) -> MicroBatch:
+        """One micro-batch's forward and backward (gradients accumulate); returns its device copy."""
+        b = self.b
+        cfg = b.cfg
+        mb = cpu_mb.to(b.device)
+        probe = self.old_is_current and mb.num_seqs > 0
+        fo = self._policy_forward(mb, metrics, probe=probe, with_entropy=True)
+        if self.old_is_current and mb.num_seqs:
+            mb.fields["old_logp"] = fo.logp.detach()  # the recompute pass's value, exactly
+        if not mb.num_seqs:
+            loss = fo.logits.sum() * 0.0
+            if b.critic is not None:
+                loss = loss + b.critic(mb).sum() * 0.0
             (loss * b.world).backward()
-        return b.clip_and_step()
+            return mb
+        f = mb.fields
+        values = None
+        if b.critic is not None:
+            routes = mb.routed_experts.unsqueeze(0) if mb.routed_experts is not None else None
+            values = b.critic(mb, routes)
+        x = LossInputs(
+            logp=fo.logp,
+            old_logp=f.get("old_logp"),
+            rollout_logp=f["rollout_logp"] if self.rollout_lp else None,
+            adv=f["adv"],
+            mask=mb.loss_mask,
+            seq=mb.resp_seq,
+            num_seqs=mb.num_seqs,
+            ref_logp=f.get("ref_logp"),
+            entropy=fo.entropy,
+            values=values,
+            old_values=f.get("old_values"),
+            returns=f.get("returns"),
+        )
+        loss = rl_loss(cfg, x, denom, metrics)
+        # FSDP averages gradients over ranks; each rank's loss is its share of the global
+        # loss, so scaling by world makes the reduced gradient that of the global loss.
+        (loss * b.world).backward()
+        return mb

@@ -10,7 +10,7 @@ from typing import Any, Literal
 import zmq
 import zmq.asyncio
 
-from miles.core.errors import PeerTimeout, TransportError
+from miles.core.errors import PeerTimeout, Stopping, TransportError
 
 _ipc_dir: str | None = None
 
@@ -108,7 +108,7 @@ class LoopSocket:
         delay = 0.0001
         while True:
             if self._closed:  # this process is stopping (host.stop closed its sockets): not a raw ENOTSOCK
-                raise TransportError(f"send {what or 'message'}: the socket is closed; this process is stopping")
+                raise Stopping(f"send {what or 'message'}: the socket is closed; this process is stopping")
             try:
                 self.sync.send_multipart(frames, zmq.NOBLOCK, copy=False)
                 break

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from miles.core.errors import ActorDeadError, MilesError, PlanMissing, SyncError
+from miles.core.errors import ActorDeadError, MilesError, PlanMissing, Stopping, SyncError
 from miles.core.logging import get_logger
 
 log = get_logger("miles.sync")
@@ -61,6 +61,11 @@ async def each(step: str, names: list[str], call: Call, dead: list[str]) -> list
             raise SyncError(f"{step} failed on engine {name!r}: {type(exc).__name__}: {exc}") from exc
 
     return await asyncio.gather(*(one(n) for n in names))
+
+
+def _stopping(exc: SyncError) -> bool:
+    """A step failed only because this process is shutting down (its sockets are closed)."""
+    return isinstance(exc.__cause__, Stopping)
 
 
 class PauseLink(Protocol):
@@ -122,7 +127,8 @@ class PushRound:
         try:
             await each(f"abort v{self.version}", self.alive(), lambda n: self.link.abort(n, self.version), [])
         except SyncError as exc:
-            log.error("abort_version_failed", version=self.version, error=str(exc))
+            if not _stopping(exc):  # at shutdown the engines stop too: nothing is left to abort
+                log.error("abort_version_failed", version=self.version, error=str(exc))
 
     async def run(self, body: Callable[[], Awaitable[None]],
                   on_failure: Callable[[BaseException], Awaitable[None]],
@@ -143,7 +149,10 @@ class PushRound:
                 try:
                     await each("resume", self.alive(), self.link.resume, self.dead)
                 except SyncError as exc:
-                    log.error("resume_failed", error=str(exc))
+                    if _stopping(exc):  # Ctrl-C / SIGTERM mid-push: the engines stop as well
+                        log.info("resume_skipped_stopping", version=self.version)
+                    else:
+                        log.error("resume_failed", error=str(exc))
             self.rep.resume_s = time.perf_counter() - t_resume
         self.rep.seconds = time.perf_counter() - self.t0
         if self.dead:

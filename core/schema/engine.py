@@ -107,7 +107,8 @@ class EngineConfig:
     )
     # ---- type = "sglang": a stock SGLang server driven over HTTP (engines/sglang.py) ----
     sglang_url: str = opt("", "URL of an already running SGLang server; '' = launch one (sglang_model_path)")
-    sglang_model_path: str = opt("", "HF checkpoint directory the launched server loads (config.json + safetensors)")
+    sglang_model_path: str = opt("", "HF checkpoint directory the launched server loads (config.json + safetensors)",
+                                 "path")
     sglang_host: str = opt("127.0.0.1", "host the launched server binds")
     sglang_port: int = opt(30000, "port of engine 0's launched server; engine i listens on sglang_port + i "
                            "(a snapshot eval engine on sglang_port + num_engines)")
@@ -137,7 +138,7 @@ class EngineConfig:
     sglang_startup_timeout_s: float = opt(600.0, "longest wait for a (re)started server to answer /health", "s")
     sglang_request_timeout_s: float = opt(3600.0, "longest wait for one HTTP call to the server", "s")
     sglang_max_restarts: int = opt(3, "restarts after a crash of the launched server before giving up", "restarts")
-    sglang_stage_dir: str = opt("", "folder for staged weight versions (update from disk); '' = a temp dir")
+    sglang_stage_dir: str = opt("", "folder for staged weight versions (update from disk); '' = a temp dir", "path")
     ready_wait_s: float = opt(
         900.0, "how long, at start, the rollout process waits for every engine to register and the trainer for "
         "the engines and the rollout process: it covers loading weights, warm-up compiles and a launched sglang "

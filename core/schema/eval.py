@@ -18,7 +18,12 @@ class EvalConfig:
         "training; external: export an HF checkpoint and run `command` on it",
     )
     every_steps: int = opt(20, "evaluate after every this many training steps", "steps")
-    num_prompts: int = opt(64, "prompts per evaluation (greedy, one sample each)", "prompts")
+    num_prompts: int = opt(64, "prompts per evaluation (greedy, one sample each): the first of the eval set, "
+                           "the same every time", "prompts")
+    full_at_ends: bool = opt(
+        False, "the step-0 (at_start) and final (at_end) evaluations also greedy-decode every row of a "
+        "finite eval set (eval/full/*: all of GSM8K's test split, say), besides the num_prompts subset; "
+        "the final one runs even when the last step was an every_steps one")
     env_args: dict[str, Any] = opt(
         {"seed": 1_000_003}, "make_env keyword arguments for the eval set (a seed disjoint from training)"
     )

@@ -14,7 +14,7 @@ PRESETS = ("llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3", "g
 
 @dataclass
 class ModelConfig:
-    path: str = opt("", "HF checkpoint directory (config.json + safetensors); '' = use `arch` preset")
+    path: str = opt("", "HF checkpoint directory (config.json + safetensors); '' = use `arch` preset", "path")
     arch: str = opt(
         "qwen3_moe",
         "tiny preset used when path is '': llama | qwen2 | qwen3 | qwen3_moe | glm4_moe | deepseek_v3 | gpt_oss "

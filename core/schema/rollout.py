@@ -22,7 +22,10 @@ class RolloutConfig:
         "built-in: miles.rollout.envs.arithmetic | .calculator | .openai_agent | .dataset (a JSONL/Parquet "
         "file with named rule rewards, see docs/datasets.md)",
     )
-    env_args: dict[str, Any] = opt({}, "keyword arguments passed to the env's make_env (e.g. seed, max_operand)")
+    env_args: dict[str, Any] = opt(
+        {}, "keyword arguments passed to the env's make_env (e.g. seed, max_operand); the keys path, *_path, "
+        "*_file and *_dir are paths (relative: from the config file's folder, or from the working directory "
+        "when given with --set)")
     rollout_fn: str = opt(
         "miles.rollout.layers:default_rollout",
         "rollout layer: `async def rollout(ctx: RolloutContext, prompt: dict) -> Group` "

@@ -12,7 +12,10 @@ from miles.core.errors import ConfigError
 @dataclass
 class RunConfig:
     name: str = opt("miles", "run name, bound to every log event")
-    dir: str = opt("runs/latest", "directory the run writes metrics, checkpoints and plots to", "path")
+    dir: str = opt(
+        "runs/latest", "directory the run writes metrics, checkpoints and plots to. Like every path option: "
+        "relative in a config file = from that file's folder; relative in --set = from the working directory "
+        "(so is this default)", "path")
     seed: int = opt(0, "global random seed")
     log_level: Literal["debug", "info", "warning", "error"] = opt("info", "log level")
     log_json: Literal["auto", "json", "console"] = opt(

@@ -75,7 +75,7 @@ class SyncConfig:
         "not a steady >= 0.8x: besides the changed bytes' file write and read, each changed byte is XORed on both "
         "sides and kept by the sender as the next base, each unchanged byte copied into the engine's staging, and "
         "each update pays stage asks per bucket, an index, a rename and a commit "
-        "(bench/results/weight_sync_disk_delta_cpu.txt, bench/disk_delta_phases.py)"
+        "(bench/results/weight_sync_disk_delta_cpu.txt, bench/disk_delta_phases.py)", "path"
     )
     delta_compression: DeltaCompression = opt(
         "auto", "compression of disk_delta XOR deltas; auto = lz4 if installed, else zlib"

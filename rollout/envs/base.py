@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from miles.rollout.layers import Prompt, RewardFn
@@ -18,6 +19,11 @@ class PromptSource(Protocol):
     def load_state(self, state: dict[str, Any]) -> None: ...
 
 
+# An evaluation-only score of one decoded answer to a prompt (1.0 right, 0.0 wrong): the evaluator
+# reports each as eval/accuracy_<name> beside the reward (see rollout/envs/gsm8k.py).
+Scorer = Callable[[Prompt, str], float]
+
+
 @dataclass
 class Environment:
     name: str
@@ -25,6 +31,7 @@ class Environment:
     reward: RewardFn
     agent: str  # import path of the agent layer this env is meant to run with
     tools: list[dict[str, Any]] | None = None
+    scorers: dict[str, Scorer] = field(default_factory=dict)
 
 
 class SeededPrompts(abc.ABC):

@@ -213,6 +213,10 @@ class DatasetPrompts(SeededPrompts):
             self._epoch = epoch
         return self._order
 
+    def __len__(self) -> int:
+        """Rows in one epoch: a full evaluation decodes items 0 .. len - 1, each row once."""
+        return len(self.rows)
+
     def item(self, i: int) -> Prompt:
         epoch, k = divmod(i, len(self.rows))
         r = self.rows[self.order(epoch)[k]]

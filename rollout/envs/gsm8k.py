@@ -11,10 +11,18 @@ The label is GSM8K's worked answer; the math reward scores the number after its 
 annotations (`<<48/2=24>>`), an honest proxy for how many arithmetic steps a problem takes:
 a small model can start learning on those (GSM8K test: 440 of 1,319 rows have at most two).
 The cut is applied to both splits, so the held-out set is the same kind of problem.
+
+Two evaluation scorers (reported by the evaluator as `eval/accuracy_strict` and
+`eval/accuracy_lenient`) tell format learning from reasoning: strict takes the first number
+after the response's last `####`, the format the prompt asks for (no `####`: wrong); lenient
+takes the response's last number wherever it is. Both compare it with the number after the
+label's `####`. A run whose strict accuracy rises while lenient stays flat learned the format;
+one whose lenient accuracy rises solves more problems.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +31,44 @@ from miles.rollout.envs.base import Environment
 from miles.rollout.envs.dataset import DatasetPrompts, make_dataset, parse_config
 
 DEFAULTS = {"prompt_key": "question", "label_key": "answer", "rewards": [{"type": "math"}]}
+# A number as GSM8K writes one: "1,250", "-3", "0.5", "$18"; a minus right after a digit is the
+# operator of "16-3", not a sign.
+NUMBER = re.compile(r"(?<![\d.,])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+
+
+def _value(token: str) -> float:
+    return float(token.replace(",", ""))
+
+
+def strict_answer(text: str) -> float | None:
+    """The first number after the last `####`; None without `####` or a number after it."""
+    k = text.rfind("####")
+    m = NUMBER.search(text, k + 4) if k >= 0 else None
+    return _value(m.group()) if m else None
+
+
+def lenient_answer(text: str) -> float | None:
+    """The last number anywhere in the text; None when it has none."""
+    found = NUMBER.findall(text)
+    return _value(found[-1]) if found else None
+
+
+def _same(pred: float | None, label: Any) -> float:
+    gold = strict_answer(str(label))
+    if pred is None or gold is None:
+        return 0.0
+    return float(abs(pred - gold) <= 1e-6 * max(1.0, abs(gold)))
+
+
+def score_strict(prompt: dict[str, Any], response: str) -> float:
+    return _same(strict_answer(response), prompt["label"])
+
+
+def score_lenient(prompt: dict[str, Any], response: str) -> float:
+    return _same(lenient_answer(response), prompt["label"])
+
+
+SCORERS = {"strict": score_strict, "lenient": score_lenient}
 
 
 def calc_steps(label: Any) -> int:
@@ -47,4 +93,4 @@ def make_env(max_calc_steps: int = 0, **env_args: Any) -> Environment:
     prompts, reward = make_dataset(cfg)
     prompts = cut(prompts, max_calc_steps)
     name = f"gsm8k:{Path(cfg.path).stem}" + (f":le{max_calc_steps}" if max_calc_steps else "")
-    return Environment(name, prompts, reward, cfg.agent)
+    return Environment(name, prompts, reward, cfg.agent, scorers=dict(SCORERS))

@@ -14,10 +14,10 @@ AGENT = ["--set", "rollout.env=miles.rollout.envs.openai_agent:make_env", "--set
          "--set", "rollout.max_turns=2", "--set", "run.warmup_sft_steps=0"]
 
 
-def test_openai_client_agent_trains(tmp_path: Path) -> None:
+def test_openai_client_agent_trains(tmp_path: Path, miles_cache: Path) -> None:
     run = tmp_path / "run"
     # Under CURVE with the launcher's key set: every role authenticates to every other.
-    p = start_run(run, tmp_path / "cache", *AGENT, "--set", "run.steps=2", "--set", "engine.max_seq_len=1024",
+    p = start_run(run, miles_cache, *AGENT, "--set", "run.steps=2", "--set", "engine.max_seq_len=1024",
                   "--set", "rollout.max_new_tokens=16", "--set", "buffer.batch_groups=2",
                   "--set", "rollout.n_samples_per_prompt=2", "--set", "transport.curve=true")
     assert wait(p, 280) == 0, (tmp_path / "run.launcher.log").read_text()[-3000:]
@@ -34,11 +34,11 @@ def test_openai_client_agent_trains(tmp_path: Path) -> None:
     assert token.stat().st_mode & 0o077 == 0 and len(token.read_text()) >= 16
 
 
-def test_hopeless_generation_stops_with_the_cause(tmp_path: Path) -> None:
+def test_hopeless_generation_stops_with_the_cause(tmp_path: Path, miles_cache: Path) -> None:
     run = tmp_path / "run"
     # The tool env's prompts render to ~366 tokens, far more than a 64-token context (pinned here,
     # not inherited from the quick start's config): every request is refused by the engine.
-    p = start_run(run, tmp_path / "cache", *AGENT, "--set", "run.steps=2", "--set", "engine.max_seq_len=64",
+    p = start_run(run, miles_cache, *AGENT, "--set", "run.steps=2", "--set", "engine.max_seq_len=64",
                   "--set", "rollout.max_failures_in_a_row=32")
     assert wait(p, 280) != 0
     log = (tmp_path / "run.launcher.log").read_text()

@@ -14,14 +14,14 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
 @pytest.mark.parametrize("mode", ["shared", "snapshot", "external"])
-def test_eval_mode_reports_metrics(tmp_path: Path, mode: str) -> None:
+def test_eval_mode_reports_metrics(tmp_path: Path, mode: str, miles_cache: Path) -> None:
     run = tmp_path / "run"
     script = tmp_path / "judge.py"
     # A real external evaluator: it reads the exported checkpoint's config and reports a number.
     script.write_text("import json, pathlib, sys\n"
                       "cfg = json.loads((pathlib.Path(sys.argv[1]) / 'config.json').read_text())\n"
                       "print(json.dumps({'layers': cfg['num_hidden_layers']}))\n")
-    p = start_run(run, tmp_path / "cache", "--set", "run.steps=4", "--set", f"eval.mode={mode}",
+    p = start_run(run, miles_cache, "--set", "run.steps=4", "--set", f"eval.mode={mode}",
                   "--set", "eval.every_steps=2", "--set", "eval.num_prompts=8",
                   "--set", f"eval.command={sys.executable} {script} {{checkpoint}}")
     assert wait(p, 280) == 0, (tmp_path / "run.launcher.log").read_text()[-3000:]

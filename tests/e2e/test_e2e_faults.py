@@ -25,8 +25,8 @@ from .e2e_helpers import (
 pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
 
 
-def test_kill_9_whole_run_then_resume(tmp_path: Path) -> None:
-    run, cache = tmp_path / "run", tmp_path / "cache"
+def test_kill_9_whole_run_then_resume(tmp_path: Path, miles_cache: Path) -> None:
+    run, cache = tmp_path / "run", miles_cache
     p = start_run(run, cache, "--set", "run.steps=10", "--set", "trainer.checkpoint_interval=2")
     # Kill at a random moment after the first checkpoint exists.
     wait_for(lambda: (run / "checkpoints" / "latest").exists(), 240, "the first checkpoint")
@@ -60,8 +60,8 @@ def test_kill_9_whole_run_then_resume(tmp_path: Path) -> None:
     assert [r["step"] for r in metrics(run)] == list(range(1, 11))
 
 
-def test_killed_engine_is_restarted_and_training_continues(tmp_path: Path) -> None:
-    run, cache = tmp_path / "run", tmp_path / "cache"
+def test_killed_engine_is_restarted_and_training_continues(tmp_path: Path, miles_cache: Path) -> None:
+    run, cache = tmp_path / "run", miles_cache
     p = start_run(run, cache, "--set", "run.steps=12")
     try:
         wait_for(lambda: len(metrics(run)) >= 3, 240, "step 3")

@@ -30,7 +30,7 @@ def _adapter_bytes(spec: ModelSpec, rank: int) -> int:
     return 4 * per_layer * spec.num_layers + 8
 
 
-def test_lora_run_syncs_only_adapters(tmp_path: Path) -> None:
+def test_lora_run_syncs_only_adapters(tmp_path: Path, miles_cache: Path) -> None:
     run = tmp_path / "run"
     log = (tmp_path / "launcher.log").open("ab")
     p = subprocess.Popen(
@@ -39,7 +39,7 @@ def test_lora_run_syncs_only_adapters(tmp_path: Path) -> None:
                    # on-policy batches: every step samples from the version the trainer holds
                    "--set", "buffer.mode=sync"),
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, "MILES_CACHE": str(tmp_path / "cache")},
+        env={**os.environ, "MILES_CACHE": str(miles_cache)},
     )
     assert wait(p, 280) == 0, (tmp_path / "launcher.log").read_text()[-3000:]
     rows = metrics(run)

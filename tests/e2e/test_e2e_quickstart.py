@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from miles.rollout.tokenizer import load_tokenizer
 
 from .e2e_helpers import QUICKSTART, check_ledger, kill_tree, metrics, miles_argv, start_run, wait
 
@@ -19,9 +22,9 @@ REQUIRED = ["step", "rollout/reward_mean", "train/train_rollout_logprob_abs_diff
             "rollout/fully_async/buffer_max_staleness"]
 
 
-def test_quickstart_writes_every_output(tmp_path: Path) -> None:
+def test_quickstart_writes_every_output(tmp_path: Path, miles_cache: Path) -> None:
     run = tmp_path / "run"
-    p = start_run(run, tmp_path / "cache", "--set", "run.steps=4")
+    p = start_run(run, miles_cache, "--set", "run.steps=4")
     assert wait(p, 280) == 0, (tmp_path / "run.launcher.log").read_text()[-3000:]
     rows = metrics(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -40,12 +43,24 @@ def test_quickstart_writes_every_output(tmp_path: Path) -> None:
     assert page.count("<svg ") == 8 and "groups trained" in page  # 5 run plots + the 3 Figure 5 panels
     assert list((run / "tb").glob("events.*"))
     check_ledger(run)
+    # final_hf is a complete checkpoint: the start model's tokenizer files and chat template,
+    # byte for byte, beside the trained weights; transformers loads both and chats with it
+    start = Path(json.loads((run / "config.resolved.json").read_text())["model"]["path"])
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (run / "final_hf" / name).read_bytes() == (start / name).read_bytes(), name
     transformers = pytest.importorskip("transformers")
     model = transformers.AutoModelForCausalLM.from_pretrained(run / "final_hf")
     assert model.config.model_type == "qwen3_moe"
+    tok = transformers.AutoTokenizer.from_pretrained(run / "final_hf")
+    chat = [{"role": "user", "content": "2+3?"}]
+    text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert text == load_tokenizer(start).apply_chat_template(chat, add_generation_prompt=True)
+    ids = tok(text, return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert out.shape[1] > ids.shape[1]  # it answers (random weights: what it says is noise)
 
 
-def test_quickstart_as_shipped_learns_on_a_clean_console(tmp_path: Path) -> None:
+def test_quickstart_as_shipped_learns_on_a_clean_console(tmp_path: Path, miles_cache: Path) -> None:
     """The shipped config, unchanged: the reward climbs, and the console shows progress lines,
     the end-of-run table and nothing of the JSON event stream."""
     run = tmp_path / "run"
@@ -53,7 +68,7 @@ def test_quickstart_as_shipped_learns_on_a_clean_console(tmp_path: Path) -> None
     with out.open("wb") as f:
         p = subprocess.Popen(miles_argv("train", str(QUICKSTART), "--set", f"run.dir={run}"), stdout=f,
                              stderr=subprocess.STDOUT, start_new_session=True,
-                             env={**os.environ, "MILES_CACHE": str(tmp_path / "cache")})
+                             env={**os.environ, "MILES_CACHE": str(miles_cache)})
         try:
             assert p.wait(290) == 0, out.read_text()[-3000:]
         finally:

@@ -87,8 +87,8 @@ def _latest(run: Path) -> str:
         return ""
 
 
-def test_chaos_soak_accounts_for_every_prompt(tmp_path: Path) -> None:
-    run, cache = tmp_path / "run", tmp_path / "cache"
+def test_chaos_soak_accounts_for_every_prompt(tmp_path: Path, miles_cache: Path) -> None:
+    run, cache = tmp_path / "run", miles_cache
     launcher_log = tmp_path / "run.launcher.log"
     rng = random.Random(os.getpid())
     # Kills come a few seconds after each new checkpoint (every 2 steps); a resume costs ~10-30 s

@@ -57,8 +57,8 @@ def _index(pid: int) -> int:
 
 
 @pytest.mark.parametrize("workload", ["quickstart", "busy"])
-def test_engine_chaos_soak_loses_no_prompt(tmp_path: Path, workload: str) -> None:
-    run, cache = tmp_path / "run", tmp_path / "cache"
+def test_engine_chaos_soak_loses_no_prompt(tmp_path: Path, workload: str, miles_cache: Path) -> None:
+    run, cache = tmp_path / "run", miles_cache
     launcher_log = tmp_path / "run.launcher.log"
     rng = random.Random(os.getpid())
     steps = max(40, int(SOAK_S * 3))  # ~4-6 steps/s here between kills: the chaos ends first

@@ -15,9 +15,9 @@ from .e2e_helpers import metrics, start_run, wait
 pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
 
 
-def test_sync_mode_at_temperature_0_7_has_no_logprob_gap(tmp_path: Path) -> None:
+def test_sync_mode_at_temperature_0_7_has_no_logprob_gap(tmp_path: Path, miles_cache: Path) -> None:
     run = tmp_path / "run"
-    p = start_run(run, tmp_path / "cache", "--set", "run.steps=3", "--set", "buffer.mode=sync",
+    p = start_run(run, miles_cache, "--set", "run.steps=3", "--set", "buffer.mode=sync",
                   "--set", "rollout.temperature=0.7", "--set", "engine.num_engines=2")
     assert wait(p, 380) == 0, (tmp_path / "run.launcher.log").read_text()[-3000:]
     rows = metrics(run)

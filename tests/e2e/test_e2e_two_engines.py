@@ -41,8 +41,8 @@ def _final(run: Path) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("mode", ["sync", "fully_async"])
-def test_groups_go_whole_to_one_engine_and_each_prompt_is_prefilled_once(tmp_path: Path, mode: str) -> None:
-    run, cache = tmp_path / "run", tmp_path / "cache"
+def test_groups_go_whole_to_one_engine_and_each_prompt_is_prefilled_once(tmp_path: Path, mode: str, miles_cache: Path) -> None:
+    run, cache = tmp_path / "run", miles_cache
     p = start_run(run, cache, *TWO, "--set", "run.steps=6", "--set", f"buffer.mode={mode}")
     assert wait(p, 240) == 0, (tmp_path / "run.launcher.log").read_text()[-3000:]
     final = _final(run)
@@ -59,8 +59,8 @@ def test_groups_go_whole_to_one_engine_and_each_prompt_is_prefilled_once(tmp_pat
     check_ledger(run)
 
 
-def test_a_killed_engine_loses_no_prompt_and_the_survivor_keeps_generating(tmp_path: Path) -> None:
-    run, cache = tmp_path / "run", tmp_path / "cache"
+def test_a_killed_engine_loses_no_prompt_and_the_survivor_keeps_generating(tmp_path: Path, miles_cache: Path) -> None:
+    run, cache = tmp_path / "run", miles_cache
     p = start_run(run, cache, *TWO, "--set", "run.steps=40", *BUSY)
     try:
         wait_for(lambda: len(metrics(run)) >= 3, 240, "step 3")

@@ -29,9 +29,9 @@ def run(config: str, run_dir: Path, cache: Path, *extra: str, timeout: float = 2
                 kill_tree(p)
 
 
-def test_two_turn_images_are_token_exact_through_a_launched_run(tmp_path: Path) -> None:
+def test_two_turn_images_are_token_exact_through_a_launched_run(tmp_path: Path, miles_cache: Path) -> None:
     out = tmp_path / "run"
-    run("vlm_multiturn.toml", out, tmp_path / "cache", "--set", "run.steps=4", "--set", "run.warmup_sft_steps=2")
+    run("vlm_multiturn.toml", out, miles_cache, "--set", "run.steps=4", "--set", "run.warmup_sft_steps=2")
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     # 8 groups x 8 samples, 4 image tokens per 16x16 image, one image per turn reached
@@ -43,11 +43,11 @@ def test_two_turn_images_are_token_exact_through_a_launched_run(tmp_path: Path) 
     assert model.config.model_type == "qwen2_5_vl"
 
 
-def test_the_shipped_one_turn_recipe_learns(tmp_path: Path) -> None:
+def test_the_shipped_one_turn_recipe_learns(tmp_path: Path, miles_cache: Path) -> None:
     out = tmp_path / "run"
     # 100 of the shipped 300 steps keep CI time down: the reward is ~0.85 by step 100
     # (bench/results/vlm_cpu.json's curve; ~0.3 over the first 20 steps)
-    run("vlm.toml", out, tmp_path / "cache", "--set", "run.steps=100")
+    run("vlm.toml", out, miles_cache, "--set", "run.steps=100")
     rows = metrics(out)
     rewards = [r["rollout/reward_mean"] for r in rows]
     q = len(rewards) // 4

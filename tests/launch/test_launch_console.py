@@ -37,6 +37,18 @@ def test_progress_line_shows_step_eta_sync_and_len_ratio() -> None:
     assert "len_ratio" not in progress_line(_row(1), 10, [0.1], 0.0, 0)
 
 
+def test_progress_line_survives_none_and_nan_metrics() -> None:
+    # metrics.jsonl holds None where a value was NaN or inf (the step that went non-finite)
+    row = _row(5, **{"train/train_rollout_logprob_abs_diff": None, "rollout/reward_mean": float("nan"),
+                     "train/tokens_per_s": float("inf"), "perf/sync_s": None, "train/skipped_nonfinite": 1.0,
+                     "eval/reward_mean": None, "eval/greedy_accuracy": None, "eval/samples": 4,
+                     "eval/avg_at_4": None})
+    line = progress_line(row, 10, [float("nan"), 0.5], 1.0, 1)
+    assert "Δlogp n/a" in line and "reward n/a" in line and "tok/s n/a" in line and "sync n/a |" in line
+    assert "SKIPPED 1 non-finite update(s)" in line and "greedy n/a avg@4 n/a" in line
+    assert "(avg10 0.500)" in line  # a NaN reward stays out of the moving average
+
+
 def test_eta_of_rows_read_in_one_poll_is_not_zero(tmp_path: Path) -> None:
     """Steps 1-3 land between two polls (wall time between them ~0): the ETA of step 2 and 3
     comes from the steps' own times (0.1 s each: 97 steps left ~ 0:10), not an infinite rate."""

@@ -44,3 +44,19 @@ def test_console_summary_and_report_show_the_evaluations(tmp_path: Path) -> None
     page = render_html(run)
     assert "held-out evaluation" in page and "9-step moving average" in page
     assert "|logp engine - logp trainer| per step" in page
+
+
+def test_strict_lenient_and_all_rows_in_the_line_and_the_table(tmp_path: Path) -> None:
+    e = {**ev(0, 0.25), "eval/accuracy_strict": 0.2, "eval/accuracy_lenient": 0.3,
+         "eval/full/num_prompts": 1319.0, "eval/full/greedy_accuracy": 0.27, "eval/full/accuracy_strict": 0.26,
+         "eval/full/accuracy_lenient": 0.31}
+    assert eval_part(e) == ("eval@0 greedy 0.250 strict 0.200 lenient 0.300 avg@8 0.125 pass@8 0.750 "
+                            "all(1319) strict 0.260 lenient 0.310")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "rollout/reward_mean": 0.1, "perf/step_time_s": 1.0}) + "\n")
+    (run / "eval.jsonl").write_text(json.dumps(e) + "\n")
+    table = format_table(summarize_run(run))
+    assert "greedy 0.250, strict 0.200, lenient 0.300, avg@8" in table
+    assert "all 1319 rows: greedy 0.270, strict 0.260, lenient 0.310" in table
+    assert "all rows, strict" in render_html(run)

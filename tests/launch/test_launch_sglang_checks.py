@@ -31,6 +31,7 @@ VERDICTS = {
     "smollm2_rl_cpu.toml": "starts",  # SmolLM2-135M: head_dim 64 (or refused for its model.path when absent)
     "gsm8k.toml": "starts",  # SmolLM2-135M: head_dim 64, bf16 (refused for its model.path when absent)
     "agentic_calc.toml": "starts",  # the same checkpoint
+    "gsm8k_qwen.toml": "starts",  # Qwen2.5-Coder-0.5B: head_dim 64 (refused for its model.path when absent)
     "vlm.toml": "a vision-language model is not available with engine.type=sglang",
     "vlm_multiturn.toml": "a vision-language model is not available with engine.type=sglang",
     "slurm/multinode.toml": "starts",  # Qwen3-30B-A3B: head_dim 128 (refused for its model.path when absent)
@@ -51,6 +52,25 @@ def _miles_examples() -> list[str]:
     return out
 
 
+# Data files an example names outside the repository (gsm8k.toml: GSM8K beside the checkout) are
+# replaced by a few rows in the same format, written here: the verdict is about the example's
+# engine and model settings, and a test reads nothing outside the repository.
+GSM8K_ROWS = [{"question": "Ann has 3 apples and buys 4 more. How many now?",
+               "answer": "She has 3+4=<<3+4=7>>7 apples.\n#### 7"},
+              {"question": "A box holds 6 pens; 2 are taken. How many are left?",
+               "answer": "6-2=<<6-2=4>>4 pens are left.\n#### 4"}]
+
+
+@pytest.fixture(scope="module")
+def data_sets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
+    """Per example, the --set lines that point its outside data at files made here."""
+    d = tmp_path_factory.mktemp("gsm8k")
+    for split in ("train", "test"):
+        (d / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in GSM8K_ROWS))
+    return {"gsm8k.toml": [f"rollout.env_args.path={d / 'train.jsonl'}",
+                           f"rollout.env_args.eval_path={d / 'test.jsonl'}"]}
+
+
 def verdict(name: str, *sets: str) -> str:
     try:
         validate_launch(load_config(MilesConfig, EXAMPLES / name, ["engine.type=sglang", *sets]))
@@ -64,8 +84,9 @@ def test_every_example_has_a_verdict() -> None:
 
 
 @pytest.mark.parametrize("name", sorted(VERDICTS))
-def test_each_example_starts_or_is_refused_at_launch(name: str) -> None:
-    got = verdict(name)
+def test_each_example_starts_or_is_refused_at_launch(name: str, data_sets: dict[str, list[str]]) -> None:
+    sets = data_sets.get(name, [])
+    got = verdict(name, *sets)
     path = tomllib.loads((EXAMPLES / name).read_text()).get("model", {}).get("path", "")
     if path and not (Path(path) / "config.json").is_file():
         assert f"model.path {path!r} has no config.json" in got  # refused here: the checkpoint is elsewhere
@@ -73,7 +94,7 @@ def test_each_example_starts_or_is_refused_at_launch(name: str) -> None:
     want = VERDICTS[name]
     assert got == "starts" if want == "starts" else want in got, got
     if name in AFTER_FIX:
-        after = verdict(name, f"{HEAD_DIM_FIX}=64")
+        after = verdict(name, *sets, f"{HEAD_DIM_FIX}=64")
         want = AFTER_FIX[name]
         assert after == "starts" if want == "starts" else want in after, after
 

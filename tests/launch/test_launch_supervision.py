@@ -21,7 +21,7 @@ QUICKSTART = ROOT / "examples" / "quickstart.toml"
 
 
 @pytest.mark.timeout(150)
-def test_missing_weights_fail_once_with_the_cause_on_the_console(tmp_path: Path) -> None:
+def test_missing_weights_fail_once_with_the_cause_on_the_console(tmp_path: Path, miles_cache: Path) -> None:
     """A model dir with config.json and a tokenizer but no weights: the engine's load error
     is shown on the launcher's console and the engine is not started again."""
     model = tmp_path / "model"
@@ -31,7 +31,7 @@ def test_missing_weights_fail_once_with_the_cause_on_the_console(tmp_path: Path)
     p = subprocess.run([sys.executable, "-m", "miles.launch.cli", "train", str(QUICKSTART), "--set",
                         f"model.path={model}", "--set", f"run.dir={run}", "--set", "run.steps=2"],
                        capture_output=True, text=True, timeout=140, cwd=tmp_path,
-                       env={**os.environ, "MILES_CACHE": str(tmp_path / "cache")})
+                       env={**os.environ, "MILES_CACHE": str(miles_cache)})
     console = p.stdout + p.stderr
     assert p.returncode == 1, console
     (line,) = [ln for ln in console.splitlines() if "role_failed_at_start" in ln]

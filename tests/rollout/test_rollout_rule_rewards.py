@@ -52,6 +52,20 @@ def test_math_reward(label: str, text: str, want: float) -> None:
     assert score({"type": "math"}, label, text) == want
 
 
+@pytest.mark.parametrize(("extract", "text", "want"), [
+    ("hash", "6 + 6 = 12\n#### 12", 1.0),
+    ("hash", "The answer is \\boxed{12}.", 0.0),  # right number, not in the asked format
+    ("hash", "so 12", 0.0),
+    ("hash", "#### 13", 0.0),
+    ("boxed", "\\boxed{12}", 1.0),
+    ("boxed", "#### 12", 0.0),
+    ("none", "12", 1.0),
+    ("auto", "so 12", 1.0),
+])
+def test_math_reward_extract_asks_for_the_format(extract: str, text: str, want: float) -> None:
+    assert score({"type": "math", "extract": extract}, "6 + 6 = 12 #### 12", text) == want
+
+
 def test_exact_and_normalized_match() -> None:
     assert score({"type": "exact"}, "Paris", " Paris ") == 1.0
     assert score({"type": "exact"}, "Paris", "paris") == 0.0

@@ -40,6 +40,7 @@ from miles.trainer.megatron.grads import GroupCollectives, reduce_and_clip
 from miles.trainer.megatron.layout import targets
 from miles.trainer.megatron.replay import MegatronRouting
 from miles.trainer.megatron.weights import iter_hf, load_hf
+from miles.trainer.nonfinite import nonfinite_params, skip_nonfinite
 from miles.trainer.optim import lr_at, set_lr
 from miles.trainer.optim_stream import build_optimizer
 from miles.trainer.packing import MicroBatch
@@ -132,6 +133,8 @@ class MegatronTrainer:
 
     def clip_and_step(self) -> float:
         norm = reduce_and_clip(list(self.trainable.parameters()), self.dp_size, self.cfg.optim.grad_clip)
+        if skip_nonfinite(self.opt, norm):  # no update from a NaN/inf gradient (trainer/nonfinite.py)
+            return norm
         set_lr(self.opt, lr_at(self.cfg.optim, self.opt_steps))
         self.opt.step()
         self.opt_steps += 1
@@ -147,6 +150,11 @@ class MegatronTrainer:
                 self.policy, mb.to(self.device), temperature=mb.temperature, replay=use,
                 with_entropy=False, dtype=self.dtype, routing=self.routing, keep_routes=True,
             )
+
+    def nonfinite_weights(self) -> list[str]:
+        """Names of this rank's policy weights holding a NaN or inf (none: publishable)."""
+        self.ensure_loaded()
+        return nonfinite_params(self.policy.named_parameters())
 
     # ---------------------------------------------------------------- weights and state
     def export_hf_state(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,0 +1,174 @@
+#!/usr/bin/env bash
+# Real learning on Qwen2.5-Coder-0.5B-Instruct (issue 44) and SGLang on it (issue 45), one GPU.
+# Every call carries one chunk folder (64 MiB cap per call, the machine warm between back-to-back calls):
+#   run(command="bash bench/gpu/qwen_suite.sh take", carry=[".carry/cNN"])     NN = 00..19
+# c00-c09: learn.tar (cp312 wheels, GSM8K gz, the 491 MB GGUF); c10-c19: sglw.tar (SGLang 0.5.17's 56
+# wheels); carry.sha in c00 and c10. `take` joins and unpacks each tar once all its chunks are here:
+#   /root/pl/{whl,data,qwen.gguf} -> /tmp/site (wheels), /root/gsm8k, /root/qwen-hf (converted in `learn`)
+# Then detached stages (they survive their call while the machine stays warm) and their collection:
+#   bash bench/gpu/qwen_suite.sh bg learn     # 3 GSM8K runs at once (torch engine: sync s0, fully_async s0/s1)
+#   bash bench/gpu/qwen_suite.sh bg sgl       # the same recipe with engine.type=sglang, beside them
+#   bash bench/gpu/qwen_suite.sh mem | trl    # foreground, the GPU to itself: trainer memory; TRL
+#   bash bench/gpu/qwen_suite.sh collect learn 560
+# Results in $OUT: runs_<stage>.tgz (each run's metrics.jsonl, eval jsonl, console tail, errors), memory.json,
+# trl.txt, stage.log. Summaries are made on the CPU side from the run dirs (bench/learn_summary.py).
+set -u
+STAGE="${1:-take}"
+OUT="${OUT:-/tmp/out}"
+LIMIT="${LIMIT:-600}"          # run.time_limit_s of each GSM8K run
+# A detached stage imports miles from its own snapshot through its own link (PKG), so the next call's
+# fresh copy of the tree never changes the code under a running stage.
+PKG="${PKG:-/tmp/pkg}"
+mkdir -p "$OUT" "$PKG" /tmp/learn
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+ln -sfn "$PWD" "$PKG/miles"
+export PYTHONPATH="$PKG:/tmp/site:${PYTHONPATH:-}"
+COMMIT="${MILES_COMMIT:-$(cat .commit 2>/dev/null || echo unknown)}"
+D=/root/gsm8k
+M=/root/qwen-hf
+
+take() {
+  mkdir -p /root/carry && cp .carry/c*/* /root/carry/ 2>/dev/null
+  cd /root/carry || return 3
+  echo "carry: $(ls | tr '\n' ' ')"
+  if [ -f L.09 ] && [ ! -f /root/pl/.done ]; then
+    cat $(ls L.* | sort -V) > learn.tar && grep learn.tar carry.sha | sha256sum -c - || return 3
+    mkdir -p /root/pl "$D" && tar xf learn.tar -C /root/pl && rm -f L.* learn.tar || return 3
+    gunzip -c /root/pl/data/train.jsonl.gz > "$D/train.jsonl" && gunzip -c /root/pl/data/test.jsonl.gz > "$D/test.jsonl"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      /root/pl/whl/*.whl > /root/pl/install.log 2>&1 || { tail -5 /root/pl/install.log; return 4; }
+    touch /root/pl/.done && echo "learn payload: $(ls /root/pl/whl | wc -l) wheels, $(wc -l < "$D/train.jsonl") train rows"
+  fi
+  if [ -f S.09 ] && [ ! -d /tmp/sgl-site/sglang ]; then
+    cat $(ls S.* | sort -V) > sglw.tar && grep sglw.tar carry.sha | sha256sum -c - || return 3
+    mkdir -p /root/sglw/whl && tar xf sglw.tar -C /root/sglw/whl && rm -f S.* sglw.tar || return 3
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/sgl-site \
+      /root/sglw/whl/*.whl > /root/sglw/install.log 2>&1 || { tail -5 /root/sglw/install.log; return 4; }
+    echo "sglang payload: $(ls /root/sglw/whl | wc -l) wheels installed"
+  fi
+}
+
+convert() {  # the GGUF -> HF directory once, through `miles fetch-model --from` (sha256, join, convert, template)
+  [ -f "$M/config.json" ] && return 0
+  t0=$(date +%s)
+  mkdir -p /root/pl/gg && ln -sf /root/pl/qwen.gguf /root/pl/gg/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+  python3 -m miles.launch.cli fetch-model qwen2.5-coder-0.5b --out "$M" --from /root/pl/gg > "$OUT/convert.log" 2>&1 \
+    || { tail -20 "$OUT/convert.log"; return 1; }
+  echo "converted in $(( $(date +%s) - t0 )) s: $(ls "$M" | tr '\n' ' ')" | tee -a "$OUT/log.txt"
+}
+
+# The recipe: examples/gsm8k.toml on all of GSM8K with the real checkpoint, 512 new tokens, the held-out
+# eval on all 1,319 test rows at start and end; a run sharing the card sets a longer heartbeat timeout.
+RECIPE="${RECIPE:-examples/gsm8k_qwen.toml}"
+G=(--set "model.path=$M" --set "rollout.env_args.path=$D/train.jsonl" --set "rollout.env_args.eval_path=$D/test.jsonl"
+   --set "run.time_limit_s=$LIMIT" --set transport.heartbeat_timeout_s=20 ${EXTRA_SETS:-})
+
+train() {  # NAME TIMEOUT --set ...
+  local name="$1" to="$2"; shift 2
+  rm -rf "/tmp/learn/$name"
+  MILES_CACHE="/tmp/cache-$name" timeout "$to" python3 -m miles.launch.cli train "$RECIPE" \
+    --set "run.dir=/tmp/learn/$name" --set run.progress=false "${G[@]}" "$@" > "/tmp/learn/$name.console" 2>&1
+  echo "$name exit $? at $(date +%T)" >> "$OUT/log.txt"
+}
+
+pack() {
+  for d in /tmp/learn/*/; do
+    [ -d "$d" ] || continue
+    n=$(basename "$d")
+    python3 -m miles.launch.cli report "$d" > /dev/null 2>&1
+    tail -60 "/tmp/learn/$n.console" > "$d/console_tail.txt" 2>/dev/null
+    grep -h '"level": "error"\|nonfinite' "$d"/logs/*.log 2>/dev/null | tail -40 > "$d/errors.txt"
+  done
+  (cd /tmp/learn && tar czf "$OUT/runs_$1.tgz" --exclude=final_hf --exclude=tb --exclude='*.safetensors' \
+    --exclude=checkpoints --exclude=eval . 2>/dev/null)
+}
+
+case "$STAGE" in
+take) take; exit $? ;;
+bg)  # bg STAGE: STAGE detached, from a snapshot of this tree (the next call's copy replaces this one)
+  S="$2"; rm -rf "/root/snap-$S" "/root/out-$S"; mkdir -p "/root/out-$S"
+  tar cf - --exclude=./.carry . | (mkdir -p "/root/snap-$S" && cd "/root/snap-$S" && tar xf -)
+  (cd "/root/snap-$S" && PKG="/tmp/pkg-$S" OUT="/root/out-$S" MILES_COMMIT="$COMMIT" LIMIT="$LIMIT" EXTRA_SETS="${EXTRA_SETS:-}" SYNC1="${SYNC1:-0}" \
+    setsid nohup bash -c "bash bench/gpu/qwen_suite.sh $S; touch /root/out-$S/done" > "/root/out-$S/stage.log" 2>&1 < /dev/null &)
+  sleep 3; echo "started $S: $(pgrep -fc "qwen_suite.sh $S") processes"; exit 0 ;;
+collect)  # collect STAGE WAIT_S: wait for a bg STAGE (at most WAIT_S), then copy its results to $OUT
+  S="$2"; W="${3:-0}"; t0=$(date +%s)
+  while [ ! -f "/root/out-$S/done" ] && [ $(( $(date +%s) - t0 )) -lt "$W" ]; do sleep 5; done
+  [ -f "/root/out-$S/done" ] && echo "$S done" || echo "$S still running after ${W}s"
+  cat "/root/out-$S/log.txt" 2>/dev/null
+  bash "$0" status
+  cp -r "/root/out-$S"/. "$OUT/" 2>/dev/null; exit 0 ;;
+learn)  # three torch-engine runs at once (~16 GB each: trainer ~11 GB at 16k packs + engine)
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/gpu.txt"
+  convert || exit 1
+  train sync_s0 $((LIMIT + 500)) --set buffer.mode=sync --set run.seed=0 --set rollout.env_args.seed=0 &
+  train async_s0 $((LIMIT + 500)) --set run.seed=0 --set rollout.env_args.seed=0 &
+  train async_s1 $((LIMIT + 500)) --set run.seed=1 --set rollout.env_args.seed=1 &
+  if [ "${SYNC1:-0}" = 1 ]; then  # a card with room for a fourth (H200)
+    train sync_s1 $((LIMIT + 500)) --set buffer.mode=sync --set run.seed=1 --set rollout.env_args.seed=1 &
+  fi
+  wait; pack learn ;;
+sgl)  # SGLang as the engine of the same recipe, beside the learn stage's runs (server capped at 15 %)
+  export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
+  SG=(--set engine.type=sglang --set 'engine.sglang_extra_args=["--attention-backend","triton","--sampling-backend","pytorch","--grammar-backend","none","--skip-server-warmup"]'
+      --set engine.sglang_startup_timeout_s=400 --set engine.sglang_mem_fraction=0.15)
+  PYTHONPATH="/tmp/sgl-site:$PYTHONPATH" train sgl_async_s0 $((LIMIT + 600)) "${SG[@]}" --set run.seed=0 \
+    --set rollout.env_args.seed=0
+  pack sgl ;;
+strict)  # the reward asks for the prompt's format (math, extract = "hash": only the number after ####):
+  # torch engine sync and fully_async, SGLang fully_async, and TRL's GRPOTrainer with the same reward, batch,
+  # sampling and lr, all at once (the card and its 16 cores shared). An 80 GB card takes three miles runs.
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/gpu.txt"
+  convert || exit 1
+  big=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | awk '{print ($1 > 100000)}')
+  export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
+  R=(--set 'rollout.env_args.rewards=[{type="math", extract="hash"}]')
+  SG=(--set engine.type=sglang --set 'engine.sglang_extra_args=["--attention-backend","triton","--sampling-backend","pytorch","--grammar-backend","none","--skip-server-warmup"]'
+      --set engine.sglang_startup_timeout_s=400 --set "engine.sglang_mem_fraction=$([ "$big" = 1 ] && echo 0.15 || echo 0.12)")
+  train strict_sync_s0 $((LIMIT + 500)) "${R[@]}" --set buffer.mode=sync --set run.seed=0 --set rollout.env_args.seed=0 &
+  train strict_async_s0 $((LIMIT + 500)) "${R[@]}" --set run.seed=0 --set rollout.env_args.seed=0 &
+  if [ -d /tmp/sgl-site/sglang ]; then
+    PYTHONPATH="/tmp/sgl-site:$PYTHONPATH" train strict_sgl_async_s0 $((LIMIT + 600)) "${R[@]}" "${SG[@]}" \
+      --set run.seed=0 --set rollout.env_args.seed=0 &
+  fi
+  if [ "$big" = 1 ]; then
+    train strict_async_s1 $((LIMIT + 500)) "${R[@]}" --set run.seed=1 --set rollout.env_args.seed=1 &
+    timeout $((LIMIT + 400)) python3 bench/learn_trl.py --model "$M" --data "$D" --max-calc-steps 0 \
+      --max-new-tokens 512 --lr 2e-6 --eval-prompts 1319 --eval-batch 660 --micro-batch 16 --reward-extract hash \
+      --time-limit "$LIMIT" > /tmp/learn/trl.txt 2>&1; echo "trl exit $? at $(date +%T)" >> "$OUT/log.txt"
+    cp /tmp/learn/trl.txt "$OUT/trl.txt"
+  fi
+  wait; pack strict ;;
+snap)  # what the runs have so far, to $OUT (a hedge against losing the machine mid-run)
+  pack partial; cp /root/out-*/log.txt "$OUT/" 2>/dev/null; cp /tmp/learn/trl.txt "$OUT/" 2>/dev/null; exit 0 ;;
+status)  # one line per run: step, reward, peak GB, skipped, last eval
+  cd /tmp/learn 2>/dev/null || exit 0
+  for d in */; do python3 - "$d" <<'EOF2'
+import glob, json, sys
+d = sys.argv[1]
+try:
+    rows = [json.loads(x) for x in open(d + "metrics.jsonl")]
+except OSError:
+    rows = []
+if not rows:
+    print(d, "no step yet"); sys.exit()
+r = rows[-1]
+ks = ["step", "rollout/reward_mean", "train/train_rollout_logprob_abs_diff", "perf/trainer_peak_gb",
+      "train/skipped_nonfinite_total", "perf/step_time_s"]
+print(d, {k.split("/")[-1]: round(r[k], 4) if isinstance(r.get(k), float) else r.get(k) for k in ks})
+for e in ([json.loads(x) for x in open(d + "eval.jsonl")] if glob.glob(d + "eval.jsonl") else [])[-2:]:
+    print("  eval", e.get("step"), {k.split("/", 1)[-1]: round(v, 3) for k, v in e.items()
+                                    if "accuracy" in k and isinstance(v, float)})
+EOF2
+  done
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader; tail -2 /tmp/learn/trl.txt 2>/dev/null | cut -c1-300 ;;
+mem)  # trainer peak memory per case, the GPU to itself
+  timeout 300 python3 bench/trainer_memory.py --model "$M" --cases bf16_16k_before,bf16_16k,fp32_8k_before,fp32_8k \
+    --out "$OUT/memory.json" > "$OUT/memory.txt" 2>&1; cat "$OUT/memory.txt" ;;
+trl)  # TRL's GRPOTrainer on the same checkpoint, data, batch and sampling, the GPU to itself
+  timeout $((LIMIT + 500)) python3 bench/learn_trl.py --model "$M" --data "$D" --max-calc-steps 0 \
+    --max-new-tokens 512 --lr "${TRL_LR:-2e-6}" --eval-prompts 1319 --eval-batch 330 --micro-batch 16 \
+    --time-limit "$LIMIT" > "$OUT/trl.txt" 2>&1; echo "trl exit $?" >> "$OUT/log.txt"; tail -3 "$OUT/trl.txt" ;;
+*) echo "unknown stage $STAGE"; exit 2 ;;
+esac
+exit 0

@@ -1,0 +1,125 @@
+"""Trainer peak memory of a real model: where the GPU memory of one RL step goes, and what brings it down.
+
+Each case runs in its own process (a clean peak): FSDPTrainer on one GPU with the model of
+`--model` (an HF directory, e.g. Qwen2.5-Coder-0.5B-Instruct from `miles fetch-model`), or the
+`dense_0.5b` shape of bench/trainer.py with random weights when none is given; a batch of
+sequences of `--seq` tokens (a quarter prompt) filling `--pack` tokens, scored by the model itself
+(rollout logprobs); two train steps; `torch.cuda.max_memory_allocated` over both, and the median
+step time. Cases (`--cases`, comma-separated):
+  bf16_16k_before   bf16, 16k packs, no recompute, the head keeping all logits (the old defaults:
+                    SAVE_LOGITS_BYTES 8 GiB, CHUNK_ELEMS 2^28)
+  bf16_16k_head     bf16, 16k packs, no recompute, today's head (logits recomputed in chunks)
+  bf16_16k          bf16, 16k packs, recompute=full, today's head  (goal: <= 12 GB)
+  fp32_8k_before    fp32, 8k packs, no recompute, old head
+  fp32_8k           fp32, 8k packs, recompute=full, today's head (goal: runs on an 80 GB card)
+The last line is one JSON object; `--out` also writes it to a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CASES = {
+    "bf16_16k_before": dict(dtype="bfloat16", pack=16384, recompute="off", old_head=True),
+    "bf16_16k_head": dict(dtype="bfloat16", pack=16384, recompute="off", old_head=False),
+    "bf16_16k": dict(dtype="bfloat16", pack=16384, recompute="full", old_head=False),
+    "fp32_8k_before": dict(dtype="float32", pack=8192, recompute="off", old_head=True),
+    "fp32_8k": dict(dtype="float32", pack=8192, recompute="full", old_head=False),
+}
+
+
+def run_case(name: str, model: str, seq: int, steps: int) -> dict[str, float | str]:
+    import torch
+
+    import miles.models.chunked_logprobs as ch
+    from miles.core.schema.trainer import TrainerConfig
+    from miles.models.config import ModelSpec
+    from miles.models.hf_io import load_model
+    from miles.models.registry import build_model
+    from miles.trainer.fsdp import FSDPTrainer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from trainer import CUDA_MODELS, _device_batch, _spec  # bench/trainer.py (bench/ on sys.path)
+
+    c = CASES[name]
+    if c["old_head"]:
+        ch.SAVE_LOGITS_BYTES, ch.CHUNK_ELEMS = 8 << 30, 1 << 28
+    if model:
+        spec = ModelSpec.from_dir(model)
+        scorer = load_model(model, dtype=torch.bfloat16, device="cuda")
+    else:
+        spec = _spec(**CUDA_MODELS["dense_0.5b"])  # type: ignore[arg-type]
+        scorer = build_model(spec, dtype=torch.bfloat16, seed=0).cuda()
+    group = 4
+    batch = _device_batch(scorer, groups=max(1, c["pack"] // (seq * group)), group_size=group, seq=seq)
+    del scorer
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    cfg = TrainerConfig()
+    cfg.device = "cuda"
+    cfg.param_dtype = c["dtype"]  # type: ignore[assignment]
+    cfg.micro_batch_tokens = c["pack"]
+    cfg.recompute = c["recompute"]  # type: ignore[assignment]
+    cfg.optim.lr = 1e-6
+    t = FSDPTrainer(cfg, spec, 0, 1, init_checkpoint=model, seed=0)
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        m = t.train_step(batch)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated() - base
+    return {"case": name, "peak_gb": round(peak / 1e9, 2),
+            "reserved_gb": round(torch.cuda.max_memory_reserved() / 1e9, 2),
+            "step_s": round(statistics.median(times[1:] or times), 3),
+            "tokens": batch.num_tokens, "skipped_nonfinite": m["train/skipped_nonfinite"],
+            "gpu": torch.cuda.get_device_name()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="", help="HF directory of the model (default: random dense_0.5b shape)")
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--out", default="")
+    ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # a child process: run one case
+    a = ap.parse_args()
+    if a.one:
+        print(json.dumps(run_case(a.one, a.model, a.seq, a.steps)))
+        return
+    rows = []
+    for name in a.cases.split(","):
+        p = subprocess.run([sys.executable, __file__, "--one", name, "--model", a.model, "--seq", str(a.seq),
+                            "--steps", str(a.steps)], capture_output=True, text=True, env=os.environ)
+        last = (p.stdout.strip().splitlines() or [""])[-1]
+        try:
+            rows.append(json.loads(last))
+        except json.JSONDecodeError:
+            err = (p.stderr.strip().splitlines() or ["no output"])[-1]
+            rows.append({"case": name, "error": err[-300:]})
+    print(f"{'case':18s} {'peak GB':>8s} {'reserved':>8s} {'step s':>7s}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['case']:18s} ERROR {r['error']}")
+        else:
+            print(f"{r['case']:18s} {r['peak_gb']:8.2f} {r['reserved_gb']:8.2f} {r['step_s']:7.3f}")
+    out = {"model": a.model or "random dense_0.5b", "seq": a.seq,
+           **{f"{r['case']}_{k}": v for r in rows for k, v in r.items() if k != "case"}}
+    line = json.dumps(out)
+    if a.out:
+        Path(a.out).write_text(line + "\n")
+    print(line)
+
+
+if __name__ == "__main__":
+    main()
