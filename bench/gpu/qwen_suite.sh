@@ -164,6 +164,14 @@ for e in ([json.loads(x) for x in open(d + "eval.jsonl")] if glob.glob(d + "eval
 EOF2
   done
   nvidia-smi --query-gpu=memory.used --format=csv,noheader; tail -2 /tmp/learn/trl.txt 2>/dev/null | cut -c1-300 ;;
+memfast)  # trainer peak memory of the 0.5B shape with random weights (memory depends on the shape only), in
+  # one call: the cp312 wheels are the first members of chunk c00, so no other chunk is needed
+  mkdir -p /root/pl && tar xf .carry/c00/L.00 -C /root/pl whl 2>/dev/null; echo "wheels: $(ls /root/pl/whl | wc -l)"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    /root/pl/whl/*.whl > /tmp/install.log 2>&1 || tail -3 /tmp/install.log
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+  timeout "${MEM_S:-400}" python3 bench/trainer_memory.py --cases "${MEM_CASES:-bf16_16k_before,bf16_16k,fp32_8k_before,fp32_8k}" \
+    --out "$OUT/memory.json" 2>&1 | tee "$OUT/memory.txt" ;;
 mem)  # trainer peak memory per case, the GPU to itself
   timeout 300 python3 bench/trainer_memory.py --model "$M" --cases bf16_16k_before,bf16_16k,fp32_8k_before,fp32_8k \
     --out "$OUT/memory.json" > "$OUT/memory.txt" 2>&1; cat "$OUT/memory.txt" ;;
