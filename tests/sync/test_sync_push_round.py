@@ -89,3 +89,40 @@ async def test_no_pause_mode_means_no_resume() -> None:
 
     rep = await rnd.run(body, on_failure, lambda: None)
     assert link.calls == [("commit", "a")] and rep.committed == ["a"]
+
+
+async def test_a_push_cut_by_this_process_stopping_logs_no_error() -> None:
+    """Ctrl-C mid-push: the trainer's loop is cancelled and its host has closed its sockets, so
+    resume and abort cannot be sent. That is shutdown, not a failed sync: logged at info."""
+    import asyncio
+
+    import structlog
+
+    from miles.core.errors import Stopping
+
+    closed = Stopping("send Resume to 'a': the socket is closed; this process is stopping")
+    link = Link(fail={("resume", "a"): closed, ("abort", "a"): closed})
+    rnd = PushRound(link, 4, "zmq", ["a"])
+
+    async def body() -> None:
+        await rnd.pause("in_place")
+        raise asyncio.CancelledError  # the loop's task cancelled by the actor's stop
+
+    async def on_failure(exc: BaseException) -> None:
+        await rnd.abort()
+
+    with structlog.testing.capture_logs() as logs, pytest.raises(asyncio.CancelledError):
+        await rnd.run(body, on_failure, lambda: None)
+    assert ("resume", "a") in link.calls and ("abort", "a") in link.calls
+    assert not [e for e in logs if e["log_level"] == "error"], logs
+    assert [e["event"] for e in logs] == ["resume_skipped_stopping"]
+    # any other failure of the resume is still an error
+    link = Link(fail={("resume", "a"): EngineError("engine fault")})
+    rnd = PushRound(link, 5, "zmq", ["a"])
+
+    async def paused() -> None:
+        await rnd.pause("in_place")
+
+    with structlog.testing.capture_logs() as logs:
+        await rnd.run(paused, on_failure, lambda: None)
+    assert [(e["event"], e["log_level"]) for e in logs] == [("resume_failed", "error")]
