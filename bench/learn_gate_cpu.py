@@ -36,7 +36,7 @@ MARGIN = 0.10
 # The deliberate breaks the gate must catch; each is a --set list on top of the recipe.
 BREAKS: dict[str, list[str]] = {
     "lr0": ["trainer.optim.lr=0.0"],
-    "wrong_reward": ["rollout.reward_fn=miles.rollout.envs.chat_sums:off_by_one_reward"],
+    "wrong_reward": ["rollout.reward_fn=miles.rollout.envs.chat_sums:inverted_reward"],
 }
 
 
