@@ -56,8 +56,9 @@ def make_env(seed: int = 0, max_operand: int = 20) -> Environment:
                        "miles.rollout.layers:single_turn_agent")
 
 
-def off_by_one_reward(prompt: Prompt, sample: Sample) -> float:
-    """A deliberately wrong reward (the sum plus one) for the learning gate's self-check
-    (bench/learn_gate_cpu.py --break wrong_reward): trained on it, the held-out reward,
-    which the evaluator scores with `reward`, must not rise."""
-    return last_number_reward({**prompt, "answer": str(int(prompt["answer"]) + 1)}, sample)
+
+def inverted_reward(prompt: Prompt, sample: Sample) -> float:
+    """A deliberately wrong reward (1 for every answer that is not the sum) for the learning
+    gate's self-check (bench/learn_gate_cpu.py --break wrong_reward): trained on it, the
+    held-out reward, which the evaluator scores with `reward`, must not rise."""
+    return 1.0 - reward(prompt, sample)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from miles.core.errors import ConfigError
-from miles.rollout.envs.chat_sums import ChatSumsPrompts, make_env, off_by_one_reward
+from miles.rollout.envs.chat_sums import ChatSumsPrompts, inverted_reward, make_env
 from miles.rollout.types import Sample
 
 pytestmark = pytest.mark.timeout(30)
@@ -28,12 +28,13 @@ def test_prompts_are_chat_sums_and_a_seed_is_its_own_set() -> None:
     assert first == train.item(0) and train.position == 1
 
 
-def test_rewards_score_the_last_number_and_the_break_scores_the_wrong_sum() -> None:
+def test_rewards_score_the_last_number_and_the_break_inverts_it() -> None:
     env = make_env()
     p = {"answer": "25"}
     assert env.reward(p, _s("7 + 18 = 25")) == 1.0 and env.reward(p, _s("7 + 18 = 24")) == 0.0
     assert env.reward(p, _s("To find 7 plus 18, we")) == 0.0
-    assert off_by_one_reward(p, _s("7 + 18 = 26")) == 1.0 and off_by_one_reward(p, _s("7 + 18 = 25")) == 0.0
+    assert inverted_reward(p, _s("7 + 18 = 26")) == 1.0 and inverted_reward(p, _s("7 + 18 = 25")) == 0.0
+    assert inverted_reward(p, _s("To find 7 plus 18, we")) == 1.0
 
 
 def test_bad_operand_range_is_named() -> None:
