@@ -27,7 +27,9 @@ def eval_part(rec: dict[str, Any]) -> str:
     ways (GSM8K), all(N) where the evaluation covered every one of the N eval rows; `n/a` for a
     value that is missing or was not finite."""
     acc = "eval/greedy_accuracy" if "eval/greedy_accuracy" in rec else "eval/reward_mean"
-    out = f"eval@{int(rec.get('eval/step') or rec.get('step') or 0)} greedy {num(rec, acc, '.3f')}"
+    at = rec.get("eval/step")  # 0 is the step-0 evaluation, not a missing value
+    at = rec.get("step") if at is None else at
+    out = f"eval@{int(at or 0)} greedy {num(rec, acc, '.3f')}"
     for name in ("strict", "lenient"):
         if f"eval/accuracy_{name}" in rec:
             out += f" {name} {num(rec, f'eval/accuracy_{name}', '.3f')}"

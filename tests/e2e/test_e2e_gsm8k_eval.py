@@ -79,7 +79,12 @@ def test_full_eval_at_both_ends_with_strict_and_lenient(tmp_path: Path) -> None:
     # (the last step's every_steps evaluation does not stand in for the full one)
     full = [e for e in evals if "eval/full/num_prompts" in e]
     assert [e["step"] for e in full] == [0, 2], evals
-    assert sorted(e["step"] for e in evals if e not in full) == [1, 2]
+    subset = sorted(e["step"] for e in evals if e not in full)
+    # step 2's every_steps evaluation is skipped (and counted) when step 1's still runs: a run never
+    # queues evaluations behind each other; that depends on the machine's speed, the count does not
+    skipped = max(float(r.get("eval/skipped", 0.0)) for r in (json.loads(ln) for ln in
+                  (run / "metrics.jsonl").read_text().splitlines()))
+    assert subset == [1, 2] or (subset == [1] and skipped == 1.0), (subset, skipped)
     for e in evals:
         assert "eval/failed" not in e, e
         assert e["eval/num_prompts"] == 2 and e["eval/samples"] == 2

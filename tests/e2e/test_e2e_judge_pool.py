@@ -14,9 +14,10 @@ from .e2e_helpers import check_ledger, children, kill_tree, metrics, start_run, 
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
 # the tiny policy's own initial checkpoint as the judge (path ""): a fault drill needs a judge
-# engine, not a good grader; short deadlines so the outage shows as failed rewards
+# engine, not a good grader; short deadlines and no retry so the outage shows as failed rewards
+# (with one retry, an idle machine restarted the judge inside the backoff and nothing failed)
 JUDGE = ["--set", "reward_model.num_engines=1", "--set", "reward_model.max_new_tokens=2",
-         "--set", "reward_model.live_wait_s=0.5", "--set", "reward_model.retries=1",
+         "--set", "reward_model.live_wait_s=0.5", "--set", "reward_model.retries=0",
          "--set", "reward_model.timeout_s=10", "--set", "rollout.reward_fn=miles.rollout.judge_rewards:judge_correct",
          "--set", "reward_model.max_seq_len=512", "--set", "rollout.reward_errors=stop"]  # stop: the default; an outage must not trip it
 

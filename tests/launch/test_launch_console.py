@@ -47,6 +47,8 @@ def test_progress_line_survives_none_and_nan_metrics() -> None:
     assert "Δlogp n/a" in line and "reward n/a" in line and "tok/s n/a" in line and "sync n/a |" in line
     assert "SKIPPED 1 non-finite update(s)" in line and "greedy n/a avg@4 n/a" in line
     assert "(avg10 0.500)" in line  # a NaN reward stays out of the moving average
+    # the step-0 evaluation reported on step 1's row is eval@0, not eval@1
+    assert "eval@0 greedy 0.500" in progress_line(_row(1, **{"eval/step": 0, "eval/reward_mean": 0.5}), 10, [0.1], 1.0, 1)
 
 
 def test_eta_of_rows_read_in_one_poll_is_not_zero(tmp_path: Path) -> None:

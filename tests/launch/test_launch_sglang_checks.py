@@ -22,7 +22,7 @@ EXAMPLES = Path(__file__).parents[2] / "examples"
 HEAD_DIM_FIX = "model.overrides.head_dim"
 # Every example's verdict with engine.type=sglang: "starts", or a piece of the refusal (reason + fix).
 # A new example without an entry fails test_every_example_has_a_verdict.
-VERDICTS = {
+VERDICTS: dict[str, str | tuple[str, ...]] = {
     "quickstart.toml": HEAD_DIM_FIX,
     "dataset.toml": HEAD_DIM_FIX,
     "distill_cpu.toml": HEAD_DIM_FIX,
@@ -35,6 +35,14 @@ VERDICTS = {
     "vlm.toml": "a vision-language model is not available with engine.type=sglang",
     "vlm_multiturn.toml": "a vision-language model is not available with engine.type=sglang",
     "slurm/multinode.toml": "starts",  # Qwen3-30B-A3B: head_dim 128 (refused for its model.path when absent)
+    # the tiny policy's head_dim; where the judge's checkpoint (/tmp/smollm2-hf) is absent, that first
+    "judge_cpu.toml": (HEAD_DIM_FIX, "reward_model.path"),
+    "learn_gate_cpu.toml": "trainer.lora.rank > 0 needs engine.type = 'torch'",
+    "reasoning_gym_cpu.toml": "starts",  # SmolLM2-135M (refused for its model.path when absent)
+    # The hub adapters' own packages are optional extras: where one is not installed (CI), the env is
+    # refused first, naming the extra; where it is, the tiny policy's head_dim is.
+    "openenv_cpu.toml": (HEAD_DIM_FIX, "pip install 'miles[openenv]'"),
+    "verifiers_cpu.toml": (HEAD_DIM_FIX, "pip install 'miles[verifiers]'"),
 }
 # With the fix the refusal names, applied:
 AFTER_FIX = {
@@ -67,8 +75,8 @@ def data_sets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
     d = tmp_path_factory.mktemp("gsm8k")
     for split in ("train", "test"):
         (d / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in GSM8K_ROWS))
-    return {"gsm8k.toml": [f"rollout.env_args.path={d / 'train.jsonl'}",
-                           f"rollout.env_args.eval_path={d / 'test.jsonl'}"]}
+    rows = [f"rollout.env_args.path={d / 'train.jsonl'}", f"rollout.env_args.eval_path={d / 'test.jsonl'}"]
+    return {"gsm8k.toml": rows, "gsm8k_qwen.toml": rows}
 
 
 def verdict(name: str, *sets: str) -> str:
@@ -92,6 +100,9 @@ def test_each_example_starts_or_is_refused_at_launch(name: str, data_sets: dict[
         assert f"model.path {path!r} has no config.json" in got  # refused here: the checkpoint is elsewhere
         return
     want = VERDICTS[name]
+    if isinstance(want, tuple):  # any of these refusals
+        assert any(w in got for w in want), got
+        return
     assert got == "starts" if want == "starts" else want in got, got
     if name in AFTER_FIX:
         after = verdict(name, *sets, f"{HEAD_DIM_FIX}=64")
