@@ -60,6 +60,9 @@ convert() {  # the GGUF -> HF directory once, through `miles fetch-model --from`
 # The recipe: examples/gsm8k.toml on all of GSM8K with the real checkpoint, 512 new tokens, the held-out
 # eval on all 1,319 test rows at start and end; a run sharing the card sets a longer heartbeat timeout.
 RECIPE="${RECIPE:-examples/gsm8k_qwen.toml}"
+# Shaped reward: 1.2 for the right number after ####, 0.2 for a right last number without it. At step 0 the
+# model never writes #### greedily, so the strict reward alone may give no group any signal.
+SHAPED='[{type="math", extract="hash"}, {type="math", extract="auto", weight=0.2}]'
 G=(--set "model.path=$M" --set "rollout.env_args.path=$D/train.jsonl" --set "rollout.env_args.eval_path=$D/test.jsonl"
    --set "run.time_limit_s=$LIMIT" --set transport.heartbeat_timeout_s=20 ${EXTRA_SETS:-})
 
@@ -111,9 +114,9 @@ learn)  # three torch-engine runs at once (~16 GB each: trainer ~11 GB at 16k pa
 sgl)  # SGLang as the engine of the same recipe, beside the learn stage's runs (server capped at 15 %)
   export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
   SG=(--set engine.type=sglang --set 'engine.sglang_extra_args=["--attention-backend","triton","--sampling-backend","pytorch","--grammar-backend","none","--skip-server-warmup"]'
-      --set engine.sglang_startup_timeout_s=400 --set engine.sglang_mem_fraction=0.15)
-  PYTHONPATH="/tmp/sgl-site:$PYTHONPATH" train sgl_async_s0 $((LIMIT + 600)) "${SG[@]}" --set run.seed=0 \
-    --set rollout.env_args.seed=0
+      --set engine.sglang_startup_timeout_s=400 --set "engine.sglang_mem_fraction=${SGL_MEM:-0.12}")
+  PYTHONPATH="/tmp/sgl-site:$PYTHONPATH" train strict_sgl_async_s0 $((LIMIT + 600)) "${SG[@]}" --set run.seed=0 \
+    --set rollout.env_args.seed=0 --set "rollout.env_args.rewards=${REWARDS:-$SHAPED}"
   pack sgl ;;
 strict)  # the reward asks for the prompt's format (math, extract = "hash": only the number after ####):
   # torch engine sync and fully_async, SGLang fully_async, and TRL's GRPOTrainer with the same reward, batch,
@@ -122,7 +125,7 @@ strict)  # the reward asks for the prompt's format (math, extract = "hash": only
   convert || exit 1
   big=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | awk '{print ($1 > 100000)}')
   export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
-  R=(--set 'rollout.env_args.rewards=[{type="math", extract="hash"}]')
+  R=(--set "rollout.env_args.rewards=${REWARDS:-$SHAPED}")
   SG=(--set engine.type=sglang --set 'engine.sglang_extra_args=["--attention-backend","triton","--sampling-backend","pytorch","--grammar-backend","none","--skip-server-warmup"]'
       --set engine.sglang_startup_timeout_s=400 --set "engine.sglang_mem_fraction=$([ "$big" = 1 ] && echo 0.15 || echo 0.12)")
   train strict_sync_s0 $((LIMIT + 500)) "${R[@]}" --set buffer.mode=sync --set run.seed=0 --set rollout.env_args.seed=0 &
@@ -131,7 +134,7 @@ strict)  # the reward asks for the prompt's format (math, extract = "hash": only
     PYTHONPATH="/tmp/sgl-site:$PYTHONPATH" train strict_sgl_async_s0 $((LIMIT + 600)) "${R[@]}" "${SG[@]}" \
       --set run.seed=0 --set rollout.env_args.seed=0 &
   fi
-  if [ "$big" = 1 ] || [ ! -d /tmp/sgl-site/sglang ]; then
+  if [ "$big" = 1 ] || { [ "${SGL_LATER:-0}" = 0 ] && [ ! -d /tmp/sgl-site/sglang ]; }; then
     train strict_async_s1 $((LIMIT + 500)) "${R[@]}" --set run.seed=1 --set rollout.env_args.seed=1 &
   fi
   if [ "$big" = 1 ] && [ "${TRL:-1}" = 1 ]; then
