@@ -37,6 +37,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reward-extract", default="auto", choices=["auto", "hash", "boxed"],
                     help="the math reward's answer extraction, as miles' rollout.env_args.rewards sets it")
+    ap.add_argument("--rewards", default="",
+                    help="the rewards list as JSON (as miles' rollout.env_args.rewards), e.g. a shaped "
+                         "strict + lenient pair; overrides --reward-extract")
     ap.add_argument("--micro-batch", type=int, default=0,
                     help="sequences per forward/backward (gradient accumulation over prompts x samples, with "
                          "gradient checkpointing); 0 = the whole batch at once")
@@ -56,7 +59,7 @@ def main() -> int:
     template = "{prompt}\nThink step by step, then give the final answer as a number after ####."
     common = {"path": f"{a.data}/train.jsonl", "eval_path": f"{a.data}/test.jsonl",
               "max_calc_steps": a.max_calc_steps, "prompt_template": template,
-              "rewards": [{"type": "math", "extract": a.reward_extract}]}
+              "rewards": json.loads(a.rewards) if a.rewards else [{"type": "math", "extract": a.reward_extract}]}
     env = make_env(**common)
     test = make_env(**common, split="eval")
     torch.manual_seed(a.seed)
@@ -147,7 +150,7 @@ def main() -> int:
            "reward": state["reward"], "landed_s": [round(x, 2) for x in state["landed"]],
            "batch": f"{a.prompts} prompts x {a.samples} samples", "micro_batch": micro,
            "max_new_tokens": a.max_new_tokens,
-           "lr": a.lr, "reward_extract": a.reward_extract, "launch_to_end_s": round(time.time() - t_launch, 1)}
+           "lr": a.lr, "reward_extract": a.reward_extract, "rewards": common["rewards"], "launch_to_end_s": round(time.time() - t_launch, 1)}
     print(json.dumps(res), flush=True)
     return 0
 

@@ -63,6 +63,7 @@ RECIPE="${RECIPE:-examples/gsm8k_qwen.toml}"
 # Shaped reward: 1.2 for the right number after ####, 0.2 for a right last number without it. At step 0 the
 # model never writes #### greedily, so the strict reward alone may give no group any signal.
 SHAPED='[{type="math", extract="hash"}, {type="math", extract="auto", weight=0.2}]'
+SHAPED_JSON='[{"type": "math", "extract": "hash"}, {"type": "math", "extract": "auto", "weight": 0.2}]'
 G=(--set "model.path=$M" --set "rollout.env_args.path=$D/train.jsonl" --set "rollout.env_args.eval_path=$D/test.jsonl"
    --set "run.time_limit_s=$LIMIT" --set transport.heartbeat_timeout_s=20 ${EXTRA_SETS:-})
 
@@ -139,7 +140,7 @@ strict)  # the reward asks for the prompt's format (math, extract = "hash": only
   fi
   if [ "$big" = 1 ] && [ "${TRL:-1}" = 1 ]; then
     timeout $((LIMIT + 400)) python3 bench/learn_trl.py --model "$M" --data "$D" --max-calc-steps 0 \
-      --max-new-tokens 512 --lr 2e-6 --eval-prompts 1319 --eval-batch 660 --micro-batch 16 --reward-extract hash \
+      --max-new-tokens 512 --lr 2e-6 --eval-prompts 1319 --eval-batch 660 --micro-batch 16 --reward-extract hash --rewards "$SHAPED_JSON" \
       --time-limit "$LIMIT" > /tmp/learn/trl.txt 2>&1; echo "trl exit $? at $(date +%T)" >> "$OUT/log.txt"
     cp /tmp/learn/trl.txt "$OUT/trl.txt"
   fi
