@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
@@ -252,6 +253,11 @@ class SGLangEngine(Engine):
                 self._inflight.pop(req.request_id, None)
 
     async def _generate(self, req: GenerateRequest) -> GenerateResult:
+        if req.return_routed_experts and self.facts.num_experts == 0:
+            # A dense checkpoint routes nothing, so R3 has nothing to replay (the torch engine returns
+            # no experts for it either). Asking anyway made SGLang answer without routed_experts and
+            # every GSM8K request fail on Qwen2.5 (H100, session 15).
+            req = dataclasses.replace(req, return_routed_experts=False)
         call = asyncio.ensure_future(self._call("POST", "/generate", generate_payload(req)))
         self._http[req.request_id] = call
         try:

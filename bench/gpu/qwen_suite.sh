@@ -145,6 +145,12 @@ strict)  # the reward asks for the prompt's format (math, extract = "hash": only
     cp /tmp/learn/trl.txt "$OUT/trl.txt"
   fi
   wait; pack strict ;;
+fmt)  # the same recipe with a prompt that shows the answer format once (the model never writes #### unprompted)
+  T=$'{prompt}\nThink step by step. Then write the final answer on its own last line in the form "#### <number>", for example:\n#### 42'
+  train "strict_fmt_${MODE:-async}_s0" $((LIMIT + 500)) --set "rollout.env_args.rewards=${REWARDS:-$SHAPED}" \
+    --set "rollout.env_args.prompt_template=$T" --set run.seed=0 --set rollout.env_args.seed=0 \
+    $([ "${MODE:-async}" = sync ] && echo --set buffer.mode=sync)
+  pack fmt ;;
 snap)  # what the runs have so far, to $OUT (a hedge against losing the machine mid-run)
   pack partial; cp /root/out-*/log.txt "$OUT/" 2>/dev/null; cp /tmp/learn/trl.txt "$OUT/" 2>/dev/null; exit 0 ;;
 status)  # one line per run: step, reward, peak GB, skipped, last eval

@@ -203,3 +203,20 @@ async def test_a_server_that_cannot_come_back_ends_the_engine(ckpt: Path, tmp_pa
             await eng.generate(req())
     finally:
         await eng.close()
+
+
+async def test_a_dense_checkpoint_generates_with_routing_replay_on(tmp_path: Path) -> None:
+    """trainer.routing_replay is on by default; a dense model routes nothing, so the engine must not
+    ask SGLang for routed experts a server without --enable-return-routed-experts never sends
+    (every Qwen2.5 GSM8K request failed that way on an H100, session 15)."""
+    dense = ModelSpec.from_hf(tiny_config("qwen3", vocab_size=128, head_dim=64))
+    save_model(build_model(dense, seed=0), tmp_path / "dense")
+    cfg = sim_config(tmp_path / "dense", tmp_path)
+    cfg.sglang_return_routed_experts = False
+    eng = SGLangEngine(cfg)
+    try:
+        await eng.start()
+        res = await eng.generate(req(routed=True))
+        assert len(res.output_ids) == 6 and res.routed_experts is None
+    finally:
+        await eng.close()
