@@ -3,7 +3,8 @@
     python bench/learn_plot_qwen.py --res bench/results/learn_gsm8k_qwen_h100.json \
         [--trl bench/results/learn_vs_trl_qwen_h100.json] [--out docs/img/learn_gsm8k_qwen_h100.png]
 
-Panels: held-out greedy accuracy (strict: the number after the last ####) against training time, each
+Panels: held-out greedy accuracy against training time (lenient: the last number, on the first 128
+test rows every 25 steps and on all 1,319 at the ends; strict: the number after the last ####), each
 run and TRL; the raw training reward per step with its 9-step moving average; the step time and
 |logp engine - logp trainer| per step. The title names the GPU, the commit and the recipe. Input: the
 run lines of bench/learn_summary.py (needs matplotlib).
@@ -43,9 +44,14 @@ def main() -> int:
     fig, ax = plt.subplots(1, 3, figsize=(16, 4.6))
     for r in runs:
         label = f"{r.get('engine_label', r['mode'])} seed {r['seed']}"
-        cur = [c for c in r["eval_curve"] if c.get("strict", c.get("greedy")) is not None]
-        ax[0].plot([c["loop_s"] / 60 for c in cur], [100 * c.get("strict", c["greedy"]) for c in cur], "o-",
-                   label=label)
+        cur = [c for c in r["eval_curve"] if c.get("lenient") is not None]
+        pts = ax[0].plot([c["loop_s"] / 60 for c in cur], [100 * c["lenient"] for c in cur], "o-", alpha=0.5,
+                         label=f"{label}: lenient, first 128 rows")[0]
+        full = [c for c in r["eval_curve"] if c.get("full_lenient") is not None]
+        ax[0].plot([c["loop_s"] / 60 for c in full], [100 * c["full_lenient"] for c in full], "s-", ms=8,
+                   color=pts.get_color(), label=f"{label}: lenient, all 1,319 rows")
+        ax[0].plot([c["loop_s"] / 60 for c in cur], [100 * c["strict"] for c in cur], "x:",
+                   color=pts.get_color(), label=f"{label}: strict (after ####)")
         rew = r["reward_per_step"]
         line = ax[1].plot(range(1, len(rew) + 1), rew, alpha=0.25)[0]
         ax[1].plot(range(1, len(rew) + 1), ma(rew), color=line.get_color(), label=f"{label} (MA9)")
@@ -62,7 +68,7 @@ def main() -> int:
         if trl.get("eval_accuracy_after") is not None:
             ax[0].plot([0, trl["train_s"] / 60], [100 * trl["eval_accuracy_before"], 100 * trl["eval_accuracy_after"]],
                        "s--", color="gray", label="TRL GRPOTrainer")
-    ax[0].set(xlabel="training time [min]", ylabel="held-out accuracy, strict [%] (1,319 test rows)",
+    ax[0].set(xlabel="training time [min]", ylabel="held-out greedy accuracy [%]",
               title="GSM8K test, greedy")
     ax[1].set(xlabel="step", ylabel="training reward", title="raw reward and 9-step moving average")
     ax[2].set(xlabel="step", ylabel="step time [s]", title="step time, logprob gap")

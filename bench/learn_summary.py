@@ -91,11 +91,16 @@ def gsm8k_summary(runs: list[dict[str, Any]], head: dict[str, Any]) -> dict[str,
     by = {m: [r for r in runs if r["mode"] == m] for m in sorted({r["mode"] for r in runs})}
     main = by.get("fully_async") or runs
     before, after = _mean([r["eval_accuracy_before"] for r in main]), _mean([r["eval_accuracy_after"] for r in main])
-    out = {**head, "mode": "fully_async", "eval_accuracy_before": before, "eval_accuracy_after": after,
+    out = {**head, "gpu": head.get("hardware"), "mode": "fully_async", "seed": [r["seed"] for r in main],
+           "eval_accuracy_before": before, "eval_accuracy_after": after,
+           "eval_lenient_before": _mean([r["eval_lenient_before"] for r in main]),
+           "eval_lenient_after": _mean([r["eval_lenient_after"] for r in main]),
+           "skipped_nonfinite": max((r["skipped_nonfinite"] for r in runs), default=0.0),
            "train_s": _mean([r["train_s"] for r in main]), "seeds": len(main)}
     for m, rs in by.items():
         out[f"{m}_after_by_seed"] = [r["eval_accuracy_after"] for r in rs]
         out[f"{m}_before_by_seed"] = [r["eval_accuracy_before"] for r in rs]
+        out[f"{m}_lenient_by_seed"] = [[r["eval_lenient_before"], r["eval_lenient_after"]] for r in rs]
     if before is not None and after is not None:
         out["goal_doubles_and_plus_points"] = bool(after >= 2 * before and after - before >= head["min_gain"])
     sync = [r["eval_accuracy_after"] for r in by.get("sync", []) if r["eval_accuracy_after"] is not None]

@@ -117,7 +117,9 @@ class EngineConfig:
     sglang_mem_fraction: float = opt(
         0.0, "--mem-fraction-static of each launched server: its share of a GPU for weights + KV cache; 0 = auto: "
         "0.85 split evenly between the servers that share a GPU, 0.45 when the trainer is on that GPU too "
-        "(launch/sglang_checks.py; explicit values are checked against the same budget)"
+        "(launch/sglang_checks.py; explicit values are checked against the same budget). SGLang 0.5.17 also "
+        "refuses a fraction below the share other processes already hold when it starts (measured on an H100: "
+        "with 26 GB of 80 in use it asked for >= 0.242), so start it before other runs fill the card"
     )
     sglang_placement: Literal["shared", "spread"] = opt(
         "shared", "GPUs of the launched servers: shared = every engine's server on the same GPUs (0 .. tp*dp-1, "
