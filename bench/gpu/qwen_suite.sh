@@ -174,6 +174,12 @@ for e in ([json.loads(x) for x in open(d + "eval.jsonl")] if glob.glob(d + "eval
 EOF2
   done
   nvidia-smi --query-gpu=memory.used --format=csv,noheader; tail -2 /tmp/learn/trl.txt 2>/dev/null | cut -c1-300 ;;
+wheels)  # only miles' cp312 wheels (the first members of chunk c00), for runs that need no model carries
+  mkdir -p /root/pl && tar xf .carry/c00/L.00 -C /root/pl whl 2>/dev/null; echo "wheels: $(ls /root/pl/whl | wc -l)"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    /root/pl/whl/*.whl > /tmp/install.log 2>&1 || tail -3 /tmp/install.log ;;
+sgle2e)  # bench/gpu/sglang_e2e.py's cases (CASES, STEPS, LIMIT_S) once `wheels` and the SGLang chunks are in
+  MILES_COMMIT="$COMMIT" bash bench/gpu/sglang_e2e.sh ;;
 memfast)  # trainer peak memory of the 0.5B shape with random weights (memory depends on the shape only), in
   # one call: the cp312 wheels are the first members of chunk c00, so no other chunk is needed
   mkdir -p /root/pl && tar xf .carry/c00/L.00 -C /root/pl whl 2>/dev/null; echo "wheels: $(ls /root/pl/whl | wc -l)"

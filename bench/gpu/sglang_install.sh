@@ -11,4 +11,4 @@ if [ ! -d /tmp/sgl-site/sglang ]; then
   echo "install: $(( $(date +%s) - t0 )) s"
 fi
 ln -sfn "$PWD" /tmp/pkg/miles
-export PYTHONPATH="/tmp/sgl-site:/tmp/pkg" SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="/tmp/sgl-site:/tmp/pkg:${PYTHONPATH:-}" SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1 PYTHONUNBUFFERED=1
