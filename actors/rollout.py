@@ -41,8 +41,8 @@ from miles.rollout.judge import JudgeClient, judge_names
 from miles.rollout.orchestrator import Orchestrator
 from miles.rollout.requests import EngineRequests
 from miles.rollout.session_store import SessionStore
-from miles.rollout.tokenizer import Tokenizer
-from miles.rollout.vl_placeholders import placeholders_from_checkpoint
+from miles.rollout.tokens.tokenizer import Tokenizer
+from miles.rollout.tokens.vl_placeholders import placeholders_from_checkpoint
 
 if TYPE_CHECKING:  # the annotation only: the front's modules load in on_start, with the front
     from miles.sessions.service import SessionService

@@ -139,7 +139,7 @@ async def main_async(n: int) -> list[dict[str, Any]]:
     from miles.models.presets import tiny_config
     from miles.models.registry import build_model
     from miles.rollout.envs import openenv_env, reasoning_gym_env, verifiers_env
-    from miles.rollout.tiny_tokenizer import tiny_tokenizer
+    from miles.rollout.tokens.tiny_tokenizer import tiny_tokenizer
 
     tmp = Path(tempfile.mkdtemp(prefix="env_adapters_"))
     tok = tiny_tokenizer(tmp)

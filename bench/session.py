@@ -39,8 +39,8 @@ from miles.models.presets import tiny_config
 from miles.models.registry import build_model
 from miles.rollout.prefix_cache_sim import simulate_multi_turn
 from miles.rollout.session_store import SessionStore
-from miles.rollout.tiny_tokenizer import tiny_tokenizer
-from miles.rollout.tokenizer import HFTokenizer
+from miles.rollout.tokens.tiny_tokenizer import tiny_tokenizer
+from miles.rollout.tokens.tokenizer import HFTokenizer
 from miles.sessions.http import SessionHTTP
 from miles.sessions.service import SessionService
 

@@ -24,7 +24,7 @@ from miles.models.decoder import CausalLM
 from miles.rollout.dispatch import Dispatch
 from miles.rollout.requests import EngineRequests
 from miles.rollout.session_store import SessionStore
-from miles.rollout.tokenizer import Tokenizer
+from miles.rollout.tokens.tokenizer import Tokenizer
 from miles.sessions.http import SessionHTTP
 from miles.sessions.service import RoutedEngine, SessionService
 

@@ -36,8 +36,8 @@ async def heldout_reward(ckpt: str, tok_dir: str, env_args: dict[str, Any], n: i
     from miles.rollout.client import EngineOutput, LocalSessionClient
     from miles.rollout.layers import GenerateContext, default_generate, load_layer
     from miles.rollout.session_store import SessionStore
-    from miles.rollout.tokenizer import load_tokenizer
-    from miles.rollout.vl_placeholders import placeholders_from_checkpoint
+    from miles.rollout.tokens.tokenizer import load_tokenizer
+    from miles.rollout.tokens.vl_placeholders import placeholders_from_checkpoint
 
     tok = load_tokenizer(tok_dir)
     env = resolve_hook(env_path, "rollout.env")(**{**env_args, "seed": 12345})  # held out: another seed

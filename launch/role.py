@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             await host.add(EngineActor(engine), name)
         elif a.role == "rollout":
             from miles.actors.rollout import RolloutActor
-            from miles.rollout.tokenizer import load_tokenizer
+            from miles.rollout.tokens.tokenizer import load_tokenizer
 
             await _wait_engines(host, cfg)
             tok = load_tokenizer(cfg.model.path)

@@ -27,7 +27,7 @@ from miles.core.errors import BadRequest, EngineError, MilesError
 from miles.core.logging import get_logger
 from miles.core.schema.reward_model import RewardModelConfig
 from miles.rollout.requests import EngineRequests
-from miles.rollout.tokenizer import Tokenizer
+from miles.rollout.tokens.tokenizer import Tokenizer
 
 log = get_logger("miles.judge")
 _UP_POLL_S = 0.5  # how often a down judge is asked whether it is back

@@ -66,7 +66,7 @@ class RolloutConfig:
     template_fallback: TemplateFallback = opt(
         "none",
         "what to do when the chat template fails the append-only check: none = refuse (NotAppendOnly); "
-        "anchor_diff = tokenize appended messages after a reasoning-free anchor (see rollout/template_check.py)",
+        "anchor_diff = tokenize appended messages after a reasoning-free anchor (see rollout/tokens/template_check.py)",
     )
     render_mode: RenderMode = opt(
         "auto",

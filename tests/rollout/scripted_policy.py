@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 from miles.rollout.client import EngineOutput
-from miles.rollout.tokenizer import Tokenizer
+from miles.rollout.tokens.tokenizer import Tokenizer
 
 
 class ScriptedPolicy:

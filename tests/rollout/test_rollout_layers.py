@@ -22,7 +22,7 @@ from miles.rollout.layers import (
     validate_group,
 )
 from miles.rollout.session_store import SessionStore
-from miles.rollout.tiny_tokenizer import tiny_tokenizer
+from miles.rollout.tokens.tiny_tokenizer import tiny_tokenizer
 from miles.rollout.types import Group
 
 from .scripted_policy import ScriptedPolicy

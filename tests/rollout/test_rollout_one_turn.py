@@ -18,8 +18,8 @@ from miles.core.errors import SessionError
 from miles.rollout.client import EngineOutput, LocalSessionClient
 from miles.rollout.layers import GenerateContext, default_generate, single_turn_agent
 from miles.rollout.session_store import SessionStore
-from miles.rollout.tiny_tokenizer import tiny_tokenizer
-from miles.rollout.tokenizer import HFTokenizer
+from miles.rollout.tokens.tiny_tokenizer import tiny_tokenizer
+from miles.rollout.tokens.tokenizer import HFTokenizer
 from miles.rollout.types import Sample
 
 pytestmark = pytest.mark.timeout(60)

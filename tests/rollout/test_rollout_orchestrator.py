@@ -25,8 +25,8 @@ from miles.rollout.dispatch import Dispatch
 from miles.rollout.orchestrator import Orchestrator
 from miles.rollout.requests import EngineRequests, Request
 from miles.rollout.session_store import SessionStore
-from miles.rollout.tiny_tokenizer import tiny_tokenizer
-from miles.rollout.tokenizer import Tokenizer
+from miles.rollout.tokens.tiny_tokenizer import tiny_tokenizer
+from miles.rollout.tokens.tokenizer import Tokenizer
 
 from .scripted_policy import ScriptedPolicy
 

@@ -11,7 +11,7 @@ from miles.rollout.envs import arithmetic
 from miles.rollout.filters import dynamic_sampling
 from miles.rollout.layers import RolloutContext, default_generate, generate_one, single_turn_agent
 from miles.rollout.session_store import SessionStore
-from miles.rollout.tiny_tokenizer import tiny_tokenizer
+from miles.rollout.tokens.tiny_tokenizer import tiny_tokenizer
 
 from .scripted_policy import ScriptedPolicy
 

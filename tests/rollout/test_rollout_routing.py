@@ -7,7 +7,7 @@ import pytest
 from miles.core.errors import EngineError
 from miles.rollout.prefix_cache_sim import simulate_multi_turn
 from miles.rollout.routing import RouterPolicy
-from miles.rollout.tool_parser import get_tool_parser, split_reasoning
+from miles.rollout.tokens.tool_parser import get_tool_parser, split_reasoning
 
 
 def test_affinity_holds_across_turns_and_new_sessions_go_least_loaded() -> None:
