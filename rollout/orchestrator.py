@@ -28,10 +28,10 @@ from miles.core.logging import get_logger
 from miles.core.schema import MilesConfig
 from miles.rollout.buffer import RolloutBuffer, Work
 from miles.rollout.client import EngineFn, EngineOutput, LocalSessionClient, SessionClient
-from miles.rollout.judge import JudgeClient, JudgeUnavailable
 from miles.rollout.layers import GenerateContext, default_generate, load_layer, single_turn_agent
 from miles.rollout.requests import EngineRequests
-from miles.rollout.reward_guard import RewardGuard
+from miles.rollout.rewards.guard import RewardGuard
+from miles.rollout.rewards.judge import JudgeClient, JudgeUnavailable
 from miles.rollout.session_store import SessionStore
 from miles.rollout.types import Group, Sample
 

@@ -75,7 +75,7 @@ def test_gsm8k_recipe_on_the_real_checkpoint(tmp_path: Path, checkpoint: Path) -
     if not (GSM8K / "train.jsonl").is_file():
         pytest.skip(f"no GSM8K data at {GSM8K}")
     from miles.rollout.envs.gsm8k import calc_steps
-    from miles.rollout.rewards_rules import MathReward
+    from miles.rollout.rewards.rules import MathReward
     from miles.rollout.tokens.tokenizer import load_tokenizer
     from miles.rollout.types import Sample
 
@@ -102,7 +102,7 @@ def test_gsm8k_recipe_on_the_real_checkpoint(tmp_path: Path, checkpoint: Path) -
 
 
 def test_agentic_recipe_on_the_real_checkpoint(tmp_path: Path, checkpoint: Path) -> None:
-    from miles.rollout.rewards import last_number_reward
+    from miles.rollout.rewards.builtin import last_number_reward
     from miles.rollout.tokens.tokenizer import load_tokenizer
     from miles.rollout.types import Sample
 

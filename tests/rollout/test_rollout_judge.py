@@ -15,9 +15,9 @@ from miles.actors.runtime.host import Host
 from miles.actors.runtime.messages import DeathNotice
 from miles.core.errors import RewardError
 from miles.core.schema.reward_model import RewardModelConfig
-from miles.rollout.judge import JudgeClient, JudgeRefused, JudgeUnavailable, judge_names
-from miles.rollout.judge_rewards import judge_correct, parse_verdict
-from miles.rollout.reward_guard import RewardGuard
+from miles.rollout.rewards.guard import RewardGuard
+from miles.rollout.rewards.judge import JudgeClient, JudgeRefused, JudgeUnavailable, judge_names
+from miles.rollout.rewards.judge_rewards import judge_correct, parse_verdict
 from miles.rollout.types import Sample
 
 from ..session.session_stack import make_tok, start_host, transport_cfg

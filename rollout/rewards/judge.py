@@ -11,7 +11,7 @@ Each call has a deadline per attempt (`timeout_s`) and `retries` more attempts w
 backoff; a call that still fails raises `JudgeUnavailable` with the reason (no live judge,
 timeout, engine error). A request the judge refuses (too long for reward_model.max_seq_len)
 raises `JudgeRefused` at once: retrying cannot help, and the guard treats it as a bug. The reward guard counts it and drops the sample with that reason; it
-never ends the run (rollout/reward_guard.py), so a judge that is down costs rewards, counted,
+never ends the run (rollout/rewards/guard.py), so a judge that is down costs rewards, counted,
 and never hangs the run. `metrics()` reports `reward_model/*` per training step.
 """
 
