@@ -21,7 +21,7 @@ import numpy as np
 from miles.core.errors import MilesError, SessionError
 from miles.core.images import ImageInput
 from miles.core.logging import get_logger
-from miles.rollout.requests import EngineRequests
+from miles.rollout.routing.requests import EngineRequests
 from miles.rollout.session_store import SessionStore
 from miles.rollout.types import Sample
 

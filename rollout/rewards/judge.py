@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from miles.core.errors import BadRequest, EngineError, MilesError
 from miles.core.logging import get_logger
 from miles.core.schema.reward_model import RewardModelConfig
-from miles.rollout.requests import EngineRequests
+from miles.rollout.routing.requests import EngineRequests
 from miles.rollout.tokens.tokenizer import Tokenizer
 
 log = get_logger("miles.judge")

@@ -29,8 +29,8 @@ PROMPT = {"id": "p-0", "messages": [{"role": "user", "content": "2+2?"}], "answe
 
 def _judge(host: Host, tok, cfg: RewardModelConfig) -> JudgeClient:
     from miles.actors.engine_link import ActorEngineLink
-    from miles.rollout.dispatch import Dispatch
-    from miles.rollout.requests import EngineRequests
+    from miles.rollout.routing.dispatch import Dispatch
+    from miles.rollout.routing.requests import EngineRequests
 
     reqs = EngineRequests(ActorEngineLink(host.ref, cfg.timeout_s), Dispatch(judge_names(cfg.num_engines), False),
                           {}, live_wait_s=cfg.live_wait_s)

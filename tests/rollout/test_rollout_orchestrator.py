@@ -21,9 +21,9 @@ from miles.core.config import load_config
 from miles.core.errors import ActorDeadError
 from miles.core.hooks import resolve_hook
 from miles.core.schema import MilesConfig
-from miles.rollout.dispatch import Dispatch
 from miles.rollout.orchestrator import Orchestrator
-from miles.rollout.requests import EngineRequests, Request
+from miles.rollout.routing.dispatch import Dispatch
+from miles.rollout.routing.requests import EngineRequests, Request
 from miles.rollout.session_store import SessionStore
 from miles.rollout.tokens.tiny_tokenizer import tiny_tokenizer
 from miles.rollout.tokens.tokenizer import Tokenizer
