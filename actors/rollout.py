@@ -34,13 +34,13 @@ from miles.core.files import atomic_write_text
 from miles.core.hooks import resolve_hook
 from miles.core.logging import get_logger
 from miles.core.schema import MilesConfig
-from miles.rollout.client import EngineFn, FrontedClient
 from miles.rollout.handout import Handout
 from miles.rollout.orchestrator import Orchestrator
 from miles.rollout.rewards.judge import JudgeClient, judge_names
 from miles.rollout.routing.dispatch import Dispatch
 from miles.rollout.routing.requests import EngineRequests
-from miles.rollout.session_store import SessionStore
+from miles.rollout.tito.client import EngineFn, FrontedClient
+from miles.rollout.tito.store import SessionStore
 from miles.rollout.tokens.tokenizer import Tokenizer
 from miles.rollout.tokens.vl_placeholders import placeholders_from_checkpoint
 

@@ -38,7 +38,7 @@ from miles.models.config import ModelSpec
 from miles.models.presets import tiny_config
 from miles.models.registry import build_model
 from miles.rollout.routing.prefix_cache_sim import simulate_multi_turn
-from miles.rollout.session_store import SessionStore
+from miles.rollout.tito.store import SessionStore
 from miles.rollout.tokens.tiny_tokenizer import tiny_tokenizer
 from miles.rollout.tokens.tokenizer import HFTokenizer
 from miles.sessions.http import SessionHTTP

@@ -23,7 +23,7 @@ from miles.engines.torch_engine import TorchEngine
 from miles.models.decoder import CausalLM
 from miles.rollout.routing.dispatch import Dispatch
 from miles.rollout.routing.requests import EngineRequests
-from miles.rollout.session_store import SessionStore
+from miles.rollout.tito.store import SessionStore
 from miles.rollout.tokens.tokenizer import Tokenizer
 from miles.sessions.http import SessionHTTP
 from miles.sessions.service import RoutedEngine, SessionService

@@ -27,12 +27,12 @@ from miles.core.images import ImageInput
 from miles.core.logging import get_logger
 from miles.core.schema import MilesConfig
 from miles.rollout.buffer import RolloutBuffer, Work
-from miles.rollout.client import EngineFn, EngineOutput, LocalSessionClient, SessionClient
 from miles.rollout.layers import GenerateContext, default_generate, load_layer, single_turn_agent
 from miles.rollout.rewards.guard import RewardGuard
 from miles.rollout.rewards.judge import JudgeClient, JudgeUnavailable
 from miles.rollout.routing.requests import EngineRequests
-from miles.rollout.session_store import SessionStore
+from miles.rollout.tito.client import EngineFn, EngineOutput, LocalSessionClient, SessionClient
+from miles.rollout.tito.store import SessionStore
 from miles.rollout.types import Group, Sample
 
 _DEAD_ENGINE_BACKOFF_S = 0.5

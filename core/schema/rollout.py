@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from miles.core.config import opt
 
-# the choices' types, which the plain classes that take them (rollout/session_store.py) declare too
+# the choices' types, which the plain classes that take them (rollout/tito/store.py) declare too
 SessionPolicy = Literal["linear", "branching"]
 MatchPolicy = Literal["strict", "loose_tool_call", "role_content"]
 TemplateFallback = Literal["none", "anchor_diff"]

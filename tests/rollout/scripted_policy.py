@@ -11,7 +11,7 @@ import json
 import re
 from typing import Any
 
-from miles.rollout.client import EngineOutput
+from miles.rollout.tito.client import EngineOutput
 from miles.rollout.tokens.tokenizer import Tokenizer
 
 

@@ -24,7 +24,7 @@ from miles.core.schema import MilesConfig
 from miles.rollout.orchestrator import Orchestrator
 from miles.rollout.routing.dispatch import Dispatch
 from miles.rollout.routing.requests import EngineRequests, Request
-from miles.rollout.session_store import SessionStore
+from miles.rollout.tito.store import SessionStore
 from miles.rollout.tokens.tiny_tokenizer import tiny_tokenizer
 from miles.rollout.tokens.tokenizer import Tokenizer
 

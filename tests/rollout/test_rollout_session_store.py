@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from miles.core.errors import Diverged, NotAppendOnly, SessionError
-from miles.rollout.session_store import SessionStore
+from miles.rollout.tito.store import SessionStore
 from miles.rollout.tokens.tiny_tokenizer import save_tiny_tokenizer, tiny_tokenizer
 from miles.rollout.tokens.tokenizer import HFTokenizer, load_tokenizer
 

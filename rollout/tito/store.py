@@ -31,7 +31,7 @@ from miles.core.schema.rollout import (
     SessionPolicy,
     TemplateFallback,
 )
-from miles.rollout.session_tree import Node, leaves, trajectory
+from miles.rollout.tito.tree import Node, leaves, trajectory
 from miles.rollout.tokens.messages import (
     Message,
     check_ends_for_generation,
