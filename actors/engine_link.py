@@ -13,7 +13,7 @@ from typing import Any
 
 from miles.actors.messages import EndSession, Generate, GenerateMany
 from miles.actors.runtime.ref import ActorRef
-from miles.rollout.requests import Request
+from miles.rollout.routing.requests import Request
 
 
 class ActorEngineLink:

@@ -24,7 +24,7 @@ from miles.actors.runtime.host import Host
 from miles.core.errors import MilesError
 from miles.core.hooks import resolve_hook
 from miles.core.schema import MilesConfig
-from miles.rollout.tokenizer import Tokenizer
+from miles.rollout.tokens.tokenizer import Tokenizer
 from miles.rollout.types import Sample
 
 

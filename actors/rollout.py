@@ -6,7 +6,7 @@ orchestrator which engines are down: the runtime's death notices (a dead engine
 process) and failed asks take an engine out of the router; a watcher puts it back once
 it answers Health ok again (restarted by the supervisor, or its server back up). With
 rollout.http_front the sessions are also reachable over the session HTTP front.
-With [reward_model] it also holds the judge pool's client (rollout/judge.py), whose judges'
+With [reward_model] it also holds the judge pool's client (rollout/rewards/judge.py), whose judges'
 death notices it passes on. On stop the buffer's state (ledger included) is written to `<run.dir>/rollout_state.json`.
 """
 
@@ -34,15 +34,15 @@ from miles.core.files import atomic_write_text
 from miles.core.hooks import resolve_hook
 from miles.core.logging import get_logger
 from miles.core.schema import MilesConfig
-from miles.rollout.client import EngineFn, FrontedClient
-from miles.rollout.dispatch import Dispatch
 from miles.rollout.handout import Handout
-from miles.rollout.judge import JudgeClient, judge_names
 from miles.rollout.orchestrator import Orchestrator
-from miles.rollout.requests import EngineRequests
-from miles.rollout.session_store import SessionStore
-from miles.rollout.tokenizer import Tokenizer
-from miles.rollout.vl_placeholders import placeholders_from_checkpoint
+from miles.rollout.rewards.judge import JudgeClient, judge_names
+from miles.rollout.routing.dispatch import Dispatch
+from miles.rollout.routing.requests import EngineRequests
+from miles.rollout.tito.client import EngineFn, FrontedClient
+from miles.rollout.tito.store import SessionStore
+from miles.rollout.tokens.tokenizer import Tokenizer
+from miles.rollout.tokens.vl_placeholders import placeholders_from_checkpoint
 
 if TYPE_CHECKING:  # the annotation only: the front's modules load in on_start, with the front
     from miles.sessions.service import SessionService

@@ -169,7 +169,7 @@ class TrainerActor(Actor):
                     if got is not None:  # none at step 0: the eval engine holds the initial weights
                         await snap.push(got[0], got[1])
                 if self._evaluator is None:
-                    from miles.rollout.tokenizer import load_tokenizer
+                    from miles.rollout.tokens.tokenizer import load_tokenizer
 
                     self._evaluator = Evaluator(self.cfg, load_tokenizer(self.cfg.model.path))
                 m = await asyncio.wait_for(self._evaluator.evaluate(self.host, ["eval-engine"], full=full),

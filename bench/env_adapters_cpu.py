@@ -79,10 +79,10 @@ def spans(mask: list[int], ids: list[int]) -> list[list[int]]:
 
 async def run_adapter(name: str, env: Any, engine: Any, tok: Any, n: int, max_turns: int) -> dict[str, Any]:
     from miles.engines.base import GenerateRequest, SamplingParams
-    from miles.rollout.client import EngineOutput, LocalSessionClient
     from miles.rollout.envs.hub_common import drift
     from miles.rollout.layers import GenerateContext, default_generate, load_layer
-    from miles.rollout.session_store import SessionStore
+    from miles.rollout.tito.client import EngineOutput, LocalSessionClient
+    from miles.rollout.tito.store import SessionStore
 
     store = SessionStore(tok, max_sessions=10_000)
     agent = load_layer("agent", env.agent)
@@ -139,7 +139,7 @@ async def main_async(n: int) -> list[dict[str, Any]]:
     from miles.models.presets import tiny_config
     from miles.models.registry import build_model
     from miles.rollout.envs import openenv_env, reasoning_gym_env, verifiers_env
-    from miles.rollout.tiny_tokenizer import tiny_tokenizer
+    from miles.rollout.tokens.tiny_tokenizer import tiny_tokenizer
 
     tmp = Path(tempfile.mkdtemp(prefix="env_adapters_"))
     tok = tiny_tokenizer(tmp)

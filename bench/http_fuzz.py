@@ -291,7 +291,7 @@ async def start_front(tmp: Path, token: str = "") -> SessionFront:
     from miles.models.config import ModelSpec
     from miles.models.presets import tiny_config
     from miles.models.registry import build_model
-    from miles.rollout.tiny_tokenizer import tiny_tokenizer
+    from miles.rollout.tokens.tiny_tokenizer import tiny_tokenizer
 
     tok = tiny_tokenizer(str(tmp / "tok"))
     spec = ModelSpec.from_hf(tiny_config("qwen3", vocab_size=tok.vocab_size))

@@ -16,7 +16,7 @@ cache hits (each turn carries its session's key, so its engine keeps the turn's 
 the next turn; a turn routed to another engine prefills it all again);
 `engine_sessions_left` is the session KV the engines still hold after every session
 was deleted (EndSession frees it: 0 expected). The simulated-cache numbers
-(miles.rollout.prefix_cache_sim) model the same with idealised caches. Last line: one
+(miles.rollout.routing.prefix_cache_sim) model the same with idealised caches. Last line: one
 JSON object.
 """
 
@@ -37,10 +37,10 @@ from miles.core.schema.engine import EngineConfig
 from miles.models.config import ModelSpec
 from miles.models.presets import tiny_config
 from miles.models.registry import build_model
-from miles.rollout.prefix_cache_sim import simulate_multi_turn
-from miles.rollout.session_store import SessionStore
-from miles.rollout.tiny_tokenizer import tiny_tokenizer
-from miles.rollout.tokenizer import HFTokenizer
+from miles.rollout.routing.prefix_cache_sim import simulate_multi_turn
+from miles.rollout.tito.store import SessionStore
+from miles.rollout.tokens.tiny_tokenizer import tiny_tokenizer
+from miles.rollout.tokens.tokenizer import HFTokenizer
 from miles.sessions.http import SessionHTTP
 from miles.sessions.service import SessionService
 

@@ -21,10 +21,10 @@ from miles.core.schema.engine import EngineConfig
 from miles.core.schema.transport import TransportConfig
 from miles.engines.torch_engine import TorchEngine
 from miles.models.decoder import CausalLM
-from miles.rollout.dispatch import Dispatch
-from miles.rollout.requests import EngineRequests
-from miles.rollout.session_store import SessionStore
-from miles.rollout.tokenizer import Tokenizer
+from miles.rollout.routing.dispatch import Dispatch
+from miles.rollout.routing.requests import EngineRequests
+from miles.rollout.tito.store import SessionStore
+from miles.rollout.tokens.tokenizer import Tokenizer
 from miles.sessions.http import SessionHTTP
 from miles.sessions.service import RoutedEngine, SessionService
 

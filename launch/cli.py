@@ -128,8 +128,8 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_check_template(args: argparse.Namespace) -> int:
-    from miles.rollout.template_check import check_template
-    from miles.rollout.tokenizer import load_tokenizer
+    from miles.rollout.tokens.template_check import check_template
+    from miles.rollout.tokens.tokenizer import load_tokenizer
 
     report = check_template(load_tokenizer(args.model_dir))
     print(report.summary())

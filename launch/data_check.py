@@ -38,7 +38,7 @@ def check_file(env_args: dict[str, Any], show: int = 5) -> tuple[int, list[str]]
         raw_rows,
         row_error,
     )
-    from miles.rollout.rewards_rules import build_rewards
+    from miles.rollout.rewards.rules import build_rewards
 
     cfg = parse_config(env_args)
     reward = build_rewards(cfg.rewards, "rollout.env_args.rewards")

@@ -118,13 +118,13 @@ def main(argv: list[str] | None = None) -> int:
             await host.add(EngineActor(engine), name)
         elif a.role == "rollout":
             from miles.actors.rollout import RolloutActor
-            from miles.rollout.tokenizer import load_tokenizer
+            from miles.rollout.tokens.tokenizer import load_tokenizer
 
             await _wait_engines(host, cfg)
             tok = load_tokenizer(cfg.model.path)
             judge_tok = None
             if cfg.reward_model.num_engines:  # the judges are ready before the first reward needs them
-                from miles.rollout.judge import judge_names
+                from miles.rollout.rewards.judge import judge_names
 
                 await _wait_for(host, judge_names(cfg.reward_model.num_engines), cfg.engine.ready_wait_s)
                 judge_tok = load_tokenizer(cfg.reward_model.model_config(cfg.model).path)

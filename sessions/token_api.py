@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles.core.errors import SessionError
-from miles.rollout.tokenizer import Tokenizer
+from miles.rollout.tokens.tokenizer import Tokenizer
 from miles.sessions.openai_api import check_tools, check_tree, parse_logprobs, parse_sampling
 
 MAX_INPUT_IDS = 1 << 20  # far above any engine's max_seq_len; the engine names the real limit

@@ -59,8 +59,8 @@ def ensure_initial_checkpoint(cfg: MilesConfig) -> str:
 
     from miles.models.factory import model_from_config
     from miles.models.hf_io import save_model
-    from miles.rollout.tiny_tokenizer import save_tiny_tokenizer
-    from miles.rollout.tokenizer import load_tokenizer
+    from miles.rollout.tokens.tiny_tokenizer import save_tiny_tokenizer
+    from miles.rollout.tokens.tokenizer import load_tokenizer
     from miles.warmup.vl import is_vl_arch
 
     _remove_orphans(out)

@@ -2,7 +2,7 @@
 
 The prompt is rendered and tokenized as the rollout's session store does it (image parts as
 the template's marker, each placeholder expanded to its image's tokens:
-rollout/vl_placeholders.py), so the warm-up trains on exactly the ids the engine will be fed. A
+rollout/tokens/vl_placeholders.py), so the warm-up trains on exactly the ids the engine will be fed. A
 two-turn prompt (`second` in the prompt, rollout/envs/shapes.py) gives second-turn examples
 too: the first answer is the reference one, then the second image and question.
 """
@@ -30,8 +30,8 @@ def is_vl_arch(arch: str) -> bool:
 
 def vl_examples(env: Any, tok: Any, n: int, rng: random.Random, image_token_id: int, merge: int) -> list[Example]:
     """(ids through the answer's end-of-turn token, index of the first answer token, images)."""
-    from miles.rollout.messages import for_template, normalize
-    from miles.rollout.vl_placeholders import Placeholders, turn_images
+    from miles.rollout.tokens.messages import for_template, normalize
+    from miles.rollout.tokens.vl_placeholders import Placeholders, turn_images
 
     ph = Placeholders(image_token_id, merge)
     out: list[Example] = []

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from miles.core.config import opt
 
-# the choices' types, which the plain classes that take them (rollout/session_store.py) declare too
+# the choices' types, which the plain classes that take them (rollout/tito/store.py) declare too
 SessionPolicy = Literal["linear", "branching"]
 MatchPolicy = Literal["strict", "loose_tool_call", "role_content"]
 TemplateFallback = Literal["none", "anchor_diff"]
@@ -66,7 +66,7 @@ class RolloutConfig:
     template_fallback: TemplateFallback = opt(
         "none",
         "what to do when the chat template fails the append-only check: none = refuse (NotAppendOnly); "
-        "anchor_diff = tokenize appended messages after a reasoning-free anchor (see rollout/template_check.py)",
+        "anchor_diff = tokenize appended messages after a reasoning-free anchor (see rollout/tokens/template_check.py)",
     )
     render_mode: RenderMode = opt(
         "auto",

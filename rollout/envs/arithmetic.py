@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from miles.core.errors import ConfigError
 from miles.rollout.envs.base import Environment, SeededPrompts
 from miles.rollout.layers import Prompt
-from miles.rollout.rewards import exact_answer
+from miles.rollout.rewards.builtin import exact_answer
 from miles.rollout.types import Sample
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from miles.rollout.envs.base import Environment, SeededPrompts
 from miles.rollout.layers import AgentContext, Prompt
-from miles.rollout.rewards import last_number_reward
+from miles.rollout.rewards.builtin import last_number_reward
 
 CALC_TOOL = {"type": "function", "function": {
     "name": "calc", "description": "Evaluate an arithmetic expression with + - * / // % and parentheses.",

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from miles.core.errors import ConfigError
 from miles.rollout.envs.base import Environment, SeededPrompts
 from miles.rollout.layers import Prompt
-from miles.rollout.rewards import last_number_reward
+from miles.rollout.rewards.builtin import last_number_reward
 from miles.rollout.types import Sample
 
 QUESTION = "What is {a} plus {b}? Answer with just the number."

@@ -30,7 +30,7 @@ from miles.core.errors import ConfigError
 from miles.core.logging import get_logger
 from miles.rollout.envs.base import Environment, SeededPrompts
 from miles.rollout.layers import Prompt
-from miles.rollout.rewards_rules import CombinedReward, build_rewards
+from miles.rollout.rewards.rules import CombinedReward, build_rewards
 
 log = get_logger("miles.dataset")
 ROLES = ("system", "user", "assistant", "tool")

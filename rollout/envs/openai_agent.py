@@ -14,7 +14,7 @@ from miles.core.errors import ConfigError
 from miles.rollout.envs.base import Environment
 from miles.rollout.envs.calculator import CALC_TOOL, CalculatorPrompts, run_tool
 from miles.rollout.layers import AgentContext
-from miles.rollout.rewards import last_number_reward
+from miles.rollout.rewards.builtin import last_number_reward
 
 
 async def run_openai_tool_loop(base_url: str, messages: list[dict[str, Any]], max_turns: int = 8,

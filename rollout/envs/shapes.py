@@ -4,7 +4,7 @@ Each prompt is one small RGB image on a dark background, drawn the way the diffu
 draws its shapes (diffusion/data.py: filled circles, squares and upward triangles compared
 against coordinate grids), here in numpy so the rollout process needs no torch, with a
 question about it: its colour, which side it is on, or how many shapes there are. The answer
-is one word; the reward is the exact answer (rollout/rewards.py). `turns=2` is the multi-turn
+is one word; the reward is the exact answer (rollout/rewards/builtin.py). `turns=2` is the multi-turn
 variant: a second image arrives in turn two with its own question, and the reward is the
 mean over both answers. Prompt i is a pure function of (seed, i); held-out prompts use
 another seed.
@@ -22,7 +22,7 @@ from miles.core.errors import ConfigError
 from miles.core.images import ImageInput, patchify
 from miles.rollout.envs.base import Environment, SeededPrompts
 from miles.rollout.layers import AgentContext, Prompt
-from miles.rollout.rewards import exact_answer, normalize_answer
+from miles.rollout.rewards.builtin import exact_answer, normalize_answer
 from miles.rollout.types import Sample
 
 COLOURS = {"red": (1.0, 0.15, 0.15), "green": (0.15, 1.0, 0.15), "blue": (0.2, 0.3, 1.0), "yellow": (1.0, 1.0, 0.1)}

@@ -25,7 +25,7 @@ from miles.core.errors import MilesError
 from miles.rollout.envs.base import Environment
 from miles.rollout.envs.calculator import CALC_TOOL, CalculatorPrompts
 from miles.rollout.layers import Prompt
-from miles.rollout.rewards import last_number_reward
+from miles.rollout.rewards.builtin import last_number_reward
 from miles.rollout.types import Sample
 
 # One worked exchange in the system prompt: a 135M model copies a demonstrated format far more

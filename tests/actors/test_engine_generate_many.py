@@ -20,7 +20,7 @@ from miles.engines.torch_engine import TorchEngine
 from miles.models.config import ModelSpec
 from miles.models.presets import tiny_config
 from miles.models.registry import build_model
-from miles.rollout.requests import item_error as _item_error
+from miles.rollout.routing.requests import item_error as _item_error
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,7 +11,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SUBPACKAGES = ["core", "core.schema", "transport", "transport.bulk", "actors", "actors.runtime",
-               "engines", "models", "trainer", "rollout", "rollout.envs", "launch"]
+               "engines", "models", "trainer", "rollout", "rollout.envs", "rollout.tokens", "rollout.tito", "rollout.routing",
+               "rollout.rewards", "launch"]
 
 
 @pytest.mark.timeout(300)

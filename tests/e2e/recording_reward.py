@@ -16,7 +16,7 @@ from typing import Any
 
 from miles.rollout.envs.tool_math import audited_reward
 from miles.rollout.layers import Prompt
-from miles.rollout.rewards_rules import MathReward
+from miles.rollout.rewards.rules import MathReward
 from miles.rollout.types import Sample
 
 _math = MathReward()

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
 # (with one retry, an idle machine restarted the judge inside the backoff and nothing failed)
 JUDGE = ["--set", "reward_model.num_engines=1", "--set", "reward_model.max_new_tokens=2",
          "--set", "reward_model.live_wait_s=0.5", "--set", "reward_model.retries=0",
-         "--set", "reward_model.timeout_s=10", "--set", "rollout.reward_fn=miles.rollout.judge_rewards:judge_correct",
+         "--set", "reward_model.timeout_s=10", "--set", "rollout.reward_fn=miles.rollout.rewards.judge_rewards:judge_correct",
          "--set", "reward_model.max_seq_len=512", "--set", "rollout.reward_errors=stop"]  # stop: the default; an outage must not trip it
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from miles.rollout.tokenizer import load_tokenizer
+from miles.rollout.tokens.tokenizer import load_tokenizer
 
 from .e2e_helpers import QUICKSTART, check_ledger, kill_tree, metrics, miles_argv, start_run, wait
 

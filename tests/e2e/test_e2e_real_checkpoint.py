@@ -75,8 +75,8 @@ def test_gsm8k_recipe_on_the_real_checkpoint(tmp_path: Path, checkpoint: Path) -
     if not (GSM8K / "train.jsonl").is_file():
         pytest.skip(f"no GSM8K data at {GSM8K}")
     from miles.rollout.envs.gsm8k import calc_steps
-    from miles.rollout.rewards_rules import MathReward
-    from miles.rollout.tokenizer import load_tokenizer
+    from miles.rollout.rewards.rules import MathReward
+    from miles.rollout.tokens.tokenizer import load_tokenizer
     from miles.rollout.types import Sample
 
     run, samples = run_recipe(tmp_path, "gsm8k.toml", checkpoint, "gsm8k", [
@@ -102,8 +102,8 @@ def test_gsm8k_recipe_on_the_real_checkpoint(tmp_path: Path, checkpoint: Path) -
 
 
 def test_agentic_recipe_on_the_real_checkpoint(tmp_path: Path, checkpoint: Path) -> None:
-    from miles.rollout.rewards import last_number_reward
-    from miles.rollout.tokenizer import load_tokenizer
+    from miles.rollout.rewards.builtin import last_number_reward
+    from miles.rollout.tokens.tokenizer import load_tokenizer
     from miles.rollout.types import Sample
 
     run, samples = run_recipe(tmp_path, "agentic_calc.toml", checkpoint, "tool_math",

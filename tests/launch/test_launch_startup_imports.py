@@ -39,7 +39,7 @@ from miles.core.hooks import resolve_hook
 from miles.core.schema import MilesConfig
 from miles.launch import role  # noqa: F401
 from miles.actors.rollout import RolloutActor  # noqa: F401
-from miles.rollout.tokenizer import load_tokenizer  # noqa: F401
+from miles.rollout.tokens.tokenizer import load_tokenizer  # noqa: F401
 cfg = load_config(MilesConfig, {str(QUICKSTART)!r}, [])
 resolve_hook(cfg.rollout.env, "rollout.env")(**cfg.rollout.env_args)
 print(sorted(m for m in ("torch", "transformers") if m in sys.modules))

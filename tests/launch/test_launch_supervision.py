@@ -14,7 +14,7 @@ import pytest
 from miles.core.errors import StartupError
 from miles.launch.supervision import RestartPolicy, crash_report, exception_line
 from miles.models.presets import tiny_config
-from miles.rollout.tiny_tokenizer import save_tiny_tokenizer
+from miles.rollout.tokens.tiny_tokenizer import save_tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "examples" / "quickstart.toml"

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from miles.packaged.registry import PackagedModel, Part
-from miles.rollout.tiny_tokenizer import CHATML_TEMPLATE
+from miles.rollout.tokens.tiny_tokenizer import CHATML_TEMPLATE
 
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 32, 64, 2, 1, 1  # Q8_0 blocks are 32 wide
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -11,8 +11,8 @@ import json
 import re
 from typing import Any
 
-from miles.rollout.client import EngineOutput
-from miles.rollout.tokenizer import Tokenizer
+from miles.rollout.tito.client import EngineOutput
+from miles.rollout.tokens.tokenizer import Tokenizer
 
 
 class ScriptedPolicy:

@@ -13,8 +13,8 @@ from miles.core.schema import MilesConfig
 from miles.rollout.buffer import RolloutBuffer
 from miles.rollout.filters import dynamic_sampling
 from miles.rollout.layers import load_layer
-from miles.rollout.session_store import SessionStore
-from miles.rollout.tiny_tokenizer import tiny_tokenizer
+from miles.rollout.tito.store import SessionStore
+from miles.rollout.tokens.tiny_tokenizer import tiny_tokenizer
 
 
 def test_every_field_documented_and_round_trips(tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from miles.rollout.dispatch import Dispatch, NoLiveEngine
+from miles.rollout.routing.dispatch import Dispatch, NoLiveEngine
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -24,12 +24,12 @@ from typing import Any
 import pytest
 
 from miles.core.errors import ConfigError
-from miles.rollout.client import EngineOutput, LocalSessionClient
 from miles.rollout.envs.base import Environment
 from miles.rollout.envs.hub_common import TokenDrift, drift, require
 from miles.rollout.layers import RolloutContext, default_generate, default_rollout, load_layer
-from miles.rollout.session_store import SessionStore
-from miles.rollout.tiny_tokenizer import tiny_tokenizer
+from miles.rollout.tito.client import EngineOutput, LocalSessionClient
+from miles.rollout.tito.store import SessionStore
+from miles.rollout.tokens.tiny_tokenizer import tiny_tokenizer
 from miles.rollout.types import Group, Sample
 
 pytestmark = pytest.mark.timeout(120)

@@ -15,9 +15,9 @@ from miles.actors.runtime.host import Host
 from miles.actors.runtime.messages import DeathNotice
 from miles.core.errors import RewardError
 from miles.core.schema.reward_model import RewardModelConfig
-from miles.rollout.judge import JudgeClient, JudgeRefused, JudgeUnavailable, judge_names
-from miles.rollout.judge_rewards import judge_correct, parse_verdict
-from miles.rollout.reward_guard import RewardGuard
+from miles.rollout.rewards.guard import RewardGuard
+from miles.rollout.rewards.judge import JudgeClient, JudgeRefused, JudgeUnavailable, judge_names
+from miles.rollout.rewards.judge_rewards import judge_correct, parse_verdict
 from miles.rollout.types import Sample
 
 from ..session.session_stack import make_tok, start_host, transport_cfg
@@ -29,8 +29,8 @@ PROMPT = {"id": "p-0", "messages": [{"role": "user", "content": "2+2?"}], "answe
 
 def _judge(host: Host, tok, cfg: RewardModelConfig) -> JudgeClient:
     from miles.actors.engine_link import ActorEngineLink
-    from miles.rollout.dispatch import Dispatch
-    from miles.rollout.requests import EngineRequests
+    from miles.rollout.routing.dispatch import Dispatch
+    from miles.rollout.routing.requests import EngineRequests
 
     reqs = EngineRequests(ActorEngineLink(host.ref, cfg.timeout_s), Dispatch(judge_names(cfg.num_engines), False),
                           {}, live_wait_s=cfg.live_wait_s)

@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 
 from miles.core.errors import ConfigError, ProtocolError
-from miles.rollout.client import LocalSessionClient, SessionClient
 from miles.rollout.envs import arithmetic, calculator, openai_agent
 from miles.rollout.layers import (
     AgentContext,
@@ -21,8 +20,9 @@ from miles.rollout.layers import (
     single_turn_agent,
     validate_group,
 )
-from miles.rollout.session_store import SessionStore
-from miles.rollout.tiny_tokenizer import tiny_tokenizer
+from miles.rollout.tito.client import LocalSessionClient, SessionClient
+from miles.rollout.tito.store import SessionStore
+from miles.rollout.tokens.tiny_tokenizer import tiny_tokenizer
 from miles.rollout.types import Group
 
 from .scripted_policy import ScriptedPolicy

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 from miles.core.errors import SessionError
-from miles.rollout.client import EngineOutput, LocalSessionClient
 from miles.rollout.layers import GenerateContext, default_generate, single_turn_agent
-from miles.rollout.session_store import SessionStore
-from miles.rollout.tiny_tokenizer import tiny_tokenizer
-from miles.rollout.tokenizer import HFTokenizer
+from miles.rollout.tito.client import EngineOutput, LocalSessionClient
+from miles.rollout.tito.store import SessionStore
+from miles.rollout.tokens.tiny_tokenizer import tiny_tokenizer
+from miles.rollout.tokens.tokenizer import HFTokenizer
 from miles.rollout.types import Sample
 
 pytestmark = pytest.mark.timeout(60)

@@ -21,12 +21,12 @@ from miles.core.config import load_config
 from miles.core.errors import ActorDeadError
 from miles.core.hooks import resolve_hook
 from miles.core.schema import MilesConfig
-from miles.rollout.dispatch import Dispatch
 from miles.rollout.orchestrator import Orchestrator
-from miles.rollout.requests import EngineRequests, Request
-from miles.rollout.session_store import SessionStore
-from miles.rollout.tiny_tokenizer import tiny_tokenizer
-from miles.rollout.tokenizer import Tokenizer
+from miles.rollout.routing.dispatch import Dispatch
+from miles.rollout.routing.requests import EngineRequests, Request
+from miles.rollout.tito.store import SessionStore
+from miles.rollout.tokens.tiny_tokenizer import tiny_tokenizer
+from miles.rollout.tokens.tokenizer import Tokenizer
 
 from .scripted_policy import ScriptedPolicy
 

@@ -6,12 +6,12 @@ import asyncio
 from pathlib import Path
 
 from miles.rollout.buffer import P, RolloutBuffer, Work
-from miles.rollout.client import LocalSessionClient
 from miles.rollout.envs import arithmetic
 from miles.rollout.filters import dynamic_sampling
 from miles.rollout.layers import RolloutContext, default_generate, generate_one, single_turn_agent
-from miles.rollout.session_store import SessionStore
-from miles.rollout.tiny_tokenizer import tiny_tokenizer
+from miles.rollout.tito.client import LocalSessionClient
+from miles.rollout.tito.store import SessionStore
+from miles.rollout.tokens.tiny_tokenizer import tiny_tokenizer
 
 from .scripted_policy import ScriptedPolicy
 

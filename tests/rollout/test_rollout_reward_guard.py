@@ -8,7 +8,7 @@ import math
 import pytest
 
 from miles.core.errors import RewardError
-from miles.rollout.reward_guard import RewardGuard
+from miles.rollout.rewards.guard import RewardGuard
 from miles.rollout.types import Sample
 
 

@@ -8,7 +8,12 @@ from miles.core.errors import ConfigError
 from miles.rollout.envs.arithmetic import ArithmeticPrompts
 from miles.rollout.envs.calculator import run_tool, safe_eval
 from miles.rollout.filters import check_verdict, dynamic_sampling, load_filter
-from miles.rollout.rewards import exact_answer, format_reward, last_number, last_number_reward
+from miles.rollout.rewards.builtin import (
+    exact_answer,
+    format_reward,
+    last_number,
+    last_number_reward,
+)
 from miles.rollout.types import Group, Sample
 
 

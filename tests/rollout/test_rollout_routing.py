@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from miles.core.errors import EngineError
-from miles.rollout.prefix_cache_sim import simulate_multi_turn
-from miles.rollout.routing import RouterPolicy
-from miles.rollout.tool_parser import get_tool_parser, split_reasoning
+from miles.rollout.routing.policy import RouterPolicy
+from miles.rollout.routing.prefix_cache_sim import simulate_multi_turn
+from miles.rollout.tokens.tool_parser import get_tool_parser, split_reasoning
 
 
 def test_affinity_holds_across_turns_and_new_sessions_go_least_loaded() -> None:
@@ -44,7 +44,7 @@ def test_removing_an_engine_reassigns_its_sessions() -> None:
 
 
 def test_simulated_prefix_hit_rate_with_and_without_affinity() -> None:
-    """SIMULATION of engine prefix caches (rollout/prefix_cache_sim.py), not real engines."""
+    """SIMULATION of engine prefix caches (rollout/routing/prefix_cache_sim.py), not real engines."""
     with_aff = simulate_multi_turn(engines=4, affinity=True).prefix_hit_rate
     without = simulate_multi_turn(engines=4, affinity=False).prefix_hit_rate
     assert with_aff >= 0.98

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from miles.core.errors import ConfigError
-from miles.rollout.rewards_code import CodeTestsReward, extract_code
-from miles.rollout.rewards_rules import (
+from miles.rollout.rewards.code_tests import CodeTestsReward, extract_code
+from miles.rollout.rewards.rules import (
     RULE_REWARDS,
     MathReward,
     build_rewards,
@@ -18,7 +18,7 @@ from miles.rollout.rewards_rules import (
     extract_boxed,
     extract_hash,
 )
-from miles.rollout.sandbox import SandboxLimits, network_isolation_available, run_python
+from miles.rollout.rewards.sandbox import SandboxLimits, network_isolation_available, run_python
 from miles.rollout.types import Sample
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from miles.core.errors import ProtocolError, SessionError
-from miles.rollout.client import EngineOutput, LocalSessionClient
-from miles.rollout.session_store import SessionStore
+from miles.rollout.tito.client import EngineOutput, LocalSessionClient
+from miles.rollout.tito.store import SessionStore
 from miles.rollout.types import Sample
 
 from .tok_fixtures import seed_tokenizer

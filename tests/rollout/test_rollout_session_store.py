@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from miles.core.errors import Diverged, NotAppendOnly, SessionError
-from miles.rollout.session_store import SessionStore
-from miles.rollout.tiny_tokenizer import save_tiny_tokenizer, tiny_tokenizer
-from miles.rollout.tokenizer import HFTokenizer, load_tokenizer
+from miles.rollout.tito.store import SessionStore
+from miles.rollout.tokens.tiny_tokenizer import save_tiny_tokenizer, tiny_tokenizer
+from miles.rollout.tokens.tokenizer import HFTokenizer, load_tokenizer
 
 from .tok_fixtures import DROPS_REASONING_TEMPLATE, seed_tokenizer
 
@@ -240,7 +240,7 @@ def test_store_refuses_non_append_only_template_unless_fallback(tmp_path: Path) 
 
 def test_local_render_matches_full_render(tmp_path: Path) -> None:
     """The fast path (render the last turn + new messages) gives the same ids as full renders."""
-    from miles.rollout.template_check import check_local_render
+    from miles.rollout.tokens.template_check import check_local_render
 
     tok = tiny_tokenizer(tmp_path)
     assert check_local_render(tok).ok

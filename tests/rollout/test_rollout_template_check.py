@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from miles.rollout.template_check import CANONICAL, FALLBACKS, check_template
-from miles.rollout.tiny_tokenizer import save_tiny_tokenizer, tiny_tokenizer
-from miles.rollout.tokenizer import load_tokenizer
+from miles.rollout.tokens.template_check import CANONICAL, FALLBACKS, check_template
+from miles.rollout.tokens.tiny_tokenizer import save_tiny_tokenizer, tiny_tokenizer
+from miles.rollout.tokens.tokenizer import load_tokenizer
 
 from .tok_fixtures import DROPS_REASONING_TEMPLATE, seed_tokenizer
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from miles.core.errors import ConfigError
-from miles.rollout.tiny_tokenizer import save_tiny_tokenizer, tiny_tokenizer
-from miles.rollout.tokenizer import Tokenizer, load_tokenizer
+from miles.rollout.tokens.tiny_tokenizer import save_tiny_tokenizer, tiny_tokenizer
+from miles.rollout.tokens.tokenizer import Tokenizer, load_tokenizer
 
 CONV = [
     {"role": "system", "content": "Be brief."},

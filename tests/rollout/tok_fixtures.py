@@ -8,7 +8,7 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _HFTok
 
-from miles.rollout.tokenizer import HFTokenizer, load_tokenizer
+from miles.rollout.tokens.tokenizer import HFTokenizer, load_tokenizer
 
 # The seed's worked example: "Hello" -> [101, 102], "world!" -> [103, 104].
 SEED_PIECES = {"Hel": 101, "lo": 102, "world": 103, "!": 104, " ": 105, "Bye": 106}

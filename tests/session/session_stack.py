@@ -23,8 +23,8 @@ from miles.models.decoder import CausalLM
 from miles.models.presets import tiny_config
 from miles.models.registry import build_model
 from miles.rollout.envs.calculator import CALC_TOOL
-from miles.rollout.tiny_tokenizer import tiny_tokenizer
-from miles.rollout.tokenizer import HFTokenizer
+from miles.rollout.tokens.tiny_tokenizer import tiny_tokenizer
+from miles.rollout.tokens.tokenizer import HFTokenizer
 
 QUESTION = "What is 12*3+4? Use the calc tool, then answer with the number."
 ANSWER = "40"

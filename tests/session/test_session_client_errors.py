@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 
 from miles.core.errors import BadRequest, EngineError
-from miles.rollout.session_store import check_session_id
+from miles.rollout.tito.store import check_session_id
 
 pytestmark = pytest.mark.timeout(90)
 USER = {"role": "user", "content": "hi"}

@@ -149,8 +149,8 @@ async def test_in_process_sessions_reuse_their_engine_kv(stack, engine_sessions:
     """A rollout worker's in-process session (LocalSessionClient, what agents use without the HTTP
     front) sends its id as the engine session key when given `end_session`: turn 2 prefills only
     what turn 1 did not feed, and close frees the KV. Without it every turn prefills it all."""
-    from miles.rollout.client import LocalSessionClient
-    from miles.rollout.session_store import SessionStore
+    from miles.rollout.tito.client import LocalSessionClient
+    from miles.rollout.tito.store import SessionStore
 
     s, tok = stack
 

@@ -15,7 +15,7 @@ from miles.bench.session_front import engine_requests
 from miles.core.errors import EngineError
 from miles.core.schema.engine import EngineConfig
 from miles.engines.torch_engine import TorchEngine
-from miles.rollout.requests import EngineRequests
+from miles.rollout.routing.requests import EngineRequests
 
 from .session_stack import make_tok, start_host, start_stack, tiny_lm, transport_cfg
 

@@ -19,9 +19,9 @@ from miles.models.config import ModelSpec
 from miles.models.errors import ModelInputError
 from miles.models.presets import tiny_config
 from miles.models.registry import build_model
-from miles.rollout.client import EngineOutput, LocalSessionClient
-from miles.rollout.session_store import SessionStore
-from miles.rollout.tiny_tokenizer import tiny_tokenizer
+from miles.rollout.tito.client import EngineOutput, LocalSessionClient
+from miles.rollout.tito.store import SessionStore
+from miles.rollout.tokens.tiny_tokenizer import tiny_tokenizer
 from miles.rollout.types import Sample
 from miles.trainer.batch import TrainSample
 from miles.trainer.forward import packed_forward, padded_forward

@@ -290,12 +290,12 @@ class FormatReward:
 
 
 RULE_REWARDS = Registry("reward", {
-    "math": "miles.rollout.rewards_rules:MathReward",
-    "exact": "miles.rollout.rewards_rules:ExactReward",
-    "normalized": "miles.rollout.rewards_rules:NormalizedReward",
-    "multiple_choice": "miles.rollout.rewards_rules:MultipleChoiceReward",
-    "format": "miles.rollout.rewards_rules:FormatReward",
-    "code_tests": "miles.rollout.rewards_code:CodeTestsReward",
+    "math": "miles.rollout.rewards.rules:MathReward",
+    "exact": "miles.rollout.rewards.rules:ExactReward",
+    "normalized": "miles.rollout.rewards.rules:NormalizedReward",
+    "multiple_choice": "miles.rollout.rewards.rules:MultipleChoiceReward",
+    "format": "miles.rollout.rewards.rules:FormatReward",
+    "code_tests": "miles.rollout.rewards.code_tests:CodeTestsReward",
 })
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from miles.core.errors import EngineError
-from miles.rollout.routing import RouterPolicy
+from miles.rollout.routing.policy import RouterPolicy
 
 
 class NoLiveEngine(EngineError):

@@ -15,8 +15,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from miles.rollout.rewards_rules import response_text
-from miles.rollout.sandbox import SandboxLimits, run_python
+from miles.rollout.rewards.rules import response_text
+from miles.rollout.rewards.sandbox import SandboxLimits, run_python
 from miles.rollout.types import Sample
 
 _FENCE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
@@ -35,12 +35,12 @@ def _same_output(got: str, want: str) -> bool:
 
 @dataclass
 class CodeTestsReward:
-    """Fraction of the label's tests the response's program passes, run in `rollout.sandbox`."""
+    """Fraction of the label's tests the response's program passes, run in `rollout.rewards.sandbox`."""
 
     weight: float = 1.0
     timeout_s: float = 5.0  # per run (one per stdin case), wall clock
     memory_mib: int = 512  # address-space limit per run
-    network: Literal["deny", "allow"] = "deny"  # deny needs `unshare -rn`; see rollout/sandbox.py
+    network: Literal["deny", "allow"] = "deny"  # deny needs `unshare -rn`; see rollout/rewards/sandbox.py
     max_concurrent: int = 4  # sandboxed runs at once in this process
     needs_label = True
 

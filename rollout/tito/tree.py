@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from miles.core.images import ImageInput
-from miles.rollout.messages import Message
+from miles.rollout.tokens.messages import Message
 from miles.rollout.types import NOT_SAMPLED, Sample, Status
 
 FINISH_TO_STATUS: dict[str, Status] = {

@@ -20,7 +20,7 @@ _SIMPLE = frozenset(("user", "assistant", "system"))
 
 
 # Where an image part stood in a message's content: Qwen2-VL / Qwen2.5-VL templates' own text
-# for one image; the session store expands its <|image_pad|> (rollout/vl_placeholders.py).
+# for one image; the session store expands its <|image_pad|> (rollout/tokens/vl_placeholders.py).
 IMAGE_MARKER = "<|vision_start|><|image_pad|><|vision_end|>"
 
 

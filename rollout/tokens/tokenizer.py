@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 from tokenizers import Tokenizer as _HFTok
 
 from miles.core.errors import ConfigError
-from miles.rollout.chat_template import ChatTemplate
+from miles.rollout.tokens.chat_template import ChatTemplate
 
 
 @runtime_checkable

@@ -12,7 +12,7 @@ import random
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from miles.rollout.routing import RouterPolicy
+from miles.rollout.routing.policy import RouterPolicy
 
 
 class SimPrefixCache:

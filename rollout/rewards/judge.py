@@ -11,7 +11,7 @@ Each call has a deadline per attempt (`timeout_s`) and `retries` more attempts w
 backoff; a call that still fails raises `JudgeUnavailable` with the reason (no live judge,
 timeout, engine error). A request the judge refuses (too long for reward_model.max_seq_len)
 raises `JudgeRefused` at once: retrying cannot help, and the guard treats it as a bug. The reward guard counts it and drops the sample with that reason; it
-never ends the run (rollout/reward_guard.py), so a judge that is down costs rewards, counted,
+never ends the run (rollout/rewards/guard.py), so a judge that is down costs rewards, counted,
 and never hangs the run. `metrics()` reports `reward_model/*` per training step.
 """
 
@@ -26,8 +26,8 @@ from typing import Any, Protocol
 from miles.core.errors import BadRequest, EngineError, MilesError
 from miles.core.logging import get_logger
 from miles.core.schema.reward_model import RewardModelConfig
-from miles.rollout.requests import EngineRequests
-from miles.rollout.tokenizer import Tokenizer
+from miles.rollout.routing.requests import EngineRequests
+from miles.rollout.tokens.tokenizer import Tokenizer
 
 log = get_logger("miles.judge")
 _UP_POLL_S = 0.5  # how often a down judge is asked whether it is back

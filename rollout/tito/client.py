@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from miles.rollout.session_store import SessionStore
+from miles.rollout.tito.store import SessionStore
 from miles.rollout.types import Sample
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from tokenizers import AddedToken, decoders, models
 from tokenizers import Tokenizer as _HFTok
 
-from miles.rollout.tokenizer import HFTokenizer, load_tokenizer
+from miles.rollout.tokens.tokenizer import HFTokenizer, load_tokenizer
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
                   "<unk>"]

@@ -5,7 +5,7 @@ session's KV cache lives. A key seen for the first time (or every request, with
 affinity off) goes to the engine with the fewest in-flight tokens. Removing an
 engine moves its sessions to the remaining ones. Engines report how many prompt
 tokens they served from their prefix cache; the router sums that into the hit rate.
-Plain class; the rollout's dispatch (rollout/dispatch.py) holds it.
+Plain class; the rollout's dispatch (rollout/routing/dispatch.py) holds it.
 """
 
 from __future__ import annotations

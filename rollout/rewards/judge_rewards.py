@@ -1,7 +1,7 @@
 """Built-in judge-scored rewards: a generative judge is prompted, its answer parsed.
 
 Use one as `rollout.reward_fn` with a `[reward_model]` pool; the reward guard hands it the
-pool's client as `judge` (rollout/judge.py). A judge call that fails raises `JudgeUnavailable`
+pool's client as `judge` (rollout/rewards/judge.py). A judge call that fails raises `JudgeUnavailable`
 (the sample is dropped, counted with its reason); an answer that is neither yes nor no scores
 0 and is counted (`reward_model/verdict_unparsed`), so a judge that rambles is visible.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from miles.rollout.judge import Judge
+from miles.rollout.rewards.judge import Judge
 from miles.rollout.types import Sample
 
 SYSTEM = "You grade answers. Reply with one word: yes or no."

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miles.core.errors import NotAppendOnly
-from miles.rollout.messages import IMAGE_MARKER, Message, for_template, normalize
-from miles.rollout.tokenizer import Tokenizer
+from miles.rollout.tokens.messages import IMAGE_MARKER, Message, for_template, normalize
+from miles.rollout.tokens.tokenizer import Tokenizer
 
 FALLBACKS: dict[str, str] = {
     "anchor_diff": (
@@ -71,7 +71,7 @@ CANONICAL: dict[str, tuple[list[Message], list[dict[str, Any]] | None]] = {
         {"role": "user", "content": "thanks"},
     ], None),
     # a VL conversation as the session store renders it: each image part is the template's marker
-    # text, and a second image arrives in a later turn (rollout/vl_placeholders.py expands them)
+    # text, and a second image arrives in a later turn (rollout/tokens/vl_placeholders.py expands them)
     "images": ([
         {"role": "user", "content": f"{IMAGE_MARKER}What colour is the shape?"},
         {"role": "assistant", "content": "red"},

@@ -8,7 +8,7 @@ ledger (which may retry the prompt). With `on_error = "stop"` (the default), aft
 call fails at once and `check()` raises the cause, which the rollout turns into
 the end of the run. With `on_error = "drop"` the run goes on.
 
-A reward function with a `judge` parameter gets the judge pool's client (rollout/judge.py).
+A reward function with a `judge` parameter gets the judge pool's client (rollout/rewards/judge.py).
 A judge that is down (`JudgeUnavailable`) fails its rewards, counted by reason like any
 failure, but does not count toward the stop: it is the pool's outage, which the supervisor
 repairs, not a bug of the function, and it must not end the run.
@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from miles.core.errors import RewardError
 from miles.core.logging import get_logger
-from miles.rollout.judge import JudgeUnavailable
+from miles.rollout.rewards.judge import JudgeUnavailable
 from miles.rollout.types import Sample
 
 log = get_logger("miles.reward")

@@ -40,12 +40,12 @@ from miles.core.errors import (
 )
 from miles.core.images import ImageInput
 from miles.core.logging import get_logger
-from miles.rollout.client import EngineOutput
-from miles.rollout.dispatch import Dispatch, NoLiveEngine
+from miles.rollout.routing.dispatch import Dispatch, NoLiveEngine
+from miles.rollout.tito.client import EngineOutput
 
 # The request never ran, or its engine is gone with it: not the prompt's fault.
 DOWN_ERRORS: tuple[type[Exception], ...] = (ActorDeadError, PeerGone, EngineDown)
-log = get_logger("miles.rollout.requests")
+log = get_logger("miles.rollout.routing.requests")
 
 
 @dataclass

@@ -31,18 +31,18 @@ from miles.core.schema.rollout import (
     SessionPolicy,
     TemplateFallback,
 )
-from miles.rollout.messages import (
+from miles.rollout.tito.tree import Node, leaves, trajectory
+from miles.rollout.tokens.messages import (
     Message,
     check_ends_for_generation,
     for_template,
     matcher,
     normalize,
 )
-from miles.rollout.session_tree import Node, leaves, trajectory
-from miles.rollout.tokenizer import Tokenizer
-from miles.rollout.tool_parser import get_tool_parser, split_reasoning
+from miles.rollout.tokens.tokenizer import Tokenizer
+from miles.rollout.tokens.tool_parser import get_tool_parser, split_reasoning
+from miles.rollout.tokens.vl_placeholders import Placeholders, message_images, turn_images
 from miles.rollout.types import Sample
-from miles.rollout.vl_placeholders import Placeholders, message_images, turn_images
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 _TAIL = 24  # characters of the generation prompt kept to locate sampled text in a rendering
@@ -214,7 +214,11 @@ class SessionStore:
         self._sessions: dict[str, _Session] = {}
         # a VL policy's image placeholders (`enable_images`); None: image parts are refused
         self.placeholders: Placeholders | None = None
-        from miles.rollout.template_check import FALLBACKS, check_local_render, check_template
+        from miles.rollout.tokens.template_check import (
+            FALLBACKS,
+            check_local_render,
+            check_template,
+        )
 
         self.fallback = template_fallback
         if verify_template:
@@ -258,7 +262,7 @@ class SessionStore:
 
     def enable_images(self, image_token_id: int, merge: int) -> None:
         """Accept image parts in user messages, for a VL model with this placeholder id and
-        spatial merge size (rollout/vl_placeholders.py)."""
+        spatial merge size (rollout/tokens/vl_placeholders.py)."""
         self.placeholders = Placeholders(image_token_id, merge)
 
     def _expand(self, ids: list[int], new: list[Message]) -> list[int]:
@@ -409,7 +413,7 @@ class SessionStore:
         if full.startswith(prefix):
             return gap + full[len(prefix):], full, full[-_TAIL:]
         if self.fallback == "anchor_diff":
-            from miles.rollout.template_check import anchor_suffix
+            from miles.rollout.tokens.template_check import anchor_suffix
 
             return gap + anchor_suffix(self.tok, node.messages[-1], msgs[pos:], s.tools), full, full[-_TAIL:]
         at = _first_difference(prefix, full)

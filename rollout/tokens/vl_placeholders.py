@@ -1,6 +1,6 @@
 """Image placeholders in the session store: expanded once, where the prompt ids are made.
 
-A user message's image part renders as `IMAGE_MARKER` (rollout/messages.py), whose
+A user message's image part renders as `IMAGE_MARKER` (rollout/tokens/messages.py), whose
 `<|image_pad|>` the tokenizer encodes as one `image_token_id`. Right after a turn's new text is
 tokenized, each of those becomes the image's t*h*w / merge^2 tokens (core/images.py); the
 expanded ids are what the store keeps, the engine receives and the sample carries, so nothing
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from miles.core.errors import ProtocolError, SessionError
 from miles.core.images import ImageInput, expand_placeholders, image_token_counts
-from miles.rollout.messages import Message
+from miles.rollout.tokens.messages import Message
 
 
 def message_images(msgs: Iterable[Message]) -> list[ImageInput]:
