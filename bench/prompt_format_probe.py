@@ -49,7 +49,7 @@ def main() -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from miles.rollout.rewards_rules import MathReward, extract_boxed, extract_hash
+    from miles.rollout.rewards.rules import MathReward, extract_boxed, extract_hash
 
     rows = [json.loads(x) for x in Path(a.data).read_text().splitlines()[: a.questions]]
     tok = AutoTokenizer.from_pretrained(a.model)
