@@ -12,6 +12,7 @@ to a user command instead.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import math
 import shlex
@@ -20,10 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles.actors.messages import GenerateMany
-from miles.actors.runtime.host import Host
+from miles.actors.runtime.host_view import ActorHost
 from miles.core.errors import MilesError
 from miles.core.hooks import resolve_hook
 from miles.core.schema import MilesConfig
+from miles.rollout.envs.base import Environment
 from miles.rollout.tokenizer import Tokenizer
 from miles.rollout.types import Sample
 
@@ -54,7 +56,7 @@ class Evaluator:
         self.tok = tokenizer
         make = resolve_hook(cfg.rollout.env, "rollout.env")
         args = {**cfg.rollout.env_args, **cfg.eval.env_args}
-        self.env = make(**args)
+        self.env: Environment = make(**args)
         self.prompts = [self.env.prompts.item(i) for i in range(cfg.eval.num_prompts)]
 
     def all_prompts(self) -> list[dict[str, Any]]:
@@ -77,11 +79,11 @@ class Evaluator:
                    rollout_logprobs=r["logprobs"], versions=r["versions"],
                    metadata={"response": self._response(r)})
         rew = self.env.reward(p, s)
-        if asyncio.iscoroutine(rew):
+        if inspect.isawaitable(rew):
             rew = await rew
         return float(rew)
 
-    async def evaluate(self, host: Host, engines: list[str], full: bool = False) -> dict[str, float]:
+    async def evaluate(self, host: ActorHost, engines: list[str], full: bool = False) -> dict[str, float]:
         """Greedy-decode every eval prompt, plus k samples each (spread over `engines`); score them.
         full: also greedy-decode the rest of the eval set (no samples there)."""
         ec = self.cfg.eval

@@ -83,7 +83,7 @@ class DiffusionEngine(Engine):
             raise EngineError(f"diffusion engine: max_batch must be >= 1, got {max_batch}")
         self.net = net.eval()
         self.sched, self.max_batch, self.version = sched, max_batch, version
-        s = net.spec  # type: ignore[attr-defined]
+        s: Any = net.spec  # a FlowUNetSpec: the net is any module that carries one
         self.shape = (s.in_channels, s.image_size, s.image_size)
         self.stager = WeightStager({n: p.data for n, p in net.named_parameters()})
         self._queue: list[_Running] = []

@@ -21,6 +21,7 @@ import os
 import re
 import shlex
 from pathlib import Path
+from typing import Any
 
 from miles.core.errors import ConfigError
 from miles.core.files import atomic_write_bytes
@@ -111,9 +112,9 @@ def _keeps(line: bytes, step: int) -> bool:
     return isinstance(rec, dict) and _step(rec) <= step
 
 
-def _step(rec: dict[str, object]) -> int:
+def _step(rec: dict[str, Any]) -> int:
     try:
-        return int(rec.get("step", 0))  # type: ignore[call-overload]
+        return int(rec.get("step", 0))
     except (TypeError, ValueError):
         return 0
 
