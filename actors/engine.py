@@ -26,7 +26,14 @@ from miles.actors.messages import (
 from miles.actors.runtime.actor import Actor, handler
 from miles.core.errors import EngineError
 from miles.core.images import ImageInput
-from miles.engines.base import Engine, GenerateRequest, GenerateResult, PauseMode, SamplingParams
+from miles.engines.base import (
+    Engine,
+    GenerateRequest,
+    GenerateResult,
+    HealthReply,
+    PauseMode,
+    SamplingParams,
+)
 from miles.weightsync.messages import BulkClose, BulkOpen, BulkPlan, BulkRecv, FlatRange, Stage
 from miles.weightsync.receiver import WeightReceiver
 
@@ -156,7 +163,7 @@ class EngineActor(Actor):
         await self.engine.end_session(msg.key)
 
     @handler(Health, concurrency=4)
-    def health(self, msg: Health) -> dict[str, Any]:
+    def health(self, msg: Health) -> HealthReply:
         return self.engine.health()
 
     @handler(Stats, concurrency=4)
