@@ -25,7 +25,6 @@ from miles.actors.runtime.host_view import ActorHost
 from miles.core.errors import MilesError
 from miles.core.hooks import resolve_hook
 from miles.core.schema import MilesConfig
-from miles.rollout.envs.base import Environment
 from miles.rollout.tokenizer import Tokenizer
 from miles.rollout.types import Sample
 
@@ -56,7 +55,7 @@ class Evaluator:
         self.tok = tokenizer
         make = resolve_hook(cfg.rollout.env, "rollout.env")
         args = {**cfg.rollout.env_args, **cfg.eval.env_args}
-        self.env: Environment = make(**args)
+        self.env = make(**args)
         self.prompts = [self.env.prompts.item(i) for i in range(cfg.eval.num_prompts)]
 
     def all_prompts(self) -> list[dict[str, Any]]:
@@ -65,7 +64,7 @@ class Evaluator:
         if not isinstance(src, Sized):
             raise EvalError(f"eval.full_at_ends: the eval env {self.env.name!r} serves an endless prompt stream; "
                             "a full evaluation needs a finite eval set (the dataset or gsm8k env)")
-        return [src.item(i) for i in range(len(src))]
+        return [self.env.prompts.item(i) for i in range(len(src))]
 
     def _response(self, r: dict[str, Any]) -> str:
         out = [t for t in r["output_ids"] if t not in self.tok.stop_token_ids]

@@ -21,7 +21,6 @@ import os
 import re
 import shlex
 from pathlib import Path
-from typing import Any
 
 from miles.core.errors import ConfigError
 from miles.core.files import atomic_write_bytes
@@ -112,9 +111,10 @@ def _keeps(line: bytes, step: int) -> bool:
     return isinstance(rec, dict) and _step(rec) <= step
 
 
-def _step(rec: dict[str, Any]) -> int:
+def _step(rec: dict[str, object]) -> int:
+    step = rec.get("step", 0)
     try:
-        return int(rec.get("step", 0))
+        return int(step) if isinstance(step, int | float | str) else 0
     except (TypeError, ValueError):
         return 0
 
