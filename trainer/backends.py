@@ -29,6 +29,9 @@ class TrainerBackend(Protocol):
     weight_version: int  # the version of the weights it holds (one per step)
 
     @property
+    def cfg(self) -> TrainerConfig: ...  # its section, as this rank resolved it
+
+    @property
     def device(self) -> torch.device: ...
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
