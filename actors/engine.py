@@ -8,7 +8,7 @@ the engine's staging area and commits versions.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, cast
 
 from miles.actors.messages import (
     AbortRequest,
@@ -26,7 +26,14 @@ from miles.actors.messages import (
 from miles.actors.runtime.actor import Actor, handler
 from miles.core.errors import EngineError
 from miles.core.images import ImageInput
-from miles.engines.base import Engine, GenerateRequest, GenerateResult, SamplingParams
+from miles.engines.base import (
+    Engine,
+    GenerateRequest,
+    GenerateResult,
+    HealthReply,
+    PauseMode,
+    SamplingParams,
+)
 from miles.weightsync.messages import BulkClose, BulkOpen, BulkPlan, BulkRecv, FlatRange, Stage
 from miles.weightsync.receiver import WeightReceiver
 
@@ -107,8 +114,8 @@ class EngineActor(Actor):
     async def pause(self, msg: Pause) -> int:
         if msg.mode not in ("auto", "abort", "retract", "in_place"):
             raise EngineError(f"pause mode {msg.mode!r}: valid are auto, abort, retract, in_place")
-        mode = self.engine.default_pause_mode if msg.mode == "auto" else msg.mode  # auto: the engine's own
-        return len(await self.engine.pause(mode))  # type: ignore[arg-type]
+        mode = self.engine.default_pause_mode if msg.mode == "auto" else cast(PauseMode, msg.mode)  # checked above
+        return len(await self.engine.pause(mode))
 
     @handler(Resume)
     async def resume(self, msg: Resume) -> None:
@@ -156,7 +163,7 @@ class EngineActor(Actor):
         await self.engine.end_session(msg.key)
 
     @handler(Health, concurrency=4)
-    def health(self, msg: Health) -> dict[str, Any]:
+    def health(self, msg: Health) -> HealthReply:
         return self.engine.health()
 
     @handler(Stats, concurrency=4)

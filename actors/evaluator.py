@@ -12,6 +12,7 @@ to a user command instead.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import math
 import shlex
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles.actors.messages import GenerateMany
-from miles.actors.runtime.host import Host
+from miles.actors.runtime.host_view import ActorHost
 from miles.core.errors import MilesError
 from miles.core.hooks import resolve_hook
 from miles.core.schema import MilesConfig
@@ -63,7 +64,7 @@ class Evaluator:
         if not isinstance(src, Sized):
             raise EvalError(f"eval.full_at_ends: the eval env {self.env.name!r} serves an endless prompt stream; "
                             "a full evaluation needs a finite eval set (the dataset or gsm8k env)")
-        return [src.item(i) for i in range(len(src))]
+        return [self.env.prompts.item(i) for i in range(len(src))]
 
     def _response(self, r: dict[str, Any]) -> str:
         out = [t for t in r["output_ids"] if t not in self.tok.stop_token_ids]
@@ -77,11 +78,11 @@ class Evaluator:
                    rollout_logprobs=r["logprobs"], versions=r["versions"],
                    metadata={"response": self._response(r)})
         rew = self.env.reward(p, s)
-        if asyncio.iscoroutine(rew):
+        if inspect.isawaitable(rew):
             rew = await rew
         return float(rew)
 
-    async def evaluate(self, host: Host, engines: list[str], full: bool = False) -> dict[str, float]:
+    async def evaluate(self, host: ActorHost, engines: list[str], full: bool = False) -> dict[str, float]:
         """Greedy-decode every eval prompt, plus k samples each (spread over `engines`); score them.
         full: also greedy-decode the rest of the eval set (no samples there)."""
         ec = self.cfg.eval

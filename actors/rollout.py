@@ -45,6 +45,7 @@ from miles.rollout.tokens.tokenizer import Tokenizer
 from miles.rollout.tokens.vl_placeholders import placeholders_from_checkpoint
 
 if TYPE_CHECKING:  # the annotation only: the front's modules load in on_start, with the front
+    from miles.engines.base import HealthReply  # (and engines import torch)
     from miles.sessions.service import SessionService
 
 log = get_logger("miles.rollout")
@@ -88,7 +89,7 @@ class RolloutActor(Actor):
         reqs = EngineRequests(link, Dispatch(judge_names(rm.num_engines), affinity=False), {},
                               live_wait_s=rm.live_wait_s)
 
-        async def health(engine: str) -> dict[str, Any]:
+        async def health(engine: str) -> HealthReply:
             return await self.ref(engine).ask(Health(), timeout=max(1.0, _UP_POLL_S * 4))
 
         return JudgeClient(rm, reqs, tok or self.tokenizer, health)
@@ -118,7 +119,7 @@ class RolloutActor(Actor):
         while True:
             await asyncio.sleep(_UP_POLL_S)
             try:
-                h = await self.ref(engine).ask(Health(), timeout=max(1.0, _UP_POLL_S * 4))
+                h: HealthReply = await self.ref(engine).ask(Health(), timeout=max(1.0, _UP_POLL_S * 4))
             except MilesError:
                 continue
             # up once it serves the weights the rollout knows: a restarted engine serving its start

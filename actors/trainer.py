@@ -12,7 +12,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles.actors.engine_yield import EngineYield
 from miles.actors.evaluator import Evaluator, run_external
@@ -31,6 +31,9 @@ from miles.trainer.backends import data_parallel, make_trainer
 from miles.trainer.batch import TrainBatch, TrainSample, image_token_counts
 from miles.weightsync.publisher import WeightPublisher
 from miles.weightsync.shard_publisher import ShardedPublisher
+
+if TYPE_CHECKING:  # engines import torch; the reply is only read here
+    from miles.engines.base import HealthReply
 
 log = get_logger("miles.trainer")
 
@@ -103,7 +106,7 @@ class TrainerActor(Actor):
                 continue
             for name in self.engines:
                 try:
-                    h = await self.ref(name).ask(Health(), timeout=self.cfg.sync.health_timeout_s)
+                    h: HealthReply = await self.ref(name).ask(Health(), timeout=self.cfg.sync.health_timeout_s)
                 except MilesError:
                     continue  # dead or restarting: try again next round
                 if int(h.get("version", 0)) < pub.last_version:

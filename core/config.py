@@ -27,7 +27,7 @@ def opt(default: Any, doc: str, unit: str = "") -> Any:
     if isinstance(default, list | dict) or dataclasses.is_dataclass(default):
         proto = default
         if dataclasses.is_dataclass(default):
-            return dataclasses.field(default_factory=type(default), metadata=meta)  # type: ignore[arg-type]
+            return dataclasses.field(default_factory=type(default), metadata=meta)
         return dataclasses.field(default_factory=lambda: _deep_copy(proto), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
 
@@ -45,13 +45,13 @@ def _hints(cls: type) -> dict[str, Any]:
     """The types of a section's fields (a base class's annotations, e.g. values the loader
     derives, are not keys)."""
     hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
 def _coerce(tp: Any, value: Any, path: str) -> Any:
     """Check `value` against type `tp` and convert it (int->float only): sections are built here
     (unknown keys are errors); every other value goes through the one type checker."""
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a table (section), got {type(value).__name__}")
         return _build(tp, value, path)
@@ -67,7 +67,7 @@ def _removed(cls: Any, key: str, where: str) -> None:
 
 def _build(cls: type[T], data: dict[str, Any], path: str) -> T:
     hints = _hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    names = list(hints)  # the fields, in order
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         where = f"{path}.{key}" if path else key
@@ -95,7 +95,7 @@ def _parse_scalar(text: str) -> Any:
 def _field_type(cls: type, dotted: str) -> Any:
     tp: Any = cls
     for i, part in enumerate(dotted.split(".")):
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             hints = _hints(tp)
             if part not in hints:
                 where = ".".join(dotted.split(".")[: i + 1])
@@ -184,7 +184,8 @@ def dump_toml(obj: Any, with_docs: bool = False) -> str:
     lines: list[str] = []
 
     def walk(node: Any, prefix: str) -> None:
-        scalars, tables = [], []
+        scalars: list[tuple[Any, Any]] = []
+        tables: list[tuple[Any, Any]] = []
         for f in dataclasses.fields(node):
             v = getattr(node, f.name)
             (tables if dataclasses.is_dataclass(v) else scalars).append((f, v))
@@ -213,6 +214,6 @@ def check_documented(cls: type, path: str = "") -> list[str]:
         if not f.metadata.get("doc"):
             missing.append(where)
         tp = _hints(cls)[f.name]
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             missing += check_documented(tp, where)
     return missing

@@ -49,8 +49,8 @@ def _is_free_table(tp: Any) -> bool:
 
 def resolve_value(tp: Any, meta: dict[str, Any], value: Any, base: Path) -> Any:
     """One raw (TOML) value of a field of type `tp`, its paths made absolute against `base`."""
-    if dataclasses.is_dataclass(tp) and isinstance(value, dict):
-        return resolve_table(tp, value, base)  # type: ignore[arg-type]
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp) and isinstance(value, dict):
+        return resolve_table(tp, value, base)
     if meta.get("unit") == PATH_UNIT and isinstance(value, str):
         return absolute(value, base)
     if _is_free_table(tp) and isinstance(value, dict):
@@ -76,8 +76,8 @@ def resolve_dotted(cls: type, dotted: str, value: Any, base: Path) -> Any:
     meta: dict[str, Any] = {}
     parts = dotted.split(".")
     for i, part in enumerate(parts):
-        if dataclasses.is_dataclass(tp):
-            fields = _fields(tp)  # type: ignore[arg-type]
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            fields = _fields(tp)
             if part not in fields:
                 return value  # the loader names the unknown key
             tp, meta = fields[part]
@@ -92,12 +92,12 @@ def with_default_paths(cls: type, data: dict[str, Any], base: Path) -> dict[str,
     """`data` plus every path option it does not set whose default is a non-empty path, made
     absolute against `base` (the working directory)."""
     out = dict(data)
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+    for f in dataclasses.fields(cls):
         tp, meta = _fields(cls)[f.name]
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             sub = data.get(f.name, {})
             if isinstance(sub, dict):
-                filled = with_default_paths(tp, sub, base)  # type: ignore[arg-type]
+                filled = with_default_paths(tp, sub, base)
                 if filled:
                     out[f.name] = filled
         elif meta.get("unit") == PATH_UNIT and f.name not in data and isinstance(f.default, str) and f.default:

@@ -11,6 +11,8 @@ from __future__ import annotations
 class MilesError(Exception):
     """Base of every error miles raises on purpose."""
 
+    remote_traceback: str  # set when raised in another process's handler (actors/runtime/host.py)
+
 
 class ConfigError(MilesError):
     """A config file, override or hook is wrong; the message names the dotted path."""

@@ -93,7 +93,9 @@ def expand_nodelist(spec: str) -> list[str]:
 
 
 def _split_top(s: str, spec: str) -> list[str]:
-    items, depth, cur = [], 0, []
+    items: list[str] = []
+    cur: list[str] = []
+    depth = 0
     for ch in s:
         if ch == "[":
             depth += 1

@@ -34,7 +34,14 @@ from miles.diffusion.sampler import (
     step_mean_std,
     step_noise,
 )
-from miles.engines.base import Engine, GenerateRequest, GenerateResult, PauseMode, Staging
+from miles.engines.base import (
+    Engine,
+    GenerateRequest,
+    GenerateResult,
+    HealthReply,
+    PauseMode,
+    Staging,
+)
 from miles.models.hf_io import tensor_checksum
 from miles.weightsync.stager import WeightStager
 
@@ -83,7 +90,7 @@ class DiffusionEngine(Engine):
             raise EngineError(f"diffusion engine: max_batch must be >= 1, got {max_batch}")
         self.net = net.eval()
         self.sched, self.max_batch, self.version = sched, max_batch, version
-        s = net.spec  # type: ignore[attr-defined]
+        s: Any = net.spec  # a FlowUNetSpec: the net is any module that carries one
         self.shape = (s.in_channels, s.image_size, s.image_size)
         self.stager = WeightStager({n: p.data for n, p in net.named_parameters()})
         self._queue: list[_Running] = []
@@ -237,7 +244,7 @@ class DiffusionEngine(Engine):
     async def end_session(self, key: str) -> None:
         """Diffusion requests keep no state between calls: nothing to end."""
 
-    def health(self) -> dict[str, Any]:
+    def health(self) -> HealthReply:
         return {"version": self.version, "paused": not self._resumed.is_set(),
                 "running": len(self._running), "queued": len(self._queue)}
 

@@ -122,7 +122,7 @@ class DiffusionRecipe:
         return request_seed(self.cfg.run.seed, w.prompt_id, w.attempt, w.sample_index)
 
     async def _denoise(self, conds: list[int], seeds: list[int], ids: list[str]) -> list[dict[str, Any]]:
-        return await self.host.ref(ENGINE).ask(Denoise(conds, seeds, ids), timeout=600)  # type: ignore[no-any-return]
+        return await self.host.ref(ENGINE).ask(Denoise(conds, seeds, ids), timeout=600)
 
     def _dispatch(self, works: list[Work]) -> None:
         if not works:

@@ -83,4 +83,4 @@ def load_reward(cfg: RewardConfig, run_dir: str = "") -> RewardFn:
             raise ConfigError(f"reward.fn={cfg.fn!r}: a reward class is built as Class(RewardConfig): {exc}") from exc
     if not callable(obj):
         raise ConfigError(f"reward.fn={cfg.fn!r} is not callable")
-    return obj  # type: ignore[no-any-return]
+    return obj

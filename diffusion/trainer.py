@@ -92,7 +92,7 @@ def shard_flow(model: nn.Module, dtype: torch.dtype, fp32_patterns: list[str]) -
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:
-    return p.full_tensor() if hasattr(p, "full_tensor") else p  # type: ignore[no-any-return]
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
 class DiffusionTrainer:

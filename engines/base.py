@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Required, TypedDict
 
 import numpy as np
 import torch
@@ -25,6 +25,23 @@ from miles.weightsync.stager import Staging
 
 FinishReason = Literal["stop", "length", "abort"]
 PauseMode = Literal["abort", "retract", "in_place"]
+
+
+class HealthReply(TypedDict, total=False):
+    """An engine's answer to `Health` (a plain map on the wire; read with `.get`): the weight
+    version and the load always; an external server (engines/sglang.py) adds its restarts,
+    why it cannot serve (`fatal`, "" when it can) and how it takes weights."""
+
+    version: Required[int]  # the weight version it serves
+    paused: Required[bool]
+    running: Required[int]
+    queued: Required[int]
+    ok: bool  # serving: alive and not closed (an LLM engine's; the diffusion engine leaves it out)
+    device: str
+    last_error: str  # "" when none
+    restarts: int
+    fatal: str
+    weight_update: str
 
 ENGINES = Registry(
     "engine",
@@ -114,7 +131,7 @@ class Engine(abc.ABC):
     async def end_session(self, key: str) -> None: ...
 
     @abc.abstractmethod
-    def health(self) -> dict[str, Any]: ...
+    def health(self) -> HealthReply: ...
 
     @abc.abstractmethod
     def stats(self) -> dict[str, Any]: ...

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from miles.core.logging import get_logger
-from miles.engines.kv_cache import RowPool
+from miles.engines.kv_cache import KVPool, RowPool
 from miles.engines.sampling import to_device
 from miles.models.decoder import CausalLM
 from miles.models.masks import cached_causal_mask
@@ -61,7 +61,7 @@ def _pow2_at_least(n: int) -> int:
 
 
 class DecodeGraphs:
-    def __init__(self, model: CausalLM, pool: RowPool, capture: bool = True, compiled: bool = False) -> None:
+    def __init__(self, model: CausalLM, pool: KVPool, capture: bool = True, compiled: bool = False) -> None:
         self.model = model
         self.pool = pool
         self.rows = pool.k[0].shape[0]
@@ -76,7 +76,7 @@ class DecodeGraphs:
         self.compiled = compiled
         self.moe = model.spec.is_moe
         self._graphs: dict[tuple[int, int, bool, tuple[int, int]], _Graph] = {}
-        self._mempool: tuple[int, int] | None = None
+        self._mempool: torch.cuda._POOL_HANDLE | None = None
         self.failed = False  # a capture failed: the engine falls back to eager decode for good
         self.aside = False  # a compile runs in another thread (`compile_aside`): capture nothing new
 
@@ -210,8 +210,9 @@ class DecodeGraphs:
             try:
                 # No duck sizing: the first batch bucket often equals the pool's row count, and a
                 # compile that assumed them equal would compile again for every smaller bucket.
-                with fx_config.patch(use_duck_shape=False):
-                    out: tuple[torch.Tensor, torch.Tensor | None] = _compiled_forward(type(self))(
+                with fx_config.patch(use_duck_shape=False):  # type: ignore[attr-defined]  # added at import (install_config_module)
+                    out: tuple[torch.Tensor, torch.Tensor | None] = _compiled_forward(
+                        type(self))(  # type: ignore[arg-type]  # a class is hashable; mypy reads its instances' __hash__
                         self, inputs, read, want_routed)
                 return out
             except Exception as exc:  # noqa: BLE001 - the compile failed: run the forward uncompiled

@@ -28,6 +28,8 @@ class KVPool(Protocol):
     are no-ops."""
 
     reserves: bool
+    max_seq_len: int  # also the index of the scratch column a prefill writes padding to
+    k: list[torch.Tensor]  # per-layer keys (first dim: rows, or blocks); decode graphs read its device
 
     def bytes_per_token(self) -> int: ...
     def bind(self, r0: int, pos: torch.Tensor, read_len: int) -> None: ...

@@ -26,6 +26,7 @@ from miles.models.lora import SCALE_NAME, merge_weight, scale_tensor
 
 if TYPE_CHECKING:
     from miles.engines.base import Engine
+    from miles.models.decoder import CausalLM
 
 
 class _Params:
@@ -43,7 +44,7 @@ class _Params:
 class AdapterMerge:
     """Staged adapter versions of one model, and the base weights they merge onto."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: CausalLM) -> None:
         self.model = model
         self.base: dict[str, torch.Tensor] = {}  # parameter name -> base weight (adapted layers)
         self.version: int | None = None
@@ -93,7 +94,7 @@ class AdapterMerge:
                     f"do not fit its weight {tuple(w0.shape)}"
                 )
             out[w] = merge_weight(w0, a.to(w0), b.to(w0), scale)
-        return hf_tensor_views(_Params(self.model.spec, out))  # type: ignore[arg-type]
+        return hf_tensor_views(_Params(self.model.spec, out))
 
     def committed_version(self) -> None:
         """The staged version went live."""

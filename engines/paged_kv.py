@@ -257,7 +257,7 @@ class PagedDecodeGraphs(DecodeGraphs):
     (batch, key length) bucket. Pad rows of a bucket are empty rows: their table is the zero block."""
 
     def __init__(self, model: CausalLM, pool: PagedPool, capture: bool = True) -> None:
-        super().__init__(model, pool, capture=capture)  # type: ignore[arg-type]
+        super().__init__(model, pool, capture=capture)
         self.rows = len(pool.tables)  # DecodeGraphs reads the row pool's first dim
         self.paged = pool
 

@@ -55,6 +55,7 @@ from miles.engines.base import (
     Engine,
     GenerateRequest,
     GenerateResult,
+    HealthReply,
     PauseMode,
     RequestTotals,
     SamplingParams,
@@ -424,7 +425,7 @@ class SGLangEngine(Engine):
             self._staged_version, self._staged = None, set()
 
     # ---- introspection ------------------------------------------------------------
-    def health(self) -> dict[str, Any]:
+    def health(self) -> HealthReply:
         alive = (self.server.alive and self.server.served) if self.server is not None else self._started
         return {
             "ok": alive and not self._closed and not self._fatal,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -28,6 +29,9 @@ from miles.engines.vl_inputs import choose_unbanned, decode_positions, is_vl, pr
 from miles.models.decoder import CausalLM
 from miles.models.invariant import BatchInvariant, triton_kernels
 from miles.models.masks import cached_causal_mask
+
+if TYPE_CHECKING:
+    from miles.models.qwen2_5_vl import VLCausalLM
 
 log = get_logger("miles.engine")
 
@@ -249,7 +253,7 @@ class Stepper:
         write = torch.where(real, pos, torch.full_like(pos, scratch))
         read = max(len(s.tokens) for s in seqs)
         self.pool.bind(seqs[0].row, write, read)
-        extra = prefill_inputs(self.model, seqs, ids, new_lens) if self.vl else {}  # type: ignore[arg-type]
+        extra = prefill_inputs(cast("VLCausalLM", self.model), seqs, ids, new_lens) if self.vl else {}
         res = self.model(
             ids,
             pos,
@@ -283,10 +287,10 @@ class Stepper:
         Rows are pool rows 0..n-1 (decode always covers the running rows from the first)."""
         if self.graphs is not None and not self.graphs.failed and seqs[0].row == 0:
             try:
-                lens = [s.kv_len for s in seqs]
+                kv_lens = [s.kv_len for s in seqs]
                 if self.pool.reserves:  # blocks and tables, outside the graph
-                    self.pool.prepare(0, lens)
-                return self.graphs.run([s.tokens[-1] for s in seqs], lens, want)
+                    self.pool.prepare(0, kv_lens)
+                return self.graphs.run([s.tokens[-1] for s in seqs], kv_lens, want)
             except Exception as exc:  # noqa: BLE001 - decode eagerly instead
                 self._graphs_failed(exc)
         dev = self.device

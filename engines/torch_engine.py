@@ -26,6 +26,7 @@ from miles.engines.base import (
     FinishReason,
     GenerateRequest,
     GenerateResult,
+    HealthReply,
     PauseMode,
     RequestTotals,
     Staging,
@@ -261,7 +262,7 @@ class TorchEngine(Engine):
             self.adapters.drop()
 
     # ---- introspection ------------------------------------------------------------
-    def health(self) -> dict[str, Any]:
+    def health(self) -> HealthReply:
         alive = self._task is None or not self._task.done()
         return {
             "ok": alive and not self._closed,

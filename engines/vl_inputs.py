@@ -54,8 +54,8 @@ def vl_state(model: VLCausalLM, seq: Sequence, device: torch.device) -> VLState:
     imgs = seq.req.images
     grid = None if imgs is None else torch.from_numpy(imgs.grid)
     feats = None
-    if imgs is not None and imgs.count:
-        feats = model.image_features(torch.from_numpy(imgs.pixels).to(device), grid.to(device))  # type: ignore[union-attr]
+    if imgs is not None and imgs.count and grid is not None:  # grid: there whenever images are
+        feats = model.image_features(torch.from_numpy(imgs.pixels).to(device), grid.to(device))
     pos, delta = mrope_positions(seq.tokens, grid if grid is not None else [], v.image_token_id,
                                  v.spatial_merge_size)
     return VLState(feats, pos, delta)

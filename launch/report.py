@@ -73,7 +73,8 @@ def _eval_plot(evals: list[dict[str, Any]]) -> list[str]:
             "all rows, lenient": "eval/full/accuracy_lenient"}
     if k:
         keys.update({f"avg@{k}": f"eval/avg_at_{k}", f"pass@{k}": f"eval/pass_at_{k}"})
-    lines = {name: [(int(e["step"]), float(e[key])) for e in evals if key in e] for name, key in keys.items()}
+    lines: dict[str, list[tuple[float, float]]] = {
+        name: [(int(e["step"]), float(e[key])) for e in evals if key in e] for name, key in keys.items()}
     return [line_plot({n: v for n, v in lines.items() if v}, title="held-out evaluation", ylabel="accuracy",
                       index=8)]
 

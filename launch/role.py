@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
     stop = asyncio.Event()
     code = {"rc": 0}
+    tasks: set[asyncio.Task[None]] = set()  # held here: the loop keeps only weak references
 
     async def setup(host: Host) -> None:
         if a.role == "judge_engine":  # the judge pool's: a frozen model, never sent weights
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                     code["rc"] = 1
                     stop.set()
 
-                engine.on_lost = lost  # type: ignore[attr-defined]
+                engine.on_lost = lost
             name = "eval-engine" if a.role == "eval_engine" else f"engine-{a.index}"
             await host.add(EngineActor(engine), name)
         elif a.role == "rollout":
@@ -151,19 +152,19 @@ def main(argv: list[str] | None = None) -> int:
             sink = MetricsSink(cfg.run.dir, wandb=wandb_settings(cfg),
                                resume_step=checkpoint_step(resume) if resume else None) if a.index == 0 else None
             done = asyncio.Event()
-            actor = TrainerActor(cfg, ModelSpec.from_dir(cfg.model.path), a.index, cfg.trainer.world_size,
-                                 engine_names(cfg), cfg.model.path, done, sink,
-                                 resume_from=os.environ.get("MILES_RESUME", ""))
+            trainer = TrainerActor(cfg, ModelSpec.from_dir(cfg.model.path), a.index, cfg.trainer.world_size,
+                                   engine_names(cfg), cfg.model.path, done, sink,
+                                   resume_from=os.environ.get("MILES_RESUME", ""))
 
             async def finish() -> None:
                 await done.wait()
-                code["rc"] = 1 if actor.error is not None else 0
+                code["rc"] = 1 if trainer.error is not None else 0
                 if sink is not None:
                     sink.close()
                 stop.set()
 
-            host._finish_task = asyncio.create_task(finish())  # type: ignore[attr-defined]
-            await host.add(actor, f"trainer-{a.index}")
+            tasks.add(asyncio.create_task(finish()))
+            await host.add(trainer, f"trainer-{a.index}")
         code["started"] = 1  # its actors serve: a crash from now on is not a failure at start
 
     try:

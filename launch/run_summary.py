@@ -20,7 +20,7 @@ STALENESS = "rollout/fully_async/avg_staleness"
 MISMATCH = "train/train_rollout_logprob_abs_diff"
 
 
-def series(rows: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
+def series(rows: list[dict[str, Any]], key: str) -> list[tuple[float, float]]:  # steps are ints
     """(step, value) of every row that has a number for `key`."""
     return [(int(r["step"]), float(r[key])) for r in rows
             if isinstance(r.get(key), int | float) and not isinstance(r.get(key), bool) and "step" in r]

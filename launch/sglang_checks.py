@@ -26,7 +26,8 @@ def model_config(cfg: MilesConfig) -> dict[str, Any]:
         return json.loads(f.read_text()) if f.is_file() else {}
     from miles.models.presets import tiny_config
 
-    return tiny_config(cfg.model.arch, **cfg.model.overrides)
+    overrides: dict[str, Any] = cfg.model.overrides  # typed per value: vocab_size may be one
+    return tiny_config(cfg.model.arch, **overrides)
 
 
 def _head_dim(hf: dict[str, Any]) -> int | None:

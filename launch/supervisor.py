@@ -37,7 +37,10 @@ log = get_logger("miles.launch")
 class Unit(Protocol):
     """One supervised role: a local process or a Slurm step."""
 
-    role: str  # engine, eval_engine, rollout, trainer, head
+    @property
+    def role(self) -> str:  # engine, eval_engine, rollout, trainer, head (a Slurm step derives it)
+        ...
+
     index: int  # engine index or trainer rank (0 for a Slurm step, which holds every task)
     restarts: int
     env: dict[str, str]  # the environment of its next start

@@ -112,8 +112,9 @@ def _keeps(line: bytes, step: int) -> bool:
 
 
 def _step(rec: dict[str, object]) -> int:
+    step = rec.get("step", 0)
     try:
-        return int(rec.get("step", 0))  # type: ignore[call-overload]
+        return int(step) if isinstance(step, int | float | str) else 0
     except (TypeError, ValueError):
         return 0
 

@@ -97,7 +97,7 @@ def compiled_head_ops(backend: str = "inductor") -> HeadOps:
 
 class _ChunkedHead(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
         temperature: float, entropy: bool, grad: bool, ops: HeadOps,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,7 +122,7 @@ class _ChunkedHead(torch.autograd.Function):
         return logp, ent
 
     @staticmethod
-    def backward(  # type: ignore[override]
+    def backward(
         ctx: Any, g_logp: torch.Tensor | None, g_ent: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, targets, lse, ent = ctx.saved_tensors
@@ -139,7 +139,7 @@ class _ChunkedHead(torch.autograd.Function):
         for a, b in _chunks(m, v):
             raw = buf[a:b] if buf is not None else hidden[a:b] @ weight.t()
             gl = ops.grad_logits(raw, targets[a:b], lse[a:b], ent[a:b] if use_ent else None,
-                                 g_logp[a:b], g_ent[a:b] if use_ent else None, t)
+                                 g_logp[a:b], g_ent[a:b] if use_ent and g_ent is not None else None, t)
             if buf is not None:
                 buf[a:b] = gl
                 continue

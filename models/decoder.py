@@ -8,7 +8,9 @@ rows) and MoE experts stacked as `mlp.experts.gate_up_proj` [E, 2I, H] / `mlp.ex
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -82,8 +84,8 @@ class DecoderLayer(nn.Module):
         )
         zc = spec.model_type == "qwen3_next"  # zero-centred norms: weight + 1 scales
         norm = ZcRMSNorm if zc else RMSNorm
-        self.input_layernorm: nn.Module = norm(spec.hidden_size, spec.rms_norm_eps)
-        self.post_attention_layernorm: nn.Module = norm(spec.hidden_size, spec.rms_norm_eps)
+        self.input_layernorm: RMSNorm | ZcRMSNorm = norm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm: RMSNorm | ZcRMSNorm = norm(spec.hidden_size, spec.rms_norm_eps)
         self._norm = zc_rms_norm if zc else rms_norm
         self.ops: CompiledOps | None = None  # set by `CausalLM.compile_blocks`
         self.recompute = "off"  # activation checkpointing: off | mlp | full (`CausalLM.set_recompute`)
@@ -165,7 +167,7 @@ class Backbone(nn.Module):
         self.norm: nn.Module = (ZcRMSNorm if spec.model_type == "qwen3_next" else RMSNorm)(
             spec.hidden_size, spec.rms_norm_eps
         )
-        self.rotary = Rotary(spec.rope_spec)
+        self.rotary: nn.Module = Rotary(spec.rope_spec)  # VLCausalLM puts an MRotary here
 
 
 # H200, 0.5B dense (bench/results/trainer_h200_s4.txt): 4k-token packs of 768-token sequences
@@ -321,6 +323,8 @@ class CausalLM(nn.Module):
             h, ids = layer(h, cos, sin, window_bias if layer.sliding else bias, kv_cache, given, position_ids)
             if return_routed_experts and ids is not None:
                 used.append(ids)
+        logp: torch.Tensor | None
+        ent: torch.Tensor | None
         if target_ids is not None:
             flat = h.reshape(b * t, -1)
             sel = flat[logits_index.to(h.device)] if logits_index is not None else flat
@@ -348,7 +352,7 @@ class CausalLM(nn.Module):
         (models/chunked_logprobs.py); attention and MoE dispatch stay eager.
         Numerics are the same ops, fused: equal up to floating-point rounding. Only on CUDA
         does it pay (Triton kernels); the first forward compiles (tens of seconds)."""
-        for layer in self.model.layers:
+        for layer in cast("Iterable[DecoderLayer]", self.model.layers):
             layer.ops = compiled_ops(layer._norm, backend)
         self.head_ops = compiled_head_ops(backend)
 
@@ -359,7 +363,7 @@ class CausalLM(nn.Module):
         if layers < 0:
             raise ModelInputError(f"recompute layers must be >= 0 (0 = every block), got {layers}")
         n = layers or len(self.model.layers)
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in enumerate(cast("Iterable[DecoderLayer]", self.model.layers)):
             layer.recompute = mode if i < n else "off"
 
     def _varlen(self, device: torch.device, t: int = VARLEN_AUTO_MIN_TOKENS) -> bool:

@@ -18,6 +18,7 @@ is logged once (`fp8_gemm_unavailable`) and not used again in this process.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Callable
 
@@ -157,7 +158,7 @@ def cuda_linear(x2: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias
         timed = {}
         for kind in kinds:
             if _checked(kind, x2, codes, scale, bias) is not None:
-                timed[kind] = graph_time(lambda kind=kind: run(kind, x2, codes, scale, bias)) * 1e3
+                timed[kind] = graph_time(functools.partial(run, kind, x2, codes, scale, bias)) * 1e3
         if timed:
             _pick[key] = min(timed, key=timed.__getitem__)
             timings[key] = {k: round(t, 2) for k, t in timed.items()}

@@ -15,6 +15,8 @@ engine's FP8 weights, both computing with the same `Ŵ` (models/fp8.py).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,22 +33,24 @@ from miles.models.invariant import invariant_active
 
 log = get_logger("miles.models.fp8")
 PLAN_ATTR = "fp8_plan"  # the attribute of an nn.Linear that holds its Fp8Plan
+GEMM_ATTR = "fp8_gemm"  # ... and whether it multiplies in FP8 on CUDA (default True)
+_CACHE_ATTR = "_fp8_cache"  # ... and its cached dequantized weight (CPU engine)
 
 
 class _FakeQuantSTE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, w: torch.Tensor, plan: Fp8Plan) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, w: torch.Tensor, plan: Fp8Plan) -> torch.Tensor:
         codes, scale = quantize_rows(w, plan)
         return dequantize_rows(codes, scale, plan, w.dtype)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
 
 
 def fake_quantized(w: torch.Tensor, plan: Fp8Plan) -> torch.Tensor:
     """Ŵ of a float weight, gradient straight through to `w`."""
-    return _FakeQuantSTE.apply(w, plan)  # type: ignore[no-any-return]
+    return _FakeQuantSTE.apply(w, plan)
 
 
 def project(x: torch.Tensor, mod: nn.Linear) -> torch.Tensor:
@@ -59,7 +63,7 @@ def project(x: torch.Tensor, mod: nn.Linear) -> torch.Tensor:
         scale = getattr(mod, "weight" + SCALE_SUFFIX)
         if x.is_cuda and not invariant_active() and _gemm_ok(x, w, plan):
             lead, k = x.shape[:-1], x.shape[-1]
-            y = cuda_linear(x.reshape(-1, k), w, scale, mod.bias, act_fp8=getattr(mod, "fp8_gemm", True))
+            y = cuda_linear(x.reshape(-1, k), w, scale, mod.bias, act_fp8=getattr(mod, GEMM_ATTR, True))
             if y is not None:
                 return y.view(*lead, w.shape[0])
         w_hat = _cached_dequant(mod, w, scale, plan, x.dtype) if not x.is_cuda else dequantize_rows(
@@ -83,11 +87,11 @@ def _cached_dequant(mod: nn.Module, codes: torch.Tensor, scale: torch.Tensor, pl
     engine commit: a receiver may write staged bytes without torch noticing) and by storage
     address and version counter of codes and scales (any in-place torch write)."""
     key = (_generation[0], codes.data_ptr(), codes._version, scale.data_ptr(), scale._version, dtype)
-    hit = getattr(mod, "_fp8_cache", None)
+    hit: tuple[tuple[Any, ...], torch.Tensor] | None = getattr(mod, _CACHE_ATTR, None)
     if hit is None or hit[0] != key:
         hit = (key, dequantize_rows(codes, scale, plan, dtype))
-        mod._fp8_cache = hit
-    return hit[1]  # type: ignore[no-any-return]
+        setattr(mod, _CACHE_ATTR, hit)
+    return hit[1]
 
 
 def _gemm_ok(x: torch.Tensor, w: torch.Tensor, plan: Fp8Plan) -> bool:

@@ -18,7 +18,7 @@ from miles.models.config import ModelSpec
 from miles.models.decoder import CausalLM
 from miles.models.fp8 import FP8, SCALE_SUFFIX
 from miles.models.fp8_layout import Fp8Plan, fp8_block, quantize_hf_state, quantize_rows
-from miles.models.fp8_linear import PLAN_ATTR
+from miles.models.fp8_linear import GEMM_ATTR, PLAN_ATTR
 from miles.models.hf_names import hf_param_slices
 from miles.models.layers import MLP, Attention
 
@@ -56,7 +56,7 @@ def to_fp8_weights(model: nn.Module, block: tuple[int, int], gemm: bool = True) 
     n = 0
     for lin, plan in _linear_plans(model, block):
         setattr(lin, PLAN_ATTR, plan)
-        lin.fp8_gemm = gemm  # type: ignore[assignment]
+        setattr(lin, GEMM_ATTR, gemm)
         if lin.weight.dtype == FP8:
             continue
         codes, scale = quantize_rows(lin.weight.data, plan)

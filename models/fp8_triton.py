@@ -23,6 +23,8 @@ capturing it); while capturing an untimed shape gets a default.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -171,7 +173,7 @@ def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: 
             errors: list[str] = []
             for c in _candidates(m, quant_x):
                 try:
-                    timed[c] = graph_time(lambda c=c: _launch(x, codes, scale, bias, y, quant_x, c))
+                    timed[c] = graph_time(functools.partial(_launch, x, codes, scale, bias, y, quant_x, c))
                 except Exception as exc:  # noqa: BLE001 - e.g. a tile too large for shared memory: skip it
                     errors.append(f"{c}: {type(exc).__name__}: {exc}")
             if not timed:

@@ -25,6 +25,7 @@ from miles.models.config import ModelSpec
 from miles.models.layers import Attention, KVCache, grouped_bias, rms_norm
 from miles.models.moe import slot_ordered_experts
 from miles.models.rope import apply_rotary_thd
+from miles.models.varlen import PackedSeqs
 
 
 class SinkAttention(Attention):
@@ -39,9 +40,11 @@ class SinkAttention(Attention):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        bias: torch.Tensor | None,
+        bias: torch.Tensor | PackedSeqs | None,
         kv_cache: KVCache | None,
     ) -> torch.Tensor:
+        # CausalLM passes packed rows only when every attention is the base `Attention` (`_varlen`)
+        assert not isinstance(bias, PackedSeqs), "gpt-oss attention takes a mask, not packed rows"
         b, t, _ = x.shape
         nh, nkv, hd, g = self.nh, self.nkv, self.hd, self.groups
         qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)

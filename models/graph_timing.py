@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 
-def graph_time(fn: Callable[[], None], reps: int = 10) -> float:
+def graph_time(fn: Callable[[], object], reps: int = 10) -> float:
     """ms per call, `reps` calls replayed as one CUDA graph (as the engine runs decode steps:
     eager timing would measure Triton's per-launch CPU cost instead, and penalise the two-kernel
     variant for it); eager if this cannot be captured."""
@@ -23,7 +23,7 @@ def graph_time(fn: Callable[[], None], reps: int = 10) -> float:
         with torch.cuda.graph(graph):
             for _ in range(reps):
                 fn()
-        run: Callable[[], None] = graph.replay
+        run: Callable[[], object] = graph.replay
         calls = reps
     except Exception:  # noqa: BLE001 - timing only
         run, calls = fn, 1

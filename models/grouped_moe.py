@@ -23,6 +23,7 @@ every stride a multiple of 16 bytes (hidden and expert intermediate sizes multip
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -91,16 +92,16 @@ class _Dispatch(torch.autograd.Function):
     bf16 rows with atomics: 10 % of a small MoE's train step on the H200 and nondeterministic."""
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, src: torch.Tensor,
+    def forward(ctx: Any, x: torch.Tensor, src: torch.Tensor,
                 slot_row: torch.Tensor, k: int) -> torch.Tensor:
         ctx.save_for_backward(slot_row)
-        ctx.k = k  # type: ignore[attr-defined]
+        ctx.k = k
         return _gather_padded(x, src)
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        (slot_row,) = ctx.saved_tensors  # type: ignore[attr-defined]
-        return _gather_sum(g, slot_row, ctx.k), None, None, None  # type: ignore[attr-defined]
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (slot_row,) = ctx.saved_tensors
+        return _gather_sum(g, slot_row, ctx.k), None, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -108,14 +109,14 @@ class _Combine(torch.autograd.Function):
     each one's backward is the other's forward (no atomics either way)."""
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, ys: torch.Tensor, src: torch.Tensor,
+    def forward(ctx: Any, ys: torch.Tensor, src: torch.Tensor,
                 slot_row: torch.Tensor, k: int) -> torch.Tensor:
         ctx.save_for_backward(src)
         return _gather_sum(ys, slot_row, k)
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        (src,) = ctx.saved_tensors  # type: ignore[attr-defined]
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (src,) = ctx.saved_tensors
         return _gather_padded(g, src), None, None, None
 
 

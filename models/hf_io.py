@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import xxhash
@@ -34,7 +35,17 @@ def hf_param_views(spec: ModelSpec, name: str, tensor: torch.Tensor) -> list[tup
     return [(s.hf_name, s.view(tensor)) for s in hf_param_slices(spec, name, tensor.shape)]
 
 
-def hf_tensor_views(model: CausalLM) -> dict[str, torch.Tensor]:
+class NamedParameters(Protocol):
+    """What `hf_tensor_views` reads of a model: a CausalLM, or one parameter of it
+    (trainer/checkpoint.py's `_OneParam`)."""
+
+    @property
+    def spec(self) -> ModelSpec: ...
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]: ...
+
+
+def hf_tensor_views(model: NamedParameters) -> dict[str, torch.Tensor]:
     """HF name -> a view into the model's parameter (row slices of fused projections,
     per-expert slices of stacked experts)."""
     out: dict[str, torch.Tensor] = {}
@@ -152,7 +163,7 @@ def save_model(model: CausalLM, path: str | Path, max_shard_bytes: int | None = 
     """Write config.json + model.safetensors (or shards + index when over `max_shard_bytes`)."""
     d = Path(path)
     d.mkdir(parents=True, exist_ok=True)
-    views = hf_tensor_views(model).items()
+    views: Iterable[tuple[str, torch.Tensor]] = hf_tensor_views(model).items()
     block = fp8_block(model.spec)
     if block is not None:  # an FP8 model is saved as a DeepSeek-V3-style FP8 checkpoint
         views = quantize_hf_state(views, block, fp8_hf_names(model.spec))

@@ -139,7 +139,7 @@ class BatchInvariant(TorchFunctionMode):
 
     def __enter__(self) -> BatchInvariant:
         _state.depth = getattr(_state, "depth", 0) + 1
-        return super().__enter__()  # type: ignore[no-any-return]
+        return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
         _state.depth -= 1

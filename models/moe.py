@@ -10,6 +10,7 @@ maps them to the per-expert HF names `mlp.experts.{e}.{gate,up,down}_proj.weight
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import numpy as np
 import torch
@@ -232,7 +233,7 @@ class MoEBlock(nn.Module):
             if self.norm_topk_prob:
                 top_w = top_w / top_w.sum(dim=-1, keepdim=True)
             return top_w.to(logits.dtype), ids
-        scores = F.linear(flat.float(), self.gate.weight.float()).sigmoid()
+        scores = F.linear(flat.float(), cast(torch.Tensor, self.gate.weight).float()).sigmoid()
         choice = self.gate(scores)  # a module call: the router probe's hook sees the selection scores
         ids = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1] if given is None else given
         top_w = scores.gather(1, ids)

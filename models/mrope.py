@@ -70,6 +70,8 @@ class MRotary(nn.Module):
     the same position on every axis) and returns (cos, sin) [B, T, dim]. The frequencies stay
     fp32 whatever dtype the model is cast to, as in `Rotary`."""
 
+    inv_freq: torch.Tensor  # a non-persistent buffer, registered in __init__
+
     def __init__(self, rope: RopeSpec, section: Sequence[int]) -> None:
         super().__init__()
         if rope.rope_type != "default" or rope.attention_factor != 1.0:
@@ -78,7 +80,7 @@ class MRotary(nn.Module):
         self.section = list(section)
         self.register_buffer("inv_freq", rope.inv_freq(), persistent=False)
 
-    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+    def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
         if self.inv_freq.dtype != torch.float32:  # recomputed, not cast back (see Rotary)
             self.inv_freq = self.rope.inv_freq().to(self.inv_freq.device)

@@ -14,6 +14,8 @@ transformers 5 also writes with `save_pretrained`.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from miles.models.config import ModelSpec
@@ -46,8 +48,9 @@ class VLCausalLM(CausalLM):
             std = float(text.get("initializer_range", self.spec.hf_config.get("initializer_range", 0.02)))
         super().init_weights(seed, std)
         for m in self.visual.modules():  # the tower's norms (norm1, norm2, ln_q) start as identity scales
-            if hasattr(m, "eps") and isinstance(getattr(m, "weight", None), torch.nn.Parameter):
-                m.weight.fill_(1.0)
+            w = getattr(m, "weight", None)
+            if hasattr(m, "eps") and isinstance(w, torch.nn.Parameter):
+                w.fill_(1.0)
 
     def image_features(self, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
         """[sum of image tokens, hidden] features of the images (`models/vision.py`)."""
@@ -61,8 +64,8 @@ class VLCausalLM(CausalLM):
         if features is None and pixels is None:
             return h
         if features is None:
-            assert grid is not None
-            features = self.image_features(pixels, grid.to(torch.long))  # type: ignore[arg-type]
+            assert grid is not None and pixels is not None
+            features = self.image_features(pixels, grid.to(torch.long))
         slots = input_ids == self.vision.image_token_id
         n = int(slots.sum())
         if n != features.shape[0]:
@@ -98,7 +101,7 @@ class VLCausalLM(CausalLM):
         out = torch.stack(parts, dim=1) if cu_seqlens is None else torch.cat(parts, dim=1).unsqueeze(1)
         return out.to(input_ids.device)
 
-    def forward(  # type: ignore[override]
+    def forward(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
@@ -106,7 +109,7 @@ class VLCausalLM(CausalLM):
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
         image_features: torch.Tensor | None = None,
-        **kw: object,
+        **kw: Any,
     ) -> CausalLMOutput:
         """`CausalLM.forward` with images: `pixel_values` [patches, C*tp*p*p] and
         `image_grid_thw` [n, 3] (or their `image_features` [tokens, hidden], computed once
@@ -121,5 +124,5 @@ class VLCausalLM(CausalLM):
             kw["inputs_embeds"] = self.embed(input_ids, pixel_values, image_grid_thw, image_features)
         if has_images and kw.get("rope_position_ids") is None and kw.get("kv_cache") is None:
             cu = kw.get("cu_seqlens")
-            kw["rope_position_ids"] = self.rope_positions(input_ids, image_grid_thw, cu)  # type: ignore[arg-type]
-        return super().forward(input_ids, position_ids, **kw)  # type: ignore[arg-type]
+            kw["rope_position_ids"] = self.rope_positions(input_ids, image_grid_thw, cu)
+        return super().forward(input_ids, position_ids, **kw)

@@ -18,6 +18,8 @@ attention layers; a decode step costs O(history) in these layers.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -147,7 +149,7 @@ class GatedDeltaNet(nn.Module):
         if kv_cache is not None:  # keep the new tokens' outputs
             out = out.gather(1, position_ids[:, :, None, None].expand(b, t, nv, dv))
         out = out.to(x.dtype)
-        normed = self.norm.weight * F.rms_norm(out.float(), (dv,), eps=self.eps).to(x.dtype)
+        normed = cast(torch.Tensor, self.norm.weight) * F.rms_norm(out.float(), (dv,), eps=self.eps).to(x.dtype)
         out = (normed * F.silu(z.float())).to(x.dtype)
         return F.linear(out.reshape(b, t, nv * dv), self.out_proj.weight)
 

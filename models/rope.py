@@ -100,7 +100,8 @@ class RopeSpec:
 
     def inv_freq(self, seq_len: int | None = None) -> torch.Tensor:
         """fp32 inverse frequencies [dim // 2] (on the CPU); `seq_len` matters for dynamic only."""
-        dim, base = self.dim, self.theta
+        dim = self.dim
+        base: float | torch.Tensor = self.theta
         exps = torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim
         if self.rope_type == "dynamic" and seq_len is not None and seq_len > self.max_position_embeddings:
             # as transformers does for a forward past max_position_embeddings: a 0-d fp32 tensor
@@ -178,12 +179,14 @@ class Rotary(nn.Module):
     mixed precision casts only parameters must compute the same tables (true on-policy).
     """
 
+    inv_freq: torch.Tensor  # a non-persistent buffer, registered in __init__
+
     def __init__(self, rope: RopeSpec) -> None:
         super().__init__()
         self.rope = rope
         self.register_buffer("inv_freq", rope.inv_freq(), persistent=False)
 
-    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+    def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
         if self.inv_freq.dtype != torch.float32:  # recomputed, not cast back: bits were lost
             # computed on the CPU on both sides, then moved: device pow kernels may round differently

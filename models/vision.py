@@ -118,6 +118,8 @@ def window_order(t: int, lh: int, lw: int, side: int) -> tuple[torch.Tensor, tor
 
 
 class VisionTower(nn.Module):
+    inv_freq: torch.Tensor  # a non-persistent buffer, registered in __init__
+
     def __init__(self, v: VisionSpec) -> None:
         super().__init__()
         self.spec = v
@@ -128,7 +130,7 @@ class VisionTower(nn.Module):
         inv = 1.0 / (v.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float) / rd))
         self.register_buffer("inv_freq", inv, persistent=False)
 
-    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+    def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
         if self.inv_freq.dtype != torch.float32:  # fp32 whatever the model's dtype (as `Rotary`)
             rd = self.spec.head_dim // 2

@@ -21,7 +21,7 @@ import asyncio
 import math
 import shutil
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -39,7 +39,8 @@ from miles.transport.perf.raw import Ctx, payload, sync
 from miles.transport.schema import message
 
 SINK = "perftest-sink"
-CHANNEL_TAGS = {"broadcast": "broadcast", "ucx": "ucx", "cuda-ipc": "cuda_ipc", "disk": "disk_delta"}
+CHANNEL_TAGS: dict[str, Literal["broadcast", "ucx", "cuda_ipc", "disk_delta"]] = {
+    "broadcast": "broadcast", "ucx": "ucx", "cuda-ipc": "cuda_ipc", "disk": "disk_delta"}
 ZMQ_CTL_LIMIT = MAX_HEADER_BYTES - 4096  # the payload rides inside the msgpack header
 STAGE_TENSORS = 8
 
@@ -234,7 +235,7 @@ class MilesDriver:
         if tag is None:
             return
         mib = max(1, math.ceil(self.ctx.max_size / (1 << 20)))
-        cfg = SyncConfig(transport=tag, bucket_mib=mib, step_timeout_s=self.ctx.timeout_s,  # type: ignore[arg-type]
+        cfg = SyncConfig(transport=tag, bucket_mib=mib, step_timeout_s=self.ctx.timeout_s,
                          delta_dir=f"{self.ctx.directory}/miles" if tag == "disk_delta" else "",
                          delta_compression="none")
         self.sender = make_sender(cfg)

@@ -49,8 +49,9 @@ def _routed(samples: list[Sample]) -> tuple[np.ndarray | None, list[np.ndarray |
         return None, None, [0] * len(samples)
     rows = [-1 if a is None else int(a.shape[0]) for a in arrs]
     shapes = {(a.shape[1:], a.dtype.str) for a in arrs if a is not None}
-    if len(shapes) == 1 and all(a is not None for a in arrs):
-        return np.concatenate(arrs, axis=0), None, rows  # type: ignore[arg-type]
+    present = [a for a in arrs if a is not None]
+    if len(shapes) == 1 and len(present) == len(arrs):
+        return np.concatenate(present, axis=0), None, rows
     return None, arrs, rows
 
 

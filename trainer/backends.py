@@ -5,13 +5,56 @@ Entries are import paths, so megatron-core is imported only when 'megatron' is c
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 from miles.core.hooks import Registry
 from miles.core.schema.trainer import TrainerConfig
 
 if TYPE_CHECKING:  # models.config imports torch, which the launcher's checks do without
+    import torch
+
     from miles.models.config import ModelSpec
+    from miles.trainer.batch import TrainBatch
+    from miles.weightsync.flat import FlatWeights
+    from miles.weightsync.shard_plan import ShardExport
+
+
+class TrainerBackend(Protocol):
+    """What the trainer actor (actors/trainer.py) and the weight publishers use of a backend:
+    FSDPTrainer (trainer/fsdp.py) and MegatronTrainer (trainer/megatron/trainer.py)."""
+
+    step: int  # RL steps taken
+    weight_version: int  # the version of the weights it holds (one per step)
+
+    @property
+    def cfg(self) -> TrainerConfig: ...  # its section, as this rank resolved it
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One RL step on this rank's shard of the batch; its metrics."""
+        ...
+
+    def nonfinite_weights(self) -> list[str]: ...
+
+    def offload(self) -> float:
+        """Move its state to host memory until the next step; seconds spent."""
+        ...
+
+    def export_sync_state(self, flat: bool = False, dtype: torch.dtype | None = None
+                          ) -> Iterable[tuple[str, torch.Tensor]] | FlatWeights: ...
+
+    def export_sharded_state(self, dtype: torch.dtype | None = None) -> ShardExport: ...
+
+    def export_hf_checkpoint(self, path: str | Path) -> None: ...
+
+    def save_checkpoint(self, path: str | Path) -> None: ...
+
+    def load_checkpoint(self, path: str | Path) -> None: ...
+
 
 TRAINERS = Registry(
     "trainer.backend",
@@ -34,12 +77,20 @@ def check_backend(cfg: TrainerConfig, spec: ModelSpec | None, world: int) -> Non
             check_parallel(cfg.megatron, spec, world)
 
 
-def make_trainer(cfg: TrainerConfig, spec: ModelSpec, rank: int, world: int, **kw: Any) -> Any:
+def make_trainer(cfg: TrainerConfig, spec: ModelSpec, rank: int, world: int, **kw: Any) -> TrainerBackend:
     """The backend's trainer class instantiated with FSDPTrainer's constructor arguments."""
-    return TRAINERS.get(cfg.backend)(cfg, spec, rank, world, **kw)
+    trainer: TrainerBackend = TRAINERS.get(cfg.backend)(cfg, spec, rank, world, **kw)
+    return trainer
 
 
-def data_parallel(trainer: Any, rank: int, world: int) -> tuple[int, int]:
+def data_parallel(trainer: TrainerBackend, rank: int, world: int) -> tuple[int, int]:
     """(dp_size, dp_rank) a trainer takes its batch shard by: a backend with model
     parallelism (megatron TP) reports its own; otherwise every rank is a data-parallel rank."""
     return int(getattr(trainer, "dp_size", world)), int(getattr(trainer, "dp_rank", rank))
+
+
+if TYPE_CHECKING:  # checked by mypy (scripts/typecheck.py), never run: both backends satisfy the Protocol
+    from miles.trainer.fsdp import FSDPTrainer
+    from miles.trainer.megatron.trainer import MegatronTrainer
+
+    _BACKENDS: tuple[type[TrainerBackend], ...] = (FSDPTrainer, MegatronTrainer)

@@ -57,7 +57,7 @@ def load(path: str | Path, module: nn.Module, opt: torch.optim.Optimizer) -> dic
             f"checkpoint {str(d)!r} has no RNG state for rank {rank}; was it saved with fewer ranks?"
         )
     msd, osd = get_state_dict(module, opt)
-    state = {"model": msd, "optim": osd}
+    state: dict[str, Any] = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=str(d))
     set_state_dict(module, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     rng = np.fromfile(d / f"rng_rank{rank}.bin", dtype=np.uint8)
@@ -88,7 +88,7 @@ def iter_hf_state(model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
     """
     for name, p in model.named_parameters():
         full = p.full_tensor() if is_dtensor(p) else p
-        views = hf_tensor_views(_OneParam(model.spec, name, full.detach()))  # type: ignore[arg-type]
+        views = hf_tensor_views(_OneParam(model.spec, name, full.detach()))
         yield from views.items()
 
 

@@ -12,6 +12,7 @@ the recorded one.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,7 +34,8 @@ class ForwardOut:
 
 def moe_gates(model: nn.Module) -> list[nn.Module]:
     """The router (gate) of every MoE layer, in layer order."""
-    layers = model.model.layers  # type: ignore[union-attr]
+    lm: Any = model  # a CausalLM (or a wrapper): its submodules are attributes torch does not type
+    layers = lm.model.layers
     return [layer.mlp.gate for layer in layers if getattr(layer, "is_moe", False)]
 
 

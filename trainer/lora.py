@@ -93,7 +93,7 @@ def iter_merged_hf_state(model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
             delta = mods[f"{layer}.parametrizations.weight.0"]
             full = merge_weight(full, _full(delta.lora_A), _full(delta.lora_B), delta.scale)
             name = f"{layer}.weight"
-        yield from hf_tensor_views(_OneParam(model.spec, name, full)).items()  # type: ignore[arg-type]
+        yield from hf_tensor_views(_OneParam(model.spec, name, full)).items()
 
 
 def export_merged(path: str | Path, model: CausalLM) -> None:

@@ -34,7 +34,7 @@ _ALIGN = 256  # bytes; keeps every view aligned for any dtype and vector width
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The plain tensor that owns the memory (a DTensor's local shard)."""
-    return t._local_tensor if hasattr(t, "_local_tensor") else t  # type: ignore[no-any-return]
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
 def _fsdp_tensors(modules: Iterable[nn.Module]) -> list[torch.Tensor]:

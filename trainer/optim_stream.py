@@ -30,7 +30,7 @@ from miles.trainer.optim import build_adamw
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if hasattr(t, "_local_tensor") else t  # type: ignore[no-any-return]
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
 class _Bucket:
@@ -100,7 +100,7 @@ class StreamedAdamW(torch.optim.Optimizer):
     # ------------------------------------------------------------------ I/O (worker thread)
     @staticmethod
     def _read(b: _Bucket, buf: torch.Tensor) -> None:
-        mv = memoryview(buf[: b.nbytes].numpy())
+        mv = buf[: b.nbytes].numpy().data
         with open(b.path, "rb", buffering=0) as f:
             got = f.readinto(mv)
         if got != b.nbytes:
@@ -110,7 +110,7 @@ class StreamedAdamW(torch.optim.Optimizer):
     def _write(b: _Bucket, buf: torch.Tensor) -> None:
         tmp = b.path.with_suffix(".tmp")
         with open(tmp, "wb", buffering=0) as f:
-            f.write(memoryview(buf[: b.nbytes].numpy()))
+            f.write(buf[: b.nbytes].numpy().data)
         os.replace(tmp, b.path)
 
     def _init_files(self) -> None:
@@ -143,7 +143,7 @@ class StreamedAdamW(torch.optim.Optimizer):
         raise TrainerError("moments(): parameter is not managed by this optimizer")
 
     @torch.no_grad()
-    def step(self, closure: None = None) -> None:  # type: ignore[override]
+    def step(self, closure: None = None) -> None:  # type: ignore[override]  # takes no closure, so never returns its loss
         if closure is not None:
             raise TrainerError("StreamedAdamW.step does not take a closure")
         if not self.buckets:
@@ -172,7 +172,7 @@ class StreamedAdamW(torch.optim.Optimizer):
         for f in pending:
             f.result()
 
-    def _update(self, group: dict, b: _Bucket, buf: torch.Tensor) -> None:  # type: ignore[type-arg]
+    def _update(self, group: dict, b: _Bucket, buf: torch.Tensor) -> None:
         m, v = self._views(b, buf)
         live = [i for i, p in enumerate(b.params) if p.grad is not None]
         if not live:
@@ -180,7 +180,7 @@ class StreamedAdamW(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         adam(
             [_local(b.params[i]) for i in live],
-            [_local(b.params[i].grad) for i in live],  # type: ignore[arg-type]
+            [_local(g) for i in live if (g := b.params[i].grad) is not None],  # every one of `live`
             [m[i] for i in live],
             [v[i] for i in live],
             [],

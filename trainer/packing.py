@@ -8,7 +8,7 @@ sequence. Only positions whose logits predict a response token are tracked (the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -113,7 +113,7 @@ def plan_micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
 def pack(
     samples: Sequence[TrainSample],
     indices: Sequence[int],
-    per_token: dict[str, Sequence[np.ndarray]] | None = None,
+    per_token: Mapping[str, Sequence[np.ndarray]] | None = None,
     replay: bool = False,
 ) -> MicroBatch:
     """Concatenate `samples[indices]` into one micro-batch.

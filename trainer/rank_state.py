@@ -22,8 +22,10 @@ class RankCheckpointed(Protocol):
     """A trainer backend's rank, as its checkpoint sees it."""
 
     world: int
-    trainable: nn.Module
     opt: torch.optim.Optimizer
+
+    @property
+    def trainable(self) -> nn.Module: ...  # read-only: a backend's may be a ModuleDict
     step: int
     opt_steps: int
     weight_version: int

@@ -55,13 +55,21 @@ class StepBackend(Protocol):
     spec: ModelSpec
     device: torch.device
     world: int  # the ranks the loss is shared over (data-parallel ranks)
-    coll: Collectives  # sum / max over those ranks
-    policy: nn.Module
-    ref: nn.Module | None
-    teacher: nn.Module | None
-    critic: ValueModel | None
-    probe: RouterProbe | None  # MoE: the live routing, to measure its overlap with the engine's
     replay: bool
+    # read-only (properties): a backend may hold narrower types (GroupCollectives, CausalLM, None)
+
+    @property
+    def coll(self) -> Collectives: ...  # sum / max over those ranks
+    @property
+    def policy(self) -> nn.Module: ...
+    @property
+    def ref(self) -> nn.Module | None: ...
+    @property
+    def teacher(self) -> nn.Module | None: ...
+    @property
+    def critic(self) -> ValueModel | None: ...
+    @property
+    def probe(self) -> RouterProbe | None: ...  # MoE: the live routing, to measure its overlap with the engine's
     opt: torch.optim.Optimizer
     step: int
     opt_steps: int
@@ -265,7 +273,7 @@ class RLStep:
                 tok.setdefault(name, {}).update(zip(mb.sample_ids, t.split(counts), strict=True))
         n = len(samples)
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-        masks = [torch.from_numpy(s.loss_mask) for s in samples]  # type: ignore[arg-type]
+        masks = [torch.from_numpy(s.loss_mask) for s in samples]
         metrics.add_mean("train/reward", float(rewards.sum()), n)
         old = tok.get("old_logp", tok["rollout_logp"])
         if cfg.correction.old_logprobs == "rollout":
@@ -357,6 +365,7 @@ class RLStep:
         if self.old_is_current and mb.num_seqs:
             mb.fields["old_logp"] = fo.logp.detach()  # the recompute pass's value, exactly
         if not mb.num_seqs:
+            assert fo.logits is not None  # a filler's forward returns logits (ForwardOut)
             loss = fo.logits.sum() * 0.0
             if b.critic is not None:
                 loss = loss + b.critic(mb).sum() * 0.0

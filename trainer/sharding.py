@@ -16,7 +16,7 @@ precision is what casts the fp32 master weights for each forward.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 from torch import nn
@@ -30,6 +30,7 @@ from miles.models.registry import build_model
 
 if TYPE_CHECKING:  # torch.distributed.device_mesh / fsdp are imported where a mesh is made
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
 
 
 def compute_dtype(name: ParamDtype, device: torch.device) -> torch.dtype:
@@ -43,7 +44,7 @@ def wraps(world: int, dtype: torch.dtype) -> bool:
     return world > 1 or dtype != torch.float32
 
 
-def is_dtensor(t: torch.Tensor) -> bool:
+def is_dtensor(t: torch.Tensor) -> TypeGuard[DTensor]:
     """`isinstance(t, DTensor)` without importing torch.distributed.tensor where nothing was
     sharded: a DTensor can exist only once that module is loaded."""
     mod = sys.modules.get("torch.distributed.tensor")
@@ -69,7 +70,8 @@ def build_policy(spec: ModelSpec, init_checkpoint: str, seed: int) -> CausalLM:
 
 
 def _units(model: nn.Module) -> list[nn.Module]:
-    layers = model.model.layers  # type: ignore[union-attr]
+    lm: Any = model  # a CausalLM (or a wrapper): its submodules are attributes torch does not type
+    layers = lm.model.layers
     out: list[nn.Module] = []
     for layer in layers:
         if type(layer).forward is not nn.Module.forward:

@@ -100,8 +100,8 @@ async def _both(asks: asyncio.Future[Any], tx: asyncio.Future[Any]) -> None:
     try:
         done, _ = await asyncio.wait([asks, tx], return_when=asyncio.FIRST_EXCEPTION)
         for f in done:
-            if not f.cancelled() and f.exception() is not None:
-                raise f.exception()  # type: ignore[misc]
+            if not f.cancelled() and (exc := f.exception()) is not None:
+                raise exc
         await asks
         await asyncio.shield(tx)
     except BaseException:

@@ -148,7 +148,7 @@ class FlatWeights:
             offsets.append(pos)
             pos += t.numel() * t.element_size()
         buf = torch.empty(0, dtype=torch.uint8, device=first.device)
-        buf.set_(st, first.storage_offset() * first.element_size(), (pos,))
+        buf.set_(st, first.storage_offset() * first.element_size(), (pos,), (1,))
         return cls(buf, FlatPlan(tuple(names), tuple(dtypes), tuple(shapes), tuple(offsets), pos))
 
     @classmethod
@@ -229,7 +229,7 @@ class FlatLanding:
             region = None
             if flat:
                 region = torch.empty(0, dtype=torch.uint8, device=slots[0].device)
-                region.set_(st, slots[0].storage_offset() * slots[0].element_size(), (self.plan.nbytes,))
+                region.set_(st, slots[0].storage_offset() * slots[0].element_size(), (self.plan.nbytes,), (1,))
             else:
                 self._pieces[key] = [s.view(-1).view(torch.uint8) for s in slots]
             self._regions[key] = region

@@ -295,13 +295,17 @@ class ShardedCoordinator:
                 wire += data.numel()
                 lo, hi = b.runs[0][1], b.runs[-1][1] + b.runs[-1][2]
                 per = []
+
+                def ranged(n: str, h: dict[str, Any] = header, a: int = lo, z: int = hi) -> Awaitable[int]:
+                    return self.link.range(n, version, digest, a, z, h)  # this bucket's, bound now
+
                 for name in [n for n in live if n not in dead]:
                     i = live.index(name)
                     tx = asyncio.ensure_future(move(chains.get(name), i, seq, data))
                     chains[name] = tx
                     ask = asyncio.ensure_future(self._each(
                         f"stage v{version} bucket {seq} of rank {self.rank} ({self.sender.tag})", [name],
-                        lambda n, h=header, a=lo, z=hi: self.link.range(n, version, digest, a, z, h), dead))
+                        ranged, dead))
                     per.append(both(ask, tx))
                 inflight.append(asyncio.ensure_future(asyncio.gather(*per)))
                 total += b.nbytes

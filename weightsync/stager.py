@@ -225,7 +225,7 @@ class WeightStager:
         slots = self._ensure_slots()
         if self._pair is not None:
             # One pointer swap: parameters now read the staged bytes, slots write the old live ones.
-            self._pair[0]._swap_data_ptr_(self._pair[1])
+            self._pair[0]._swap_data_ptr_(self._pair[1])  # type: ignore[attr-defined]  # private torch API, not in its stubs
         elif self._params is not None:
             for pname, p in self._params:
                 p.data, self._shadow[pname] = self._shadow[pname], p.data
@@ -248,8 +248,11 @@ class Staging(Protocol):
     commit), or None for an engine without one (its live weights are `state_dict_hf()` copies).
     """
 
-    stager: WeightStager
-    model: CausalLM | None
+    @property
+    def stager(self) -> WeightStager: ...  # read-only members: an engine's own narrower types fit
+
+    @property
+    def model(self) -> CausalLM | None: ...
 
     def mark_staged(self, version: int, names: list[str]) -> int:
         """Tensors `names` of `version` landed in their slots by byte range; returns how many

@@ -10,13 +10,14 @@ at. actors/sync.py binds them to the actor wire (`WeightSync`, `ShardedWeightSyn
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from miles.core.schema.sync import SyncConfig
 from miles.transport.bulk.base import BulkSender, make_sender
 from miles.transport.bulk.shard_channels import ShardTransport, make_shard_sender
+from miles.transport.bulk.wire_plan import SegmentSender
 from miles.weightsync.coordinator import GatheredCoordinator, SyncLink
 from miles.weightsync.push_round import SyncReport
 from miles.weightsync.rank_group import RankGroup, TorchRankGroup
@@ -33,9 +34,9 @@ class GatheredSync:
         self.cfg = cfg
         self.device = torch.device(device)
         sender: BulkSender = make_sender(cfg)
-        if cfg.transport in ("broadcast", "ucx"):
+        if cfg.transport in ("broadcast", "ucx") and isinstance(sender, SegmentSender):
             # Broadcast picks NCCL for a CUDA trainer, gloo for a CPU one; ucx keeps GPU weights on the GPU.
-            sender.device = self.device  # type: ignore[attr-defined]
+            sender.device = self.device
         if hasattr(sender, "advertise"):
             sender.advertise = advertise
         self.coordinator = GatheredCoordinator(link, sender, cfg, engines, self.device)
@@ -89,7 +90,8 @@ class ShardedSync:
         # delta: only changed words when that moves fewer bytes (transport/bulk/shard_delta.py; +1 shard)
         self.opts = ShardedOptions(bucket_bytes or cfg.bucket_mib << 20, cfg.pipeline_depth, cfg.pause_mode,
                                    cfg.verify_every, delta, cfg.receive_ahead_mib << 20)
-        self.coordinator = ShardedCoordinator(self.link, self.group, self._sender(cfg.transport), engines, self.opts)
+        self.coordinator = ShardedCoordinator(self.link, self.group, self._sender(cast(ShardTransport, cfg.transport)),
+                                              engines, self.opts)
 
     def _sender(self, tag: ShardTransport) -> Any:  # sync.transport: the loader allows only these under sync.sharded
         return make_shard_sender(tag, self.group.rank, self.group.size, self.cfg.step_timeout_s, self.advertise,

@@ -104,7 +104,7 @@ class Host:
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
-        self._router = zmq.Context.instance().socket(zmq.ROUTER)
+        self._router: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
         # The receive side is bounded by the mailbox size: ZeroMQ queues at most that many
         # messages per peer, and the host reads ahead at most that many (see actor.py).
         apply_options(self._router, self.cfg.hwm, self.cfg.linger_ms, self.cfg.max_frame_bytes,
@@ -324,7 +324,7 @@ class Host:
     def _dealer(self, address: str) -> LoopSocket:
         d = self._dealers.get(address)
         if d is None:
-            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
             apply_options(sock, self.cfg.hwm, self.cfg.linger_ms, self.cfg.max_frame_bytes)
             if self.cfg.curve_client_key:
                 make_curve_client(sock, self.cfg.curve_client_key, self.cfg.curve_public_key)
@@ -522,6 +522,6 @@ def _remote_exception(type_name: str, message: str, traceback: str) -> MilesErro
     cls = KNOWN_ERRORS.get(type_name)
     if cls is not None and cls is not RemoteError:
         exc = cls(message)
-        exc.remote_traceback = traceback  # type: ignore[attr-defined]
+        exc.remote_traceback = traceback
         return exc
     return RemoteError(type_name, message, traceback)

@@ -18,7 +18,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Mapping
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import zmq
 
@@ -51,6 +51,13 @@ class HostPulse(Protocol):
     def actors(self) -> Mapping[str, object]: ...
 
 
+@runtime_checkable
+class BeatSink(Protocol):
+    """The directory actor as its own host's beats reach it (actors/runtime/directory.py)."""
+
+    def beat(self, msg: Heartbeat) -> None: ...
+
+
 async def lag_monitor(host: HostPulse, interval: float = 0.1) -> None:
     """Tick every `interval`: record the loop's last sign of life and how late the tick was."""
     while True:
@@ -69,7 +76,7 @@ async def lag_monitor(host: HostPulse, interval: float = 0.1) -> None:
 
 def heartbeat_thread(host: HostPulse, address: str) -> None:
     """Beat from a thread with its own socket, while the loop has ticked within the stall bound."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     apply_options(sock, hwm=4, linger_ms=0)  # a few beats queue at most; older ones are moot
     try:
         if host.cfg.curve_client_key:
@@ -109,6 +116,6 @@ async def directory_heartbeats(host: HostPulse) -> None:
     while True:
         await asyncio.sleep(host.cfg.heartbeat_interval_s)
         directory = host.actors.get(DIRECTORY_NAME)
-        if directory is not None:
+        if isinstance(directory, BeatSink):
             names = [n for n in host.actors if n != DIRECTORY_NAME]
-            directory.beat(Heartbeat(host.host_id, names, host.loop_lag_ms))  # type: ignore[attr-defined]
+            directory.beat(Heartbeat(host.host_id, names, host.loop_lag_ms))

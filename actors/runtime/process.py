@@ -7,6 +7,7 @@ import os
 import signal
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import uvloop
 
@@ -67,6 +68,6 @@ async def serve(setup: Setup, cfg: TransportConfig | None = None, directory: str
     return 0
 
 
-def run(setup: Setup, **kwargs: object) -> int:
+def run(setup: Setup, **kwargs: Any) -> int:
     """Blocking entry point for a process: uvloop + `serve`."""
-    return uvloop.run(serve(setup, **kwargs))  # type: ignore[arg-type]
+    return uvloop.run(serve(setup, **kwargs))

@@ -181,7 +181,7 @@ class EngineConfig:
             raise ConfigError("engine.dtype=float16 is not supported on cpu; use float32 or bfloat16")
 
     @property
-    def default_pause_mode(self) -> str:
+    def default_pause_mode(self) -> Literal["retract", "in_place"]:
         """sync.pause_mode 'auto' resolved for this engine type."""
         return "retract" if self.type == "sglang" else "in_place"
 

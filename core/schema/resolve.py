@@ -43,7 +43,7 @@ class ResolvedSections(Protocol):
 def resolve(cfg: ResolvedSections) -> None:
     """'auto' and 'engine' values that depend on another section, then the derived channels."""
     if cfg.sync.pause_mode == "auto":
-        cfg.sync.pause_mode = cfg.engine.default_pause_mode  # type: ignore[assignment]
+        cfg.sync.pause_mode = cfg.engine.default_pause_mode
     eng = cfg.engine
     if eng.type == "sglang" and not eng.sglang_url and eng.sglang_mem_fraction == 0:
         # auto: the budget of a GPU split between the servers that share it (launch/sglang_checks.py
@@ -54,7 +54,7 @@ def resolve(cfg: ResolvedSections) -> None:
     # once into its export buffer, and the engines take the flat plan as it is.
     if cfg.sync.dtype == "engine":
         # LoRA adapters (and their scale) travel as exported: the engine merges them itself.
-        cfg.sync.dtype = "same" if cfg.trainer.lora.rank > 0 else cfg.engine.dtype  # type: ignore[assignment]
+        cfg.sync.dtype = "same" if cfg.trainer.lora.rank > 0 else cfg.engine.dtype  # type: ignore[assignment]  # not "auto": EngineConfig resolved it
     # Under the FP8 contract the publisher casts (sync.dtype) and quantizes tensor by tensor; the
     # channel must move its codes + scales as given (a cast would destroy the codes; docs/fp8.md).
     fp8 = cfg.model.fp8 == "blockwise"

@@ -28,8 +28,8 @@ async def run_openai_tool_loop(base_url: str, messages: list[dict[str, Any]], ma
     content, finish, turns = "", "stop", 0
     try:
         for turns in range(1, max_turns + 1):  # noqa: B007 - turns is reported below
-            resp = await client.chat.completions.create(model=model, messages=msgs,  # type: ignore[arg-type]
-                                                        tools=[CALC_TOOL], **sampling)  # type: ignore[list-item]
+            resp = await client.chat.completions.create(model=model, messages=msgs,
+                                                        tools=[CALC_TOOL], **sampling)
             choice = resp.choices[0]
             msg = choice.message
             content, finish = msg.content or "", choice.finish_reason or "stop"

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
 from miles.core.errors import BadRequest, EngineError, MilesError
@@ -59,7 +59,7 @@ class Judge(Protocol):
 
 
 # (engine name) -> its Health reply; raises while it is down
-HealthCall = Callable[[str], Awaitable[dict[str, Any]]]
+HealthCall = Callable[[str], Awaitable[Mapping[str, Any]]]  # engines/base.py HealthReply
 
 
 class JudgeClient:

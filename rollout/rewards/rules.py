@@ -17,7 +17,7 @@ import string
 import threading
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 from miles.core.config import from_dict
 from miles.core.errors import ConfigError
@@ -100,10 +100,10 @@ def _parse(text: str, bare: bool, timeout: int) -> list[Any]:
     from math_verify import parse
 
     if bare and "$" not in text:
-        parsed = parse(f"${text}$", parsing_timeout=_mv_timeout(timeout))  # type: ignore[arg-type]
+        parsed = parse(f"${text}$", parsing_timeout=_mv_timeout(timeout))
         if parsed:
             return list(parsed)
-    return list(parse(text, parsing_timeout=_mv_timeout(timeout)))  # type: ignore[arg-type]
+    return list(parse(text, parsing_timeout=_mv_timeout(timeout)))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -306,7 +306,7 @@ def build_rule_reward(spec: dict[str, Any], where: str = "rewards") -> RuleRewar
     cls = RULE_REWARDS.get(str(spec["type"]))
     options = {k: v for k, v in spec.items() if k != "type"}
     try:
-        return from_dict(cls, options)  # type: ignore[no-any-return]
+        return from_dict(cls, options)
     except ConfigError as exc:
         raise ConfigError(f"{where} (type {spec['type']!r}): {exc}") from exc
 
@@ -325,7 +325,8 @@ class CombinedReward:
         values = [p(prompt, sample) for p in self.parts]
         weights = [float(getattr(p, "weight", 1.0)) for p in self.parts]
         if not any(inspect.isawaitable(v) for v in values):
-            return sum(w * float(v) for w, v in zip(weights, values, strict=True))  # type: ignore[arg-type]
+            done = cast("list[float]", values)  # none is awaitable
+            return sum(w * float(v) for w, v in zip(weights, done, strict=True))
 
         async def total() -> float:
             out = 0.0

@@ -33,8 +33,13 @@ class GroupCollectives(Collectives):
         if self.size == 1:
             return t
         x = t.to(self.device).clone()
-        dist.all_reduce(x, op=op, group=self.group)  # type: ignore[arg-type]
+        dist.all_reduce(x, op=op, group=self.group)
         return x.to("cpu")
+
+
+def _grad(p: torch.nn.Parameter) -> torch.Tensor:
+    assert p.grad is not None  # reduce_and_clip gives every parameter a gradient first
+    return p.grad
 
 
 def _is_expert(p: torch.nn.Parameter) -> bool:
@@ -45,7 +50,7 @@ def _sum_flat(grads: Sequence[torch.Tensor], group: object, scale: float) -> Non
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)  # type: ignore[arg-type]
+    dist.all_reduce(flat, group=group)
     flat.mul_(scale)
     off = 0
     for g in grads:
@@ -66,24 +71,24 @@ def reduce_and_clip(params: Sequence[torch.nn.Parameter], dp: int, max_norm: flo
     dense = [p for p in params if not _is_expert(p)]
     experts = [p for p in params if _is_expert(p)]
     if dp > 1:
-        _sum_flat([p.grad for p in dense], ps.get_data_parallel_group(), 1.0 / dp)
+        _sum_flat([_grad(p) for p in dense], ps.get_data_parallel_group(), 1.0 / dp)
         edp = ps.get_expert_data_parallel_group()
         if experts and dist.get_world_size(edp) > 1:
-            _sum_flat([p.grad for p in experts], edp, 1.0 / dp)
+            _sum_flat([_grad(p) for p in experts], edp, 1.0 / dp)
         elif experts:
             for p in experts:
-                p.grad.mul_(1.0 / dp)
+                _grad(p).mul_(1.0 / dp)
     dev = params[0].device
     tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     sq_dense = torch.zeros((), dtype=torch.float32, device=dev)
     for p in dense:
         if tp_rank == 0 or getattr(p, "tensor_model_parallel", False):
-            sq_dense += p.grad.float().pow(2).sum()
+            sq_dense += _grad(p).float().pow(2).sum()
     if tp > 1:
         dist.all_reduce(sq_dense, group=ps.get_tensor_model_parallel_group())
     sq_exp = torch.zeros((), dtype=torch.float32, device=dev)
     for p in experts:
-        sq_exp += p.grad.float().pow(2).sum()
+        sq_exp += _grad(p).float().pow(2).sum()
     if experts and ps.get_expert_model_parallel_world_size() > 1:
         dist.all_reduce(sq_exp, group=ps.get_expert_model_parallel_group())
     norm = float((sq_dense + sq_exp).sqrt())
@@ -91,5 +96,5 @@ def reduce_and_clip(params: Sequence[torch.nn.Parameter], dp: int, max_norm: flo
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
             for p in params:
-                p.grad.mul_(coef)
+                _grad(p).mul_(coef)
     return norm

@@ -17,6 +17,7 @@ the ids actually used, reordered from megatron's [S, B] token order to packed or
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -68,7 +69,7 @@ class ReplaySlot:
         raise TrainerError(f"router sees {n} tokens but {ids.shape[0]} replayed routes were given")
 
 
-def _routers(model: nn.Module) -> list[nn.Module]:
+def _routers(model: nn.Module) -> list[Any]:  # megatron TopKRouters (megatron-core is untyped)
     from megatron.core.transformer.moe.router import TopKRouter
 
     return [m for m in model.modules() if isinstance(m, TopKRouter)]
@@ -84,7 +85,7 @@ class MegatronRouting(RouterProbe):
         for router in _routers(model):
             slot = ReplaySlot()
             slot.layer_number = getattr(router, "layer_number", None)
-            router.router_replay = slot  # type: ignore[assignment]
+            router.router_replay = slot
             self.slots.append(slot)
         self.used: torch.Tensor | None = None
 

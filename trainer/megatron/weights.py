@@ -77,7 +77,7 @@ def _gather(t: torch.Tensor, group: object, size: int) -> list[torch.Tensor]:
     if size == 1:
         return [t]
     out = [torch.empty_like(t) for _ in range(size)]
-    dist.all_gather(out, t.contiguous(), group=group)  # type: ignore[arg-type]
+    dist.all_gather(out, t.contiguous(), group=group)
     return out
 
 

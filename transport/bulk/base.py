@@ -82,12 +82,12 @@ def slot_region(lay: Layout, local: LocalWeights, device: torch.device) -> torch
     if offset is None:
         if not _laid_out(lay, local, first):
             return None
-        offset = first.storage_offset() * first.element_size()
+        offset = int(first.storage_offset() * first.element_size())
         _VERIFIED[key] = offset
         if len(_VERIFIED) > _VERIFIED_MAX:
             _VERIFIED.popitem(last=False)
     region = torch.empty(0, dtype=torch.uint8, device=device)
-    region.set_(st, offset, (lay.nbytes,))
+    region.set_(st, offset, (lay.nbytes,), (1,))
     return region
 
 
@@ -241,9 +241,9 @@ class BulkReceiver(abc.ABC):
 
 def make_sender(cfg: SyncConfig) -> BulkSender:
     cls = SENDERS.get(cfg.transport)
-    return cls(cfg)  # type: ignore[no-any-return]
+    return cls(cfg)
 
 
 def make_receiver(tag: str, info: dict[str, Any], bucket_bytes: int) -> BulkReceiver:
     cls = RECEIVERS.get(tag)
-    return cls(info, bucket_bytes)  # type: ignore[no-any-return]
+    return cls(info, bucket_bytes)

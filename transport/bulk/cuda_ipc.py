@@ -215,7 +215,7 @@ class CudaIpcReceiver(BulkReceiver):
             raise SyncError(f"cuda_ipc: flat range [{lo}, {hi}) at {base} lies outside the shared buffer "
                             f"of {storage.nbytes()} bytes")
         src = torch.empty(0, dtype=torch.uint8, device=storage.device)
-        src.set_(storage, base + lo, (hi - lo,))
+        src.set_(storage, base + lo, (hi - lo,), (1,))
         names: list[str] = landing.land(lo, hi, src, local)
         self._pending = storage.device
         return names
@@ -232,7 +232,7 @@ class CudaIpcReceiver(BulkReceiver):
             raise SyncError(f"cuda_ipc: {n} bytes at {off} (from {name!r}) lie outside the shared storage "
                             f"of {storage.nbytes()} bytes")
         src = torch.empty(0, dtype=torch.uint8, device=storage.device)
-        return src.set_(storage, off, (n,))
+        return src.set_(storage, off, (n,), (1,))
 
     def release(self) -> None:
         """The version ended: unmap the trainer's storages so it can free them."""

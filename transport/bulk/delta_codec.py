@@ -26,7 +26,7 @@ def _lz4() -> ModuleType | None:
         import lz4.frame
     except ImportError:
         return None
-    return lz4.frame  # type: ignore[no-any-return]
+    return lz4.frame
 
 
 def pick_compressor(choice: DeltaCompression) -> str:
@@ -46,7 +46,7 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 def digest(b: torch.Tensor) -> str:
     """128-bit XXH3 of the bytes: ~4x the speed of xxh64 here (29 vs 7 GB/s on one core), so the
     sender can hash every entry to find the unchanged ones without comparing their bytes."""
-    return xxhash.xxh3_128(b.numpy()).hexdigest()
+    return xxhash.xxh3_128(b.numpy().data).hexdigest()
 
 
 # `auto` compresses an entry only when a sample of it shrinks at least this much: a slow
@@ -83,7 +83,7 @@ def encode(new: torch.Tensor, old: torch.Tensor | None, compressor: str,
     else:
         payload = new
         kind = "full"
-    raw = memoryview(payload.numpy())
+    raw = payload.numpy().data
     if compressor == "raw":
         return f"{kind}+raw", raw
     if sample_gate and len(raw) > SAMPLE_BYTES:

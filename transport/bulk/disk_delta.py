@@ -141,6 +141,7 @@ class DiskDeltaSender(BulkSender):
                 if old is not None and old.numel() != new.numel():
                     old = None
                 sum_ = digest(new)
+                payload: bytes | memoryview
                 if old is not None and self._sums.get(name) == sum_:
                     enc, payload = "same", b""  # the bytes of the base: nothing to XOR, write or keep
                 else:
@@ -213,7 +214,7 @@ class DiskDeltaReceiver(BulkReceiver):
                 self._index = json.loads(path.read_text())
             except (OSError, ValueError) as exc:
                 raise SyncError(f"disk_delta v{version}: cannot read {path}: {exc}") from exc
-        return self._index  # type: ignore[return-value]
+        return self._index
 
     async def recv(self, header: dict[str, Any], local: LocalWeights) -> list[tuple[str, torch.Tensor]]:
         return await asyncio.to_thread(self._recv, int(header["version"]), int(header["seq"]), local)
@@ -225,7 +226,7 @@ class DiskDeltaReceiver(BulkReceiver):
                 size = os.fstat(f.fileno()).st_size
                 if self._buf.numel() < size:
                     self._buf = torch.empty(size, dtype=torch.uint8)
-                view = memoryview(self._buf.numpy())[:size]
+                view = self._buf.numpy().data[:size]
                 got = 0
                 while got < size:
                     n = f.readinto(view[got:])

@@ -389,7 +389,7 @@ class ShardReceiver(BulkReceiver):
             if not delta and len(ranges) == 1 and region is not None and region.device == self._buf.device:
                 lo, hi = ranges[0]
                 await self._take(src, seq, region[lo:hi])  # straight into the staging slots
-                return landing.plan.done_in(lo, hi)  # type: ignore[no-any-return]
+                return landing.plan.done_in(lo, hi)
             if self._buf.numel() < wire:
                 self._buf = torch.empty(max(wire, self.bucket_bytes), dtype=torch.uint8, device=self._buf.device)
             data = self._buf[:wire]

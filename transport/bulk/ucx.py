@@ -47,7 +47,7 @@ def import_ucxx() -> ModuleType:
     if not _TEARDOWN:
         atexit.register(_teardown, ucxx)
         _TEARDOWN = True
-    return ucxx  # type: ignore[no-any-return]
+    return ucxx
 
 
 _TEARDOWN = False

@@ -64,7 +64,7 @@ def _run_view(tensors: list[torch.Tensor], run: tuple[int, int]) -> torch.Tensor
         return _bytes(first)
     out = torch.empty(0, dtype=torch.uint8, device=first.device)
     size = sum(_nbytes(tensors[i]) for i in range(*run))
-    out.set_(first.untyped_storage(), first.storage_offset() * first.element_size(), (size,))
+    out.set_(first.untyped_storage(), first.storage_offset() * first.element_size(), (size,), (1,))
     return out
 
 

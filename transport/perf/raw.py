@@ -62,12 +62,12 @@ class _Pair:
     """A blocking PAIR socket with a receive deadline (the raw pyzmq path)."""
 
     def __init__(self, ctx: Ctx, info: dict[str, Any] | None = None) -> None:
-        self.sock = zmq.Context.instance().socket(zmq.PAIR)
+        self.sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PAIR)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RCVTIMEO, int(ctx.timeout_s * 1000))
         self.timeout_s = ctx.timeout_s
         if info is None:
-            self.port = self.sock.bind_to_random_port(f"tcp://{ctx.bind_host}")
+            self.port: int = self.sock.bind_to_random_port(f"tcp://{ctx.bind_host}")
         else:
             self.port = int(info["zmq_port"])
             self.sock.connect(f"tcp://{ctx.peer_host}:{self.port}")
@@ -273,7 +273,7 @@ class RawDisk(_PairAck):
             raise TransportError("disk transport needs a shared directory (--dir)")
         self.root = Path(ctx.directory) / "raw"
         self.root.mkdir(parents=True, exist_ok=True)
-        self.buf = memoryview(payload(ctx).numpy())
+        self.buf = payload(ctx).numpy().data
         self.pair = _Pair(ctx, info)
         self.responder = info is not None
         return {"zmq_port": self.pair.port}
