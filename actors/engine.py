@@ -24,8 +24,9 @@ from miles.actors.messages import (
     Stats,
 )
 from miles.actors.runtime.actor import Actor, handler
-from miles.core.errors import EngineError
+from miles.core.errors import ConfigError, EngineError
 from miles.core.images import ImageInput
+from miles.core.schema.sync import pause_mode_for
 from miles.engines.base import Engine, GenerateRequest, GenerateResult, SamplingParams
 from miles.weightsync.messages import BulkClose, BulkOpen, BulkPlan, BulkRecv, FlatRange, Stage
 from miles.weightsync.receiver import WeightReceiver
@@ -105,9 +106,10 @@ class EngineActor(Actor):
 
     @handler(Pause)
     async def pause(self, msg: Pause) -> int:
-        if msg.mode not in ("auto", "abort", "retract", "in_place"):
-            raise EngineError(f"pause mode {msg.mode!r}: valid are auto, abort, retract, in_place")
-        mode = self.engine.default_pause_mode if msg.mode == "auto" else msg.mode  # auto: the engine's own
+        try:
+            mode = pause_mode_for(msg.mode, self.engine.default_pause_mode)
+        except ConfigError as exc:
+            raise EngineError(str(exc)) from None
         return len(await self.engine.pause(mode))  # type: ignore[arg-type]
 
     @handler(Resume)

@@ -123,7 +123,7 @@ class LocalLauncher:
         self.policy = RestartPolicy(max_restarts)
         self._stop = asyncio.Event()
         self.console = Console(self.run_dir, cfg.run.steps, progress=cfg.run.progress,
-                               forward_warnings=cfg.run.log_json == "auto")
+                               forward_warnings=cfg.run.log_json == "file")
 
     async def run(self) -> int:
         self.run_dir.mkdir(parents=True, exist_ok=True)

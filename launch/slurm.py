@@ -167,11 +167,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
         raise ConfigError(f"the plan needs {plan.nodes} nodes but allocation {env.job_id} has {env.num_nodes}: "
                           "allocate more nodes or lower --nodes / --place")
     begin_resume(cfg, resume)
-    # auto: events as JSON to run_dir/logs/launcher.log, warnings and errors as one readable line
+    # file: events as JSON to run_dir/logs/launcher.log, warnings and errors as one readable line
     # here (as `miles train`); the roles' events go to their steps' logs
-    log_file = Path(cfg.run.dir) / "logs" / "launcher.log" if cfg.run.log_json == "auto" else None
-    configure_logging(cfg.run.log_level, None if cfg.run.log_json == "auto" else cfg.run.log_json == "json",
-                      file=log_file, run=cfg.run.name, role="launcher")
+    configure_logging(cfg.run.log_level, cfg.run.json_logs, file=cfg.run.launcher_log(), run=cfg.run.name,
+                      role="launcher")
     cfg = prepare(cfg, resume)
     script = write_run_files(cfg, plan, str(Path(resume).resolve()) if resume else "")
     if env.in_allocation:

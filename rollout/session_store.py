@@ -30,6 +30,7 @@ from miles.core.schema.rollout import (
     RolloutConfig,
     SessionPolicy,
     TemplateFallback,
+    resolve_render_mode,
 )
 from miles.rollout.messages import (
     Message,
@@ -227,9 +228,8 @@ class SessionStore:
                                     + ", ".join(FALLBACKS) + " to accept a documented fallback")
         self._stop_texts = [self.tok.decode([i]) for i in self.tok.stop_token_ids]
         # local: render only the last turn + the new messages (verified equal on canonical chats)
-        self.local_render = render_mode == "local" or (
-            render_mode == "auto" and verify_template and template_fallback == "none"
-            and not check_local_render(tokenizer).findings)
+        self.local_render = resolve_render_mode(render_mode, lambda: (
+            verify_template and template_fallback == "none" and not check_local_render(tokenizer).findings)) == "local"
 
     @classmethod
     def from_config(cls, cfg: RolloutConfig, tokenizer: Tokenizer) -> SessionStore:
