@@ -54,5 +54,7 @@ def resolve_trainer(tr: TrainerConfig, facts: RuntimeFacts, *, moe: bool) -> Tra
     if packed == "auto":
         # off CUDA there are no flash kernels for varlen to reach: the mask, whatever the pack length
         packed = "by_length" if on_cuda else "masked"
+    # the sections rebuilt: what their own construction resolves holds for values set after it too
     return replace(tr, device=device, param_dtype=dtype, compile=compile_, packed_attention=packed,
-                   optim=replace(tr.optim, impl=impl))
+                   optim=replace(tr.optim, impl=impl), correction=replace(tr.correction),
+                   megatron=replace(tr.megatron))
