@@ -70,7 +70,6 @@ def cmd_train(args: argparse.Namespace) -> int:
                       role="launcher")
     if not resume:
         cfg = with_initial_checkpoint(cfg)
-    cfg = resolved_here(cfg)
     rc = asyncio.run(LocalLauncher(cfg, resume_from=resume).run())
     from miles.launch.report import finish_run
 
@@ -79,19 +78,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     if rc == 130:
         print(interrupted_note(cfg.run.dir), flush=True)
     return rc
-
-
-def resolved_here(cfg: MilesConfig) -> MilesConfig:
-    """`cfg` with the trainer's machine-dependent 'auto' values resolved for this machine, where the
-    local launcher's roles run (core/schema/runtime.py; the run directory's config shows them).
-    model.path is set: the initial checkpoint is made or the run resumed."""
-    import dataclasses
-
-    from miles.core.schema.runtime import RuntimeFacts, resolve_trainer
-    from miles.models.config import ModelSpec
-
-    moe = ModelSpec.from_dir(cfg.model.path).is_moe
-    return dataclasses.replace(cfg, trainer=resolve_trainer(cfg.trainer, RuntimeFacts.probe(), moe=moe))
 
 
 def interrupted_note(run_dir: str) -> str:

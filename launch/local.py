@@ -113,6 +113,19 @@ def role_threads(role: str, roles: list[tuple[str, int]]) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n)}
 
 
+def resolved_here(cfg: MilesConfig) -> MilesConfig:
+    """`cfg` with the trainer's machine-dependent 'auto' values resolved for this machine, where the
+    local launcher's roles run (core/schema/runtime.py), so that the run directory's config shows
+    them. model.path is set by now (every role loads it)."""
+    import dataclasses
+
+    from miles.core.schema.runtime import RuntimeFacts, resolve_trainer
+    from miles.models.config import ModelSpec
+
+    moe = ModelSpec.from_dir(cfg.model.path).is_moe
+    return dataclasses.replace(cfg, trainer=resolve_trainer(cfg.trainer, RuntimeFacts.probe(), moe=moe))
+
+
 class LocalLauncher:
     def __init__(self, cfg: MilesConfig, max_restarts: int = 3, resume_from: str = "") -> None:
         self.cfg = cfg
@@ -126,6 +139,7 @@ class LocalLauncher:
                                forward_warnings=cfg.run.log_json == "file")
 
     async def run(self) -> int:
+        self.cfg = resolved_here(self.cfg)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(exist_ok=True)
         if self.cfg.transport.curve:  # a fresh key set per launch; every role reads its paths from the config

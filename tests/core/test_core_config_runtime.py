@@ -92,3 +92,10 @@ def test_pause_and_render_mode_resolve_in_one_place() -> None:
     assert resolve_render_mode("auto", local_ok) == "local" and asked
     assert resolve_render_mode("auto", lambda: False) == "full"
     assert SyncConfig(delta_compression="zlib").delta_compression == "zlib"
+
+
+def test_config_only_rules_refuse_at_load() -> None:
+    # was a launch check (launch/validate.py); it needs nothing but the config
+    with pytest.raises(ConfigError, match="trainer.pause_engines"):
+        load_config(MilesConfig, None, ["trainer.pause_engines=true", "engine.type=sglang",
+                                        "engine.sglang_url=http://127.0.0.1:1"])
