@@ -24,7 +24,7 @@ from miles.actors.messages import (
     Stats,
 )
 from miles.actors.runtime.actor import Actor, handler
-from miles.core.errors import ConfigError, EngineError
+from miles.core.errors import EngineError
 from miles.core.images import ImageInput
 from miles.core.schema.sync import pause_mode_for
 from miles.engines.base import Engine, GenerateRequest, GenerateResult, SamplingParams
@@ -106,11 +106,7 @@ class EngineActor(Actor):
 
     @handler(Pause)
     async def pause(self, msg: Pause) -> int:
-        try:
-            mode = pause_mode_for(msg.mode, self.engine.default_pause_mode)
-        except ConfigError as exc:
-            raise EngineError(str(exc)) from None
-        return len(await self.engine.pause(mode))  # type: ignore[arg-type]
+        return len(await self.engine.pause(pause_mode_for(msg.mode, self.engine.default_pause_mode)))
 
     @handler(Resume)
     async def resume(self, msg: Resume) -> None:

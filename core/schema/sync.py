@@ -7,20 +7,23 @@ from dataclasses import dataclass
 from typing import Literal
 
 from miles.core.config import opt
-from miles.core.errors import ConfigError
+from miles.core.errors import ConfigError, EngineError
 
 # also the type pick_compressor takes; *_sampled: compress only an entry whose sample shrinks enough
 DeltaCompression = Literal["auto", "zlib", "lz4", "none", "zlib_sampled", "lz4_sampled"]
-ENGINE_PAUSE_MODES = ("abort", "retract", "in_place")  # what an engine's pause may be asked for
+EnginePause = Literal["abort", "retract", "in_place"]  # what an engine's pause may be asked for
+ENGINE_PAUSES: tuple[EnginePause, ...] = ("abort", "retract", "in_place")
 
 
-def pause_mode_for(asked: str, engine_default: str) -> str:
+def pause_mode_for(asked: str, engine_default: str) -> EnginePause:
     """The pause an engine makes when asked for `asked`: 'auto' = the engine's own (`engine_default`,
-    what sync.pause_mode = 'auto' resolves to; a standalone SyncConfig sends 'auto' on the wire)."""
+    what sync.pause_mode = 'auto' resolves to in a whole config; a SyncConfig built on its own, in
+    tests and benches, sends 'auto' on the wire, and only the engine knows its type)."""
     mode = engine_default if asked == "auto" else asked
-    if mode not in ENGINE_PAUSE_MODES:
-        raise ConfigError(f"pause mode {asked!r}: valid are auto, {', '.join(ENGINE_PAUSE_MODES)}")
-    return mode
+    for known in ENGINE_PAUSES:
+        if mode == known:
+            return known
+    raise EngineError(f"pause mode {asked!r}: valid are auto, {', '.join(ENGINE_PAUSES)}")
 
 
 @dataclass

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from miles.core.config import dump_json, from_dict, load_config
-from miles.core.errors import ConfigError
+from miles.core.errors import ConfigError, EngineError
 from miles.core.schema import MilesConfig
 from miles.core.schema.rollout import resolve_render_mode
 from miles.core.schema.runtime import RuntimeFacts, resolve_trainer
@@ -80,7 +80,7 @@ def test_explicit_values_are_kept_and_megatron_trains_on_cuda() -> None:
 
 def test_pause_and_render_mode_resolve_in_one_place() -> None:
     assert pause_mode_for("auto", "retract") == "retract" and pause_mode_for("abort", "in_place") == "abort"
-    with pytest.raises(ConfigError, match="pause mode 'none'"):
+    with pytest.raises(EngineError, match="pause mode 'none'"):
         pause_mode_for("none", "in_place")  # the engine is not asked to pause at all then
     asked: list[bool] = []
 
