@@ -7,7 +7,8 @@ rewrites the config at run time: a value another part needs in a different form 
 channel's settings under FP8, the snapshot eval engine's channel) is derived here, once.
 
 What needs more than the config stays at launch (launch/validate.py): hooks that must import,
-a model directory to read, packages that must be installed.
+a model directory to read, packages that must be installed. What depends on the machine that
+trains (a visible CUDA device, a MoE policy) is resolved from its facts by core/schema/runtime.py.
 """
 
 from __future__ import annotations
