@@ -122,6 +122,8 @@ def _resume_config(run_dir: str, overrides: list[str]) -> tuple[MilesConfig, str
 
 
 def cmd_config(args: argparse.Namespace) -> int:
+    # the trainer's device-dependent values stay 'auto' here: each trainer resolves them for the
+    # device it sees (core/schema/runtime.py) and records them in the run directory's config
     print(dump_toml(_load(args), with_docs=True), end="")
     return 0
 

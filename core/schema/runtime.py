@@ -5,10 +5,10 @@ core/schema/resolve.py across sections; an optional package's presence counts th
 launcher and the roles run the same interpreter). What is left depends on facts only the
 process that trains can see: whether a CUDA device is visible (a Slurm login node has none),
 and whether the policy is a mixture of experts (its config.json). `resolve_trainer` settles
-them: the local launcher calls it at launch (its roles run on its machine, so the run directory's
-config shows the values), and each trainer backend at its start, with its own facts (on a
-cluster, the compute node's; a config resolved at launch passes unchanged: a concrete value
-stays as it is).
+them when each trainer backend starts, with its own facts (on a cluster, the compute node's; a
+concrete value passes unchanged), and trainer rank 0 records the result in the run directory's
+config (metrics/run_dir.py record_trainer). The launcher does not import torch to ask for CUDA
+(about 1 s before any role starts: tests/launch/test_launch_startup_imports.py).
 """
 
 from __future__ import annotations

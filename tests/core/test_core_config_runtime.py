@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -99,3 +100,20 @@ def test_config_only_rules_refuse_at_load() -> None:
     with pytest.raises(ConfigError, match="trainer.pause_engines"):
         load_config(MilesConfig, None, ["trainer.pause_engines=true", "engine.type=sglang",
                                         "engine.sglang_url=http://127.0.0.1:1"])
+
+
+def test_trainer_rank_0_records_its_resolution_in_a_launched_run_dir(tmp_path: Path) -> None:
+    from miles.metrics.run_dir import record_trainer, write_config
+
+    cfg = load_config(MilesConfig, None, [f"run.dir={tmp_path}"])
+    resolved = resolve_trainer(cfg.trainer, RuntimeFacts(cuda=False), moe=False)
+    assert record_trainer(cfg, resolved, write=True).trainer == resolved
+    assert not (tmp_path / "config.resolved.json").exists()  # not a launched run: nothing written
+    write_config(tmp_path, cfg)  # what the launcher writes
+    assert record_trainer(cfg, resolved, write=False).trainer == resolved  # other ranks: no write
+    assert autos(json.loads((tmp_path / "config.resolved.json").read_text())) == MACHINE | PROCESS
+    record_trainer(cfg, resolved, write=True)
+    dumped = json.loads((tmp_path / "config.resolved.json").read_text())
+    assert autos(dumped) == PROCESS and dumped["trainer"]["device"] == "cpu"
+    assert 'compile = "off"' in (tmp_path / "config.resolved.toml").read_text()
+    assert from_dict(MilesConfig, dumped).trainer == resolved  # what --resume loads
