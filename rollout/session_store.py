@@ -25,6 +25,7 @@ import numpy as np
 from miles.core.errors import Diverged, NotAppendOnly, ProtocolError, SessionError
 from miles.core.images import ImageInput
 from miles.core.schema.rollout import (
+    DEFAULTS,
     MatchPolicy,
     RenderMode,
     RolloutConfig,
@@ -198,11 +199,13 @@ def _number(v: Any, what: str) -> float:
 class SessionStore:
     """Sessions keyed by id; see the module doc. Template verification happens at construction."""
 
-    def __init__(self, tokenizer: Tokenizer, policy: SessionPolicy = "linear",
-                 match: MatchPolicy = "loose_tool_call", tool_parser: str = "json_tags",
-                 template_fallback: TemplateFallback = "none", reasoning_tags: tuple[str, str] | None = ("<think>", "</think>"),
-                 max_sessions: int = 100_000, verify_template: bool = True,
-                 render_mode: RenderMode = "auto", sampling: dict[str, Any] | None = None) -> None:
+    # defaults are the rollout section's (core/schema/rollout.py)
+    def __init__(self, tokenizer: Tokenizer, policy: SessionPolicy = DEFAULTS.session_policy,
+                 match: MatchPolicy = DEFAULTS.match_policy, tool_parser: str = DEFAULTS.tool_parser,
+                 template_fallback: TemplateFallback = DEFAULTS.template_fallback,
+                 reasoning_tags: tuple[str, str] | None = ("<think>", "</think>"),
+                 max_sessions: int = DEFAULTS.max_sessions, verify_template: bool = True,
+                 render_mode: RenderMode = DEFAULTS.render_mode, sampling: dict[str, Any] | None = None) -> None:
         self.tok = tokenizer
         self.policy = policy
         self._match = matcher(match)

@@ -74,11 +74,11 @@ class FSDPTrainer:
         weight_version: int = 0,
     ) -> None:
         check_world(cfg, world)
+        if cfg.deterministic:  # before CUDA / NCCL initialise
+            enable_deterministic(seed)
         # 'auto' of device, dtype, kernels and compile for the device this rank sees
         cfg = resolve_trainer(cfg, RuntimeFacts.probe(), moe=model_spec.is_moe)
         self.cfg, self.spec, self.rank, self.world = cfg, model_spec, rank, world
-        if cfg.deterministic:  # before CUDA / NCCL initialise
-            enable_deterministic(seed)
         self.device = pick_device(cfg.device, rank)
         ensure_process_group(rank, world, self.device)
         self.dtype = compute_dtype(cfg.param_dtype)

@@ -145,3 +145,6 @@ class RolloutConfig:
                              "importance weights would be biased); use top_p = 1 and top_k = -1")
         if self.reasoning_tags and len(self.reasoning_tags) != 2:
             raise ValueError(f"reasoning_tags must be [open, close] or [], got {self.reasoning_tags}")
+
+
+DEFAULTS = RolloutConfig()  # the defaults of the plain classes that take these options one by one

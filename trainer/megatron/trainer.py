@@ -75,10 +75,10 @@ class MegatronTrainer:
         require_megatron()
         from megatron.core import parallel_state as ps
 
-        cfg = resolve_trainer(cfg, RuntimeFacts.probe(), moe=model_spec.is_moe)  # auto: for this rank's device
-        self.cfg, self.spec, self.rank = cfg, model_spec, rank
         if cfg.deterministic:
             enable_deterministic(seed)
+        cfg = resolve_trainer(cfg, RuntimeFacts.probe(), moe=model_spec.is_moe)  # auto: for this rank's device
+        self.cfg, self.spec, self.rank = cfg, model_spec, rank
         self.device = pick_device(cfg.device, rank)
         ensure_process_group(rank, world, self.device)
         init_parallel(cfg.megatron, seed)
