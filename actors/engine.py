@@ -8,7 +8,7 @@ the engine's staging area and commits versions.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, cast
+from typing import Any
 
 from miles.actors.messages import (
     AbortRequest,
@@ -26,14 +26,8 @@ from miles.actors.messages import (
 from miles.actors.runtime.actor import Actor, handler
 from miles.core.errors import EngineError
 from miles.core.images import ImageInput
-from miles.engines.base import (
-    Engine,
-    GenerateRequest,
-    GenerateResult,
-    HealthReply,
-    PauseMode,
-    SamplingParams,
-)
+from miles.core.schema.sync import pause_mode_for
+from miles.engines.base import Engine, GenerateRequest, GenerateResult, HealthReply, SamplingParams
 from miles.weightsync.messages import BulkClose, BulkOpen, BulkPlan, BulkRecv, FlatRange, Stage
 from miles.weightsync.receiver import WeightReceiver
 
@@ -112,10 +106,7 @@ class EngineActor(Actor):
 
     @handler(Pause)
     async def pause(self, msg: Pause) -> int:
-        if msg.mode not in ("auto", "abort", "retract", "in_place"):
-            raise EngineError(f"pause mode {msg.mode!r}: valid are auto, abort, retract, in_place")
-        mode = self.engine.default_pause_mode if msg.mode == "auto" else cast(PauseMode, msg.mode)  # checked above
-        return len(await self.engine.pause(mode))
+        return len(await self.engine.pause(pause_mode_for(msg.mode, self.engine.default_pause_mode)))
 
     @handler(Resume)
     async def resume(self, msg: Resume) -> None:

@@ -24,6 +24,7 @@ from miles.core.errors import MilesError, TrainerError
 from miles.core.logging import get_logger
 from miles.core.schema import MilesConfig
 from miles.metrics.progress import Progress
+from miles.metrics.run_dir import record_trainer
 from miles.models.config import ModelSpec
 from miles.models.fp8_layout import fp8_block
 from miles.rollout.handout import shard_from_wire
@@ -61,6 +62,9 @@ class TrainerActor(Actor):
         self.cfg, self.rank, self.world, self.spec = cfg, rank, world, spec
         self.trainer = make_trainer(cfg.trainer, spec, rank, world, init_checkpoint=init_checkpoint,
                                     seed=cfg.run.seed)
+        # the trainer section as the backend resolved it for this rank's device (core/schema/runtime.py);
+        # rank 0 records it in a launched run's directory
+        self.cfg = record_trainer(cfg, self.trainer.cfg, write=rank == 0)
         # ranks of one tensor-parallel group (megatron) train on the same batch shard
         self.dp_size, self.dp_rank = data_parallel(self.trainer, rank, world)
         self.engines = engines

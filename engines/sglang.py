@@ -107,10 +107,8 @@ class SGLangEngine(Engine):
             self.server = SGLangServer(cfg, self.model_path, self.stage_root / "server.log", self.max_seq_len)
             self.server.weight_version = version
             self.url = self.server.url
-        kind = cfg.sglang_weight_update
-        if kind == "auto":
-            kind = "tensor" if cfg.device.startswith("cuda") else "disk"
-        self.update: WeightUpdate = (TensorUpdate(cfg.device, cfg.sglang_tp) if kind == "tensor"
+        # resolved from engine.device when the section was built (core/schema/engine.py)
+        self.update: WeightUpdate = (TensorUpdate(cfg.device, cfg.sglang_tp) if cfg.sglang_weight_update == "tensor"
                                      else DiskUpdate(self.stage_root, self.model_path, self._disk_committed))
         self._session: aiohttp.ClientSession | None = None
         self._ready = asyncio.Lock()

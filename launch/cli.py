@@ -65,10 +65,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     cfg, resume = loaded
     begin_resume(cfg, resume)
-    # auto: events as JSON to run_dir/logs/launcher.log, warnings and errors as one line each here
-    log_file = Path(cfg.run.dir) / "logs" / "launcher.log" if cfg.run.log_json == "auto" else None
-    configure_logging(cfg.run.log_level, None if cfg.run.log_json == "auto" else cfg.run.log_json == "json",
-                      file=log_file, run=cfg.run.name, role="launcher")
+    # file: events as JSON to run_dir/logs/launcher.log, warnings and errors as one line each here
+    configure_logging(cfg.run.log_level, cfg.run.json_logs, file=cfg.run.launcher_log(), run=cfg.run.name,
+                      role="launcher")
     if not resume:
         cfg = with_initial_checkpoint(cfg)
     rc = asyncio.run(LocalLauncher(cfg, resume_from=resume).run())
@@ -123,6 +122,8 @@ def _resume_config(run_dir: str, overrides: list[str]) -> tuple[MilesConfig, str
 
 
 def cmd_config(args: argparse.Namespace) -> int:
+    # the trainer's device-dependent values stay 'auto' here: each trainer resolves them for the
+    # device it sees (core/schema/runtime.py) and records them in the run directory's config
     print(dump_toml(_load(args), with_docs=True), end="")
     return 0
 

@@ -10,7 +10,6 @@ process group and killed by PID on the way out.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import secrets
 import signal
@@ -23,14 +22,13 @@ from pathlib import Path
 
 from miles.actors.runtime.directory import Directory
 from miles.actors.runtime.host import DIRECTORY_NAME, Host
-from miles.core.config import dump_toml, to_dict
 from miles.core.files import atomic_write_bytes
 from miles.core.logging import get_logger
 from miles.core.schema import MilesConfig
 from miles.launch.console import Console
 from miles.launch.supervision import CrashReport, RestartPolicy, crash_report
 from miles.launch.supervisor import Supervisor, die_with_parent, stop_units
-from miles.metrics.run_dir import resume_command
+from miles.metrics.run_dir import resume_command, write_config
 from miles.transport.curve import apply_cluster_keys
 
 log = get_logger("miles.launch")
@@ -123,7 +121,7 @@ class LocalLauncher:
         self.policy = RestartPolicy(max_restarts)
         self._stop = asyncio.Event()
         self.console = Console(self.run_dir, cfg.run.steps, progress=cfg.run.progress,
-                               forward_warnings=cfg.run.log_json == "auto")
+                               forward_warnings=cfg.run.log_json == "file")
 
     async def run(self) -> int:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -135,9 +133,7 @@ class LocalLauncher:
                 token = self.run_dir / "keys" / "http_token"
                 atomic_write_bytes(token, secrets.token_urlsafe(32).encode(), 0o600)
                 self.cfg.rollout.http_token_file = str(token)
-        cfg_path = self.run_dir / "config.resolved.json"
-        cfg_path.write_text(json.dumps(to_dict(self.cfg), indent=1))
-        (self.run_dir / "config.resolved.toml").write_text(dump_toml(self.cfg, with_docs=True))
+        cfg_path = write_config(self.run_dir, self.cfg)
         host = Host(self.cfg.transport, None)
         await host.start()
         await host.add(Directory(self.cfg.transport.heartbeat_timeout_s, self.cfg.transport.heartbeat_interval_s), DIRECTORY_NAME)

@@ -63,8 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     with open(a.config) as f:
         cfg = from_dict(MilesConfig, json.load(f))
-    configure_logging(cfg.run.log_level, None if cfg.run.log_json == "auto" else cfg.run.log_json == "json",
-                      run=cfg.run.name, role=a.role, rank=a.index)
+    configure_logging(cfg.run.log_level, cfg.run.json_logs, run=cfg.run.name, role=a.role, rank=a.index)
     import uvloop
 
     stop = asyncio.Event()

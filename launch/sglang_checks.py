@@ -100,7 +100,6 @@ def _layout_errors(cfg: MilesConfig, hf: dict[str, Any]) -> list[str]:
                 f"{k * eng.sglang_mem_fraction:.2f} of its memory, over the budget of {budget}"
                 f"{' with the trainer on the GPU' if cfg.trainer.device != 'cpu' else ''}; set it to at most "
                 f"{budget / k:.3f} (0 = auto), or sglang_placement=spread to give each server its own GPUs")
-    if cfg.trainer.pause_engines:
-        errs.append("trainer.pause_engines pauses engines in place (requests and KV kept), which SGLang does not "
-                    "offer: turn it off or use engine.type=torch")
+    # trainer.pause_engines needs in-place pauses: refused at load for every engine but torch's
+    # (core/schema/resolve.py check)
     return errs

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import shutil
 import subprocess
@@ -24,7 +23,6 @@ import sys
 import time
 from pathlib import Path
 
-from miles.core.config import dump_toml, to_dict
 from miles.core.errors import ConfigError
 from miles.core.logging import configure_logging
 from miles.core.schema import MilesConfig
@@ -38,6 +36,7 @@ from miles.launch.slurm_script import (
     make_plan,
     render_script,
 )
+from miles.metrics.run_dir import write_config
 
 
 def _role_pairs(values: list[str], flag: str) -> list[tuple[str, str]]:
@@ -83,9 +82,7 @@ def write_run_files(cfg: MilesConfig, plan: SlurmPlan, resume: str = "") -> Path
     (run / "slurm").mkdir(parents=True, exist_ok=True)
     (run / "logs").mkdir(exist_ok=True)
     (run / "slurm" / "exit_code").unlink(missing_ok=True)  # an earlier job's (before --resume)
-    cfg_path = run / "config.resolved.json"
-    cfg_path.write_text(json.dumps(to_dict(cfg), indent=1))
-    (run / "config.resolved.toml").write_text(dump_toml(cfg, with_docs=True))
+    cfg_path = write_config(run, cfg)
     job_spec(plan, run_dir=str(run), config_path=str(cfg_path), python=sys.executable,
              resume=resume).write(run / "slurm" / "steps.json")
     path = run / "slurm" / "job.sbatch"
@@ -167,11 +164,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
         raise ConfigError(f"the plan needs {plan.nodes} nodes but allocation {env.job_id} has {env.num_nodes}: "
                           "allocate more nodes or lower --nodes / --place")
     begin_resume(cfg, resume)
-    # auto: events as JSON to run_dir/logs/launcher.log, warnings and errors as one readable line
+    # file: events as JSON to run_dir/logs/launcher.log, warnings and errors as one readable line
     # here (as `miles train`); the roles' events go to their steps' logs
-    log_file = Path(cfg.run.dir) / "logs" / "launcher.log" if cfg.run.log_json == "auto" else None
-    configure_logging(cfg.run.log_level, None if cfg.run.log_json == "auto" else cfg.run.log_json == "json",
-                      file=log_file, run=cfg.run.name, role="launcher")
+    configure_logging(cfg.run.log_level, cfg.run.json_logs, file=cfg.run.launcher_log(), run=cfg.run.name,
+                      role="launcher")
     cfg = prepare(cfg, resume)
     script = write_run_files(cfg, plan, str(Path(resume).resolve()) if resume else "")
     if env.in_allocation:

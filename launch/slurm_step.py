@@ -129,8 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("not inside an srun step (SLURM_STEP_ID / SLURM_PROCID unset): "
                               "this entry is started by the script `miles launch --slurm` renders")
         cfg = from_dict(MilesConfig, json.loads(Path(a.config).read_text()))
-        configure_logging(cfg.run.log_level, None if cfg.run.log_json == "auto" else cfg.run.log_json == "json",
-                          run=cfg.run.name, role=a.role, rank=env.proc_id)
+        configure_logging(cfg.run.log_level, cfg.run.json_logs, run=cfg.run.name, role=a.role, rank=env.proc_id)
         cfg, cfg_path = _step_config(cfg, Path(a.config), a.role, env)
         ready = Path(a.directory_file)
         log.info("slurm_step", role=a.role, index=env.proc_id, node=env.node_name,

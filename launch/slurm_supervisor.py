@@ -155,11 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     run = Path(a.run_dir)
     spec = JobSpec.read(run / "slurm" / "steps.json")
     cfg = from_dict(MilesConfig, json.loads((run / "config.resolved.json").read_text()))
-    # as `miles train`: events as JSON to logs/launcher.log (auto), warnings and errors as a line
+    # as `miles train`: events as JSON to logs/launcher.log (file), warnings and errors as a line
     # here (the job's output)
-    log_file = run / "logs" / "launcher.log" if cfg.run.log_json == "auto" else None
-    configure_logging(cfg.run.log_level, None if cfg.run.log_json == "auto" else cfg.run.log_json == "json",
-                      file=log_file, run=cfg.run.name, role="supervisor")
+    configure_logging(cfg.run.log_level, cfg.run.json_logs, file=cfg.run.launcher_log(run), run=cfg.run.name,
+                      role="supervisor")
     exit_file = run / "slurm" / "exit_code"
     exit_file.unlink(missing_ok=True)
     job_id = SlurmEnv.from_environ().job_id

@@ -56,9 +56,6 @@ def validate_launch(cfg: MilesConfig) -> None:
     sglang = sglang_launch_errors(cfg)
     if sglang:
         raise ConfigError("; ".join(sglang))
-    if cfg.trainer.pause_engines and cfg.engine.type != "torch":
-        raise ConfigError(f"trainer.pause_engines pauses engines in place (requests and KV kept), which "
-                          f"engine.type = {cfg.engine.type!r} does not offer: use the torch engine or turn it off")
     if cfg.run.wandb_project:
         import importlib.util
 

@@ -21,9 +21,14 @@ import os
 import re
 import shlex
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from miles.core.errors import ConfigError
 from miles.core.files import atomic_write_bytes
+
+if TYPE_CHECKING:
+    from miles.core.schema import MilesConfig
+    from miles.core.schema.trainer import TrainerConfig
 
 STEP_RECORDS = ("metrics.jsonl", "eval.jsonl")  # one JSON object per line, each with its "step"
 
@@ -131,3 +136,30 @@ def _records(path: Path) -> list[dict[str, object]]:
         if isinstance(rec, dict):
             out.append(rec)
     return out
+
+
+def write_config(run_dir: str | Path, cfg: MilesConfig) -> Path:
+    """The run's resolved config (a `MilesConfig`): config.resolved.json, which the roles and
+    `--resume` load, and the documented TOML beside it. Each file is replaced whole: trainer rank 0
+    rewrites them with its machine's values (`record_trainer`) while other roles may be reading."""
+    from miles.core.config import dump_toml, to_dict
+
+    run = Path(run_dir)
+    path = run / "config.resolved.json"
+    atomic_write_bytes(path, json.dumps(to_dict(cfg), indent=1).encode())
+    atomic_write_bytes(run / "config.resolved.toml", dump_toml(cfg, with_docs=True).encode())
+    return path
+
+
+def record_trainer(cfg: MilesConfig, trainer_cfg: TrainerConfig, write: bool) -> MilesConfig:
+    """`cfg` with the trainer section as a trainer rank resolved it for its device
+    (core/schema/runtime.py); with `write` (rank 0) written over the launcher's run-dir config
+    where it differs, so the run directory shows what each 'auto' became (a launched run only:
+    one whose directory holds that config)."""
+    import dataclasses
+
+    resolved = dataclasses.replace(cfg, trainer=trainer_cfg)
+    launched = (Path(cfg.run.dir) / "config.resolved.json").is_file()
+    if write and launched and resolved.trainer != cfg.trainer:
+        write_config(cfg.run.dir, resolved)
+    return resolved

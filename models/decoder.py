@@ -188,7 +188,8 @@ class CausalLM(nn.Module):
         self.lm_head = (
             None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         )
-        self.packed_attention = "auto"  # how packed rows attend: varlen | masked | auto (`_varlen`)
+        # how packed rows attend: varlen | masked | by_length (`_varlen`; trainer.packed_attention)
+        self.packed_attention = "by_length"
         self.head_ops: HeadOps = EAGER  # the chunked head's per-chunk math (`compile_blocks`)
 
     @torch.no_grad()
@@ -368,13 +369,13 @@ class CausalLM(nn.Module):
 
     def _varlen(self, device: torch.device, t: int = VARLEN_AUTO_MIN_TOKENS) -> bool:
         """Packed rows through per-sequence attention (models/varlen.py) instead of a mask:
-        `packed_attention` = varlen | masked | auto (varlen on CUDA for packs of at least
+        `packed_attention` = varlen | masked | by_length (varlen on CUDA for packs of at least
         VARLEN_AUTO_MIN_TOKENS, where it reaches the flash kernels and the mask would be large;
         masked otherwise). Only the plain attention layer takes it; sliding windows and the
         other attention kinds use the mask."""
         mode = self.packed_attention
-        auto_masked = mode == "auto" and (device.type != "cuda" or t < VARLEN_AUTO_MIN_TOKENS)
-        if mode == "masked" or auto_masked or self.spec.sliding_layers:
+        short = mode == "by_length" and (device.type != "cuda" or t < VARLEN_AUTO_MIN_TOKENS)
+        if mode == "masked" or short or self.spec.sliding_layers:
             return False
         return all(type(getattr(layer, "self_attn", None)) is Attention for layer in self.model.layers)
 

@@ -30,18 +30,15 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from miles.core.errors import ConfigError, MilesError
-from miles.core.schema.buffer import BufferConfig
+from miles.core.schema.buffer import DEFAULTS, BufferConfig, RetryPolicy, Schedule, check_buffer
 from miles.rollout.bias import BiasMeter, P
 from miles.rollout.filters import FilterFn, check_verdict, keep_all, load_filter
 from miles.rollout.ledger import Ledger
 from miles.rollout.schedule import Outstanding, admits, plan
 from miles.rollout.types import Group, Sample
-
-RetryPolicy = Literal["retry", "discard"]
-Schedule = Literal["arrival", "deadline", "budget"]
 
 
 class BufferError(MilesError):
@@ -91,16 +88,18 @@ class _Group:
 
 
 class RolloutBuffer:
-    def __init__(self, capacity: int, n_samples: int, max_staleness: int | None = None,
-                 retry: RetryPolicy = "retry", max_attempts: int = 3, admission_control: bool = False,
-                 batch_groups: int = 1, max_waiting: int = 0, filter_fn: FilterFn | None = None,
+    # defaults and rules are the section's (core/schema/buffer.py); max_staleness None = no bound
+    def __init__(self, capacity: int, n_samples: int, max_staleness: int | None = DEFAULTS.max_staleness,
+                 retry: RetryPolicy = DEFAULTS.retry, max_attempts: int = DEFAULTS.max_attempts,
+                 admission_control: bool = DEFAULTS.admission_control, batch_groups: int = DEFAULTS.batch_groups,
+                 max_waiting: int = DEFAULTS.max_waiting, filter_fn: FilterFn | None = None,
                  prompt_source: Callable[[], dict[str, Any] | None] | None = None,
-                 ledger: Ledger | None = None, schedule: Schedule = "arrival", bias_window: int = 8) -> None:
-        if capacity < 1 or n_samples < 1 or batch_groups < 1 or max_attempts < 1:
-            raise ConfigError(f"buffer: capacity ({capacity}), n_samples ({n_samples}), batch_groups "
-                              f"({batch_groups}) and max_attempts ({max_attempts}) must be >= 1")
-        if admission_control and max_staleness is None:
-            raise ConfigError("buffer.admission_control needs buffer.max_staleness to be set")
+                 ledger: Ledger | None = None, schedule: Schedule = DEFAULTS.schedule,
+                 bias_window: int = DEFAULTS.bias_window) -> None:
+        check_buffer(capacity, batch_groups, max_attempts, bias_window,
+                     -1 if max_staleness is None else max_staleness, admission_control)
+        if n_samples < 1:
+            raise ConfigError(f"buffer: n_samples ({n_samples}) must be >= 1")
         # with no staleness bound nothing goes stale: arrival order has no drop bias to remove
         self.schedule: Schedule = schedule if max_staleness is not None else "arrival"
         self.version = 0  # the latest weight version the rollout side knows (admission deadlines)

@@ -22,7 +22,8 @@ def free_port() -> int:
 
 
 def pick_device(kind: str, rank: int) -> torch.device:
-    if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
+    """The rank's device for trainer.device as resolved (core/schema/runtime.py): cpu or cuda."""
+    if kind == "cuda":
         if not torch.cuda.is_available():
             raise TrainerError("trainer.device='cuda' but no CUDA device is visible")
         local = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))

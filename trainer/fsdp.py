@@ -20,11 +20,12 @@ from torch import nn
 
 from miles.core.errors import TrainerError
 from miles.core.logging import get_logger
+from miles.core.schema.runtime import RuntimeFacts, resolve_trainer
 from miles.core.schema.trainer import TrainerConfig
 from miles.models.config import ModelSpec
 from miles.trainer import checkpoint
 from miles.trainer.batch import TrainBatch
-from miles.trainer.config_checks import check_world, compile_enabled
+from miles.trainer.config_checks import check_world
 from miles.trainer.deterministic import enable_deterministic
 from miles.trainer.dist import Collectives, ensure_process_group, pick_device
 from miles.trainer.distill import load_teacher
@@ -73,18 +74,20 @@ class FSDPTrainer:
         weight_version: int = 0,
     ) -> None:
         check_world(cfg, world)
-        self.cfg, self.spec, self.rank, self.world = cfg, model_spec, rank, world
         if cfg.deterministic:  # before CUDA / NCCL initialise
             enable_deterministic(seed)
+        # 'auto' of device, dtype, kernels and compile for the device this rank sees
+        cfg = resolve_trainer(cfg, RuntimeFacts.probe(), moe=model_spec.is_moe)
+        self.cfg, self.spec, self.rank, self.world = cfg, model_spec, rank, world
         self.device = pick_device(cfg.device, rank)
         ensure_process_group(rank, world, self.device)
-        self.dtype = compute_dtype(cfg.param_dtype, self.device)
+        self.dtype = compute_dtype(cfg.param_dtype)
         mesh = make_mesh(self.device, world) if self.wrap_single_rank or wraps(world, self.dtype) else None
         policy = build_policy(model_spec, init_checkpoint, seed)
         # 'padded' rows never reach the model as a packed row (fillers excepted: they attend per sequence)
         policy.packed_attention = "varlen" if cfg.packed_attention == "padded" else cfg.packed_attention
-        if compile_enabled(cfg, self.device.type, model_spec.is_moe):
-            if cfg.compile == "auto":
+        if cfg.compile != "off":
+            if cfg.compile == "try":
                 # a default must not end a run: where inductor cannot compile here (no Triton,
                 # no compiler), dynamo logs the error and runs those pieces eagerly; `on` raises
                 import torch._dynamo.config

@@ -29,9 +29,11 @@ def lr_at(cfg: OptimConfig, step: int) -> float:
 
 
 def adamw_kernel(impl: OptimImpl, device: torch.device | None) -> dict[str, bool]:
-    """torch.optim.AdamW's kernel flags for `trainer.optim.impl` on `device`."""
-    if impl == "auto":
-        impl = "fused" if device is not None and device.type == "cuda" else "single"
+    """torch.optim.AdamW's kernel flags for `trainer.optim.impl` (resolved for the trainer's
+    device: core/schema/runtime.py) on `device`."""
+    if impl not in ("single", "foreach", "fused"):
+        raise ConfigError(f"trainer.optim.impl={impl!r} is not resolved: build the trainer through "
+                          "core/schema/runtime.py resolve_trainer")
     if impl == "fused" and (device is None or device.type not in ("cuda", "cpu")):
         raise ConfigError(f"trainer.optim.impl=fused needs a CUDA or CPU device, got {device}")
     return {"foreach": impl == "foreach", "fused": impl == "fused"}

@@ -191,7 +191,7 @@ class RLStep:
         cfg = self.b.cfg
         return (
             cfg.correction.old_logprobs == "recompute"
-            and cfg.correction.old_logprobs_pass == "auto"
+            and cfg.correction.old_logprobs_pass == "when_needed"
             and num_updates == 1
             and not (self.b.ref is not None and cfg.loss.kl_in_reward)
             and self.b.teacher is None

@@ -33,10 +33,15 @@ if TYPE_CHECKING:  # torch.distributed.device_mesh / fsdp are imported where a m
     from torch.distributed.tensor import DTensor
 
 
-def compute_dtype(name: ParamDtype, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def compute_dtype(name: ParamDtype) -> torch.dtype:
+    """trainer.param_dtype as resolved for the trainer's device (core/schema/runtime.py)."""
+    if name not in _DTYPES:
+        raise ConfigError(f"trainer.param_dtype={name!r} is not resolved: build the trainer through "
+                          "core/schema/runtime.py resolve_trainer")
+    return _DTYPES[name]
 
 
 def wraps(world: int, dtype: torch.dtype) -> bool:

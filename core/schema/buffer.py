@@ -6,6 +6,25 @@ from dataclasses import dataclass
 from typing import Literal
 
 from miles.core.config import opt
+from miles.core.errors import ConfigError
+
+Schedule = Literal["deadline", "budget", "arrival"]
+RetryPolicy = Literal["retry", "discard"]
+
+
+def check_buffer(capacity: int, batch_groups: int, max_attempts: int, bias_window: int, max_staleness: int,
+                 admission_control: bool) -> None:
+    """The buffer's own rules (max_staleness -1 = no bound), for the section and for a
+    `RolloutBuffer` built without one: one place, one message."""
+    sizes = {"capacity": capacity, "batch_groups": batch_groups, "max_attempts": max_attempts,
+             "bias_window": bias_window}
+    for name, value in sizes.items():
+        if value < 1:
+            raise ConfigError(f"buffer.{name} must be >= 1, got {value}")
+    if max_staleness < -1:
+        raise ConfigError(f"buffer.max_staleness must be >= -1 (-1 = no bound), got {max_staleness}")
+    if admission_control and max_staleness < 0:
+        raise ConfigError("buffer.admission_control needs max_staleness >= 0 (a staleness bound)")
 
 
 @dataclass
@@ -32,11 +51,11 @@ class BufferConfig:
         "-1 = never drop for staleness",
         "versions",
     )
-    retry: Literal["retry", "discard"] = opt(
+    retry: RetryPolicy = opt(
         "retry", "what happens to a prompt dropped for failure or staleness (filter drops are always discarded)"
     )
     max_attempts: int = opt(3, "groups started for one prompt before it is discarded", "attempts")
-    schedule: Literal["deadline", "budget", "arrival"] = opt(
+    schedule: Schedule = opt(
         "deadline",
         "fully_async only. deadline: admit a group while groups outstanding + taken this version < "
         "(max_staleness + 1) * batch_groups and this version's batch is not yet complete, and train each by version admitted + max_staleness (the trainer "
@@ -63,10 +82,8 @@ class BufferConfig:
     )
 
     def __post_init__(self) -> None:
-        for name in ("capacity", "batch_groups", "max_attempts", "bias_window"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_staleness < -1:
-            raise ValueError(f"max_staleness must be >= -1, got {self.max_staleness}")
-        if self.admission_control and self.max_staleness < 0:
-            raise ValueError("admission_control needs max_staleness >= 0")
+        check_buffer(self.capacity, self.batch_groups, self.max_attempts, self.bias_window, self.max_staleness,
+                     self.admission_control)
+
+
+DEFAULTS = BufferConfig()  # the defaults a RolloutBuffer built without a section takes

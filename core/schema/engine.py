@@ -156,6 +156,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype == "auto":
             self.dtype = "bfloat16" if self.type == "sglang" else "float32"
+        if self.sglang_weight_update == "auto":  # tensors by reference reach only a server on this GPU
+            self.sglang_weight_update = "tensor" if self.device.startswith("cuda") else "disk"
         for name in ("num_engines", "max_batch_size", "max_seq_len", "max_queue"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"engine.{name}={getattr(self, name)} must be >= 1")

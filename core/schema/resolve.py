@@ -7,7 +7,8 @@ rewrites the config at run time: a value another part needs in a different form 
 channel's settings under FP8, the snapshot eval engine's channel) is derived here, once.
 
 What needs more than the config stays at launch (launch/validate.py): hooks that must import,
-a model directory to read, packages that must be installed.
+a model directory to read, packages that must be installed. What depends on the machine that
+trains (a visible CUDA device, a MoE policy) is resolved from its facts by core/schema/runtime.py.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ def check(cfg: ResolvedSections) -> None:
     if tr.true_on_policy and not cfg.engine.batch_invariant:
         raise ConfigError("trainer.true_on_policy needs engine.batch_invariant = true: the engine must use "
                           "the same batch-invariant kernels for logprobs to match bit for bit")
+    if tr.pause_engines and cfg.engine.type != "torch":
+        raise ConfigError(f"trainer.pause_engines pauses engines in place (requests and KV kept), which "
+                          f"engine.type = {cfg.engine.type!r} does not offer: use the torch engine or turn it off")
     if cfg.run.time_limit_s > 0 and tr.world_size > 1:
         raise ConfigError(f"run.time_limit_s = {cfg.run.time_limit_s}: > 0 only with one trainer rank (ranks "
                           f"would stop at different steps), got world_size {tr.world_size}")

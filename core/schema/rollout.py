@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -12,6 +13,14 @@ SessionPolicy = Literal["linear", "branching"]
 MatchPolicy = Literal["strict", "loose_tool_call", "role_content"]
 TemplateFallback = Literal["none", "anchor_diff"]
 RenderMode = Literal["auto", "full", "local"]
+
+
+def resolve_render_mode(mode: RenderMode, local_ok: Callable[[], bool]) -> Literal["full", "local"]:
+    """rollout.render_mode for the policy's tokenizer, which only the rollout process loads: auto =
+    local when the chat template renders locally the same as whole (`local_ok`, asked only then)."""
+    if mode == "auto":
+        return "local" if local_ok() else "full"
+    return mode
 
 
 @dataclass
@@ -136,3 +145,6 @@ class RolloutConfig:
                              "importance weights would be biased); use top_p = 1 and top_k = -1")
         if self.reasoning_tags and len(self.reasoning_tags) != 2:
             raise ValueError(f"reasoning_tags must be [open, close] or [], got {self.reasoning_tags}")
+
+
+DEFAULTS = RolloutConfig()  # the defaults of the plain classes that take these options one by one

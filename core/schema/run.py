@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from miles.core.config import opt
@@ -18,10 +19,11 @@ class RunConfig:
         "(so is this default)", "path")
     seed: int = opt(0, "global random seed")
     log_level: Literal["debug", "info", "warning", "error"] = opt("info", "log level")
-    log_json: Literal["auto", "json", "console"] = opt(
+    log_json: Literal["auto", "file", "json", "console"] = opt(
         "auto",
-        "log format: auto = JSON events to run_dir/logs/ (local launcher: only warnings and errors on "
-        "the console, one readable line each); json = JSON on stderr; console = readable on stderr",
+        "log format: file = JSON events to run_dir/logs/ (local launcher: only warnings and errors on "
+        "the console, one readable line each); json = JSON on stderr; console = readable on stderr; "
+        "auto = file",
     )
     steps: int = opt(20, "training steps (weight versions) the run makes", "steps")
     time_limit_s: float = opt(
@@ -40,5 +42,18 @@ class RunConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.log_json == "auto":
+            self.log_json = "file"
         if self.time_limit_s < 0:
             raise ConfigError(f"run.time_limit_s = {self.time_limit_s}: must be >= 0 (0 = no limit)")
+
+    @property
+    def json_logs(self) -> bool | None:
+        """`configure_logging`'s `json` for log_json: None under 'file' (the stream decides: JSON
+        unless it is a terminal; a role's stderr is its file under run_dir/logs/)."""
+        return None if self.log_json == "file" else self.log_json == "json"
+
+    def launcher_log(self, run_dir: str | Path = "") -> Path | None:
+        """Where a launcher or supervisor writes its events (run_dir/logs/launcher.log under
+        'file', else None: stderr only); `run_dir` defaults to run.dir."""
+        return Path(run_dir or self.dir) / "logs" / "launcher.log" if self.log_json == "file" else None

@@ -2,13 +2,28 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Literal
 
 from miles.core.config import opt
-from miles.core.errors import ConfigError
+from miles.core.errors import ConfigError, EngineError
 
-DeltaCompression = Literal["auto", "zlib", "lz4", "none"]  # also the type pick_compressor takes
+# also the type pick_compressor takes; *_sampled: compress only an entry whose sample shrinks enough
+DeltaCompression = Literal["auto", "zlib", "lz4", "none", "zlib_sampled", "lz4_sampled"]
+EnginePause = Literal["abort", "retract", "in_place"]  # what an engine's pause may be asked for
+ENGINE_PAUSES: tuple[EnginePause, ...] = ("abort", "retract", "in_place")
+
+
+def pause_mode_for(asked: str, engine_default: str) -> EnginePause:
+    """The pause an engine makes when asked for `asked`: 'auto' = the engine's own (`engine_default`,
+    what sync.pause_mode = 'auto' resolves to in a whole config; a SyncConfig built on its own, in
+    tests and benches, sends 'auto' on the wire, and only the engine knows its type)."""
+    mode = engine_default if asked == "auto" else asked
+    for known in ENGINE_PAUSES:
+        if mode == known:
+            return known
+    raise EngineError(f"pause mode {asked!r}: valid are auto, {', '.join(ENGINE_PAUSES)}")
 
 
 @dataclass
@@ -78,7 +93,9 @@ class SyncConfig:
         "(bench/results/weight_sync_disk_delta_cpu.txt, bench/disk_delta_phases.py)", "path"
     )
     delta_compression: DeltaCompression = opt(
-        "auto", "compression of disk_delta XOR deltas; auto = lz4 if installed, else zlib"
+        "auto", "compression of disk_delta XOR deltas: zlib, lz4 or none; *_sampled = compress only an entry "
+        "a sample of which shrinks to at most half (dense float changes barely compress); auto = lz4_sampled "
+        "if lz4 is installed, else zlib_sampled"
     )
     delta_keep: int = opt(2, "disk_delta versions kept on disk (older ones are deleted)", "versions")
 
@@ -99,6 +116,8 @@ class SyncConfig:
         return self.flat_export == "on" or (self.flat_export == "auto" and self.transport != "disk_delta")
 
     def __post_init__(self) -> None:
+        if self.delta_compression == "auto":  # the roles run the launcher's interpreter: the same packages
+            self.delta_compression = "lz4_sampled" if importlib.util.find_spec("lz4") else "zlib_sampled"
         if self.bucket_mib <= 0:
             raise ConfigError(f"sync.bucket_mib={self.bucket_mib} must be > 0")
         if self.receive_ahead_mib < 0:

@@ -7,6 +7,7 @@ must choose a rollout/trainer correction) are core/schema/resolve.py's.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -115,14 +116,16 @@ class CorrectionConfig:
         "old-policy logprobs: recompute with a no-grad pass at the step's start weights, or reuse "
         "the rollout engine's (then the PPO ratio absorbs the mismatch and weights are 1)",
     )
-    old_logprobs_pass: Literal["auto", "always"] = opt(
+    old_logprobs_pass: Literal["auto", "when_needed", "always"] = opt(
         "auto",
-        "recompute's no-grad pass: 'auto' skips it when a step makes one optimizer update and "
-        "nothing reads old logprobs before it (the training forward's detached logprobs are "
-        "the same values); 'always' runs it every step",
+        "recompute's no-grad pass: 'when_needed' skips it in a step that makes one optimizer update "
+        "and in which nothing reads old logprobs before it (the training forward's detached logprobs "
+        "are the same values); 'always' runs it every step; auto = when_needed",
     )
 
     def __post_init__(self) -> None:
+        if self.old_logprobs_pass == "auto":  # a per-step decision (how many updates the step makes)
+            self.old_logprobs_pass = "when_needed"
         if len(set(self.types)) != len(self.types):
             raise ConfigError(f"trainer.correction.types: duplicates in {self.types}")
         weighted = [t for t in self.types if t in _WEIGHTED]
@@ -158,7 +161,8 @@ class OptimConfig:
         "auto",
         "AdamW kernels: single = one parameter at a time (torch foreach=False; the streamed "
         "optimizer's exact math), foreach = multi-tensor kernels, fused = one fused kernel per "
-        "parameter group (CUDA); auto = fused on CUDA, single on CPU. They agree to fp32 rounding",
+        "parameter group (CUDA); auto = fused on CUDA, single on CPU (core/schema/runtime.py). They "
+        "agree to fp32 rounding",
     )
 
     def __post_init__(self) -> None:
@@ -227,6 +231,11 @@ class MegatronConfig:
         "(transformer_engine when it is installed, else local)",
     )
 
+    def __post_init__(self) -> None:
+        if self.transformer_impl == "auto":  # the roles run the launcher's interpreter: the same packages
+            te = importlib.util.find_spec("transformer_engine") is not None
+            self.transformer_impl = "transformer_engine" if te else "local"
+
 
 @dataclass
 class TrainerConfig:
@@ -237,7 +246,8 @@ class TrainerConfig:
     )
     world_size: int = opt(1, "trainer data-parallel ranks (one process each)", "ranks")
     device: Literal["auto", "cpu", "cuda"] = opt(
-        "auto", "where to train: auto = cuda when available (NCCL), else cpu (gloo)"
+        "auto", "where to train: auto = cuda when available (NCCL; always for the megatron backend), else cpu "
+        "(gloo); each trainer process resolves auto for the device it sees (core/schema/runtime.py)"
     )
     param_dtype: ParamDtype = opt(
         "auto",
@@ -251,23 +261,25 @@ class TrainerConfig:
         "docs/models.md)",
         "tokens",
     )
-    packed_attention: Literal["auto", "varlen", "masked", "padded"] = opt(
+    packed_attention: Literal["auto", "varlen", "masked", "by_length", "padded"] = opt(
         "auto",
         "attention over a packed micro-batch: varlen = one causal attention call per sequence (flash "
         "kernels on CUDA; memory and work follow the sequences' lengths), masked = one call over the "
-        "whole pack with a block-diagonal mask (quadratic in micro_batch_tokens), auto = varlen on "
-        "CUDA for packs of >= 8192 tokens (H200: 1.73x at 16k-token packs, 0.87x at 4k), else masked; layers with sliding windows, sinks, MLA or linear attention use the mask; "
+        "whole pack with a block-diagonal mask (quadratic in micro_batch_tokens), by_length = varlen on "
+        "CUDA for packs of >= 8192 tokens (H200: 1.73x at 16k-token packs, 0.87x at 4k), else masked; "
+        "auto = by_length on CUDA, masked elsewhere; layers with sliding windows, sinks, MLA or linear "
+        "attention use the mask; "
         "padded = no packing: the micro-batch's sequences as rows right-padded to the longest, plain "
         "causal attention (the fewest kernel calls for many short sequences, e.g. on CPU; the padding "
         "costs compute in every layer)",
     )
-    compile: Literal["auto", "on", "off"] = opt(
+    compile: Literal["auto", "on", "try", "off"] = opt(
         "auto",
         "torch.compile the policy's block pieces (fused norms, residual adds and dense SwiGLU) and "
         "the chunked LM head's softmax math (CausalLM.compile_blocks); attention and MoE dispatch stay "
-        "eager; the first step compiles (tens of seconds). auto = on for a dense model on CUDA outside "
-        "true-on-policy mode, off otherwise; under auto a compile error falls back to eager with a "
-        "logged error (on raises it). H200 (bench/results/trainer_h200_s6.txt): dense 0.5B 1.15x "
+        "eager; the first step compiles (tens of seconds). try = on, but a compile error falls back to eager "
+        "with a logged error (on raises it). auto = try for a dense model on CUDA outside true-on-policy "
+        "mode, off otherwise (core/schema/runtime.py). H200 (bench/results/trainer_h200_s6.txt): dense 0.5B 1.15x "
         "at 1k-token and 1.30x at 4k-token sequences, small MoE 0.88x / 1.07x (MoE blocks have no dense "
         "SwiGLU to fuse, and the varying pack lengths recompile), hence off for MoE under auto",
     )

@@ -25,11 +25,13 @@ import numpy as np
 from miles.core.errors import Diverged, NotAppendOnly, ProtocolError, SessionError
 from miles.core.images import ImageInput
 from miles.core.schema.rollout import (
+    DEFAULTS,
     MatchPolicy,
     RenderMode,
     RolloutConfig,
     SessionPolicy,
     TemplateFallback,
+    resolve_render_mode,
 )
 from miles.rollout.tito.tree import Node, leaves, trajectory
 from miles.rollout.tokens.messages import (
@@ -197,11 +199,13 @@ def _number(v: Any, what: str) -> float:
 class SessionStore:
     """Sessions keyed by id; see the module doc. Template verification happens at construction."""
 
-    def __init__(self, tokenizer: Tokenizer, policy: SessionPolicy = "linear",
-                 match: MatchPolicy = "loose_tool_call", tool_parser: str = "json_tags",
-                 template_fallback: TemplateFallback = "none", reasoning_tags: tuple[str, str] | None = ("<think>", "</think>"),
-                 max_sessions: int = 100_000, verify_template: bool = True,
-                 render_mode: RenderMode = "auto", sampling: dict[str, Any] | None = None) -> None:
+    # defaults are the rollout section's (core/schema/rollout.py)
+    def __init__(self, tokenizer: Tokenizer, policy: SessionPolicy = DEFAULTS.session_policy,
+                 match: MatchPolicy = DEFAULTS.match_policy, tool_parser: str = DEFAULTS.tool_parser,
+                 template_fallback: TemplateFallback = DEFAULTS.template_fallback,
+                 reasoning_tags: tuple[str, str] | None = ("<think>", "</think>"),
+                 max_sessions: int = DEFAULTS.max_sessions, verify_template: bool = True,
+                 render_mode: RenderMode = DEFAULTS.render_mode, sampling: dict[str, Any] | None = None) -> None:
         self.tok = tokenizer
         self.policy = policy
         self._match = matcher(match)
@@ -231,9 +235,8 @@ class SessionStore:
                                     + ", ".join(FALLBACKS) + " to accept a documented fallback")
         self._stop_texts = [self.tok.decode([i]) for i in self.tok.stop_token_ids]
         # local: render only the last turn + the new messages (verified equal on canonical chats)
-        self.local_render = render_mode == "local" or (
-            render_mode == "auto" and verify_template and template_fallback == "none"
-            and not check_local_render(tokenizer).findings)
+        self.local_render = resolve_render_mode(render_mode, lambda: (
+            verify_template and template_fallback == "none" and not check_local_render(tokenizer).findings)) == "local"
 
     @classmethod
     def from_config(cls, cfg: RolloutConfig, tokenizer: Tokenizer) -> SessionStore:

@@ -45,8 +45,8 @@ def test_compiled_blocks_equal_eager(arch: str) -> None:
 
 
 def test_trainer_compile_option_compiles_the_policy_blocks() -> None:
+    from miles.core.schema.runtime import RuntimeFacts, resolve_trainer
     from miles.core.schema.trainer import TrainerConfig
-    from miles.trainer.config_checks import compile_enabled
     from miles.trainer.fsdp import FSDPTrainer
 
     spec = ModelSpec.from_hf(tiny_config("qwen2", vocab_size=32))
@@ -58,6 +58,8 @@ def test_trainer_compile_option_compiles_the_policy_blocks() -> None:
     finally:
         t.close()
     assert TrainerConfig().compile == "auto"
-    assert not compile_enabled(TrainerConfig(), "cpu", False)
-    assert compile_enabled(TrainerConfig(), "cuda", False)
-    assert not compile_enabled(TrainerConfig(), "cuda", True)
+
+    def resolved(cuda: bool, moe: bool) -> str:
+        return resolve_trainer(TrainerConfig(), RuntimeFacts(cuda=cuda), moe=moe).compile
+
+    assert (resolved(False, False), resolved(True, False), resolved(True, True)) == ("off", "try", "off")

@@ -27,7 +27,7 @@ def by_name(works: list[Work]) -> dict[str, Work]:
 
 
 def test_seed_walkthrough() -> None:
-    buf = RolloutBuffer(capacity=4, n_samples=2, max_staleness=1, batch_groups=1)
+    buf = RolloutBuffer(capacity=4, n_samples=2, max_staleness=1, batch_groups=1, schedule="arrival")
     # A' and B' are the prompts that replace A and B (the seed's A1', B1', B2')
     buf.add_prompts([prompt(p) for p in ("C", "A", "B", "A'", "B'")])
     w = by_name(buf.fill())
@@ -66,7 +66,8 @@ def test_seed_walkthrough() -> None:
 
 def test_failure_filter_and_admission_control() -> None:
     buf = RolloutBuffer(capacity=2, n_samples=2, max_staleness=0, retry="discard",
-                        filter_fn=dynamic_sampling, admission_control=True, batch_groups=1)
+                        filter_fn=dynamic_sampling, admission_control=True, batch_groups=1,
+                        schedule="arrival")
     buf.add_prompts([prompt(p) for p in "XYZ"])
     w = buf.fill()
     assert [x.prompt_id for x in w] == ["X", "X"]
@@ -245,7 +246,7 @@ def test_deadline_waits_for_an_overtaken_group() -> None:
 def test_arrival_collect_skips_stale_groups_to_fresh_ones() -> None:
     """A full queue of stale groups must not hide a fresh one behind them (the caller would wait
     for a change that, with the queue at max_waiting and nothing generating, never comes)."""
-    buf = RolloutBuffer(capacity=3, n_samples=1, max_staleness=0, max_waiting=3)
+    buf = RolloutBuffer(capacity=3, n_samples=1, max_staleness=0, max_waiting=3, batch_groups=1, schedule="arrival")
     buf.add_prompts([prompt(p) for p in "ABC"])
     a, b, c = buf.fill()
     buf.finish(a, traj(0))

@@ -22,7 +22,7 @@ async def test_buffer_driven_by_generate_one(tmp_path: Path) -> None:
     env = arithmetic.make_env(seed=2)
     ctx = RolloutContext(client, default_generate, single_turn_agent, env.reward, n_samples=2)
     buf = RolloutBuffer(capacity=3, n_samples=2, max_staleness=2, filter_fn=dynamic_sampling, batch_groups=2,
-                        prompt_source=env.prompts.next)
+                        prompt_source=env.prompts.next, schedule="arrival")
     running: dict[asyncio.Task, Work] = {}
 
     def launch(works: list[Work]) -> None:

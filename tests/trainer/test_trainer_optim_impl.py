@@ -8,7 +8,8 @@ import torch
 from miles.core.config import load_config
 from miles.core.errors import ConfigError
 from miles.core.schema import MilesConfig
-from miles.core.schema.trainer import OptimConfig
+from miles.core.schema.runtime import RuntimeFacts, resolve_trainer
+from miles.core.schema.trainer import OptimConfig, TrainerConfig
 from miles.trainer.optim import adamw_kernel, build_adamw
 
 pytestmark = pytest.mark.timeout(60)
@@ -37,8 +38,12 @@ def test_kernels_agree_with_the_single_tensor_path(impl: str) -> None:
 
 
 def test_auto_is_fused_on_cuda_and_single_on_cpu() -> None:
-    assert adamw_kernel("auto", torch.device("cuda", 0)) == {"foreach": False, "fused": True}
-    assert adamw_kernel("auto", torch.device("cpu")) == {"foreach": False, "fused": False}
-    assert all(torch.equal(a, b) for a, b in zip(_run("auto"), _run("single"), strict=True))
+    def resolved(cuda: bool) -> str:
+        return resolve_trainer(TrainerConfig(), RuntimeFacts(cuda=cuda), moe=False).optim.impl
+
+    assert adamw_kernel(resolved(True), torch.device("cuda", 0)) == {"foreach": False, "fused": True}  # type: ignore[arg-type]
+    assert adamw_kernel(resolved(False), torch.device("cpu")) == {"foreach": False, "fused": False}  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="not resolved"):  # auto never reaches the kernels
+        adamw_kernel("auto", torch.device("cpu"))
     with pytest.raises(ConfigError, match="trainer.optim.impl"):  # the loader takes only the Literal's values
         load_config(MilesConfig, None, ["trainer.optim.impl=fast"])

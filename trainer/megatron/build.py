@@ -91,7 +91,7 @@ def use_te(mc: MegatronConfig) -> bool:
                 "is not installed; use 'local' or 'auto'"
             )
         return True
-    return mc.transformer_impl == "auto" and transformer_engine_installed()
+    return False  # 'local' (auto was resolved when the section was built: core/schema/trainer.py)
 
 
 def init_parallel(mc: MegatronConfig, seed: int) -> None:

@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from miles.core.errors import TrainerError
+from miles.core.schema.runtime import RuntimeFacts, resolve_trainer
 from miles.core.schema.trainer import TrainerConfig
 from miles.models.config import ModelSpec
 from miles.models.hf_io import hf_state_dict
@@ -74,17 +75,18 @@ class MegatronTrainer:
         require_megatron()
         from megatron.core import parallel_state as ps
 
-        self.cfg, self.spec, self.rank = cfg, model_spec, rank
         if cfg.deterministic:
             enable_deterministic(seed)
-        self.device = pick_device("cuda", rank)
+        cfg = resolve_trainer(cfg, RuntimeFacts.probe(), moe=model_spec.is_moe)  # auto: for this rank's device
+        self.cfg, self.spec, self.rank = cfg, model_spec, rank
+        self.device = pick_device(cfg.device, rank)
         ensure_process_group(rank, world, self.device)
         init_parallel(cfg.megatron, seed)
         self.global_world = world
         # the loss scale and metric reductions are over data-parallel ranks (see grads.py)
         self.world = self.dp_size = dp
         self.dp_rank = ps.get_data_parallel_rank()
-        self.dtype = compute_dtype(cfg.param_dtype, self.device)
+        self.dtype = compute_dtype(cfg.param_dtype)
         self.policy = self._build(init_checkpoint, seed)
         self.lora = False
         self.critic = None

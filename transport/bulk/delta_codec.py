@@ -2,9 +2,10 @@
 
 Encodings name the transform and the compressor: `same` (no bytes: unchanged),
 `xor+<c>` (XOR with the base, compressed by c), `full+<c>` (no base). The
-compressor is lz4 when installed, else zlib; `raw` is kept whenever compression
-would not shrink the bytes, and under `auto` whenever a sample shows it would save
-too little to pay for itself (dense float changes barely compress).
+compressor is sync.delta_compression's (`auto` = lz4 when installed, else zlib, sampled);
+`raw` is kept whenever compression would not shrink the bytes, and under `*_sampled`
+whenever a sample shows it would save too little to pay for itself (dense float changes
+barely compress).
 """
 
 from __future__ import annotations
@@ -29,13 +30,15 @@ def _lz4() -> ModuleType | None:
     return lz4.frame
 
 
-def pick_compressor(choice: DeltaCompression) -> str:
-    """Resolve `sync.delta_compression` to the compressor this process can use."""
-    if choice == "auto":
-        return "lz4" if _lz4() is not None else "zlib"
-    if choice == "lz4" and _lz4() is None:
-        raise SyncError("sync.delta_compression='lz4' but the lz4 package is not installed (pip install lz4)")
-    return "raw" if choice == "none" else choice
+def pick_compressor(choice: DeltaCompression) -> tuple[str, bool]:
+    """`sync.delta_compression` (resolved when its section was built: core/schema/sync.py) as
+    (compressor this process uses, whether a sample gates each entry's compression)."""
+    name, _, sampled = choice.partition("_")
+    if name not in ("lz4", "zlib", "none"):
+        raise SyncError(f"sync.delta_compression={choice!r} is not resolved (core/schema/sync.py)")
+    if name == "lz4" and _lz4() is None:
+        raise SyncError(f"sync.delta_compression={choice!r} but the lz4 package is not installed (pip install lz4)")
+    return ("raw" if name == "none" else name), sampled == "sampled"
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -49,7 +52,7 @@ def digest(b: torch.Tensor) -> str:
     return xxhash.xxh3_128(b.numpy().data).hexdigest()
 
 
-# `auto` compresses an entry only when a sample of it shrinks at least this much: a slow
+# `*_sampled` compresses an entry only when a sample of it shrinks at least this much: a slow
 # compressor (zlib runs at ~0.05-0.1 GB/s) saving a quarter of the bytes loses to any disk.
 SAMPLE_BYTES = 1 << 16
 AUTO_MAX_RATIO = 0.5
@@ -64,7 +67,7 @@ def encode(new: torch.Tensor, old: torch.Tensor | None, compressor: str,
            sample_gate: bool = False, scratch: torch.Tensor | None = None) -> tuple[str, bytes | memoryview]:
     """Encode the uint8 bytes `new` against `old` (same length) or from scratch.
 
-    With `sample_gate` (the `auto` choice), compression is tried only when a leading sample
+    With `sample_gate` (the `*_sampled` choices), compression is tried only when a leading sample
     compresses to at most `AUTO_MAX_RATIO` of its size. `scratch` (uint8, at least as long
     as `new`) receives the XOR instead of a fresh tensor: a fresh large tensor is fresh pages,
     whose first-touch faults cost as much as the XOR itself; a raw payload then is a view of

@@ -75,8 +75,7 @@ class DiskDeltaSender(BulkSender):
         if not cfg.delta_dir:
             raise SyncError("disk_delta needs sync.delta_dir (a directory every engine can read)")
         self.root = Path(cfg.delta_dir)
-        self.compressor = pick_compressor(cfg.delta_compression)
-        self.sample_gate = cfg.delta_compression == "auto"
+        self.compressor, self.sample_gate = pick_compressor(cfg.delta_compression)
         self.base_version: int | None = None
         self._last: dict[str, torch.Tensor] = {}  # bytes of the last committed version, by entry name
         self._next: dict[str, torch.Tensor] = {}  # bytes of the version being written (changed entries)
