@@ -14,8 +14,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 TESTS = Path(__file__).resolve().parent
+
+# Property tests judge the property, never the clock: no per-example deadline and no "too slow"
+# health check (both tripped on a loaded 2-core runner: a timing assertion in disguise).
+settings.register_profile("miles", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("miles")
 sys.path.insert(0, str(TESTS / "actors" / "procs"))
 sys.path.insert(0, str(TESTS))  # tests/numerics.py: `from numerics import ...` from any test folder
 

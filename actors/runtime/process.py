@@ -54,10 +54,23 @@ async def serve(setup: Setup, cfg: TransportConfig | None = None, directory: str
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
     host.starting = True  # the set-up's loop stalls (imports, loads) are no event-loop lag to warn of
+    # A stop asked for during the set-up ends it at once: when one role fails at start the launcher
+    # stops the others, and one waiting for its peers (engine.ready_wait_s) would otherwise hold
+    # out until the launcher's grace ran out and it was killed.
+    set_up = asyncio.ensure_future(setup(host))
+    stopping = asyncio.ensure_future(stop.wait())
     try:
-        await setup(host)
+        await asyncio.wait({set_up, stopping}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         host.starting, host.serving_since = False, time.monotonic()
+    if not set_up.done():
+        set_up.cancel()
+        await asyncio.wait({set_up})
+        log.info("host_stopping_in_setup")
+        await host.stop()
+        return 0
+    stopping.cancel()
+    set_up.result()  # a set-up that failed fails the process, as before
     if ready_file:
         # Written last, atomically, so a parent polling for it sees a fully started host.
         atomic_write_text(ready_file, host.address)

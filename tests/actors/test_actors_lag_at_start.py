@@ -22,15 +22,17 @@ async def test_setup_stall_is_not_an_event_loop_lag_warning() -> None:
 
     async def setup(host: Host) -> None:
         hosts.append(host)
-        await asyncio.sleep(0.15)  # the lag monitor's first tick is pending
+        await asyncio.sleep(0.15)  # fixed on purpose: the lag monitor's first tick is pending
         time.sleep(0.8)  # a blocking load on the loop, as a model load is
 
     async def after_ready() -> None:
         while not hosts or hosts[0].starting or "host_ready" not in [e["event"] for e in logs]:
             await asyncio.sleep(0.02)
-        await asyncio.sleep(0.15)
+        await asyncio.sleep(0.15)  # fixed on purpose: the monitor's next tick is pending, as above
         time.sleep(0.8)  # a stall while serving
-        await asyncio.sleep(0.3)
+        deadline = time.monotonic() + 10  # until the monitor has told of it
+        while "event_loop_lag" not in [e["event"] for e in logs] and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
         stop.set()
 
     with structlog.testing.capture_logs() as logs:

@@ -19,6 +19,14 @@ from .helpers import SCHED, tiny_net
 pytestmark = pytest.mark.timeout(60)
 
 
+async def until_running(eng: DiffusionEngine, n: int, timeout_s: float = 20.0) -> None:
+    """Until `n` trajectories are in the engine's running batch (not a fixed sleep: CI is loaded)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while eng.health()["running"] < n:
+        assert asyncio.get_running_loop().time() < deadline, eng.health()
+        await asyncio.sleep(0.005)
+
+
 async def test_engine_samples_the_sampler_process() -> None:
     net = tiny_net()
     eng = DiffusionEngine(tiny_net(), SCHED, max_batch=3)  # 5 requests: two batches
@@ -44,7 +52,7 @@ async def test_commit_between_steps_while_paused_in_place() -> None:
     try:
         await eng.pause("in_place")
         task = asyncio.ensure_future(eng.denoise([DenoiseRequest(3, 1), DenoiseRequest(3, 2)]))
-        await asyncio.sleep(0.05)
+        await until_running(eng, 2)  # taken into a batch, held at the pause
         assert not task.done() and eng.health()["paused"]
         staged = await eng.stage(1, [(n, p.detach()) for n, p in new.named_parameters()])
         assert staged == len(list(new.parameters()))
@@ -66,7 +74,7 @@ async def test_pause_abort_finishes_running_trajectories_as_aborted() -> None:
     try:
         await eng.pause("in_place")
         task = asyncio.ensure_future(eng.denoise([DenoiseRequest(0, 5)]))
-        await asyncio.sleep(0.05)
+        await until_running(eng, 1)
         await eng.pause("abort")
         (r,) = await asyncio.wait_for(task, 10)
         assert r.aborted and len(r.logprobs) < SCHED.steps

@@ -16,7 +16,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -129,7 +128,6 @@ def test_two_engines_in_memory_updates(tmp_path: Path) -> None:
 
 def test_server_failing_at_start_is_shown_and_not_restarted(tmp_path: Path) -> None:
     port = free_port_block(1)
-    t0 = time.monotonic()
     p, run, console = start(tmp_path, "--set", "run.steps=2", "--set", f"engine.sglang_port={port}",
                             env={"MILES_SGLANG_SIM_FAIL_AT_START":
                                  "AssertionError: save kv cache is not supported for fallback_rotary_embedding."})
@@ -142,8 +140,7 @@ def test_server_failing_at_start_is_shown_and_not_restarted(tmp_path: Path) -> N
     assert rc != 0, out[-3000:]
     assert "save kv cache is not supported for fallback_rotary_embedding" in out  # the server's own line
     assert launches(tmp_path / "stage") == 1, "a server that failed at start was started again"
-    assert not metrics(run)
-    assert time.monotonic() - t0 < 200
+    assert not metrics(run)  # and it ended by itself: wait() above fails a run that hangs
 
 
 def test_a_server_that_cannot_come_back_stops_the_run_with_its_cause(tmp_path: Path) -> None:

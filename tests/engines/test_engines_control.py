@@ -99,7 +99,7 @@ async def test_pause_in_place_holds_and_resume_continues(engine: TorchEngine) ->
         await asyncio.sleep(0.001)
     assert await engine.pause("in_place") == []
     n = engine.stats()["generated_tokens"]
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0.05)  # fixed on purpose: a window in which no token may be generated
     assert engine.stats()["generated_tokens"] == n and not task.done()
     await engine.resume()
     assert (await task).output_ids == alone.output_ids

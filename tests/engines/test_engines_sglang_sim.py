@@ -12,7 +12,9 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -57,6 +59,14 @@ def sim_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MILES_SGLANG_SIM_PYTHON", sys.executable)
 
 
+async def sim_until(eng: SGLangEngine, cond: Callable[[dict[str, Any]], bool], timeout_s: float = 30.0) -> None:
+    """Poll the simulated server's own state (its /get_server_info) until `cond` holds."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not cond(info := await eng._call("GET", "/get_server_info")):
+        assert asyncio.get_running_loop().time() < deadline, info
+        await asyncio.sleep(0.02)
+
+
 def req(n: int = 6, seed: int | None = 1, routed: bool = True, temperature: float = 1.0) -> GenerateRequest:
     return GenerateRequest([5, 9, 17, 33], SamplingParams(temperature=temperature, max_new_tokens=n, seed=seed),
                            return_routed_experts=routed)
@@ -94,7 +104,7 @@ async def test_warm_up_pause_commit_versions(ckpt: Path, tmp_path: Path, update:
         long = [asyncio.create_task(eng.generate(req(200, seed=i))) for i in range(3)]
         while eng.stats()["running"] < 3 or not eng._totals.requests:  # noqa: ASYNC110 - polling the engine
             await asyncio.sleep(0.05)
-        await asyncio.sleep(0.3)
+        await sim_until(eng, lambda info: len(info["sim_output_tokens"]) == 3 and min(info["sim_output_tokens"]) > 0)
         back = await eng.pause()  # the engine's own default: retract
         assert len(back) == 3 and all(r.retracted and r.finish_reason == "abort" for r in back)
         assert all(len(r.output_ids) < 200 for r in back)
@@ -154,7 +164,8 @@ async def test_start_failure_shows_the_server_error_and_is_not_restarted(
         for _ in range(3):  # later calls repeat the cause; nothing is started again
             with pytest.raises(EngineStartError, match="simulated kernel refusal"):
                 await eng.generate(req())
-        await asyncio.sleep(1.5)  # the watchdog would have restarted it by now
+        # nothing can start it again later: the watchdog starts only once a server has served
+        assert eng._watchdog is None
         assert eng.server is not None and eng.server.starts == 1 and eng.server.restarts == 0
         assert not eng.health()["ok"] and "simulated kernel refusal" in eng.health()["fatal"]
     finally:
@@ -169,9 +180,7 @@ async def test_pause_drops_a_request_the_server_holds_unscheduled(ckpt: Path, tm
         await eng.warm_up()
         await eng._call("POST", "/pause_generation", {"mode": "abort"})  # the server pauses first
         held = asyncio.create_task(eng.generate(req()))
-        while not eng._http:  # noqa: ASYNC110 - its HTTP call is out
-            await asyncio.sleep(0.02)
-        await asyncio.sleep(0.3)
+        await sim_until(eng, lambda info: info["sim_held_requests"] == 1)  # the server holds it
         back = await asyncio.wait_for(eng.pause(), 20)
         res = await asyncio.wait_for(held, 5)
         assert [r.request_id for r in back] == [res.request_id]

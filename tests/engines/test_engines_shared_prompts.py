@@ -145,7 +145,11 @@ async def late_group(
             await eng.stage(1, eng.state_dict_hf())
             await eng.commit(1)
         rest = [asyncio.ensure_future(eng.generate(r(i))) for i in (1, 2, 3)]
-        await asyncio.sleep(0.01)
+        for _ in range(2000):  # until all three wait in the queue (then resume admits them together)
+            if eng.health()["queued"] >= 3:
+                break
+            await asyncio.sleep(0.001)
+        assert eng.health()["queued"] == 3, eng.health()
         await eng.resume()
         out = [await first, *[await t for t in rest]]
         return out, int(eng.stats()["shared_prompt_tokens"])

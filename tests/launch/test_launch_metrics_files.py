@@ -49,9 +49,13 @@ def test_atomic_write_never_leaves_a_torn_file(tmp_path: Path) -> None:
         "    i += 1\n"
     )
     for _ in range(5):
+        atomic_write_text(target, json.dumps({"n": -1, "pad": "x" * 100_000}))  # each writer counts from 0
         p = subprocess.Popen([sys.executable, "-c", code])
-        try:
-            time.sleep(0.3)
+        try:  # killed once this writer has replaced the file a few times (mid-write, most likely)
+            deadline = time.monotonic() + 60
+            while json.loads(target.read_text())["n"] < 3:
+                assert p.poll() is None and time.monotonic() < deadline, "the writer never wrote"
+                time.sleep(0.01)
         finally:
             os.kill(p.pid, signal.SIGKILL)
             p.wait()

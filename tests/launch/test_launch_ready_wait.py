@@ -49,7 +49,7 @@ async def test_wait_returns_once_registered_and_a_missing_role_names_the_option(
     try:
         waiting = asyncio.create_task(_wait_for(client, ["engine-0", "engine-1"], 30.0))
         await head.add(Idle(), "engine-1")
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # fixed on purpose: a window in which the wait may not return
         assert not waiting.done()  # engine-0 has not registered yet
         await head.add(Idle(), "engine-0")
         await waiting

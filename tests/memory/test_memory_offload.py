@@ -45,8 +45,10 @@ def _state(t: FSDPTrainer) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
 def test_offload_cycles_are_bit_identical(arch: str, trainer: type[FSDPTrainer]) -> None:
     spec = ModelSpec.from_hf(tiny_config(arch, vocab_size=64, num_hidden_layers=1))
+    # two steps: the first offloads before the optimizer has state, the second with it (a third
+    # repeated the second's cycle)
     batches = [
-        engine_batch(build_model(spec, seed=2), groups=2, group_size=2, seed=s) for s in range(3)
+        engine_batch(build_model(spec, seed=2), groups=2, group_size=2, seed=s) for s in range(2)
     ]
     plain = trainer(_cfg(), spec, 0, 1, seed=2)
     cycled = trainer(_cfg(), spec, 0, 1, seed=2)

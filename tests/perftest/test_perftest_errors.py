@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import socket
-import time
 from pathlib import Path
 
 import pytest
@@ -64,13 +63,12 @@ def _free_port() -> int:
 
 @pytest.mark.parametrize("role", ["--peer", "--listen"])
 def test_missing_peer_fails_within_the_deadline(tmp_path: Path, role: str) -> None:
-    t0 = time.monotonic()
+    # timeout=40: a perftest that waits for ever fails here; how close to its 2 s it gives up is
+    # a timing, measured by bench/deadlines_cpu.py
     res = perftest(role, f"127.0.0.1:{_free_port()}", "--connect-timeout", "2", cwd=tmp_path, timeout=40)
-    took = time.monotonic() - t0
     assert res.returncode == 2, res.stderr
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "within 2 s" in lines[0], lines
-    assert took < 35
 
 
 def test_plot_is_written(tmp_path: Path) -> None:

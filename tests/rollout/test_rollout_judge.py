@@ -86,12 +86,11 @@ async def test_judge_answers_fail_when_killed_and_recover_on_restart(procs, tmp_
         # guard (on_error = stop, 3 in a row) does not stop the run for the pool's outage
         p.send_signal(signal.SIGKILL)
         p.wait(10)
-        t0 = time.monotonic()
+        # each fails, never hangs (a hang fails the test's timeout); the seconds a failed call
+        # takes are a timing, reported by bench/judge_pool.py's kill run, not asserted here
         for _ in range(5):
             with pytest.raises(RewardError, match="JudgeUnavailable"):
                 await guard(PROMPT, sample)
-        per_call = (cfg.retries + 1) * (cfg.timeout_s + cfg.live_wait_s) + cfg.retry_backoff_s * 2
-        assert time.monotonic() - t0 < 5 * per_call  # bounded: a down judge never hangs a reward
         assert guard.stopped is None and guard.errors["JudgeUnavailable"] == 5
         guard.check()
         m = judge.metrics()

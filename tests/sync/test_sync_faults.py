@@ -37,14 +37,21 @@ async def test_every_response_comes_from_one_version(procs) -> None:
             msg = Generate([1 + i, 2, 3], {"temperature": 0.0, "max_new_tokens": 24})
             responses.append(await host.ref("e0").ask(msg, timeout=20))
 
+    async def answered_at(version: int) -> None:
+        """Until a whole response of `version` is in (the probes keep going meanwhile)."""
+        deadline = asyncio.get_running_loop().time() + 30
+        while not any(r["versions"] and r["versions"][0] == version for r in responses):
+            assert asyncio.get_running_loop().time() < deadline, f"no response at version {version}"
+            await asyncio.sleep(0.01)
+
     try:
         probes = [asyncio.create_task(probe(i)) for i in range(4)]
         for version in (1, 2, 3):
-            await asyncio.sleep(0.3)
+            await answered_at(version - 1)
             perturb(model, seed=version, fraction=1.0)
             rep = await sync.push(version, named(model))
             assert rep.committed == ["e0"] and rep.verified
-        await asyncio.sleep(0.3)
+        await answered_at(3)
         stop.set()
         await asyncio.gather(*probes)
         seen = set()

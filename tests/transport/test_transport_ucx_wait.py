@@ -77,29 +77,32 @@ async def test_a_future_it_awaits_is_waited_on() -> None:
 
 
 async def test_cancel_reaches_the_coroutine() -> None:
-    unwound = asyncio.Event()
+    unwound, spun = asyncio.Event(), asyncio.Event()
 
     async def pending() -> None:
         try:
             while True:
+                spun.set()
                 await asyncio.sleep(0)
         finally:
             unwound.set()
 
     task = asyncio.ensure_future(unspun(pending()))
-    await asyncio.sleep(0.05)
+    await asyncio.wait_for(spun.wait(), 10)  # it is inside the coroutine's loop
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     assert unwound.is_set()
 
     fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    waiting = asyncio.Event()
 
     async def on_future() -> int:
+        waiting.set()
         return await fut
 
     task = asyncio.ensure_future(unspun(on_future()))
-    await asyncio.sleep(0.02)
+    await asyncio.wait_for(waiting.wait(), 10)  # it waits on the future
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

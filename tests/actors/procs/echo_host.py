@@ -32,6 +32,12 @@ class Sleep:
     seconds: float
 
 
+@message("t.Sleeping")
+@dataclass
+class Sleeping:
+    """Ask how many Sleep asks the actor is inside now (a test waits for its ask to arrive)."""
+
+
 @message("t.Block")
 @dataclass
 class Block:
@@ -59,6 +65,7 @@ class GetCount:
 class EchoActor(Actor):
     def __init__(self) -> None:
         self.count = 0
+        self.sleeping = 0
 
     @handler(Echo, concurrency=8)
     def echo(self, msg: Echo) -> Echo:
@@ -66,8 +73,16 @@ class EchoActor(Actor):
 
     @handler(Sleep, concurrency=4)
     async def sleep(self, msg: Sleep) -> float:
-        await asyncio.sleep(msg.seconds)
+        self.sleeping += 1
+        try:
+            await asyncio.sleep(msg.seconds)
+        finally:
+            self.sleeping -= 1
         return msg.seconds
+
+    @handler(Sleeping)
+    def on_sleeping(self, msg: Sleeping) -> int:
+        return self.sleeping
 
     @handler(Block)
     def block(self, msg: Block) -> None:

@@ -94,6 +94,7 @@ class SimServer:
         self.version = args.weight_version
         self.queue: list[Req] = []
         self.paused = False
+        self.held = 0  # requests the pause holds before the scheduler (tests wait on it)
         self.unpaused = asyncio.Event()
         self.unpaused.set()
         self.wake = asyncio.Event()
@@ -183,8 +184,12 @@ class SimServer:
     # ---- HTTP ---------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.Response:
         body = await request.json()
-        while self.paused:  # the tokenizer manager holds new requests while paused
-            await self.unpaused.wait()
+        self.held += 1
+        try:
+            while self.paused:  # the tokenizer manager holds new requests while paused
+                await self.unpaused.wait()
+        finally:
+            self.held -= 1
         sp = dict(body.get("sampling_params") or {})
         if int(sp.get("max_new_tokens") or 0) < 1:
             return web.json_response({"error": {"message": "max_new_tokens must be positive"}}, status=400)
@@ -267,7 +272,10 @@ class SimServer:
 
     async def server_info(self, request: web.Request) -> web.Response:
         return web.json_response({**{k: v for k, v in vars(self.args).items()}, "version": VERSION,
-                                  "simulation": "miles tests/sglang_sim: not SGLang"})
+                                  "simulation": "miles tests/sglang_sim: not SGLang",
+                                  # the simulation's own state, for tests to wait on (not in SGLang)
+                                  "sim_held_requests": self.held,
+                                  "sim_output_tokens": [len(r.out) for r in self.queue if not r.abort]})
 
     async def flush(self, request: web.Request) -> web.Response:
         return web.Response(text="Cache flushed.\nPlease check backend logs for more details. (When there are "
