@@ -34,8 +34,9 @@ engine's ratio to each. Its radix cache is flushed before every run, untimed (be
 SGLang column. The `sgl_i21` column is SGLang 0.5.17 in issue 21's H200 run (not this run).
 
 Tokens/s = generated tokens / wall time of the whole batch (prefill included), the median of
-`--repeats` timed runs after one warm-up (on cpu also by the process's CPU time, `*_cpu_tok_s`,
-which other jobs on a shared host disturb far less); the engines' runs alternate so load from other
+`--repeats` timed runs after one warm-up (on cpu also by the process's CPU time, `*_cpu_tok_s`;
+and the median of each round's own engine/HF ratio, `*_speedup_vs_hf_paired`, whose two runs
+see the same load on a shared host); the engines' runs alternate so load from other
 processes hits all alike. Every run must generate all its tokens (bench/engine_cases.py). Last
 line: one JSON object (also written to `--out` after every case); the cpu b8 case keeps the keys
 of earlier runs (`cpu_{dense|moe}_engine_tok_s`, ...).
@@ -82,7 +83,8 @@ SGLANG_RUNS = {"requests": "sglang", "batched": "sglang_batched"}  # --sglang-mo
 
 # CPU seconds (all threads of this process) of each fn's timed runs, by id(fn): on a shared
 # CPU host the wall time of a run swings with the other jobs' load (+-30 % run to run on the
-# 2-core box), its CPU time much less, so the CPU report gives both (`cpu_tok_s` keys).
+# 2-core box), so the CPU report gives CPU time beside it (`cpu_tok_s` keys). Not immune: on a
+# VM a contended core's stolen time is counted, and at load ~9 it swung almost as much.
 CPU_S: dict[int, list[float]] = {}
 
 
@@ -284,6 +286,9 @@ def bench_case(
     if args.device == "cpu":
         tok.update({f"{k}_cpu": case.batch * case.new / statistics.median(CPU_S[id(r)]) for k, r in runs.items()
                     if k in tok and CPU_S.get(id(r))})
+    if "hf" in tok:  # the median of each round's own ratio: the two runs of a round see the same load
+        t = dict(zip(runs, times, strict=True))
+        tok["hf_paired_speedup"] = statistics.median(h / e for e, h in zip(t["engine"], t["hf"], strict=True))
     return tok, times
 
 
@@ -336,6 +341,8 @@ def report(
     if "hf" in tok:
         out[f"{key}_hf_tok_s"] = round(tok["hf"], 1)
         out[f"{key}_speedup_vs_hf"] = round(en / tok["hf"], 3)
+    if "hf_paired_speedup" in tok:
+        out[f"{key}_speedup_vs_hf_paired"] = round(tok["hf_paired_speedup"], 3)
     if sgl:
         out[f"{key}_sglang_tok_s"] = round(sgl, 1)
         out[f"{key}_vs_sglang"] = round(en / sgl, 3)
@@ -355,7 +362,8 @@ def report(
         out[f"{key}_hf_cpu_tok_s"] = round(tok["hf_cpu"], 1)
         out[f"{key}_speedup_vs_hf_cpu"] = round(tok["engine_cpu"] / tok["hf_cpu"], 3)
         print(f"#   by CPU time: engine {tok['engine_cpu']:.1f}, hf {tok['hf_cpu']:.1f} tok/s, "
-              f"en/hf {tok['engine_cpu'] / tok['hf_cpu']:.2f}", flush=True)
+              f"en/hf {tok['engine_cpu'] / tok['hf_cpu']:.2f}; median of the rounds' own en/hf "
+              f"{tok.get('hf_paired_speedup', float('nan')):.2f}", flush=True)
     if device == "cpu" and name == "b8":  # the keys of earlier CPU runs (bench/results/engine_cpu.txt)
         out[f"cpu_{kind}_engine_tok_s"] = round(en, 1)
         if "hf" in tok:

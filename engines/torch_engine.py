@@ -53,8 +53,8 @@ log = get_logger("miles.engine")
 # One worker-thread hop runs several decode steps (thread handoffs cost ~0.5 ms each, and
 # on a loaded CPU host each one may wait a scheduler slice); new requests, pause, abort and
 # commit set `_boundary`, which ends a hop after the current step, so these caps are only a
-# backstop. The time cap is loose: at 50 ms a loaded 2-core host (steps of ~5 ms) handed off
-# every ~10 steps, and the CPU bench lost ~10 % to it (bench/results/engine_cpu_s15.txt).
+# backstop. The time cap is loose: at 50 ms, a 2-core host at load ~2.5 (steps of ~5-8 ms)
+# handed off every ~6-10 steps (105 hops in 10 runs of the CPU bench's b8 case, which needs one).
 _MAX_STEPS_PER_HOP = 64
 _MAX_HOP_S = 0.5
 
