@@ -199,7 +199,12 @@ class Rotary(nn.Module):
         lookups instead of ~10 small ops per forward, a visible share of an eager CPU decode step
         of a small model. Host-side bound check: for the CPU engine, not for traced / captured
         forwards; not for rope_type 'dynamic', whose frequencies depend on the batch."""
-        n = int(position_ids.max()) + 1 if position_ids.numel() else 1
+        if not position_ids.numel():
+            return rotary_tables(*self(position_ids, dtype))
+        lo, hi = (int(v) for v in torch.aminmax(position_ids))
+        if lo < 0:  # a negative index would read the table from its end
+            return rotary_tables(*self(position_ids, dtype))
+        n = hi + 1
         t = self._table
         if t is None or t[0] is not self.inv_freq or t[1] != dtype or t[2].shape[0] < n:
             size = max(256, 1 << (n - 1).bit_length())

@@ -33,6 +33,9 @@ def test_rotary_lookup_equals_the_computed_tables(rope: dict | None) -> None:
     assert rotary._table is not None and rotary._table[2].shape[0] == 1024
     for g, w in zip(got, rotary_tables(*rotary(far, torch.float32)), strict=True):
         assert torch.equal(g, w)
+    neg = torch.tensor([[-2], [3]])  # not read from the table (a negative index would wrap around)
+    for g, w in zip(rotary.lookup(neg, torch.float32), rotary_tables(*rotary(neg, torch.float32)), strict=True):
+        assert torch.equal(g, w)
     rotary.to(torch.float64)  # a cast drops the table (its dtype is part of the key anyway)
     assert rotary._table is None
 
