@@ -2,13 +2,16 @@
 
 In one process, no actors: the per-entry work of transport/bulk/disk_delta.py for one update of
 bench/weight_sync.py's 64 MiB model with half the tensors changed (trainer side: a digest of
-every entry; XOR, file write and base copy of the changed ones; engine side: the file read into
-a reused buffer, the XOR of changed entries into their staging slots and their digest, the copy
-of unchanged ones from the live weights; the delete of the version before last), and the raw
-channel writing and reading back the full bytes as a file. Medians of `--reps` updates, in ms.
-What the bench's ratio has beyond these is the per-update fixed cost (stage asks to the engine
-actor per bucket, index.json, the directory rename, the commit).
-Results: bench/results/weight_sync_disk_delta_cpu.txt. Last line: one JSON object.
+every entry; file write and base copy of the changed ones; engine side: the file read into a
+reused buffer, the changed entries into their staging slots and their digest, the copy of
+unchanged ones from the live weights; the delete of the version before last), and the raw
+channel writing and reading back the full bytes as a file. Changed entries go two ways, each
+update both, in alternating order: `bytes` (what disk_delta writes when it does not compress:
+the bytes themselves, copied into the slot) and `xor` (what it wrote before session 15: their
+XOR with the base, computed and checked for zeros on the sender, XORed back on the receiver).
+Medians of `--reps` updates, in ms. What the bench's ratio has beyond these is the per-update
+fixed cost (stage asks to the engine actor per bucket, index.json, the directory rename, the
+commit). Results: bench/results/weight_sync_disk_delta_cpu*.txt. Last line: one JSON object.
 
 Usage: python bench/disk_delta_phases.py [--reps 9]
 """
@@ -25,6 +28,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,6 +37,8 @@ import weight_sync as ws  # noqa: E402  (bench/ is not a package)
 
 from miles.models.hf_io import hf_tensor_views  # noqa: E402
 from miles.transport.bulk.delta_codec import as_bytes, digest  # noqa: E402
+
+VARIANTS = ("bytes", "xor")  # how a changed entry travels: now / before session 15
 
 
 def main() -> None:
@@ -62,43 +68,55 @@ def main() -> None:
         changed: list[int] = []
         for rep in range(a.reps):
             ws.perturb(model, rep, 0.5)
-            t: dict[str, float] = {}
-            d = root / f"v{rep}"
-            d.mkdir()
-            changed = []
-            with open(d / "b.bin", "wb") as f:
+            for variant in (VARIANTS if rep % 2 == 0 else VARIANTS[::-1]):
+                t: dict[str, float] = {}
+                d = root / f"v{rep}-{variant}"
+                d.mkdir()
+                changed = []
+                with open(d / "b.bin", "wb") as f:
+                    for i, n in enumerate(views):
+                        with timer("s_digest", t):
+                            s = digest(n)
+                        if s == sums[i]:
+                            continue
+                        if variant == "xor":
+                            with timer("s_xor", t):
+                                p = torch.bitwise_xor(n, base[i], out=scratch[:n.numel()])
+                                p.any()  # encode's check for an all-zero XOR
+                        else:
+                            p = n
+                        with timer("s_write", t):
+                            f.write(memoryview(p.numpy()))
+                        with timer("s_keep", t):
+                            keep[i].copy_(n)
+                        changed.append(i)
+                with timer("r_read", t), open(d / "b.bin", "rb", buffering=0) as f:
+                    f.readinto(memoryview(buf.numpy()))
+                pos = 0
                 for i, n in enumerate(views):
-                    with timer("s_digest", t):
-                        s = digest(n)
-                    if s == sums[i]:
-                        continue
-                    with timer("s_xor", t):
-                        p = torch.bitwise_xor(n, base[i], out=scratch[:n.numel()])
-                    with timer("s_write", t):
-                        f.write(memoryview(p.numpy()))
-                    with timer("s_keep", t):
-                        keep[i].copy_(n)
-                    changed.append(i)
-                    sums[i] = s
-            with timer("r_read", t), open(d / "b.bin", "rb", buffering=0) as f:
-                f.readinto(memoryview(buf.numpy()))
-            pos = 0
-            for i, n in enumerate(views):
-                if i in changed:
-                    k = n.numel()
-                    with timer("r_xor", t):
-                        torch.bitwise_xor(buf[pos:pos + k], base[i], out=slot[i])
-                    with timer("r_digest", t):
-                        digest(slot[i])
-                    pos += k
-                else:
-                    with timer("r_copy_same", t):
-                        slot[i].copy_(base[i])
-            if rep >= 2:
-                with timer("rm", t):
-                    shutil.rmtree(root / f"v{rep - 2}")
+                    if i in changed:
+                        k = n.numel()
+                        if variant == "xor":
+                            with timer("r_xor", t):
+                                torch.bitwise_xor(buf[pos:pos + k], base[i], out=slot[i])
+                        else:
+                            with timer("r_copy", t):
+                                slot[i].copy_(buf[pos:pos + k])
+                        with timer("r_digest", t):
+                            digest(slot[i])
+                        pos += k
+                    else:
+                        with timer("r_copy_same", t):
+                            slot[i].copy_(base[i])
+                if rep >= 2:
+                    with timer("rm", t):
+                        shutil.rmtree(root / f"v{rep - 2}-{variant}")
+                for k, v in t.items():
+                    times.setdefault(f"{variant}:{k}", []).append(v)
             for i in changed:
                 base[i].copy_(views[i])
+                sums[i] = digest(views[i])
+            t = {}
             rd = root / f"raw{rep}"
             rd.mkdir()
             with timer("raw_write", t), open(rd / "b", "wb") as f:
@@ -117,11 +135,15 @@ def main() -> None:
     print(f"model {total / 2**20:.0f} MiB, {len(changed)} of {len(views)} tensors ({moved / 2**20:.0f} MiB) changed "
           f"per update; medians of {a.reps}, ms")
     for k, v in med.items():
-        print(f"  {k:12s} {v:7.1f}")
-    ours = sum(v for k, v in med.items() if not k.startswith("raw"))
+        print(f"  {k:18s} {v:7.1f}")
     raw = med["raw_write"] + med["raw_read"]
-    print(f"disk_delta phases {ours:.1f} ms vs raw {raw:.1f} ms: ratio {raw / ours:.2f} (before RPC, index, commit)")
-    print(json.dumps({"phases_ms": {k: round(v, 1) for k, v in med.items()}, "ratio": round(raw / ours, 3)}))
+    out: dict[str, Any] = {"phases_ms": {k: round(v, 1) for k, v in med.items()}}
+    for variant in VARIANTS:
+        ours = sum(v for k, v in med.items() if k.startswith(variant + ":"))
+        print(f"disk_delta phases ({variant}) {ours:.1f} ms vs raw {raw:.1f} ms: ratio {raw / ours:.2f} "
+              "(before RPC, index, commit)")
+        out[f"ratio_{variant}"] = round(raw / ours, 3)
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

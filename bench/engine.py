@@ -34,7 +34,9 @@ engine's ratio to each. Its radix cache is flushed before every run, untimed (be
 SGLang column. The `sgl_i21` column is SGLang 0.5.17 in issue 21's H200 run (not this run).
 
 Tokens/s = generated tokens / wall time of the whole batch (prefill included), the median of
-`--repeats` timed runs after one warm-up; the engines' runs alternate so load from other
+`--repeats` timed runs after one warm-up (on cpu also by the process's CPU time, `*_cpu_tok_s`;
+and the median of each round's own engine/HF ratio, `*_speedup_vs_hf_paired`, whose two runs
+see the same load on a shared host); the engines' runs alternate so load from other
 processes hits all alike. Every run must generate all its tokens (bench/engine_cases.py). Last
 line: one JSON object (also written to `--out` after every case); the cpu b8 case keeps the keys
 of earlier runs (`cpu_{dense|moe}_engine_tok_s`, ...).
@@ -79,15 +81,25 @@ from miles.models.registry import build_model
 SGLANG_RUNS = {"requests": "sglang", "batched": "sglang_batched"}  # --sglang-modes -> key of the run
 
 
+# CPU seconds (all threads of this process) of each fn's timed runs, by id(fn): on a shared
+# CPU host the wall time of a run swings with the other jobs' load (+-30 % run to run on the
+# 2-core box), so the CPU report gives CPU time beside it (`cpu_tok_s` keys). Not immune: on a
+# VM a contended core's stolen time is counted, and at load ~9 it swung almost as much.
+CPU_S: dict[int, list[float]] = {}
+
+
 def timed(fn: Any) -> float:
     prepare = getattr(fn, "prepare", None)
     if prepare is not None:  # untimed set-up before each run (SGLang: flush its radix cache)
         prepare()
+    c0 = time.process_time()
     t0 = time.perf_counter()
     fn()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    t = time.perf_counter() - t0
+    CPU_S.setdefault(id(fn), []).append(time.process_time() - c0)
+    return t
 
 
 def prime(run: EngineRun, what: str) -> None:
@@ -107,6 +119,8 @@ def rounds(repeats: int, fns: list[Any], budget_s: float) -> list[list[float]]:
     if budget_s < float("inf"):
         repeats = max(1, min(repeats, int(budget_s / max(warm, 1e-9))))
     times: list[list[float]] = [[] for _ in fns]
+    for f in fns:  # the CPU times of these rounds only
+        CPU_S.pop(id(f), None)
     for r in range(repeats):
         for k in range(len(fns)):
             i = (k + r) % len(fns)
@@ -269,6 +283,12 @@ def bench_case(
     times = rounds(args.repeats, list(runs.values()), args.budget_s)
     tok = {k: case.batch * case.new / statistics.median(t) for k, t in zip(runs, times, strict=True)
            if not getattr(runs[k], "failed", "")}
+    if args.device == "cpu":
+        tok.update({f"{k}_cpu": case.batch * case.new / statistics.median(CPU_S[id(r)]) for k, r in runs.items()
+                    if k in tok and CPU_S.get(id(r))})
+    if "hf" in tok:  # the median of each round's own ratio: the two runs of a round see the same load
+        t = dict(zip(runs, times, strict=True))
+        tok["hf_paired_speedup"] = statistics.median(h / e for e, h in zip(t["engine"], t["hf"], strict=True))
     return tok, times
 
 
@@ -321,6 +341,8 @@ def report(
     if "hf" in tok:
         out[f"{key}_hf_tok_s"] = round(tok["hf"], 1)
         out[f"{key}_speedup_vs_hf"] = round(en / tok["hf"], 3)
+    if "hf_paired_speedup" in tok:
+        out[f"{key}_speedup_vs_hf_paired"] = round(tok["hf_paired_speedup"], 3)
     if sgl:
         out[f"{key}_sglang_tok_s"] = round(sgl, 1)
         out[f"{key}_vs_sglang"] = round(en / sgl, 3)
@@ -335,6 +357,13 @@ def report(
             out[f"{key}_{tag}_cached_tokens"] = run.cached_tokens
     if i21:
         out[f"{key}_vs_sglang_issue21"] = round(en / i21, 3)
+    if "engine_cpu" in tok and "hf_cpu" in tok:  # tok/s by process CPU time (see CPU_S)
+        out[f"{key}_engine_cpu_tok_s"] = round(tok["engine_cpu"], 1)
+        out[f"{key}_hf_cpu_tok_s"] = round(tok["hf_cpu"], 1)
+        out[f"{key}_speedup_vs_hf_cpu"] = round(tok["engine_cpu"] / tok["hf_cpu"], 3)
+        print(f"#   by CPU time: engine {tok['engine_cpu']:.1f}, hf {tok['hf_cpu']:.1f} tok/s, "
+              f"en/hf {tok['engine_cpu'] / tok['hf_cpu']:.2f}; median of the rounds' own en/hf "
+              f"{tok.get('hf_paired_speedup', float('nan')):.2f}", flush=True)
     if device == "cpu" and name == "b8":  # the keys of earlier CPU runs (bench/results/engine_cpu.txt)
         out[f"cpu_{kind}_engine_tok_s"] = round(en, 1)
         if "hf" in tok:

@@ -71,6 +71,7 @@ class RowPool:
         self._rows = torch.zeros(0, 1, 1, dtype=torch.long, device=device)
         self._at = torch.zeros(0, 1, 1, dtype=torch.long, device=device)
         self._read = 0
+        self._col: int | None = None  # `bind_column`: every row writes this one position
 
     def bytes_per_token(self) -> int:
         """Cache bytes one token takes over all layers (K and V)."""
@@ -83,16 +84,28 @@ class RowPool:
         self._rows = torch.arange(r0, r0 + n, device=pos.device)[:, None, None]
         self._at = pos.clamp(max=self.max_seq_len)[:, None, :]
         self._read = read_len
+        self._col = None
+
+    def bind_column(self, r0: int, at: int, read_len: int) -> None:
+        """`bind` for a decode step whose rows all write position `at` (rows of one length, e.g.
+        a batch or group decoding in lockstep): each layer's write is then one slice copy, not
+        an index_put_ over built indices (eager CPU decode, where each op costs microseconds;
+        decode graphs keep `bind`, whose write positions live on the device)."""
+        self._r0, self._col, self._read = r0, min(at, self.max_seq_len), read_len
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # index_put_ into the pool tensors, not a scatter into a row slice: under torch.compile
         # (engine.compile_decode) a slice's in-place scatter becomes a copy of the whole slice
         # every layer and step, while an index_put_ on the tensor stays one in-place store
         kc, vc = self.k[layer], self.v[layer]
-        at = (self._rows, self._heads[kc.shape[1]], self._at)
-        kc.index_put_(at, k)
-        vc.index_put_(at, v)
-        n, r0 = k.shape[0], self._r0
+        n, r0, col = k.shape[0], self._r0, self._col
+        if col is not None:
+            kc[r0 : r0 + n, :, col : col + 1] = k
+            vc[r0 : r0 + n, :, col : col + 1] = v
+        else:
+            at = (self._rows, self._heads[kc.shape[1]], self._at)
+            kc.index_put_(at, k)
+            vc.index_put_(at, v)
         return kc[r0 : r0 + n, :, : self._read], vc[r0 : r0 + n, :, : self._read]
 
     def move(self, src: int, dst: int, length: int) -> None:

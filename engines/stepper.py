@@ -297,10 +297,13 @@ class Stepper:
         lens = torch.tensor([s.kv_len for s in seqs], device=dev)
         ids = torch.tensor([[s.tokens[-1]] for s in seqs], device=dev)
         read = max(s.kv_len for s in seqs) + 1
-        self.pool.bind(seqs[0].row, lens[:, None], read)
         # rows of one length (e.g. the samples of one prompt, decoding in lockstep) attend
         # to every cached key: no mask to build, and attention takes its unmasked kernel
         uniform = all(s.kv_len == seqs[0].kv_len for s in seqs)
+        if uniform and isinstance(self.pool, RowPool):  # and all write one column: a slice copy
+            self.pool.bind_column(seqs[0].row, seqs[0].kv_len, read)
+        else:
+            self.pool.bind(seqs[0].row, lens[:, None], read)
         extra = {"rope_position_ids": decode_positions(seqs, lens)} if self.vl else {}
         res = self.model(
             ids,

@@ -51,10 +51,13 @@ from miles.weightsync.stager import WeightStager
 
 log = get_logger("miles.engine")
 
-# One worker-thread hop runs several decode steps (thread handoffs cost ~0.5 ms each)
-# but returns quickly enough for new requests, pause, abort and commit to get in.
+# One worker-thread hop runs several decode steps (thread handoffs cost ~0.5 ms each, and
+# on a loaded CPU host each one may wait a scheduler slice); new requests, pause, abort and
+# commit set `_boundary`, which ends a hop after the current step, so these caps are only a
+# backstop. The time cap is loose: at 50 ms, a 2-core host at load ~2.5 (steps of ~5-8 ms)
+# handed off every ~6-10 steps (105 hops in 10 runs of the CPU bench's b8 case, which needs one).
 _MAX_STEPS_PER_HOP = 64
-_MAX_HOP_S = 0.05
+_MAX_HOP_S = 0.5
 
 
 class TorchEngine(Engine):
@@ -248,8 +251,7 @@ class TorchEngine(Engine):
                 self.stager.apply()
             else:
                 await asyncio.to_thread(self.stager.apply)
-            if self.fp8_block is not None:
-                weights_changed()  # cached dequantized FP8 weights (CPU) are stale now
+            weights_changed()  # tensors cached from the weights (CPU: FP8's Ŵ, q/k norms) are stale now
             self.version = version
             if with_adapters:
                 self.adapters.committed_version()

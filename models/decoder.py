@@ -312,8 +312,14 @@ class CausalLM(nn.Module):
         if spec.sliding_layers:
             window = sliding_window_mask(attention_mask, position_ids, kv_cache is not None, spec.sliding_window)
             window_bias = grouped_bias(window, spec.attn_groups, h.dtype)
-        rope_pos = position_ids if rope_position_ids is None else rope_position_ids
-        cos, sin = rotary_tables(*self.model.rotary(rope_pos, h.dtype))
+        rotary = self.model.rotary
+        if (not torch.compiler.is_compiling() and kv_cache is not None and h.device.type == "cpu"
+                and rope_position_ids is None and type(rotary) is Rotary and rotary.rope.rope_type != "dynamic"
+                and not invariant_active()):
+            cos, sin = rotary.lookup(position_ids, h.dtype)  # the CPU engine's steps: a table lookup
+        else:
+            rope_pos = position_ids if rope_position_ids is None else rope_position_ids
+            cos, sin = rotary_tables(*rotary(rope_pos, h.dtype))
         used: list[torch.Tensor] = []
         j = 0
         for layer in self.model.layers:

@@ -76,8 +76,15 @@ _generation = [0]
 
 
 def weights_changed() -> None:
-    """New live weights (an engine commit): drop every cached Ŵ in this process."""
+    """New live weights (an engine commit): drop every cached Ŵ in this process, and every other
+    tensor cached from the weights (`weight_generation`)."""
     _generation[0] += 1
+
+
+def weight_generation() -> int:
+    """Bumped by `weights_changed`: part of the key of a tensor cached from live weights, since a
+    commit may land bytes without torch's version counters seeing it (writes through `.data`)."""
+    return _generation[0]
 
 
 def _cached_dequant(mod: nn.Module, codes: torch.Tensor, scale: torch.Tensor, plan: Fp8Plan,

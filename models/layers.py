@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from miles.models.config import ModelSpec
-from miles.models.fp8_linear import project
+from miles.models.fp8_linear import project, weight_generation
 from miles.models.rope import apply_rotary_thd
 from miles.models.varlen import PackedSeqs, packed_causal_attention
 
@@ -74,6 +74,24 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.nh * self.hd, h, bias=spec.o_bias)
         self.q_norm = RMSNorm(self.hd, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(self.hd, spec.rms_norm_eps) if spec.qk_norm else None
+        self._qk_w: tuple[tuple[int, ...], torch.Tensor] | None = None  # `_qk_norm_weight`'s last result
+
+    def _qk_norm_weight(self) -> torch.Tensor:
+        """The q and k norm weights, one row per head ([nh + nkv, hd]). On the CPU in inference
+        (the CPU engine's eager steps, which would rebuild it in every layer: three small ops)
+        built once per weight version, keyed by the engine's commits (`weight_generation`: a
+        commit writes through `.data`, which torch's version counters do not see) and by the
+        weights' storage and version counters (any other in-place torch write).
+        Elsewhere built per call: a training gradient flows through it, and a captured or
+        compiled decode must read the live weights, not a tensor the cache may replace."""
+        assert self.q_norm is not None and self.k_norm is not None
+        qw, kw = self.q_norm.weight, self.k_norm.weight
+        if torch.compiler.is_compiling() or qw.device.type != "cpu" or not torch.is_inference_mode_enabled():
+            return torch.cat((qw.expand(self.nh, self.hd), kw.expand(self.nkv, self.hd)))
+        key = (weight_generation(), qw.data_ptr(), qw._version, kw.data_ptr(), kw._version)
+        if self._qk_w is None or self._qk_w[0] != key:
+            self._qk_w = (key, torch.cat((qw.expand(self.nh, self.hd), kw.expand(self.nkv, self.hd))))
+        return self._qk_w[1]
 
     def forward(
         self,
@@ -94,9 +112,8 @@ class Attention(nn.Module):
         # q and k heads side by side: one norm call and one rotary call cover both
         qk = qkv[..., : (nh + nkv) * hd].view(b, t, nh + nkv, hd)
         v = qkv[..., (nh + nkv) * hd :].view(b, t, nkv, hd).transpose(1, 2)
-        if self.q_norm is not None and self.k_norm is not None:
-            w = torch.cat((self.q_norm.weight.expand(nh, hd), self.k_norm.weight.expand(nkv, hd)))
-            qk = rms_norm(qk, w, self.q_norm.eps)
+        if self.q_norm is not None:
+            qk = rms_norm(qk, self._qk_norm_weight(), self.q_norm.eps)
         qk = apply_rotary_thd(qk, cos, sin).transpose(1, 2)
         q, k = qk[:, :nh], qk[:, nh:]
         if isinstance(bias, PackedSeqs):  # packed training row: no mask (models/varlen.py)

@@ -117,8 +117,7 @@ class Experts(nn.Module):
         loop of small ones (decode batches)."""
         n, e, i = x.shape[0], self.gate_up_proj.shape[0], self.inter
         gu = (x @ self.gate_up_proj.reshape(e * 2 * i, -1).t()).view(n, e, 2 * i)
-        dense_w = torch.zeros(n, e, dtype=x.dtype, device=x.device)
-        dense_w = dense_w.scatter_add(1, ids, weights.to(x.dtype))
+        dense_w = torch.zeros(n, e, dtype=x.dtype, device=x.device).scatter_add_(1, ids, weights.to(x.dtype))
         act = F.silu(gu[..., :i]) * gu[..., i:] * dense_w.unsqueeze(-1)  # [N, E, I]
         return torch.bmm(act.transpose(0, 1), self.down_proj.transpose(1, 2)).sum(0)
 
@@ -247,7 +246,8 @@ class MoEBlock(nn.Module):
         """x: [B, T, H]; given_ids: [B, T, k] or None -> (out [B, T, H], ids [B, T, k] int64).
 
         Both outputs are fresh tensors, not views (FSDP2 hooks on a module's output
-        are lost through in-place ops on a view).
+        are lost through in-place ops on a view), except in the CPU engine's eager inference,
+        where no hook runs and the two copies are a visible share of a small decode step.
         """
         b, t, h = x.shape
         flat = x.reshape(-1, h)
@@ -261,4 +261,7 @@ class MoEBlock(nn.Module):
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             gate = torch.sigmoid(F.linear(flat, self.shared_expert_gate.weight))
             out = out + gate * self.shared_expert(flat)
-        return out.unflatten(0, (b, t)).clone(), ids.unflatten(0, (b, t)).clone()
+        out, ids = out.unflatten(0, (b, t)), ids.unflatten(0, (b, t))
+        if not torch.compiler.is_compiling() and x.device.type == "cpu" and torch.is_inference_mode_enabled():
+            return out, ids
+        return out.clone(), ids.clone()

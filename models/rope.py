@@ -185,13 +185,36 @@ class Rotary(nn.Module):
         super().__init__()
         self.rope = rope
         self.register_buffer("inv_freq", rope.inv_freq(), persistent=False)
+        # `lookup`'s tables: (inv_freq they came from, dtype, cos, signed sin [n, 1, d])
+        self._table: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
         if self.inv_freq.dtype != torch.float32:  # recomputed, not cast back: bits were lost
             # computed on the CPU on both sides, then moved: device pow kernels may round differently
             self.inv_freq = self.rope.inv_freq().to(self.inv_freq.device)
+        self._table = None
         return self
+
+    def lookup(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rotary_tables(*self(position_ids, dtype))` read from tables of positions 0..n-1 built
+        once by the same per-element ops (grown to the next power of two as positions rise): two
+        lookups instead of ~10 small ops per forward, a visible share of an eager CPU decode step
+        of a small model. Host-side bound check: for the CPU engine, not for traced / captured
+        forwards; not for rope_type 'dynamic', whose frequencies depend on the batch."""
+        if not position_ids.numel():
+            return rotary_tables(*self(position_ids, dtype))
+        lo, hi = (int(v) for v in torch.aminmax(position_ids))
+        if lo < 0:  # a negative index would read the table from its end
+            return rotary_tables(*self(position_ids, dtype))
+        n = hi + 1
+        t = self._table
+        if t is None or t[0] is not self.inv_freq or t[1] != dtype or t[2].shape[0] < n:
+            size = max(256, 1 << (n - 1).bit_length())
+            pos = torch.arange(size, device=position_ids.device)[None]
+            cos, sin = rotary_tables(*self(pos, dtype))
+            t = self._table = (self.inv_freq, dtype, cos[0], sin[0])
+        return t[2][position_ids], t[3][position_ids]
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         inv = self.inv_freq

@@ -85,12 +85,16 @@ class SyncConfig:
         "", "address engines reach trainer rank 0 at (broadcast store, ucx listener); '' = the actor host's"
     )
     delta_dir: str = opt(
-        "", "shared directory of disk_delta versions (weight_v{N}/); required for disk_delta. Its speed: on the CPU "
-        "bench (half the tensors changed) 0.4-1.0x (median 0.62) of writing and reading the whole model as files, "
-        "not a steady >= 0.8x: besides the changed bytes' file write and read, each changed byte is XORed on both "
-        "sides and kept by the sender as the next base, each unchanged byte copied into the engine's staging, and "
-        "each update pays stage asks per bucket, an index, a rename and a commit "
-        "(bench/results/weight_sync_disk_delta_cpu.txt, bench/disk_delta_phases.py)", "path"
+        "", "shared directory of disk_delta versions (weight_v{N}/); required for disk_delta. Its speed on the CPU "
+        "bench (64 MiB, half the tensors changed per update): 0.4-1.4x of writing and reading the whole model as "
+        "files, not a steady >= 0.8x, and measured why: its own byte work per update (the sender's digest of every "
+        "byte to find the unchanged tensors; each changed byte written, kept as the next base, read, copied into "
+        "the engine's staging and digested as a check; each unchanged byte copied into the double-buffered "
+        "staging) takes ~90 ms at best on the 2-core box, ~55 ms of it memory passes besides the file I/O, while "
+        "the raw channel moves all 64 MiB out and back in ~36 ms when files go at page-cache speed (~2 GB/s): "
+        "~0.4x then. It wins (1.1-1.8x) when file I/O is the bottleneck (writeback, a busy disk), which is what "
+        "writing half the bytes is for (bench/results/weight_sync_disk_delta_cpu_s15.txt, "
+        "bench/disk_delta_phases.py)", "path"
     )
     delta_compression: DeltaCompression = opt(
         "auto", "compression of disk_delta XOR deltas: zlib, lz4 or none; *_sampled = compress only an entry "

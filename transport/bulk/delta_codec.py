@@ -1,11 +1,14 @@
 """Per-tensor delta encoding for `disk_delta`: XOR against the previous bytes, then compression.
 
 Encodings name the transform and the compressor: `same` (no bytes: unchanged),
-`xor+<c>` (XOR with the base, compressed by c), `full+<c>` (no base). The
+`xor+<c>` (XOR with the base, compressed by c), `full+<c>` (the bytes themselves). The
 compressor is sync.delta_compression's (`auto` = lz4 when installed, else zlib, sampled);
 `raw` is kept whenever compression would not shrink the bytes, and under `*_sampled`
 whenever a sample shows it would save too little to pay for itself (dense float changes
-barely compress).
+barely compress). An entry that will not be compressed goes as `full+raw` even with a base:
+an uncompressed XOR is as large as the bytes and costs a pass more on each side (the XOR
+itself, and the receiver's XOR instead of a copy), the largest share of a sparse update's
+byte work on a CPU host (bench/results/weight_sync_disk_delta_cpu_s15.txt).
 """
 
 from __future__ import annotations
@@ -58,6 +61,12 @@ SAMPLE_BYTES = 1 << 16
 AUTO_MAX_RATIO = 0.5
 
 
+def _worth_compressing(compressor: str, data: torch.Tensor) -> bool:
+    """The `auto` gate: whether the leading `SAMPLE_BYTES` of `data` shrink enough to pay."""
+    sample = data[:SAMPLE_BYTES].numpy().data
+    return len(_compress(compressor, sample)) <= AUTO_MAX_RATIO * len(sample)
+
+
 def _compress(compressor: str, data: memoryview) -> bytes:
     lz4 = _lz4() if compressor == "lz4" else None
     return lz4.compress(data) if lz4 is not None else zlib.compress(data, 1)
@@ -68,14 +77,19 @@ def encode(new: torch.Tensor, old: torch.Tensor | None, compressor: str,
     """Encode the uint8 bytes `new` against `old` (same length) or from scratch.
 
     With `sample_gate` (the `*_sampled` choices), compression is tried only when a leading sample
-    compresses to at most `AUTO_MAX_RATIO` of its size. `scratch` (uint8, at least as long
-    as `new`) receives the XOR instead of a fresh tensor: a fresh large tensor is fresh pages,
-    whose first-touch faults cost as much as the XOR itself; a raw payload then is a view of
-    `scratch`, valid until its next use.
+    (of the XOR, with a base) compresses to at most `AUTO_MAX_RATIO` of its size. An entry
+    left uncompressed is `full+raw`, a view of `new` (see the module doc); `same` is found
+    only on the way to compressing (the disk_delta sender finds unchanged entries by digest
+    first). `scratch` (uint8, at least as long as `new`) receives the XOR instead of a fresh
+    tensor: a fresh large tensor is fresh pages, whose first-touch faults cost as much as the
+    XOR itself; a payload then may view `scratch`, valid until its next use.
     """
     if old is not None:
         if old.numel() != new.numel():
             raise SyncError(f"delta base has {old.numel()} bytes, new tensor {new.numel()}")
+        if compressor == "raw" or (sample_gate and new.numel() > SAMPLE_BYTES and not _worth_compressing(
+                compressor, torch.bitwise_xor(new[:SAMPLE_BYTES], old[:SAMPLE_BYTES]))):
+            return "full+raw", new.numpy().data
         if scratch is not None and scratch.numel() >= new.numel():
             payload = torch.bitwise_xor(new, old, out=scratch[:new.numel()])
         else:
@@ -89,9 +103,8 @@ def encode(new: torch.Tensor, old: torch.Tensor | None, compressor: str,
     raw = payload.numpy().data
     if compressor == "raw":
         return f"{kind}+raw", raw
-    if sample_gate and len(raw) > SAMPLE_BYTES:
-        if len(_compress(compressor, raw[:SAMPLE_BYTES])) > AUTO_MAX_RATIO * SAMPLE_BYTES:
-            return f"{kind}+raw", raw
+    if sample_gate and len(raw) > SAMPLE_BYTES and kind == "full" and not _worth_compressing(compressor, payload):
+        return f"{kind}+raw", raw
     packed = _compress(compressor, raw)
     if len(packed) >= len(raw):
         return f"{kind}+raw", raw
