@@ -12,6 +12,8 @@ import pytest
 from miles.core.config import load_config
 from miles.core.schema import MilesConfig
 from miles.packaged.registry import MODELS
+from miles.rollout.rewards.rules import build_rewards
+from miles.rollout.types import Sample
 
 pytestmark = pytest.mark.timeout(120)
 RECIPE = Path(__file__).resolve().parents[2] / "examples" / "gsm8k_qwen.toml"
@@ -24,8 +26,17 @@ def test_recipe_settings() -> None:
     assert cfg.eval.at_start and cfg.eval.at_end and cfg.eval.full_at_ends and cfg.eval.every_steps == 25
     assert cfg.buffer.mode == "fully_async" and cfg.trainer.correction.types == ["tis"]
     assert cfg.trainer.optim.lr == 2e-6 and cfg.trainer.optim.grad_clip == 1.0
-    # the reward reads the answer where the prompt asks for it (strict), as the held-out score does
-    assert cfg.rollout.env_args["rewards"] == [{"type": "math", "extract": "hash"}]
+    # the reward: 1.2 for the right number after #### (the format the prompt asks for, which the
+    # held-out strict score reads), 0.2 for a right last number without it, 0 otherwise
+    reward = build_rewards(cfg.rollout.env_args["rewards"])
+    label = {"label": "Natalia sold 48/2 = 24 clips in May.\n#### 72"}
+
+    def score(text: str) -> float:
+        return float(reward(label, Sample(prompt_ids=[0], metadata={"response": text})))
+
+    assert score("48 + 24 = 72 clips.\n#### 72") == pytest.approx(1.2)
+    assert score("48 + 24 = 72, so the answer is 72.") == pytest.approx(0.2)
+    assert score("She sold 48 + 24 = 71.\n#### 71") == 0.0
     assert cfg.trainer.recompute == "full" and cfg.trainer.micro_batch_tokens == 16384
     # room for the longest GSM8K prompt in Qwen's chat template (257 tokens, measured) and the answer
     assert cfg.engine.max_seq_len >= 257 + cfg.rollout.max_new_tokens
