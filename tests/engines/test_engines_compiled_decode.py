@@ -68,7 +68,10 @@ async def test_background_compile_serves_then_swaps_to_compiled_graphs() -> None
     uncompiled graphs' before and after."""
     model = tiny_model("qwen3", num_hidden_layers=2, hidden_size=80).cuda()  # a shape no other test compiled
     eager = await _generate(model, False)
-    cfg = EngineConfig(device="cuda", max_batch_size=8, max_seq_len=300, kv_budget_tokens=0)
+    # compile_background is off by default since an H200 hit a caching-allocator assert with it
+    # (issue 49): the test asks for it, so it keeps testing the mode rather than the default
+    cfg = EngineConfig(device="cuda", max_batch_size=8, max_seq_len=300, kv_budget_tokens=0,
+                       compile_background=True)
     assert cfg.compile_decode and cfg.compile_background
     eng = TorchEngine(model, cfg)
     prompts = [[1, 2, 3], [4] * 17, [5, 6], [7, 8, 9, 10, 11], list(range(40))]
