@@ -32,6 +32,12 @@ VARIANTS = {
     # the #### format spelled out as a last line, without an example answer
     "hash_line": "{prompt}\nThink step by step. End your answer with a last line of the form: #### <number>",
 }
+# Variants that also put a system message first (the dataset env's `system_prompt`).
+SYSTEM = {
+    "hash_sys": "Solve the problem step by step. On the last line write the final answer as: #### <number>",
+    "boxed_sys": "Please reason step by step, and put your final answer within \\boxed{}.",
+}
+VARIANTS |= {"hash_sys": "{prompt}", "boxed_sys": "{prompt}"}
 
 
 def main() -> int:
@@ -69,7 +75,8 @@ def main() -> int:
     results: list[dict[str, Any]] = []
     for name in a.variants.split(","):
         t0 = time.time()
-        msgs = [[{"role": "user", "content": VARIANTS[name].format(prompt=r["question"])}] for r in rows]
+        sys_msg = [{"role": "system", "content": SYSTEM[name]}] if name in SYSTEM else []
+        msgs = [[*sys_msg, {"role": "user", "content": VARIANTS[name].format(prompt=r["question"])}] for r in rows]
         texts = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in msgs]
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(a.device)
         out: dict[str, list[str]] = {}

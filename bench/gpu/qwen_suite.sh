@@ -145,6 +145,43 @@ strict)  # the reward asks for the prompt's format (math, extract = "hash": only
     cp /tmp/learn/trl.txt "$OUT/trl.txt"
   fi
   wait; pack strict ;;
+s16)  # the recipe as shipped: SGLang's run first (SGLang 0.5.17 refuses a --mem-fraction-static below the
+  # share others hold when it starts), then the torch-engine runs once its server holds its memory. 8k-token
+  # packs (PACK) keep three runs inside an 80 GB card (session 15: a run held 17.3 GB trainer + 9 GB engine).
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/gpu.txt"
+  convert || exit 1
+  big=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | awk '{print ($1 > 100000)}')
+  P=(--set "trainer.micro_batch_tokens=${PACK:-8192}")
+  case "${FORMAT:-recipe}" in  # the answer format the prompt asks for, its reward and strict scorer
+    boxed) P+=(--set rollout.env_args.answer_format=boxed
+               --set $'rollout.env_args.prompt_template={prompt}\nPlease reason step by step, and put your final answer within \\boxed{}.'
+               --set 'rollout.env_args.rewards=[{type="math", extract="boxed"}, {type="math", extract="auto", weight=0.2}]') ;;
+    hash_sys) P+=(--set 'rollout.env_args.prompt_template={prompt}'
+                  --set 'rollout.env_args.system_prompt=Solve the problem step by step. On the last line write the final answer as: #### <number>') ;;
+  esac
+  echo "format ${FORMAT:-recipe}: ${P[*]}" >> "$OUT/log.txt"
+  if [ -d /tmp/sgl-site/sglang ] && [ "${SGL:-1}" = 1 ]; then
+    export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
+    SG=(--set engine.type=sglang --set 'engine.sglang_extra_args=["--attention-backend","triton","--sampling-backend","pytorch","--grammar-backend","none","--skip-server-warmup"]'
+        --set engine.sglang_startup_timeout_s=400 --set "engine.sglang_mem_fraction=${SGL_MEM:-0.1}")
+    PYTHONPATH="/tmp/sgl-site:$PYTHONPATH" train sgl_async_s0 $((LIMIT + 700)) "${P[@]}" "${SG[@]}" \
+      --set run.seed=0 --set rollout.env_args.seed=0 &
+    t0=$(date +%s)  # the torch runs start once the server answers (or after 300 s, whatever it says)
+    until grep -qs sglang_engine_ready /tmp/learn/sgl_async_s0/logs/*.log || [ $(( $(date +%s) - t0 )) -ge 300 ]; do sleep 3; done
+    echo "sglang ready after $(( $(date +%s) - t0 )) s at $(date +%T)" >> "$OUT/log.txt"
+  fi
+  train async_s0 $((LIMIT + 500)) "${P[@]}" --set run.seed=0 --set rollout.env_args.seed=0 &
+  train sync_s0 $((LIMIT + 500)) "${P[@]}" --set buffer.mode=sync --set run.seed=0 --set rollout.env_args.seed=0 &
+  if [ "$big" = 1 ]; then  # an H200: the second seeds beside them
+    train async_s1 $((LIMIT + 500)) "${P[@]}" --set run.seed=1 --set rollout.env_args.seed=1 &
+    train sync_s1 $((LIMIT + 500)) "${P[@]}" --set buffer.mode=sync --set run.seed=1 --set rollout.env_args.seed=1 &
+  fi
+  wait; pack s16 ;;
+probe)  # which answer format the checkpoint writes under each prompt (seconds on a GPU)
+  convert || exit 1
+  timeout 300 python3 bench/prompt_format_probe.py --model "$M" --data "$D/test.jsonl" --device cuda --questions 64 \
+    --samples 8 --max-new-tokens 512 --variants "${VARIANTS:-hash,hash_sys,hash_line,boxed,boxed_sys}" \
+    --out "$OUT/probe.json" > "$OUT/probe.txt" 2>&1; tail -14 "$OUT/probe.txt" ;;
 fmt)  # the same recipe with a prompt that shows the answer format once (the model never writes #### unprompted)
   T=$'{prompt}\nThink step by step. Then write the final answer on its own last line in the form "#### <number>", for example:\n#### 42'
   train "strict_fmt_${MODE:-async}_s0" $((LIMIT + 500)) --set "rollout.env_args.rewards=${REWARDS:-$SHAPED}" \

@@ -14,7 +14,8 @@ The cut is applied to both splits, so the held-out set is the same kind of probl
 
 Two evaluation scorers (reported by the evaluator as `eval/accuracy_strict` and
 `eval/accuracy_lenient`) tell format learning from reasoning: strict takes the first number
-after the response's last `####`, the format the prompt asks for (no `####`: wrong); lenient
+in the answer's marked place, the format the prompt asks for (`answer_format = "hash"`: after
+the response's last `####`; `"boxed"`: inside its last `\boxed{}`; no marker: wrong); lenient
 takes the response's last number wherever it is. Both compare it with the number after the
 label's `####`. A run whose strict accuracy rises while lenient stays flat learned the format;
 one whose lenient accuracy rises solves more problems.
@@ -23,12 +24,14 @@ one whose lenient accuracy rises solves more problems.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from miles.core.errors import ConfigError
 from miles.rollout.envs.base import Environment
 from miles.rollout.envs.dataset import DatasetPrompts, make_dataset, parse_config
+from miles.rollout.rewards.rules import extract_boxed
 
 DEFAULTS = {"prompt_key": "question", "label_key": "answer", "rewards": [{"type": "math"}]}
 # A number as GSM8K writes one: "1,250", "-3", "0.5", "$18"; a minus right after a digit is the
@@ -44,6 +47,13 @@ def strict_answer(text: str) -> float | None:
     """The first number after the last `####`; None without `####` or a number after it."""
     k = text.rfind("####")
     m = NUMBER.search(text, k + 4) if k >= 0 else None
+    return _value(m.group()) if m else None
+
+
+def boxed_answer(text: str) -> float | None:
+    """The first number inside the last `\\boxed{}`; None without one (or cut off before its `}`)."""
+    inside = extract_boxed(text)
+    m = NUMBER.search(inside) if inside is not None else None
     return _value(m.group()) if m else None
 
 
@@ -64,11 +74,17 @@ def score_strict(prompt: dict[str, Any], response: str) -> float:
     return _same(strict_answer(response), prompt["label"])
 
 
+def score_boxed(prompt: dict[str, Any], response: str) -> float:
+    return _same(boxed_answer(response), prompt["label"])
+
+
 def score_lenient(prompt: dict[str, Any], response: str) -> float:
     return _same(lenient_answer(response), prompt["label"])
 
 
 SCORERS = {"strict": score_strict, "lenient": score_lenient}
+# The strict scorer per answer format: the place the prompt asks the final answer to go.
+STRICT: dict[str, Callable[[dict[str, Any], str], float]] = {"hash": score_strict, "boxed": score_boxed}
 
 
 def calc_steps(label: Any) -> int:
@@ -86,11 +102,15 @@ def cut(prompts: DatasetPrompts, max_calc_steps: int) -> DatasetPrompts:
     return DatasetPrompts(kept, prompts.seed, prompts.shuffle, f"{prompts.fingerprint}:cut{max_calc_steps}")
 
 
-def make_env(max_calc_steps: int = 0, **env_args: Any) -> Environment:
+def make_env(max_calc_steps: int = 0, answer_format: str = "hash", **env_args: Any) -> Environment:
     if not isinstance(max_calc_steps, int) or isinstance(max_calc_steps, bool) or max_calc_steps < 0:
         raise ConfigError(f"rollout.env_args.max_calc_steps must be an integer >= 0, got {max_calc_steps!r}")
+    if answer_format not in STRICT:
+        raise ConfigError(f"rollout.env_args.answer_format must be one of {sorted(STRICT)} (where the prompt asks "
+                          f"for the final answer: after #### or inside \\boxed{{}}), got {answer_format!r}")
     cfg = parse_config({**DEFAULTS, **env_args})
     prompts, reward = make_dataset(cfg)
     prompts = cut(prompts, max_calc_steps)
     name = f"gsm8k:{Path(cfg.path).stem}" + (f":le{max_calc_steps}" if max_calc_steps else "")
-    return Environment(name, prompts, reward, cfg.agent, scorers=dict(SCORERS))
+    return Environment(name, prompts, reward, cfg.agent,
+                       scorers={"strict": STRICT[answer_format], "lenient": score_lenient})

@@ -65,3 +65,31 @@ def test_labels_with_thousands_separators_and_the_env_carries_both_scorers() -> 
     assert env.scorers["strict"](ann, "She saves 3600 dollars.\n#### 3600") == 1.0
     assert env.scorers["lenient"](ann, "1200*3 = 3,600") == 1.0
     assert len(env.prompts) == 5  # type: ignore[arg-type]  # a finite eval set: the full evaluation's rows
+
+
+# (test row, response, strict under answer_format = "boxed"); row 0's answer is 10, row 3's 18
+BOXED = [
+    (0, "The change is 20 - 10 = 10 dollars.\n\nThe answer is $\\boxed{10}$.", 1.0),
+    (0, "So he gets \\boxed{\\$10} back.", 1.0),
+    (0, "\\boxed{10 \\text{ dollars}}", 1.0),
+    (0, "The change is 10 dollars.\n#### 10", 0.0),  # right, but not in the asked-for place
+    (0, "First \\boxed{12}, no: \\boxed{10}", 1.0),  # the last box counts
+    (0, "\\boxed{10}, no wait, \\boxed{12}", 0.0),
+    (3, "\\boxed{18", 0.0),  # cut off before the closing brace
+    (3, "\\boxed{}", 0.0),
+]
+
+
+@pytest.mark.parametrize(("row", "response", "strict"), BOXED)
+def test_boxed_answer_format_scores_the_last_box(row: int, response: str, strict: float) -> None:
+    env = make_env(path=str(DATA / "train.jsonl"), eval_path=str(DATA / "test.jsonl"), split="eval",
+                   answer_format="boxed")
+    assert env.scorers["strict"](label(row), response) == strict
+    assert env.scorers["lenient"](label(row), "the answer: 10") == float(row == 0)
+
+
+def test_an_unknown_answer_format_is_refused_with_the_choices() -> None:
+    from miles.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"answer_format must be one of \['boxed', 'hash'\].*'latex'"):
+        make_env(path=str(DATA / "train.jsonl"), answer_format="latex")
