@@ -156,6 +156,8 @@ s16)  # the recipe as shipped: SGLang's run first (SGLang 0.5.17 refuses a --mem
     boxed) P+=(--set rollout.env_args.answer_format=boxed
                --set $'rollout.env_args.prompt_template={prompt}\nPlease reason step by step, and put your final answer within \\boxed{}.'
                --set 'rollout.env_args.rewards=[{type="math", extract="boxed"}, {type="math", extract="auto", weight=0.2}]') ;;
+    hash_line) P+=(--set 'rollout.env_args.prompt_template={prompt}
+Think step by step. End your answer with a last line of the form: #### <number>') ;;
     hash_sys) P+=(--set 'rollout.env_args.prompt_template={prompt}'
                   --set 'rollout.env_args.system_prompt=Solve the problem step by step. On the last line write the final answer as: #### <number>') ;;
   esac
