@@ -162,6 +162,13 @@ Think step by step. End your answer with a last line of the form: #### <number>'
                   --set 'rollout.env_args.system_prompt=Solve the problem step by step. On the last line write the final answer as: #### <number>') ;;
   esac
   echo "format ${FORMAT:-recipe}: ${P[*]}" >> "$OUT/log.txt"
+  if [ "${PROBE:-1}" = 1 ]; then  # the answer formats under each prompt, on the side (~3 GB of the card)
+    timeout 400 python3 bench/prompt_format_probe.py --model "$M" --data "$D/test.jsonl" --device cuda --questions 32 \
+      --samples 4 --max-new-tokens 512 --variants "${VARIANTS:-hash,hash_sys,hash_line,boxed}" \
+      --out "$OUT/probe.json" > "$OUT/probe.txt" 2>&1 &
+  fi
+  t0=$(date +%s)  # SGLang's wheels may still be on their way (carried while the model converts)
+  until [ -d /tmp/sgl-site/sglang ] || [ "${SGL:-1}" = 0 ] || [ $(( $(date +%s) - t0 )) -ge "${SGL_WAIT:-150}" ]; do sleep 3; done
   if [ -d /tmp/sgl-site/sglang ] && [ "${SGL:-1}" = 1 ]; then
     export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
     SG=(--set engine.type=sglang --set 'engine.sglang_extra_args=["--attention-backend","triton","--sampling-backend","pytorch","--grammar-backend","none","--skip-server-warmup"]'
@@ -169,7 +176,7 @@ Think step by step. End your answer with a last line of the form: #### <number>'
     PYTHONPATH="/tmp/sgl-site:$PYTHONPATH" train sgl_async_s0 $((LIMIT + 700)) "${P[@]}" "${SG[@]}" \
       --set run.seed=0 --set rollout.env_args.seed=0 &
     t0=$(date +%s)  # the torch runs start once the server answers (or after 300 s, whatever it says)
-    until grep -qs sglang_engine_ready /tmp/learn/sgl_async_s0/logs/*.log || [ $(( $(date +%s) - t0 )) -ge 300 ]; do sleep 3; done
+    until grep -qs sglang_engine_ready /tmp/learn/sgl_async_s0/logs/*.log || [ $(( $(date +%s) - t0 )) -ge 200 ]; do sleep 3; done
     echo "sglang ready after $(( $(date +%s) - t0 )) s at $(date +%T)" >> "$OUT/log.txt"
   fi
   train async_s0 $((LIMIT + 500)) "${P[@]}" --set run.seed=0 --set rollout.env_args.seed=0 &
