@@ -44,7 +44,7 @@ take() {
     mkdir -p /root/sglw/whl && tar xf sglw.tar -C /root/sglw/whl && rm -f S.* sglw.tar || return 3
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/sgl-site \
       /root/sglw/whl/*.whl > /root/sglw/install.log 2>&1 || { tail -5 /root/sglw/install.log; return 4; }
-    echo "sglang payload: $(ls /root/sglw/whl | wc -l) wheels installed"
+    touch /tmp/sgl-site/.done && echo "sglang payload: $(ls /root/sglw/whl | wc -l) wheels installed"
   fi
 }
 
@@ -168,8 +168,8 @@ Think step by step. End your answer with a last line of the form: #### <number>'
       --out "$OUT/probe.json" > "$OUT/probe.txt" 2>&1 &
   fi
   t0=$(date +%s)  # SGLang's wheels may still be on their way (carried while the model converts)
-  until [ -d /tmp/sgl-site/sglang ] || [ "${SGL:-1}" = 0 ] || [ $(( $(date +%s) - t0 )) -ge "${SGL_WAIT:-150}" ]; do sleep 3; done
-  if [ -d /tmp/sgl-site/sglang ] && [ "${SGL:-1}" = 1 ]; then
+  until [ -f /tmp/sgl-site/.done ] || [ "${SGL:-1}" = 0 ] || [ $(( $(date +%s) - t0 )) -ge "${SGL_WAIT:-150}" ]; do sleep 3; done
+  if [ -f /tmp/sgl-site/.done ] && [ "${SGL:-1}" = 1 ]; then
     export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
     SG=(--set engine.type=sglang --set 'engine.sglang_extra_args=["--attention-backend","triton","--sampling-backend","pytorch","--grammar-backend","none","--skip-server-warmup"]'
         --set engine.sglang_startup_timeout_s=400 --set "engine.sglang_mem_fraction=${SGL_MEM:-0.1}")
