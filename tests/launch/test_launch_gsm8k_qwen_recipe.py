@@ -26,18 +26,20 @@ def test_recipe_settings() -> None:
     assert cfg.eval.at_start and cfg.eval.at_end and cfg.eval.full_at_ends and cfg.eval.every_steps == 25
     assert cfg.buffer.mode == "fully_async" and cfg.trainer.correction.types == ["tis"]
     assert cfg.trainer.optim.lr == 2e-6 and cfg.trainer.optim.grad_clip == 1.0
-    # the reward: 1.2 for the right number after #### (the format the prompt asks for, which the
-    # held-out strict score reads), 0.2 for a right last number without it, 0 otherwise
+    # the reward: 1.2 for the right number in the last \boxed{} (the format the prompt asks for, which
+    # the held-out strict score reads), 0.2 for a right answer without it, 0 otherwise
+    assert cfg.rollout.env_args["answer_format"] == "boxed" and "\\boxed{}" in cfg.rollout.env_args["prompt_template"]
     reward = build_rewards(cfg.rollout.env_args["rewards"])
     label = {"label": "Natalia sold 48/2 = 24 clips in May.\n#### 72"}
 
     def score(text: str) -> float:
         return float(reward(label, Sample(prompt_ids=[0], metadata={"response": text})))
 
-    assert score("48 + 24 = 72 clips.\n#### 72") == pytest.approx(1.2)
+    assert score("48 + 24 = 72 clips, so she sold $\\boxed{72}$ clips.") == pytest.approx(1.2)
     assert score("48 + 24 = 72, so the answer is 72.") == pytest.approx(0.2)
-    assert score("She sold 48 + 24 = 71.\n#### 71") == 0.0
-    assert cfg.trainer.recompute == "full" and cfg.trainer.micro_batch_tokens == 16384
+    assert score("48 + 24 = 72 clips.\n#### 72") == pytest.approx(0.2)  # right, not in the asked-for place
+    assert score("She sold 48 + 24 = 71, \\boxed{71}.") == 0.0
+    assert cfg.trainer.recompute == "full" and cfg.trainer.micro_batch_tokens == 8192
     # room for the longest GSM8K prompt in Qwen's chat template (257 tokens, measured) and the answer
     assert cfg.engine.max_seq_len >= 257 + cfg.rollout.max_new_tokens
 
