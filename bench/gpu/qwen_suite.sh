@@ -98,7 +98,7 @@ bg)  # bg STAGE: STAGE detached, from a snapshot of this tree (the next call's c
 collect)  # collect STAGE WAIT_S: wait for a bg STAGE (at most WAIT_S), then copy its results to $OUT
   S="$2"; W="${3:-0}"; t0=$(date +%s)
   while [ ! -f "/root/out-$S/done" ] && [ $(( $(date +%s) - t0 )) -lt "$W" ]; do sleep 5; done
-  [ -f "/root/out-$S/done" ] && echo "$S done" || echo "$S still running after ${W}s"
+  [ -f "/root/out-$S/done" ] && echo "$S done" || { echo "$S still running after ${W}s"; pack partial; }
   cat "/root/out-$S/log.txt" 2>/dev/null
   bash "$0" status
   cp -r "/root/out-$S"/. "$OUT/" 2>/dev/null; exit 0 ;;
@@ -175,9 +175,21 @@ Think step by step. End your answer with a last line of the form: #### <number>'
         --set engine.sglang_startup_timeout_s=400 --set "engine.sglang_mem_fraction=${SGL_MEM:-0.1}")
     PYTHONPATH="/tmp/sgl-site:$PYTHONPATH" train sgl_async_s0 $((LIMIT + 700)) "${P[@]}" "${SG[@]}" \
       --set run.seed=0 --set rollout.env_args.seed=0 &
-    t0=$(date +%s)  # the torch runs start once the server answers (or after 300 s, whatever it says)
-    until grep -qs sglang_engine_ready /tmp/learn/sgl_async_s0/logs/*.log || [ $(( $(date +%s) - t0 )) -ge 200 ]; do sleep 3; done
-    echo "sglang ready after $(( $(date +%s) - t0 )) s at $(date +%T)" >> "$OUT/log.txt"
+    # The torch runs start once SGLang's processes hold ~its share of the card (its memory check is behind
+    # it then; the CUDA graphs it captures next need little), once it answers, or after 200 s.
+    tot=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+    want=$(awk -v t="$tot" -v f="${SGL_MEM:-0.1}" 'BEGIN{print int(t * f * 0.8)}')
+    t0=$(date +%s)
+    while :; do
+      held=0
+      for row in $(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits | tr -d ' '); do
+        pid=${row%%,*}; grep -qs sglang "/proc/$pid/cmdline" && held=$(( held + ${row##*,} ))
+      done
+      if [ "$held" -ge "$want" ] || grep -qs sglang_engine_ready /tmp/learn/sgl_async_s0/logs/*.log \
+         || [ $(( $(date +%s) - t0 )) -ge 200 ]; then break; fi
+      sleep 2
+    done
+    echo "sglang holds ${held} MiB (want ${want}) after $(( $(date +%s) - t0 )) s at $(date +%T)" >> "$OUT/log.txt"
   fi
   train async_s0 $((LIMIT + 500)) "${P[@]}" --set run.seed=0 --set rollout.env_args.seed=0 &
   train sync_s0 $((LIMIT + 500)) "${P[@]}" --set buffer.mode=sync --set run.seed=0 --set rollout.env_args.seed=0 &
