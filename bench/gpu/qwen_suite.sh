@@ -181,10 +181,23 @@ Think step by step. End your answer with a last line of the form: #### <number>'
     want=$(awk -v t="$tot" -v f="${SGL_MEM:-0.1}" 'BEGIN{print int(t * f * 0.8)}')
     t0=$(date +%s)
     while :; do
-      held=0
-      for row in $(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits | tr -d ' '); do
-        pid=${row%%,*}; grep -qs sglang "/proc/$pid/cmdline" && held=$(( held + ${row##*,} ))
-      done
+      held=$(python3 - <<'EOF3'
+import subprocess
+def root_is_server(pid: int) -> bool:  # the process or an ancestor is `python -m sglang.launch_server`
+    for _ in range(8):
+        try:
+            if b"sglang.launch_server" in open(f"/proc/{pid}/cmdline", "rb").read():
+                return True
+            pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+    return False
+out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                     capture_output=True, text=True).stdout
+print(sum(int(m) for p, m in (r.replace(" ", "").split(",") for r in out.splitlines() if "," in r)
+          if root_is_server(int(p))))
+EOF3
+)
       if [ "$held" -ge "$want" ] || grep -qs sglang_engine_ready /tmp/learn/sgl_async_s0/logs/*.log \
          || [ $(( $(date +%s) - t0 )) -ge 200 ]; then break; fi
       sleep 2
