@@ -23,8 +23,8 @@ JUDGE = ["--set", "reward_model.num_engines=1", "--set", "reward_model.max_new_t
 
 
 def test_killed_judge_fails_rewards_counted_and_the_run_goes_on(tmp_path: Path, miles_cache: Path) -> None:
-    # the session's MILES_CACHE: the quick start's 60-step warm-up (the same hash as the other
-    # tests' FAST runs) is trained once a session, not again here
+    # the session's MILES_CACHE: the FAST warm-up (the quick start's, the same hash as the other
+    # FAST runs) is trained once a session, not again here
     run, cache = tmp_path / "run", miles_cache
     p = start_run(run, cache, "--set", "run.steps=14", *JUDGE)
     try:
