@@ -43,14 +43,26 @@ class Procs:
 
     def spawn(self, args: list[str], ready_timeout: float = 30.0, env: dict[str, str] | None = None,
               ready: bool = True) -> tuple[subprocess.Popen[bytes], str]:
-        ready_file = str(self.tmp / f"ready-{len(self.children)}-{time.monotonic_ns()}")
+        p, ready_file = self.start(args, env, ready)
+        if not ready:
+            return p, ""
+        return p, self.wait_ready(p, ready_file, ready_timeout)
+
+    def start(self, args: list[str], env: dict[str, str] | None = None,
+              ready: bool = True) -> tuple[subprocess.Popen[bytes], str]:
+        """Start a child without waiting for it: (process, its ready file, "" without one).
+        Children started together import torch side by side instead of one after the other."""
+        ready_file = str(self.tmp / f"ready-{len(self.children)}-{time.monotonic_ns()}") if ready else ""
         full = [sys.executable, *args] + (["--ready", ready_file] if ready else [])
         log = open(self.tmp / f"proc-{len(self.children)}.log", "wb")
         p = subprocess.Popen(full, stdout=log, stderr=subprocess.STDOUT,
                              env={**os.environ, **(env or {})})
         self.children.append(p)
-        if not ready:
-            return p, ""
+        return p, ready_file
+
+    def wait_ready(self, p: subprocess.Popen[bytes], ready_file: str, ready_timeout: float = 30.0) -> str:
+        """What a started child wrote to its ready file, once it is there."""
+        args = p.args
         deadline = time.monotonic() + ready_timeout
         while not os.path.exists(ready_file):
             if p.poll() is not None:
@@ -58,7 +70,7 @@ class Procs:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"process {args} not ready in {ready_timeout}s: {self.log_of(p)}")
             time.sleep(0.02)
-        return p, Path(ready_file).read_text()
+        return Path(ready_file).read_text()
 
     def log_of(self, p: subprocess.Popen[bytes]) -> str:
         i = self.children.index(p)

@@ -22,8 +22,10 @@ JUDGE = ["--set", "reward_model.num_engines=1", "--set", "reward_model.max_new_t
          "--set", "reward_model.max_seq_len=512", "--set", "rollout.reward_errors=stop"]  # stop: the default; an outage must not trip it
 
 
-def test_killed_judge_fails_rewards_counted_and_the_run_goes_on(tmp_path: Path) -> None:
-    run, cache = tmp_path / "run", tmp_path / "cache"
+def test_killed_judge_fails_rewards_counted_and_the_run_goes_on(tmp_path: Path, miles_cache: Path) -> None:
+    # the session's MILES_CACHE: the FAST warm-up (the quick start's, the same hash as the other
+    # FAST runs) is trained once a session, not again here
+    run, cache = tmp_path / "run", miles_cache
     p = start_run(run, cache, "--set", "run.steps=14", *JUDGE)
     try:
         wait_for(lambda: len(metrics(run)) >= 3 or p.poll() is not None, 240, "step 3")

@@ -34,7 +34,9 @@ def test_lora_run_syncs_only_adapters(tmp_path: Path, miles_cache: Path) -> None
     run = tmp_path / "run"
     log = (tmp_path / "launcher.log").open("ab")
     p = subprocess.Popen(
-        miles_argv("train", str(CONFIG), "--set", f"run.dir={run}", *FAST, "--set", "run.steps=3",
+        # 60 warm-up steps (not FAST's 30): its own model and task, whose reward must not sit at 0
+        miles_argv("train", str(CONFIG), "--set", f"run.dir={run}", *FAST, "--set", "run.warmup_sft_steps=60",
+                   "--set", "run.steps=3",
                    "--set", f"trainer.lora.rank={RANK}", "--set", "trainer.lora.alpha=8.0",
                    # on-policy batches: every step samples from the version the trainer holds
                    "--set", "buffer.mode=sync"),

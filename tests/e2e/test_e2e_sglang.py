@@ -51,7 +51,7 @@ def free_port_block(n: int) -> int:
 def start(tmp: Path, *extra: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], Path, Path]:
     run, console = tmp / "run", tmp / "console.txt"
     argv = miles_argv(
-        "train", str(QUICKSTART), "--set", f"run.dir={run}", "--set", "run.warmup_sft_steps=60",
+        "train", str(QUICKSTART), "--set", f"run.dir={run}", "--set", "run.warmup_sft_steps=30",
         "--set", "engine.type=sglang", "--set", "model.overrides.head_dim=64",
         "--set", f"engine.sglang_python={SIM_PYTHON}", "--set", f"engine.sglang_stage_dir={tmp / 'stage'}",
         "--set", "engine.sglang_startup_timeout_s=120", "--set", "engine.sglang_return_routed_experts=true",

@@ -45,13 +45,13 @@ def test_two_turn_images_are_token_exact_through_a_launched_run(tmp_path: Path, 
 
 def test_the_shipped_one_turn_recipe_learns(tmp_path: Path, miles_cache: Path) -> None:
     out = tmp_path / "run"
-    # 100 of the shipped 300 steps keep CI time down: the reward is ~0.85 by step 100
-    # (bench/results/vlm_cpu.json's curve; ~0.3 over the first 20 steps)
-    run("vlm.toml", out, miles_cache, "--set", "run.steps=100")
+    # 80 of the shipped 300 steps keep CI time down: over them bench/results/vlm_cpu.json's curve
+    # rises from ~0.28 (first quarter) to ~0.73 (last quarter), +0.45 (100 steps: +0.56)
+    run("vlm.toml", out, miles_cache, "--set", "run.steps=80")
     rows = metrics(out)
     rewards = [r["rollout/reward_mean"] for r in rows]
     q = len(rewards) // 4
     first, last = sum(rewards[:q]) / q, sum(rewards[-q:]) / q
     assert all(r["train/image_token_mismatches"] == 0 for r in rows)
-    # the bench's rise over these steps is ~+0.5; the margin keeps a loaded CI machine green
+    # the bench's rise over these steps is ~+0.45; the margin keeps a loaded CI machine green
     assert last - first >= 0.2, f"reward first quarter {first:.3f} -> last quarter {last:.3f}"

@@ -11,6 +11,7 @@ import asyncio
 
 import numpy as np
 import pytest
+import torch
 from torch._dynamo.utils import counters
 
 from miles.core.schema.engine import EngineConfig
@@ -23,6 +24,14 @@ from miles.models.decoder import CausalLM
 from .conftest import tiny_model
 
 pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> None:
+    """Each test starts from Dynamo's state of a fresh process, so the same tiny model compiles
+    again in each and its counts are its own; the session's Inductor cache (tests/conftest.py)
+    then serves the kernels the first test built, instead of a cold C++ build per test."""
+    torch._dynamo.reset()
 
 
 async def _generate(model: CausalLM, rows: int, compiled: bool) -> tuple[list[GenerateResult], DecodeGraphs]:
@@ -66,7 +75,7 @@ async def test_a_failing_compile_falls_back_to_the_uncompiled_forward(monkeypatc
 
 
 async def test_warm_up_compiles_before_the_first_request() -> None:
-    model = tiny_model("qwen3", num_hidden_layers=1, hidden_size=48)  # a shape no other test compiled
+    model = tiny_model("qwen3", num_hidden_layers=1)
     eng = TorchEngine(model, EngineConfig(max_batch_size=4, max_seq_len=64, kv_budget_tokens=0,
                                           compile_background=False))
     graphs = eng.stepper.graphs = DecodeGraphs(eng.model, eng.pool, capture=False, compiled=True)
@@ -98,7 +107,7 @@ async def test_background_compile_serves_before_it_is_ready_and_swaps_in(monkeyp
             return fn(*args)
         return run
 
-    model = tiny_model("qwen3", num_hidden_layers=1, hidden_size=40)  # a shape no other test compiled
+    model = tiny_model("qwen3", num_hidden_layers=1)
     plain, _ = await _generate(model, 4, compiled=False)
     monkeypatch.setattr(cuda_graph, "_compiled_forward", held)
     eng = TorchEngine(model, EngineConfig(max_batch_size=4, max_seq_len=64, kv_budget_tokens=0,

@@ -43,11 +43,16 @@ def perturb(model: CausalLM, seed: int, fraction: float = 0.5) -> None:
 
 
 def start_engines(procs, n: int = 2, seed: int = 0, extra: list[str] | None = None) -> str:
-    """Process 0 runs the directory and engine e0; processes 1.. run e1..; returns the directory."""
+    """Process 0 runs the directory and engine e0; processes 1.. run e1..; returns the directory.
+    All start at once: e1.. read the directory's address from e0's ready file once they have
+    imported torch (side by side with e0's import, not after it)."""
     extra = extra or []
-    _, directory = procs.spawn([ENGINE_HOST, "--run-directory", "--name", "e0", "--seed", str(seed), *extra])
-    for i in range(1, n):
-        procs.spawn([ENGINE_HOST, "--directory", directory, "--name", f"e{i}", "--seed", str(seed + i), *extra])
+    first, first_ready = procs.start([ENGINE_HOST, "--run-directory", "--name", "e0", "--seed", str(seed), *extra])
+    rest = [procs.start([ENGINE_HOST, "--directory-file", first_ready, "--name", f"e{i}", "--seed", str(seed + i),
+                         *extra]) for i in range(1, n)]
+    directory = procs.wait_ready(first, first_ready)
+    for p, ready in rest:
+        procs.wait_ready(p, ready)
     return directory
 
 

@@ -68,9 +68,13 @@ async def test_every_response_comes_from_one_version(procs) -> None:
 
 @pytest.mark.parametrize("transport", ["zmq", "disk_delta"])
 async def test_killed_engine_is_reported_and_catches_up(procs, tmp_path, transport) -> None:
-    _, directory = procs.spawn([ENGINE_HOST, "--run-directory", *BIG])  # the directory alone
-    procs.spawn([ENGINE_HOST, "--directory", directory, "--name", "e0", *BIG])
-    victim, _ = procs.spawn([ENGINE_HOST, "--directory", directory, "--name", "e1", *BIG])
+    # the directory alone, and both engines started beside it (they import at once; sync_helpers)
+    first, first_ready = procs.start([ENGINE_HOST, "--run-directory", *BIG])
+    engines = [procs.start([ENGINE_HOST, "--directory-file", first_ready, "--name", n, *BIG]) for n in ("e0", "e1")]
+    directory = procs.wait_ready(first, first_ready)
+    for p, ready in engines:
+        procs.wait_ready(p, ready)
+    victim = engines[1][0]
     host = await client(directory)
     model = trainer_model(hidden=512, layers=1)
     cfg = SyncConfig(transport=transport, bucket_mib=1, step_timeout_s=15, verify_every=1,

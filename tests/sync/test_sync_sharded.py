@@ -2,7 +2,7 @@
 
 Every rank sends only its own slices (transfer plan, weightsync/shard_plan.py), over ucx
 (when UCXX is installed), zmq and broadcast (send/recv per rank-engine pair). After each of
-5 versions per transport both engines hold exactly the trainer's model (checksums against
+3 versions per transport both engines hold exactly the trainer's model (checksums against
 the gathered model, computed outside the sync), and no rank's sync created more than its
 own shard plus one bucket (tracked allocations of every op on the syncing thread). A fourth
 run sends deltas over broadcast after a sparse update (2 % of the elements change); a last
@@ -43,18 +43,19 @@ def test_four_fsdp_ranks_send_their_own_shards(procs, tmp_path: Path) -> None:
             pytest.fail(f"trainer rank did not finish: {procs.log_of(p)}")
         assert p.returncode == 0, procs.log_of(p)
     recs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    checks, reports = recs[0]["checks"], recs[0]["reports"]
-    assert [c["transport"] for c in checks] == [t for t in transports for _ in range(5)]
+    checks, reports, n = recs[0]["checks"], recs[0]["reports"], recs[0]["versions"]
+    assert n >= 3  # a full version, deltas after it, a verified one
+    assert [c["transport"] for c in checks] == [t for t in transports for _ in range(n)]
     assert all(c["exact"] == [True, True] for c in checks), checks
     model_bytes = sum(r["shard_bytes"] for r in recs)
     for i, rep in enumerate(reports):
         assert rep["committed"] == ["e0", "e1"] and rep["dead"] == [], rep
         assert rep["full_bytes"] == model_bytes and rep["buckets"] >= 2 * WORLD, rep
-        if rep["transport"].endswith("-delta") and i % 5:  # 2 % of the words changed: deltas after the first
+        if rep["transport"].endswith("-delta") and i % n:  # 2 % of the words changed: deltas after the first
             assert rep["bytes"] < model_bytes * 0.2, rep
         else:
             assert rep["bytes"] == model_bytes, rep
-        if rep["version"] % 5 == 0:
+        if rep["version"] % n == 0:
             assert rep["verified"] is True, rep
     pub = [rec["publisher"] for rec in recs]  # the trainer loop's hand-off, every rank, rank 0 announcing
     assert pub[0]["exact"] == [True, True] and pub[0]["announced"] == [pub[0]["version"]], pub[0]

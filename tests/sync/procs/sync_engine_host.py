@@ -1,6 +1,6 @@
 """Test process: an engine actor over a tiny random model (optionally also the directory).
 
-argv: --name NAME --seed S [--arch qwen3 --vocab 96 --hidden 64 --layers 2 --device cpu] [--run-directory | --directory ADDR]
+argv: --name NAME --seed S [--arch qwen3 --vocab 96 --hidden 64 --layers 2 --device cpu] [--run-directory | --directory ADDR | --directory-file PATH]
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import faulthandler
 import os
 import signal
 import sys
+import time
+from pathlib import Path
 
 import torch
 
@@ -27,6 +29,9 @@ from miles.models.registry import build_model
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--directory", default="")
+    # or the file its address will be in (the directory process's ready file): wait for it here,
+    # after this process's imports, so that both processes import at once
+    ap.add_argument("--directory-file", default="")
     ap.add_argument("--run-directory", action="store_true")
     ap.add_argument("--name", action="append", default=[])
     ap.add_argument("--seed", type=int, default=0)
@@ -38,6 +43,13 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--ready", required=True)
     a = ap.parse_args()
+    if a.directory_file:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(a.directory_file):  # written atomically, with the address in it
+            if time.monotonic() > deadline:
+                sys.exit(f"no directory address in {a.directory_file} after 60 s")
+            time.sleep(0.02)
+        a.directory = Path(a.directory_file).read_text()
     cfg = TransportConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0)
     spec = ModelSpec.from_hf(tiny_config(a.arch, vocab_size=a.vocab, hidden_size=a.hidden,
                                          intermediate_size=2 * a.hidden, num_hidden_layers=a.layers))

@@ -1,6 +1,6 @@
 """One FSDP trainer rank of the sharded-sync test: argv = rank world port directory out_dir transports.
 
-Every rank pushes 5 versions per transport, each rank sending only its own slices
+Every rank pushes 3 versions per transport (a full one, then two that may go as deltas), each rank sending only its own slices
 (`export_sharded_state` + `ShardedWeightSync`). Each version first changes every rank's
 shard (a deterministic update of the local slices, standing in for an optimizer step).
 The export and push run under an allocation tracker (every tensor an op creates on this
@@ -39,7 +39,7 @@ from miles.weightsync.shard_publisher import ShardedPublisher
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sync_helpers import spec  # noqa: E402 - the engines' architecture, shared with the test
 
-VERSIONS = 5
+VERSIONS = 3  # the first full, then deltas, the last verified: each path once more than it needs
 BUCKET = 64 << 10  # several buckets per rank
 
 
@@ -165,6 +165,7 @@ def main() -> None:
     trainer = FSDPTrainer(cfg, spec(hidden=128), rank, world, seed=7)
     rec = asyncio.run(run(trainer, directory, out, transports))
     rec["bucket_bytes"] = BUCKET
+    rec["versions"] = VERSIONS
     (out / f"rank{rank}.json").write_text(json.dumps(rec))
     # Leave without interpreter teardown: torch's background
     # threads can abort a multi-rank process at exit ("terminate called without an active
