@@ -146,6 +146,9 @@ class RolloutActor(Actor):
             log.info("session_http_front", url=self.http_url)
         self.orch.start()
 
+    def on_stopping(self) -> None:
+        self.orch.halt()  # a PullBatch waiting for a batch gets an answer now, not at the drain's deadline
+
     async def on_stop(self) -> None:
         for t in self._watchers.values():
             t.cancel()

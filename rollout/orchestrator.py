@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from miles.core.errors import ActorDeadError, EngineError
+from miles.core.errors import ActorDeadError, EngineError, Stopping
 from miles.core.hooks import resolve_hook
 from miles.core.images import ImageInput
 from miles.core.logging import get_logger
@@ -66,6 +66,7 @@ class Orchestrator:
         self.collected_at = -1  # trainer version at the last collect (sync mode waits for a newer one)
         self.eval_hold = False  # shared eval mode: no new generation while the engines evaluate
         self._changed = asyncio.Event()
+        self.halted = False  # the process is stopping: no batch will be completed any more
         self._tasks: set[asyncio.Task[None]] = set()
         self._held: list[Work] = []  # work the buffer started that the mode does not let generate yet
         self._released: set[str] = set()  # groups generating in sync / one_step_off (<= one batch)
@@ -93,6 +94,11 @@ class Orchestrator:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+    def halt(self) -> None:
+        """The process is stopping: a collect that waits ends now with `Stopping`, as does any later one."""
+        self.halted = True
+        self._changed.set()
 
     def changed(self) -> None:
         """Something admission depends on changed (a version, an engine back): look again."""
@@ -221,6 +227,9 @@ class Orchestrator:
         """The next batch of `n_groups` for `trainer_version`, and the rollout's step metrics."""
         groups: list[Group] = []
         while len(groups) < n_groups:
+            if self.halted:
+                raise Stopping(f"the rollout is stopping: the batch for trainer version {trainer_version} "
+                               f"ends with {len(groups)} of {n_groups} groups")
             self.reward.check()  # a reward function that keeps failing ends the run with its cause
             limit = self.cfg.rollout.max_failures_in_a_row
             if limit and self.failures_in_a_row >= limit:

@@ -62,6 +62,10 @@ class Actor:
     async def on_start(self) -> None:
         """Called once after the actor is registered and before it receives messages."""
 
+    def on_stopping(self) -> None:
+        """Called once when the host begins to stop, before it drains: wake the handlers that wait
+        for work that will not come now (the drain would otherwise wait out its grace for them)."""
+
     async def on_stop(self) -> None:
         """Called once while the host drains, after in-flight handlers finish."""
 

@@ -172,6 +172,11 @@ class Host:
             return
         self._stopping = True
         self.beat_stop.set()
+        for name, actor in self.actors.items():
+            try:
+                actor.on_stopping()
+            except Exception as exc:  # noqa: BLE001  # a hook's bug must not keep the host from stopping
+                log.warning("on_stopping_failed", actor=name, error=f"{type(exc).__name__}: {exc}")
         for name in list(self.actors):
             if name != DIRECTORY_NAME and self.directory_addr != self.address:
                 try:

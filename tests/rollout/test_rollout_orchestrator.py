@@ -235,3 +235,24 @@ async def test_a_resumed_rollout_generates_only_after_the_trainer_announces_its_
         assert not r.buffer.ledger.dump()["drop_events"]  # nothing sampled too stale to train
     finally:
         await r.stop()
+
+
+async def test_halt_ends_a_waiting_collect_with_stopping(tmp_path: Path) -> None:
+    """A process that stops answers the batch it cannot complete (the host's drain waits for it)."""
+    from miles.core.errors import Stopping
+
+    o, link, _ = _orchestrator(tmp_path)
+    link.dead.update(ENGINES)  # nothing will ever finish: the collect waits
+    o.start()
+    try:
+        o.set_version(0)
+        waiting = asyncio.create_task(o.collect(2, 0))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        o.halt()
+        with pytest.raises(Stopping, match="the rollout is stopping: the batch for trainer version 0 ends with 0 of 2"):
+            await asyncio.wait_for(waiting, 10)
+        with pytest.raises(Stopping):  # and any later one
+            await asyncio.wait_for(o.collect(2, 0), 10)
+    finally:
+        await o.stop()
