@@ -24,6 +24,8 @@ runs it), but the gathered path also carries what the sharded sender does not: t
 pushes (the LoRA adapter payload, FP8 codes + scales, an engine that declines the flat plan, as
 SGLang's bucket updates do, or one in another dtype), the `disk_delta` and `cuda_ipc` channels
 (no sharded sender), and the whole copy on rank 0 that a catch-up or a snapshot eval sends from.
+weightsync/one_rank.py makes a flat export a one-rank sharded one (tests/sync/test_sync_one_rank.py);
+the gathered flat pushes are not routed there yet (the GPU channels' timings are to be measured first).
 """
 
 from __future__ import annotations
