@@ -7,6 +7,14 @@ from typing import Any
 
 from miles.transport.schema import message
 
+# The engine control messages the weight sync sends itself live in weightsync/control.py (weightsync/
+# does not import actors/); named here too, as the engine actor and `EngineYield` use them.
+from miles.weightsync.control import AbortVersion as AbortVersion
+from miles.weightsync.control import Checksums as Checksums
+from miles.weightsync.control import Commit as Commit
+from miles.weightsync.control import Pause as Pause
+from miles.weightsync.control import Resume as Resume
+
 # `Stage`, the one message with tensors, is in weightsync/messages.py: importing torch here
 # would load it (~1 s of CPU) into the rollout process, which never touches a tensor.
 
@@ -39,34 +47,10 @@ class GenerateMany:
     session_keys: list[str | None] = field(default_factory=list)
 
 
-@message("engine.Pause")
-@dataclass
-class Pause:
-    mode: str = "in_place"
-
-
-@message("engine.Resume")
-@dataclass
-class Resume:
-    pass
-
-
 @message("engine.AbortRequest")
 @dataclass
 class AbortRequest:
     request_id: str
-
-
-@message("engine.Commit")
-@dataclass
-class Commit:
-    version: int
-
-
-@message("engine.AbortVersion")
-@dataclass
-class AbortVersion:
-    version: int
 
 
 @message("engine.EndSession")
@@ -84,12 +68,6 @@ class Health:
 @message("engine.Stats")
 @dataclass
 class Stats:
-    pass
-
-
-@message("engine.Checksums")
-@dataclass
-class Checksums:
     pass
 
 

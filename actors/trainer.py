@@ -18,7 +18,6 @@ from miles.actors.engine_yield import EngineYield
 from miles.actors.evaluator import Evaluator, run_external
 from miles.actors.messages import DumpState, Health, PullBatch, RunEval, SetVersion
 from miles.actors.runtime.actor import Actor
-from miles.actors.sync import ShardedWeightSync, WeightSync
 from miles.core.clock import Phases
 from miles.core.errors import MilesError, TrainerError
 from miles.core.logging import get_logger
@@ -26,12 +25,16 @@ from miles.core.schema import MilesConfig
 from miles.metrics.progress import Progress
 from miles.metrics.run_dir import record_trainer
 from miles.models.config import ModelSpec
-from miles.models.fp8_layout import fp8_block
 from miles.rollout.handout import shard_from_wire
 from miles.trainer.backends import data_parallel, make_trainer
 from miles.trainer.batch import TrainBatch, TrainSample, image_token_counts
-from miles.weightsync.publisher import WeightPublisher
-from miles.weightsync.shard_publisher import ShardedPublisher
+from miles.weightsync.trainer_side import (
+    Publisher,
+    make_publisher,
+    push_snapshot,
+    pushes,
+    watch_engines,
+)
 
 if TYPE_CHECKING:  # engines import torch; the reply is only read here
     from miles.engines.base import HealthReply
@@ -77,7 +80,7 @@ class TrainerActor(Actor):
         self._watch: asyncio.Task[None] | None = None
         # Rank 0's publisher keeps what a restarted engine is caught up from (the live
         # parameters may be mid-update in a step); made when the loop starts.
-        self.publisher: WeightPublisher | ShardedPublisher | None = None
+        self.publisher: Publisher | None = None
         self.run_dir = Path(cfg.run.dir)
         self._eval_task: asyncio.Task[None] | None = None
         self._eval_done: list[dict[str, Any]] = []
@@ -102,19 +105,10 @@ class TrainerActor(Actor):
             if t is not None and not t.done():
                 t.cancel()
 
-    async def _watch_engines(self, pub: WeightPublisher | ShardedPublisher) -> None:
-        """Catch up any engine that serves an older version than the last push (e.g. restarted)."""
-        while True:
-            await asyncio.sleep(self.cfg.sync.catchup_poll_s)
-            if pub.last_version < 0:
-                continue
-            for name in self.engines:
-                try:
-                    h: HealthReply = await self.ref(name).ask(Health(), timeout=self.cfg.sync.health_timeout_s)
-                except MilesError:
-                    continue  # dead or restarting: try again next round
-                if int(h.get("version", 0)) < pub.last_version:
-                    await pub.catch_up(name)
+    async def _served_version(self, engine: str) -> int:
+        """The version `engine` serves now (its health reply); the sync's watcher asks it."""
+        h: HealthReply = await self.ref(engine).ask(Health(), timeout=self.cfg.sync.health_timeout_s)
+        return int(h.get("version", 0))
 
     async def _checkpoint(self, run_dir: Path, step: int) -> None:
         """Trainer state (every rank) + rollout state (rank 0), then an atomic `latest` pointer."""
@@ -168,13 +162,7 @@ class TrainerActor(Actor):
                 m = await self.ref("rollout").ask(RunEval(step, version, full), timeout=ec.timeout_s)
             elif ec.mode == "snapshot":
                 assert self.publisher is not None
-                snap = WeightSync(self.host, self.cfg.snapshot_sync, ["eval-engine"])
-                async with self.publisher.lock:  # the export buffer is not refilled meanwhile
-                    got = await self.publisher.source()
-                    if got is None and step > 0:
-                        raise TrainerError("snapshot eval: no weight version has been pushed yet")
-                    if got is not None:  # none at step 0: the eval engine holds the initial weights
-                        await snap.push(got[0], got[1])
+                await push_snapshot(self.publisher, self.host, self.cfg, "eval-engine", step)
                 if self._evaluator is None:
                     from miles.rollout.tokens.tokenizer import load_tokenizer
 
@@ -232,20 +220,12 @@ class TrainerActor(Actor):
             self._report(step, version, rollout_metrics, metrics, ph)
         await self._finish()
 
-    def _make_publisher(self) -> WeightPublisher | ShardedPublisher:
-        if self.cfg.sync.sharded:  # every rank sends its own slices (a collective per push)
-            shard = ShardedWeightSync(self.host, self.cfg.sync, self.engines, self.trainer.device,
-                                      delta=self.cfg.sync.delta)
-            spub = ShardedPublisher(self.cfg.sync, self.trainer, shard)
-            if self.rank == 0:
-                self._watch = asyncio.create_task(self._watch_engines(spub), name="engine-watch")
-            return spub
-        fp8 = self.spec if fp8_block(self.spec) else None
-        # the channel's settings were derived at load (under FP8 it moves the publisher's codes as given)
-        sync = WeightSync(self.host, self.cfg.channel_sync, self.engines, self.trainer.device) if self.rank == 0 else None
-        pub = WeightPublisher(self.cfg.sync, self.trainer, sync, fp8_spec=fp8)
-        if sync is not None:
-            self._watch = asyncio.create_task(self._watch_engines(pub), name="engine-watch")
+    def _make_publisher(self) -> Publisher:
+        pub = make_publisher(self.cfg, self.spec, self.trainer, self.host, self.engines, self.rank)
+        if pushes(pub):  # rank 0 catches up engines that fell behind (e.g. restarted)
+            self._watch = asyncio.create_task(
+                watch_engines(pub, self._served_version, self.engines, self.cfg.sync.catchup_poll_s),
+                name="engine-watch")
         return pub
 
     async def _resume(self) -> None:

@@ -11,10 +11,22 @@ weightsync function keep it as their root frame, so the sends of a push are coun
     python bench/weight_leg.py                       # examples/quickstart.toml, 2 steps
     python bench/weight_leg.py --set sync.transport=broadcast
 
-Prints, per role process, the folders whose functions ran on the leg and the calls that cross
-a folder, then one JSON object as the last line. A folder is a top-level package folder, with
-`transport/bulk` (the byte channels) and `actors/runtime` (the actor wire) told apart from
-the rest of their folder.
+Prints, per role process, the folders whose functions ran on the leg, each with its role, the
+calls into the sync and out of it, then one JSON object as the last line. A folder is a
+top-level package folder, with `transport/bulk` (the byte channels) and `actors/runtime` (the
+actor wire) told apart from the rest of their folder; files of the checkout that are not the
+package (a `.venv` inside it, tests, bench) are not counted. Roles:
+
+- sync: the sync's own code, `weightsync/` and `transport/bulk/` (`n_sync_folders`: the
+  issue-46 goal "the weight leg crosses at most 2 folders");
+- wire: `actors/runtime/` and `transport/`, which carry the control steps' asks;
+- endpoint: what the sync is called from or calls through a Protocol: the role actors'
+  handlers and callbacks (`actors/`), the trainer's export (`trainer/`), the engine's
+  install/commit (`engines/`), HF-name and FP8 helpers (`models/`), config and logging (`core/`).
+  Listed by function, so what runs there can be read, not only counted.
+
+`n_top_level_folders` and `n_folder_crossings` count every folder as before (comparable with
+older results).
 """
 
 from __future__ import annotations
@@ -37,12 +49,16 @@ if _OUT:
     _ROOTS = tuple(p.rstrip("/") + "/" for p in os.environ["MILES_LEG_ROOTS"].split(os.pathsep))
     _seen = set()
     _f = None
+    # in the repository but not the package (a venv inside the checkout holds torch and friends)
+    _NOT_PACKAGE = ("tests/", "bench/", "scripts/", "examples/", "docs/", ".venv/", "build/", ".ci/", ".pp/")
+    # a push's wiring, made once before the first step (constructors, the publisher's factory)
+    _WIRING = {"__init__", "make_publisher", "pushes"}
 
     def _rel(fn):
         for r in _ROOTS:
             if fn.startswith(r):
                 rel = fn[len(r):]
-                return None if rel.startswith(("tests/", "bench/", "scripts/")) else rel
+                return None if rel.startswith(_NOT_PACKAGE) else rel
         return None
 
     def _emit(key):
@@ -77,7 +93,7 @@ if _OUT:
             if r is not None and r.startswith("weightsync/"):
                 outer, imp_at_outer = f, imp
             f, depth = f.f_back, depth + 1
-        if outer is None or imp_at_outer or outer.f_code.co_name == "__init__":
+        if outer is None or imp_at_outer or outer.f_code.co_name in _WIRING:
             return
         _emit(("call", rel, frame.f_code.co_name))
         c = _caller(frame)
@@ -88,6 +104,13 @@ if _OUT:
     sys.setprofile(_hook)
     threading.setprofile(_hook)
 '''
+
+
+# The sync's own code: the protocol, plans, exports' layout and landing (weightsync/) and the
+# byte channels (transport/bulk/). Everything else the leg runs is the actor wire the control
+# steps travel on, or an endpoint the sync calls through a Protocol or is called from.
+SYNC = ("weightsync", "transport/bulk")
+WIRE = ("actors/runtime", "transport")
 
 
 def folder(rel: str) -> str:
@@ -133,36 +156,69 @@ def main() -> None:
             role = argv[1] if len(argv) > 1 else f.stem
             roles[f"{role}#{f.stem}"] = rows[1:]
     report: dict[str, object] = {"config": os.path.relpath(args.config, ROOT), "steps": args.steps, "sets": args.set}
-    all_folders: set[str] = set()
-    all_cross: set[tuple[str, str]] = set()
-    per_role = {}
-    print(f"{'process':<22} {'folder':<18} {'functions':>9}  e.g.")
-    for role, rows in roles.items():
-        funcs: dict[str, list[str]] = defaultdict(list)
-        for r in rows:
-            if r[0] == "call":
-                funcs[folder(r[1])].append(f"{r[1]}:{r[2]}")
-        entries = sorted({f"{r[1]}:{r[2]} -> {r[3]}:{r[4]}" for r in rows if r[0] == "entry"})
-        cross = sorted({(folder(r[1]), folder(r[3])) for r in rows if r[0] in ("edge", "entry")
-                        if folder(r[1]) != folder(r[3])})
-        for r in rows:
-            if r[0] == "entry":
-                funcs.setdefault(folder(r[1]), []).append(f"{r[1]}:{r[2]}")
-        for fo in sorted(funcs):
-            print(f"{role:<22} {fo:<18} {len(set(funcs[fo])):>9}  {sorted(set(funcs[fo]))[0]}")
-        print(f"{role:<22} entries: " + "; ".join(entries))
-        print(f"{role:<22} folder crossings: " + ", ".join(f"{a}->{b}" for a, b in cross))
-        all_folders |= set(funcs)
-        all_cross |= set(cross)
-        per_role[role.split("#")[0]] = {"folders": sorted(funcs), "entries": entries,
-                                        "crossings": [f"{a}->{b}" for a, b in cross]}
-    top = sorted({f.split("/")[0] for f in all_folders})
-    report.update(per_process=per_role, folders=sorted(all_folders), top_level_folders=top,
-                  n_top_level_folders=len(top), n_folder_crossings=len(all_cross))
-    print(f"top-level folders on the leg: {len(top)} ({', '.join(top)}); distinct folder-to-folder "
-          f"call directions: {len(all_cross)}")
+    report.update(summarize(roles))
     print(json.dumps(report))
 
+
+def role_of(fo: str) -> str:
+    """What a folder is to the leg: the sync's own code, the actor wire, or an endpoint it calls."""
+    if fo in SYNC:
+        return "sync"
+    return "wire" if fo in WIRE else "endpoint"
+
+
+def summarize(roles: dict[str, list[list[str]]]) -> dict[str, object]:
+    """Print each process's folders by role, the entries into the sync and its calls out; the numbers."""
+    all_folders: set[str] = set()
+    all_cross: set[tuple[str, str]] = set()
+    per_role: dict[str, object] = {}
+    outside: dict[str, set[str]] = defaultdict(set)  # endpoint/wire folder -> its functions on the leg
+    print(f"{'process':<22} {'folder':<18} {'role':<9} {'functions':>9}  e.g.")
+    for role, rows in roles.items():
+        funcs: dict[str, set[str]] = defaultdict(set)
+        for r in rows:
+            if r[0] == "call":
+                funcs[folder(r[1])].add(f"{r[1]}:{r[2]}")
+            elif r[0] == "entry":
+                funcs[folder(r[1])].add(f"{r[1]}:{r[2]}")
+        entries = sorted({f"{r[1]}:{r[2]} -> {r[3]}:{r[4]}" for r in rows
+                          if r[0] in ("edge", "entry") and role_of(folder(r[1])) != "sync"
+                          and role_of(folder(r[3])) == "sync"})
+        calls_out = sorted({f"{r[1]}:{r[2]} -> {r[3]}:{r[4]}" for r in rows
+                            if r[0] == "edge" and role_of(folder(r[1])) == "sync"
+                            and role_of(folder(r[3])) != "sync"})
+        cross = sorted({(folder(r[1]), folder(r[3])) for r in rows if r[0] in ("edge", "entry")
+                        if folder(r[1]) != folder(r[3])})
+        for fo in sorted(funcs):
+            print(f"{role:<22} {fo:<18} {role_of(fo):<9} {len(funcs[fo]):>9}  {sorted(funcs[fo])[0]}")
+            if role_of(fo) != "sync":
+                outside[fo] |= funcs[fo]
+        print(f"{role:<22} into the sync: " + "; ".join(entries))
+        print(f"{role:<22} out of the sync: " + "; ".join(calls_out))
+        all_folders |= set(funcs)
+        all_cross |= set(cross)
+        per_role[role.split("#")[0]] = {"folders": {fo: role_of(fo) for fo in sorted(funcs)}, "into_sync": entries,
+                                        "out_of_sync": calls_out,
+                                        "crossings": [f"{a}->{b}" for a, b in cross]}
+    sync = sorted(f for f in all_folders if role_of(f) == "sync")
+    top = sorted({f.split("/")[0] for f in all_folders})
+    print(f"folders holding the sync's own code on the leg: {len(sync)} ({', '.join(sync)})")
+    print("folders the leg calls into (endpoints: the actors' entries and callbacks, the trainer's export, the "
+          "engine's install/commit, helpers; and the actor wire):")
+    for fo in sorted(outside):
+        names = sorted(outside[fo])
+        print(f"  {fo:<16} {role_of(fo):<9} {len(names):>3}  {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}")
+    by_file: dict[str, int] = defaultdict(int)
+    for names in outside.values():
+        for n in names:
+            by_file[n.split(":")[0]] += 1
+    print("their functions on the leg, by file: " + ", ".join(f"{f} {n}" for f, n in sorted(by_file.items())))
+    print(f"all top-level folders on the leg: {len(top)} ({', '.join(top)}); distinct folder-to-folder call "
+          f"directions: {len(all_cross)}")
+    return {"per_process": per_role, "sync_folders": sync, "n_sync_folders": len(sync),
+            "endpoint_folders": {fo: sorted(outside[fo]) for fo in sorted(outside)}, "endpoint_files": dict(by_file),
+            "folders": sorted(all_folders), "top_level_folders": top, "n_top_level_folders": len(top),
+            "n_folder_crossings": len(all_cross)}
 
 if __name__ == "__main__":
     main()

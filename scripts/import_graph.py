@@ -7,7 +7,8 @@ TYPE_CHECKING, and a module named in a string ("miles.x.y" or "miles.x.y:attr", 
 importlib and the registries load them), since each one is a dependency a reader follows.
 
     python scripts/import_graph.py            # edges, folder cycles, file cycles
-    python scripts/import_graph.py --check    # exit 1 on a folder cycle or an edge MAY_IMPORT forbids
+    python scripts/import_graph.py --check    # exit 1 on a folder cycle, an edge MAY_IMPORT forbids,
+                                              # or an import past ENTRY_ONLY's entry modules
 
 The file cycles are the strongly connected components of the file graph with more than one file.
 """
@@ -42,6 +43,12 @@ MAY_IMPORT: dict[str, set[str]] = {
     "perftest": {"core", "transport", "weightsync", "actors"},
     "diffusion": {"core", "transport", "weightsync", "actors", "engines", "models", "trainer", "rollout",
                   "metrics"},
+}
+# Folders that may import another only through its entry modules: the role actors call the
+# weight sync's entry points (issue 46: the actors hold no sync logic), not its parts.
+ENTRY_ONLY: dict[tuple[str, str], set[str]] = {
+    ("actors", "weightsync"): {"weightsync.actor_wire", "weightsync.trainer_side", "weightsync.receiver",
+                               "weightsync.messages", "weightsync.control"},
 }
 
 
@@ -158,7 +165,7 @@ def folder_of(module: str) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true",
-                        help="exit 1 on a folder import cycle or an import MAY_IMPORT forbids")
+                        help="exit 1 on a folder import cycle, an import MAY_IMPORT forbids or one past ENTRY_ONLY")
     args = parser.parse_args()
 
     modules = module_files(ROOT)
@@ -199,13 +206,20 @@ def main() -> int:
     print(f"folder edges the layout does not allow: {len(forbidden)}")
     for src, dst in forbidden:
         print(f"  {src} -> {dst}  ({', '.join(sorted(imported[(src, dst)]))})")
+    past_entry = sorted({(name, target) for name, path in modules.items()
+                        for target, by_name in imports_of(path, name, modules)
+                        if not by_name and (folder_of(name), folder_of(target)) in ENTRY_ONLY
+                        and target not in ENTRY_ONLY[(folder_of(name), folder_of(target))]})
+    print(f"imports past a folder's entry modules: {len(past_entry)}")
+    for name, target in past_entry:
+        print(f"  {name} -> {target}")
     folder_cycles = print_cycles("folder cycles (imports)", graph_of(imported))
     print_cycles("folder cycles (imports + named modules)", graph_of(imported, named))
     file_cycles = strongly_connected(file_graph)
     print(f"file cycles (imports): {len(file_cycles)}")
     for comp in file_cycles:
         print(f"  {len(comp)} files: {', '.join(comp)}")
-    return 1 if args.check and (folder_cycles or forbidden) else 0
+    return 1 if args.check and (folder_cycles or forbidden or past_entry) else 0
 
 
 if __name__ == "__main__":

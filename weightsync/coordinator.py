@@ -1,7 +1,7 @@
 """Weight-sync coordinators: the protocol between the trainer and the engines, without sockets.
 
 Two coordinators, both plain classes typed against `SyncLink` (the control path to the
-engines; the actor wire in miles, actors/sync.py) and a bulk channel (transport/bulk/):
+engines; the actor wire in miles, weightsync/actor_wire.py) and a bulk channel (transport/bulk/):
 
 - `GatheredCoordinator` (here): one process holds the whole model (trainer rank 0 after the
   gather, or a flat export buffer) and pushes it to every engine.
@@ -15,8 +15,17 @@ or times out aborts v everywhere with a `SyncError` naming the step and the peer
 engine the directory declares dead is dropped from this sync, reported, and caught up when
 it comes back.
 
-They live in `transport/` (not `actors/`) because they need nothing of the actor runtime:
-the link is a Protocol, so the protocol can be read, and tested, on its own.
+They need nothing of the actor runtime: the link is a Protocol, so the protocol can be read,
+and tested, on its own.
+
+Why two coordinators, not the gathered one as the sharded one with one rank: for a flat export
+over zmq, ucx or broadcast they are the same protocol (`sync.sharded = true` at one trainer rank
+runs it), but the gathered path also carries what the sharded sender does not: tensor-by-tensor
+pushes (the LoRA adapter payload, FP8 codes + scales, an engine that declines the flat plan, as
+SGLang's bucket updates do, or one in another dtype), the `disk_delta` and `cuda_ipc` channels
+(no sharded sender), and the whole copy on rank 0 that a catch-up or a snapshot eval sends from.
+weightsync/one_rank.py makes a flat export a one-rank sharded one (tests/sync/test_sync_one_rank.py);
+the gathered flat pushes are not routed there yet (the GPU channels' timings are to be measured first).
 """
 
 from __future__ import annotations
@@ -49,7 +58,7 @@ def tensor_checksum(t: torch.Tensor) -> str:
 
 
 class SyncLink(Protocol):
-    """The control path to engines, by name (in miles the actor wire: actors/sync.py ActorSyncLink).
+    """The control path to engines, by name (in miles the actor wire: weightsync/actor_wire.py ActorSyncLink).
     Each call has the step deadline; an engine that is gone raises ActorDeadError, any other
     failure a MilesError."""
 

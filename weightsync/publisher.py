@@ -40,7 +40,7 @@ Named = Iterable[tuple[str, torch.Tensor]]
 
 
 class Pusher(Protocol):
-    """Rank 0's way to the engines (actors/sync.py `WeightSync`: the coordinator over actor asks)."""
+    """Rank 0's way to the engines (weightsync/actor_wire.py `WeightSync`: the coordinator over actor asks)."""
 
     async def push(self, version: int, named: Any) -> SyncReport: ...
     async def catch_up(self, engine: str, version: int, named: Named) -> SyncReport: ...

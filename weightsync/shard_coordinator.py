@@ -1,7 +1,7 @@
 """Sharded weight-sync coordinator (the gathered one and the contracts: coordinator.py): every trainer rank sends its own bytes; no rank holds the model.
 
 A plain class, readable and testable without sockets: it talks to engines through an
-`SyncLink` (the actor wire in miles: actors/sync.py) and to the other trainer ranks
+`SyncLink` (the actor wire in miles: weightsync/actor_wire.py) and to the other trainer ranks
 through a `RankGroup` (weightsync/rank_group.py). Every rank runs one; rank 0 also
 drives the engines' control steps.
 

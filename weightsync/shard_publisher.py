@@ -32,7 +32,7 @@ log = get_logger("miles.trainer")
 
 
 class ShardPusher(Protocol):
-    """Every rank's way to the engines (actors/sync.py `ShardedWeightSync`)."""
+    """Every rank's way to the engines (weightsync/actor_wire.py `ShardedWeightSync`)."""
 
     group: RankGroup
     coordinator: ShardedCoordinator

@@ -4,7 +4,7 @@
 weightsync/coordinator.py) and `ShardedSync` (every trainer rank sends its own slices:
 `ShardedCoordinator`, weightsync/shard_coordinator.py), each built from the sync config over
 a `SyncLink` (the control path to the engines) and the address engines reach this process
-at. actors/sync.py binds them to the actor wire (`WeightSync`, `ShardedWeightSync`).
+at. weightsync/actor_wire.py binds them to the actor wire (`WeightSync`, `ShardedWeightSync`).
 """
 
 from __future__ import annotations

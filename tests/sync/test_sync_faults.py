@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from miles.actors.messages import Generate, Health
-from miles.actors.sync import WeightSync
 from miles.core.errors import SyncError
 from miles.core.schema.sync import SyncConfig
 from miles.models.hf_io import checksums
 from miles.transport.bulk.buckets import iter_buckets
 from miles.transport.bulk.disk_delta import DiskDeltaSender, version_dir
+from miles.weightsync.actor_wire import WeightSync
 from miles.weightsync.messages import BulkOpen, BulkRecv
 
 from .sync_helpers import ENGINE_HOST, client, held, named, perturb, start_engines, trainer_model

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from miles.actors.messages import Health
-from miles.actors.sync import WeightSync
 from miles.core.errors import EngineError, SyncError
 from miles.core.schema.sync import SyncConfig
 from miles.models.hf_io import hf_tensor_views, tensor_checksum
 from miles.transport.bulk.base import LocalWeights
+from miles.weightsync.actor_wire import WeightSync
 from miles.weightsync.flat import FlatLanding, FlatPlan, FlatWeights
 from miles.weightsync.param_buffer import pack_parameters
 from miles.weightsync.stager import WeightStager

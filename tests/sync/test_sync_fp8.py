@@ -9,7 +9,6 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from miles.actors.sync import WeightSync
 from miles.core.errors import EngineError
 from miles.core.schema.sync import SyncConfig
 from miles.engines.torch_engine import TorchEngine
@@ -20,6 +19,7 @@ from miles.models.fp8_model import fp8_export
 from miles.models.hf_io import hf_tensor_views, tensor_checksum
 from miles.models.presets import tiny_config
 from miles.models.registry import build_model
+from miles.weightsync.actor_wire import WeightSync
 
 from .sync_helpers import client, held, perturb
 

@@ -7,10 +7,10 @@ import importlib.util
 import pytest
 import torch
 
-from miles.actors.sync import WeightSync
 from miles.core.errors import SyncError
 from miles.core.schema.sync import SyncConfig
 from miles.models.hf_io import checksums
+from miles.weightsync.actor_wire import WeightSync
 
 from .sync_helpers import client, held, named, perturb, start_engines, trainer_model
 

@@ -10,11 +10,11 @@ import pytest
 import structlog
 import torch
 
-from miles.actors.sync import WeightSync
 from miles.core.config import load_config
 from miles.core.schema import MilesConfig
 from miles.core.schema.sync import SyncConfig
 from miles.models.hf_io import hf_tensor_views, tensor_checksum
+from miles.weightsync.actor_wire import WeightSync
 from miles.weightsync.flat import FlatWeights
 from miles.weightsync.flat_export import FlatExportBuffer
 from miles.weightsync.publisher import WeightPublisher

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from miles.actors.messages import Checksums, Health
-from miles.actors.sync import WeightSync
 from miles.core.schema.sync import SyncConfig
 from miles.models.hf_io import checksums
+from miles.weightsync.actor_wire import WeightSync
 
 from .sync_helpers import client, named, perturb, start_engines, trainer_model
 

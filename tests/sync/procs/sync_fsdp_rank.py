@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 from miles.actors.runtime.host import Host
-from miles.actors.sync import WeightSync
 from miles.core.schema.sync import SyncConfig
 from miles.core.schema.trainer import TrainerConfig
 from miles.core.schema.transport import TransportConfig
@@ -27,6 +26,7 @@ from miles.trainer.batch import shard_batch
 from miles.trainer.dist import leave_process_group
 from miles.trainer.fsdp import FSDPTrainer
 from miles.trainer.synthetic import engine_batch
+from miles.weightsync.actor_wire import WeightSync
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sync_helpers import spec  # noqa: E402 - the engines' architecture, shared with the test

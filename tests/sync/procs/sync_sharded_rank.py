@@ -26,7 +26,6 @@ from torch.utils._pytree import tree_leaves
 
 from miles.actors.messages import Checksums
 from miles.actors.runtime.host import Host
-from miles.actors.sync import ShardedWeightSync
 from miles.core.schema.sync import SyncConfig
 from miles.core.schema.trainer import TrainerConfig
 from miles.core.schema.transport import TransportConfig
@@ -34,6 +33,7 @@ from miles.launch.role import exit_now
 from miles.models.hf_io import tensor_checksum
 from miles.trainer.dist import leave_process_group
 from miles.trainer.fsdp import FSDPTrainer
+from miles.weightsync.actor_wire import ShardedWeightSync
 from miles.weightsync.shard_publisher import ShardedPublisher
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -1,0 +1,102 @@
+"""A gathered flat export pushed as a sharded sync with one rank (weightsync/one_rank.py).
+
+The flat export is a one-rank sharded export as it stands: the same plan for the engines, its
+own buffer as the send buffer. Pushed by `ShardedCoordinator` over a one-process `RankGroup`,
+after the gathered coordinator pushed the version before it to the same engine processes, the
+engines hold exactly the trainer's weights, checked by their checksums and by the sync's own
+verification.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from miles.core.errors import SyncError
+from miles.core.schema.sync import SyncConfig
+from miles.models.hf_io import hf_tensor_views, tensor_checksum
+from miles.transport.bulk.shard_channels import make_shard_sender
+from miles.weightsync.actor_wire import ActorSyncLink, WeightSync
+from miles.weightsync.flat import FlatWeights
+from miles.weightsync.one_rank import SoloRankGroup, one_rank_export
+from miles.weightsync.param_buffer import pack_parameters
+from miles.weightsync.shard_coordinator import ShardedCoordinator, ShardedOptions
+
+from .sync_helpers import client, held, start_engines, trainer_model
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _flat_trainer() -> FlatWeights:
+    model = trainer_model(hidden=256, layers=1)
+    pack_parameters(list(model.parameters()))
+    return FlatWeights.of(hf_tensor_views(model).items())
+
+
+def test_the_flat_export_is_a_one_rank_export_of_the_same_bytes() -> None:
+    fw = _flat_trainer()
+    export = one_rank_export(fw)
+    assert export is not None and export.rank == 0
+    assert export.plan.engines[0].plan == fw.plan  # the engines get the plan a gathered push sends
+    assert export.buffer.data_ptr() == fw.buffer.data_ptr() and export.buffer.numel() == fw.plan.nbytes
+    buckets = export.plan.buckets(0, 0, 1 << 16)
+    assert sum(b.nbytes for b in buckets) == fw.plan.nbytes
+    assert all(b.contiguous_src() is not None for b in buckets)  # every bucket a view, no packing
+
+
+def test_plans_a_one_rank_export_cannot_carry_are_refused() -> None:
+    buf = torch.zeros(8)
+    mixed = FlatWeights.of([("a", buf[0:4]), ("b", buf[4:8].view(torch.int32))])
+    assert one_rank_export(mixed) is None
+    scalar = FlatWeights.of([("a", buf[0:4]), ("b", buf[4])])
+    assert one_rank_export(scalar) is None
+
+
+async def test_the_solo_group_gathers_its_own_and_has_no_peers() -> None:
+    g = SoloRankGroup()
+    assert (g.rank, g.size) == (0, 1)
+    assert await g.all_gather({"err": None}) == [{"err": None}]
+    with pytest.raises(SyncError, match="no rank 1"):
+        await g.send(torch.zeros(1), 1)
+
+
+@pytest.mark.parametrize("transport", ["zmq", "broadcast", *(["ucx"] if importlib.util.find_spec("ucxx") else [])])
+async def test_a_gathered_export_goes_through_the_sharded_coordinator_with_one_rank(procs, transport: str) -> None:
+    directory = start_engines(procs, extra=["--hidden", "256", "--layers", "1"])
+    host = await client(directory)
+    fw = _flat_trainer()
+    engines = ["e0", "e1"]
+
+    def step(version: int) -> dict[str, str]:
+        with torch.no_grad():  # change the flat buffer's bytes in place, as an optimizer step does
+            for _, t in fw:
+                t.add_(torch.randn(t.shape, generator=torch.Generator().manual_seed(version)) * 0.01)
+        return {n: tensor_checksum(t) for n, t in fw}
+
+    cfg = SyncConfig(transport=transport, bucket_mib=1, verify_every=1, step_timeout_s=20)  # type: ignore[arg-type]
+    gathered = WeightSync(host, cfg, engines)
+    try:
+        want = step(1)
+        rep = await gathered.push(1, fw)
+        assert rep.committed == engines and rep.verified is True, rep
+        assert await held(host, engines) == [want, want]
+    finally:
+        await gathered.close()
+
+    export = one_rank_export(fw)
+    assert export is not None
+    sender = make_shard_sender(transport, 0, 1, cfg.step_timeout_s, "127.0.0.1", torch.device("cpu"))  # type: ignore[arg-type]
+    sharded = ShardedCoordinator(ActorSyncLink(host, cfg.step_timeout_s), SoloRankGroup(), sender, engines,
+                                 ShardedOptions(1 << 20, verify_every=1))
+    try:
+        for version in (2, 3):
+            want = step(version)
+            rep = await sharded.push(version, export)
+            assert rep.committed == engines and rep.dead == [] and rep.verified is True, rep
+            assert rep.bytes == rep.full_bytes == fw.plan.nbytes, rep
+            assert await held(host, engines) == [want, want]
+    finally:
+        await sharded.close()
+        await host.stop()
