@@ -9,6 +9,12 @@ micro-batches one at a time (`find_culprit`) and logs the first one whose own gr
 finite, with what it held. The replay costs one more forward/backward per micro-batch, and only
 in the step that failed.
 
+On one rank, the culprit is then replayed twice more (`diagnose`): under autograd's anomaly
+mode, which names the backward function that first produced a NaN, and with the one-kernel flash
+varlen attention off (models/flash_varlen.py), which says whether that kernel is the cause. On
+several ranks the replays are skipped: the culprit is found per rank, and a replay on one rank
+alone would leave the others waiting in its collectives.
+
 `nonfinite_params` is the last line of defence before a publish: weights that are not finite
 are never sent to engines.
 """
@@ -16,7 +22,9 @@ are never sent to engines.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -105,3 +113,40 @@ def find_culprit(
             # keep replaying: on several ranks every rank must run as many collectives
     zero()
     return found
+
+
+def diagnose(
+    mb: MicroBatch,
+    run_one: Callable[[MicroBatch], Any],
+    params: Callable[[], Iterable[tuple[str, nn.Parameter]]],
+    zero: Callable[[], None],
+    cuda: bool,
+) -> dict[str, object]:
+    """Replay the culprit micro-batch `mb` (one rank only) to say where its NaN comes from:
+    `anomaly` is autograd's message naming the first backward function that returned a NaN
+    ('' when anomaly mode saw none); `finite_without_flash_varlen` whether the gradient is finite
+    with the one-kernel varlen attention off (None off CUDA, where that path is never taken)."""
+    from miles.models import flash_varlen
+
+    out: dict[str, object] = {}
+    zero()
+    try:
+        # its forward-trace warning would print a whole stack per NaN; the message names the function
+        with warnings.catch_warnings(), torch.autograd.detect_anomaly(check_nan=True):
+            warnings.simplefilter("ignore")
+            run_one(mb)
+        out["anomaly"] = ""
+    except RuntimeError as exc:  # anomaly mode raises at the first backward function that made a NaN
+        out["anomaly"] = str(exc).splitlines()[0][:300]
+    zero()
+    if cuda and flash_varlen.ENABLED:
+        flash_varlen.ENABLED = False
+        try:
+            run_one(mb)
+            out["finite_without_flash_varlen"] = not nonfinite_grads(params())
+        finally:
+            flash_varlen.ENABLED = True
+    else:
+        out["finite_without_flash_varlen"] = None
+    zero()
+    return out

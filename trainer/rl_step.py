@@ -37,7 +37,7 @@ from miles.trainer.distill import distill_advantages
 from miles.trainer.forward import ForwardOut, RouterProbe
 from miles.trainer.kl import kl_estimate
 from miles.trainer.metrics import StepMetrics
-from miles.trainer.nonfinite import find_culprit
+from miles.trainer.nonfinite import diagnose, find_culprit
 from miles.trainer.optim import lr_at
 from miles.trainer.packing import MicroBatch, filler_micro_batch, pack, plan_micro_batches
 from miles.trainer.rl_loss import LossInputs, rl_loss
@@ -96,6 +96,7 @@ class RLStep:
         self.rollout_lp = False  # every sample of this step carries the engine's logprobs
         self.old_is_current = False  # set per step by `_single_update`
         self.skipped = 0  # updates skipped for a non-finite gradient, over the run
+        self.last_culprit: dict[str, object] = {}  # what the last skipped step's culprit held (logged too)
 
     def run(self, batch: TrainBatch) -> dict[str, float]:
         """One RL update on this rank's shard; returns globally reduced metrics."""
@@ -345,12 +346,15 @@ class RLStep:
         norm = b.clip_and_step()
         if not math.isfinite(norm):
             self.skipped += 1
-            culprit = find_culprit(
-                plan,
-                lambda mb: self._backward(mb, denom, StepMetrics()),
-                lambda: b.policy.named_parameters(),
-                lambda: b.opt.zero_grad(set_to_none=True),
-            )
+            run_one = lambda mb: self._backward(mb, denom, StepMetrics())  # noqa: E731
+            params = lambda: b.policy.named_parameters()  # noqa: E731
+            zero = lambda: b.opt.zero_grad(set_to_none=True)  # noqa: E731
+            culprit = find_culprit(plan, run_one, params, zero)
+            idx = culprit.get("micro_batch")
+            one_rank = not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1
+            if isinstance(idx, int) and one_rank:  # where the NaN comes from (no collectives to match)
+                culprit["diagnosis"] = diagnose(plan[idx], run_one, params, zero, b.device.type == "cuda")
+            self.last_culprit = culprit
             log.warning("nonfinite_grad_skipped", step=b.step, grad_norm=str(norm),
                         skipped_total=self.skipped, culprit=culprit or "none alone (their sum overflowed)")
         return norm

@@ -54,6 +54,13 @@ async def test_nonfinite_gradient_is_skipped_and_never_reaches_the_engine() -> N
         assert m["train/skipped_nonfinite"] == 1 and m["train/skipped_nonfinite_total"] == 1
         assert math.isnan(m["train/grad_norm"])  # no update was applied to average over
         assert trainer.opt_steps == steps  # no optimizer step, the lr schedule did not move
+        # the culprit micro-batch is named, and its replay under anomaly mode names the backward
+        # function that first made a NaN (here the loss's, from the overflowing advantages)
+        culprit = trainer._rl.last_culprit
+        assert isinstance(culprit.get("micro_batch"), int) and culprit["params"]
+        diag = culprit["diagnosis"]
+        assert isinstance(diag, dict) and "Backward" in str(diag["anomaly"]) and "nan" in str(diag["anomaly"])
+        assert diag["finite_without_flash_varlen"] is None  # CPU: the flash varlen path is never used
         assert trainer.nonfinite_weights() == []
         await sync(trainer, engine, 2)
         assert checksums(engine.model) == before  # the engine got the same (finite) weights
