@@ -146,12 +146,12 @@ strict)  # the reward asks for the prompt's format (math, extract = "hash": only
   fi
   wait; pack strict ;;
 s16)  # the recipe as shipped: SGLang's run first (SGLang 0.5.17 refuses a --mem-fraction-static below the
-  # share others hold when it starts), then the torch-engine runs once its server holds its memory. 8k-token
-  # packs (PACK) keep three runs inside an 80 GB card (session 15: a run held 17.3 GB trainer + 9 GB engine).
+  # share others hold when it starts), then the torch-engine runs once its server holds its memory. PACK:
+  # trainer.micro_batch_tokens (session 16 ran 8k: the trainer's peak was 15.0 GB, as at 16k).
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/gpu.txt"
   convert || exit 1
   big=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | awk '{print ($1 > 100000)}')
-  P=(--set "trainer.micro_batch_tokens=${PACK:-8192}")
+  P=(--set "trainer.micro_batch_tokens=${PACK:-16384}")
   case "${FORMAT:-recipe}" in  # the answer format the prompt asks for, its reward and strict scorer
     boxed) P+=(--set rollout.env_args.answer_format=boxed
                --set $'rollout.env_args.prompt_template={prompt}\nPlease reason step by step, and put your final answer within \\boxed{}.'

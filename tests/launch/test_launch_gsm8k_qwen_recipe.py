@@ -39,7 +39,7 @@ def test_recipe_settings() -> None:
     assert score("48 + 24 = 72, so the answer is 72.") == pytest.approx(0.2)
     assert score("48 + 24 = 72 clips.\n#### 72") == pytest.approx(0.2)  # right, not in the asked-for place
     assert score("She sold 48 + 24 = 71, \\boxed{71}.") == 0.0
-    assert cfg.trainer.recompute == "full" and cfg.trainer.micro_batch_tokens == 8192
+    assert cfg.trainer.recompute == "full" and cfg.trainer.micro_batch_tokens == 16384
     # room for the longest GSM8K prompt in Qwen's chat template (257 tokens, measured) and the answer
     assert cfg.engine.max_seq_len >= 257 + cfg.rollout.max_new_tokens
 
