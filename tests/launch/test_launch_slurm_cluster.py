@@ -140,9 +140,10 @@ def test_inside_an_allocation_a_killed_engine_step_is_restarted(tmp_path: Path) 
     with the kill sent before step STEPS - 2 the run can only finish through the restarted
     engine, which therefore serves and is stopped gracefully at the end. (With 4 steps, which
     this tiny model trains in ~0.3 s, the kill could land after the last step: the restarted
-    engine was then cancelled while still importing.)
+    engine was then cancelled while still importing. 20 steps: the kill lands at step 1-2, and the
+    steps after the restart, ~0.1 s each, are no part of what is checked.)
     """
-    steps_total = 40
+    steps_total = 20
     proc, out, run, at_kill = kill_step_in_allocation(tmp_path, f"slurmci-alloc-{os.getpid()}", "engine",
                                                       steps_total)
     assert at_kill < steps_total - 2, f"the kill landed after step {at_kill}: too late to need the restart"
@@ -171,10 +172,12 @@ def test_a_stopped_job_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     checkpoint to the end, each recorded once."""
     name = f"slurmci-resume-{os.getpid()}"
     run = tmp_path / "run"
-    total = 40
+    # a checkpoint every 3 steps: the stop lands a step or two after the first (step 3), 15 leaves
+    # it ample room before the last, and the resumed run (~0.1 s a step) reruns only 12
+    total = 15
     args = [sys.executable, "-m", "miles.launch.cli", "launch", QUICKSTART, "--slurm", "--time", "6",
             "--set", f"run.steps={total}", "--set", "run.warmup_sft_steps=10", "--set", f"run.dir={run}",
-            "--set", f"run.name={name}", "--set", "run.log_json=json", "--set", "trainer.checkpoint_interval=5"]
+            "--set", f"run.name={name}", "--set", "run.log_json=json", "--set", "trainer.checkpoint_interval=3"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     try:
         first = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=200, env=env)

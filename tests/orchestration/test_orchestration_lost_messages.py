@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -46,15 +47,20 @@ def test_sync_run_finishes_with_every_set_version_lost(tmp_path: Path, cache: Pa
 @pytest.mark.timeout(150)
 def test_lost_generate_requests_fail_their_trajectories_at_the_deadline(tmp_path: Path, cache: Path) -> None:
     run = tmp_path / "run"
-    # 2 steps: each lost request waits out its 2 s. Such a run sends ~14 Generate(Many) requests
-    # and replies (7 of them lost in one try), so it loses none about once in 10^4 at 50%
-    train(run, cache, {"run.steps": "2", "run.log_level": "info", "rollout.generate_timeout_s": "2",
+    # 2 steps: each lost request waits out its deadline, one after another (~6 a run), so the deadline
+    # is the run's length: 1 s, still ~10x a healthy GenerateMany of 8 x 6 tokens here (a healthy one
+    # that misses it only fails and retries its group too). Such a run sends ~14 Generate(Many)
+    # requests and replies (7 of them lost in one try), so it loses none about once in 10^4 at 50%
+    train(run, cache, {"run.steps": "2", "run.log_level": "info", "rollout.generate_timeout_s": "1",
                        "transport.faults.drop_rate": "0.5",
                        "transport.faults.drop_types": '["engine.Generate", "engine.GenerateMany"]',
                        "transport.faults.seed": "1"}, timeout=120)
     assert [r["step"] for r in metrics(run)] == [1, 2]
     lost = len(_events(run, "rollout", "message_dropped")) + len(_events(run, "engine", "message_dropped"))
-    timed_out = [e for e in _events(run, "rollout", "trajectory_failed") if "within 2s (request Generate" in str(e)]
+    # the message gives the deadline left when the ask was sent: "within 1s", "within 0.999s" (the
+    # 1 s deadline less the moments before the send; not another one, such as the 30 s default)
+    at_deadline = re.compile(r"PeerTimeout: no reply from 'engine-0' .* within (1|0\.[5-9]\d*)s \(request Generate")
+    timed_out = [e for e in _events(run, "rollout", "trajectory_failed") if at_deadline.search(str(e["error"]))]
     assert lost >= 1 and len(timed_out) >= 1
     entries = rollout_state(run)["buffer"]["ledger"]["entries"]
     failed = [e for e in entries if any("failed" in r for r in e.get("reasons", []))]

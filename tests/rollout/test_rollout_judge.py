@@ -64,7 +64,9 @@ async def test_judge_answers_fail_when_killed_and_recover_on_restart(procs, tmp_
     head = await start_host()
     rollout_host = Host(transport_cfg(), head.address)
     await rollout_host.start()
-    cfg = RewardModelConfig(num_engines=1, timeout_s=5.0, retries=1, retry_backoff_s=0.1, live_wait_s=0.5,
+    # live_wait_s and the backoff are what each of the 6 calls made while the judge is down waits
+    # out (2 attempts: wait, backoff, wait); while it is up, neither is waited on
+    cfg = RewardModelConfig(num_engines=1, timeout_s=5.0, retries=1, retry_backoff_s=0.05, live_wait_s=0.2,
                             max_new_tokens=6)
     judge = _judge(rollout_host, tok, cfg)
     try:
