@@ -85,6 +85,7 @@ class TrainerActor(Actor):
         self._eval_task: asyncio.Task[None] | None = None
         self._eval_done: list[dict[str, Any]] = []
         self.eval_skipped = 0
+        self._eval_step = -1  # the last step rank 0 started an evaluation of
         self._evaluator: Evaluator | None = None
         # rank 0 pauses the engines around the train step (trainer.pause_engines); the others compute
         self.yielder = EngineYield(lambda e, m, t: self.ref(e).ask(m, timeout=t), engines,
@@ -145,6 +146,7 @@ class TrainerActor(Actor):
             self.eval_skipped += 1  # the previous evaluation still runs: never queue up behind it
             log.warning("eval_skipped", step=step, reason="previous evaluation still running")
             return
+        self._eval_step = step
         self._eval_task = asyncio.create_task(self._run_eval(step, version, run_dir), name="eval")
 
     async def _eval_at_start(self) -> None:
@@ -292,13 +294,15 @@ class TrainerActor(Actor):
             except TimeoutError:
                 log.warning("eval_abandoned_at_end")
         step = self.trainer.step
+        on = cfg.eval.at_end and cfg.eval.mode != "none" and step > 0
         # a full evaluation at the end runs even after an every_steps one at the same step (a subset)
-        last_done = step % cfg.eval.every_steps == 0 and not cfg.eval.full_at_ends
-        if cfg.eval.at_end and cfg.eval.mode != "none" and step > 0 and not last_done:
-            if cfg.eval.mode == "external":
-                self._export_hf(self.run_dir / "eval" / f"step_{step:06d}")
-            if self.rank == 0:
-                await self._run_eval(step, self.trainer.weight_version, self.run_dir, full=cfg.eval.full_at_ends)
+        covered = step % cfg.eval.every_steps == 0 and not cfg.eval.full_at_ends
+        if on and not covered and cfg.eval.mode == "external":  # a collective: every rank decides alike
+            self._export_hf(self.run_dir / "eval" / f"step_{step:06d}")  # (at a covered step: exported)
+        # rank 0 also evaluates a covered step whose every_steps evaluation was skipped (the one
+        # before it still ran): the run's last weights are always evaluated
+        if on and self.rank == 0 and (not covered or self._eval_step != step):
+            await self._run_eval(step, self.trainer.weight_version, self.run_dir, full=cfg.eval.full_at_ends)
         if self.rank == 0:
             state = await self.ref("rollout").ask(DumpState(), timeout=cfg.transport.default_deadline_s)
             _write_json(self.run_dir / "ledger.json", state["buffer"]["ledger"])
