@@ -16,7 +16,6 @@ deterministic run) - generate a batch, train on it, push the weights, repeat.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import dataclasses
 import json
@@ -235,8 +234,10 @@ class DiffusionRecipe:
         # SIGUSR1 dumps every task, so a hung run can be asked where it waits. It is a debugging aid only:
         # add_signal_handler raises RuntimeError off the main thread (tests run the recipe in one) and
         # NotImplementedError on loops without signal support, and the run is the same without it.
-        with contextlib.suppress(NotImplementedError, RuntimeError):
+        try:
             asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump_tasks)
+        except (NotImplementedError, RuntimeError) as exc:
+            log.debug("sigusr1_task_dump_unavailable", reason=f"{type(exc).__name__}: {exc}")
         tcfg = TransportConfig(heartbeat_interval_s=0.5, heartbeat_timeout_s=30.0)
         self.host = Host(tcfg, None)
         await self.host.start()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable
 from typing import Protocol
 
 import numpy as np
@@ -346,18 +347,30 @@ class RLStep:
         norm = b.clip_and_step()
         if not math.isfinite(norm):
             self.skipped += 1
-            run_one = lambda mb: self._backward(mb, denom, StepMetrics())  # noqa: E731
-            params = lambda: b.policy.named_parameters()  # noqa: E731
-            zero = lambda: b.opt.zero_grad(set_to_none=True)  # noqa: E731
-            culprit = find_culprit(plan, run_one, params, zero)
-            idx = culprit.get("micro_batch")
-            one_rank = not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1
-            if isinstance(idx, int) and one_rank:  # where the NaN comes from (no collectives to match)
-                culprit["diagnosis"] = diagnose(plan[idx], run_one, params, zero, b.device.type == "cuda")
-            self.last_culprit = culprit
+            self.last_culprit = culprit = self._explain_nonfinite(plan, denom)
             log.warning("nonfinite_grad_skipped", step=b.step, grad_norm=str(norm),
                         skipped_total=self.skipped, culprit=culprit or "none alone (their sum overflowed)")
         return norm
+
+    def _explain_nonfinite(self, plan: list[MicroBatch], denom: Denominators) -> dict[str, object]:
+        """The micro-batch whose own gradient is not finite, and (one rank) where its NaN comes from."""
+        b = self.b
+
+        def run_one(mb: MicroBatch) -> MicroBatch:
+            return self._backward(mb, denom, StepMetrics())
+
+        def params() -> Iterable[tuple[str, torch.nn.Parameter]]:
+            return b.policy.named_parameters()
+
+        def zero() -> None:
+            b.opt.zero_grad(set_to_none=True)
+
+        culprit = find_culprit(plan, run_one, params, zero)
+        idx = culprit.get("micro_batch")
+        one_rank = not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1
+        if isinstance(idx, int) and one_rank:  # replays on one rank only: no collectives to match
+            culprit["diagnosis"] = diagnose(plan[idx], run_one, params, zero, b.device.type == "cuda")
+        return culprit
 
     def _backward(self, cpu_mb: MicroBatch, denom: Denominators, metrics: StepMetrics) -> MicroBatch:
         """One micro-batch's forward and backward (gradients accumulate); returns its device copy."""

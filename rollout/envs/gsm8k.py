@@ -82,7 +82,6 @@ def score_lenient(prompt: dict[str, Any], response: str) -> float:
     return _same(lenient_answer(response), prompt["label"])
 
 
-SCORERS = {"strict": score_strict, "lenient": score_lenient}
 # The strict scorer per answer format: the place the prompt asks the final answer to go.
 STRICT: dict[str, Callable[[dict[str, Any], str], float]] = {"hash": score_strict, "boxed": score_boxed}
 

@@ -195,25 +195,24 @@ class ExactReward:
     extract: Extract = "auto"
     needs_label = True
 
+    def key(self, s: str) -> str:
+        """What answer and label are compared as."""
+        return s.strip()
+
     def __call__(self, prompt: dict[str, Any], sample: Sample) -> float:
         got = extract_answer(response_text(sample), self.extract)
-        return float(got is not None and got.strip() == str(prompt["label"]).strip())
+        return float(got is not None and self.key(got) == self.key(str(prompt["label"])))
 
     def check_label(self, label: Any) -> str | None:
         return None if str(label).strip() else "exact: empty label"
 
 
 @dataclass
-class NormalizedReward:
+class NormalizedReward(ExactReward):
     """1.0 when answer and label agree after `normalize_text` (case, punctuation, articles)."""
 
-    weight: float = 1.0
-    extract: Extract = "auto"
-    needs_label = True
-
-    def __call__(self, prompt: dict[str, Any], sample: Sample) -> float:
-        got = extract_answer(response_text(sample), self.extract)
-        return float(got is not None and normalize_text(got) == normalize_text(str(prompt["label"])))
+    def key(self, s: str) -> str:
+        return normalize_text(s)
 
     def check_label(self, label: Any) -> str | None:
         return None if normalize_text(str(label)) else f"normalized: label {label!r} is empty once normalised"
