@@ -206,9 +206,11 @@ EOF3
   fi
   train async_s0 $((LIMIT + 500)) "${P[@]}" --set run.seed=0 --set rollout.env_args.seed=0 &
   train sync_s0 $((LIMIT + 500)) "${P[@]}" --set buffer.mode=sync --set run.seed=0 --set rollout.env_args.seed=0 &
-  if [ "$big" = 1 ]; then  # an H200: the second seeds beside them
+  if [ "$big" = 1 ]; then  # an H200: a second seed beside them (~26 GB a torch run: trainer 15 + engine)
     train async_s1 $((LIMIT + 500)) "${P[@]}" --set run.seed=1 --set rollout.env_args.seed=1 &
-    train sync_s1 $((LIMIT + 500)) "${P[@]}" --set buffer.mode=sync --set run.seed=1 --set rollout.env_args.seed=1 &
+    if [ "${SYNC1:-0}" = 1 ]; then  # a fifth run leaves < 10 GB of an H200 free beside SGLang: asked for only
+      train sync_s1 $((LIMIT + 500)) "${P[@]}" --set buffer.mode=sync --set run.seed=1 --set rollout.env_args.seed=1 &
+    fi
   fi
   wait; pack s16 ;;
 probe)  # which answer format the checkpoint writes under each prompt (seconds on a GPU)
