@@ -23,6 +23,7 @@ from torch import nn
 
 from miles.models.config import ModelSpec
 from miles.models.layers import Attention, KVCache, grouped_bias, rms_norm
+from miles.models.masked_sdpa import masked_sdpa
 from miles.models.moe import slot_ordered_experts
 from miles.models.rope import apply_rotary_thd
 from miles.models.varlen import PackedSeqs
@@ -67,7 +68,7 @@ class SinkAttention(Attention):
         sink = self.sinks.to(q.dtype).view(nkv, g, 1).expand(nkv, g, t).reshape(1, nkv, g * t, 1)
         full = torch.cat((bias.expand(b, nkv, g * t, s), sink.expand(b, nkv, g * t, 1)), dim=-1)
         qg = q.reshape(b, nkv, g * t, hd)
-        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=full, scale=hd**-0.5)
+        out = masked_sdpa(qg, k, v, full, hd**-0.5)
         out = out.reshape(b, nh, t, hd).transpose(1, 2).reshape(b, t, nh * hd)
         return F.linear(out, self.o_proj.weight, self.o_proj.bias)
 

@@ -15,6 +15,7 @@ from torch import nn
 
 from miles.models.config import ModelSpec
 from miles.models.fp8_linear import project, weight_generation
+from miles.models.masked_sdpa import masked_sdpa
 from miles.models.rope import apply_rotary_thd
 from miles.models.varlen import PackedSeqs, packed_causal_attention
 
@@ -129,7 +130,7 @@ class Attention(nn.Module):
             )
         else:
             qg = q.reshape(b, self.nkv, self.groups * t, self.hd)
-            out = F.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=self.hd**-0.5)
+            out = masked_sdpa(qg, k, v, bias, self.hd**-0.5)
             # reshape, not view: CUDA kernels return [B, T, H, d]-major outputs (non-contiguous)
             out = out.reshape(b, self.nh, t, self.hd)
         out = out.transpose(1, 2).reshape(b, t, self.nh * self.hd)

@@ -21,6 +21,7 @@ from torch import nn
 
 from miles.models.config import ModelSpec
 from miles.models.layers import KVCache, RMSNorm, rms_norm
+from miles.models.masked_sdpa import masked_sdpa
 from miles.models.rope import apply_rotary_interleaved, apply_rotary_thd
 
 # transformers builds q_a_layernorm and kv_a_layernorm with its RMSNorm default eps, not
@@ -86,6 +87,6 @@ class MLAttention(nn.Module):
                 raise ValueError("attention over a KV cache with several new tokens needs an explicit mask")
             out = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, scale=self.scale)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=self.scale)
+            out = masked_sdpa(q, k, v, bias, self.scale)
         out = out.transpose(1, 2).reshape(b, t, nh * m.v_head_dim)
         return F.linear(out, self.o_proj.weight, self.o_proj.bias)

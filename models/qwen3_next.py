@@ -26,6 +26,7 @@ from torch import nn
 
 from miles.models.config import ModelSpec
 from miles.models.layers import KVCache
+from miles.models.masked_sdpa import masked_sdpa
 from miles.models.rope import apply_rotary_thd
 
 
@@ -87,8 +88,8 @@ class GatedAttention(nn.Module):
                 q, k, v, is_causal=t > 1, scale=hd**-0.5, enable_gqa=self.groups > 1
             )
         else:
-            out = F.scaled_dot_product_attention(q.reshape(b, nkv, self.groups * t, hd), k, v,
-                                                 attn_mask=bias, scale=hd**-0.5).reshape(b, nh, t, hd)
+            out = masked_sdpa(q.reshape(b, nkv, self.groups * t, hd), k, v, bias,
+                              hd**-0.5).reshape(b, nh, t, hd)
         out = out.transpose(1, 2).reshape(b, t, nh * hd) * torch.sigmoid(gate)
         return F.linear(out, self.o_proj.weight, self.o_proj.bias)
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from miles.models.errors import ModelInputError
 from miles.models.layers import MLP, RMSNorm
+from miles.models.masked_sdpa import masked_sdpa
 from miles.models.rope import apply_rotary_thd
 from miles.models.vl_config import VisionSpec
 
@@ -62,9 +63,10 @@ class VisionAttention(nn.Module):
         k = apply_rotary_thd(k.float(), cos, sin).to(x.dtype)
         # [1, heads, N, hd]: the 4-D layout every attention kernel (and the batch-invariant one) takes
         q, k, v = (x_.transpose(0, 1).unsqueeze(0) for x_ in (q, k, v))
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=None if mask is None else mask[None, None], scale=self.hd**-0.5
-        )
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, scale=self.hd**-0.5)
+        else:
+            out = masked_sdpa(q, k, v, mask[None, None], self.hd**-0.5)
         return self.proj(out[0].transpose(0, 1).reshape(n, -1))
 
 

@@ -10,8 +10,11 @@ finite, with what it held. The replay costs one more forward/backward per micro-
 in the step that failed.
 
 On one rank, the culprit is then replayed twice more (`diagnose`): under autograd's anomaly
-mode, which names the backward function that first produced a NaN, and with the one-kernel flash
-varlen attention off (models/flash_varlen.py), which says whether that kernel is the cause. On
+mode, which names the backward function that first produced a NaN, and on CUDA with every fused
+attention kernel off (the flash varlen call of models/flash_varlen.py and SDPA's flash,
+memory-efficient and cuDNN backends: the math kernel only), which says whether an attention kernel
+is the cause. That is how session 16's NaN was traced to cuDNN's masked backward
+(models/masked_sdpa.py). On
 several ranks the replays are skipped: the culprit is found per rank, and a replay on one rank
 alone would leave the others waiting in its collectives.
 
@@ -124,8 +127,11 @@ def diagnose(
 ) -> dict[str, object]:
     """Replay the culprit micro-batch `mb` (one rank only) to say where its NaN comes from:
     `anomaly` is autograd's message naming the first backward function that returned a NaN
-    ('' when anomaly mode saw none); `finite_without_flash_varlen` whether the gradient is finite
-    with the one-kernel varlen attention off (None off CUDA, where that path is never taken)."""
+    ('' when anomaly mode saw none); `finite_with_math_attention` whether the gradient is finite
+    with the math attention kernel alone (None off CUDA, where no fused kernel runs; a string when
+    the replay itself failed, e.g. out of memory: the math kernel holds every score)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     from miles.models import flash_varlen
 
     out: dict[str, object] = {}
@@ -139,14 +145,16 @@ def diagnose(
     except RuntimeError as exc:  # anomaly mode raises at the first backward function that made a NaN
         out["anomaly"] = str(exc).splitlines()[0][:300]
     zero()
-    if cuda and flash_varlen.ENABLED:
-        flash_varlen.ENABLED = False
+    out["finite_with_math_attention"] = None
+    if cuda:
+        saved, flash_varlen.ENABLED = flash_varlen.ENABLED, False
         try:
-            run_one(mb)
-            out["finite_without_flash_varlen"] = not nonfinite_grads(params())
+            with sdpa_kernel([SDPBackend.MATH]):
+                run_one(mb)
+            out["finite_with_math_attention"] = not nonfinite_grads(params())
+        except RuntimeError as exc:  # torch.OutOfMemoryError is one
+            out["finite_with_math_attention"] = f"replay failed: {str(exc).splitlines()[0][:200]}"
         finally:
-            flash_varlen.ENABLED = True
-    else:
-        out["finite_without_flash_varlen"] = None
+            flash_varlen.ENABLED = saved
     zero()
     return out

@@ -60,7 +60,7 @@ async def test_nonfinite_gradient_is_skipped_and_never_reaches_the_engine() -> N
         assert isinstance(culprit.get("micro_batch"), int) and culprit["params"]
         diag = culprit["diagnosis"]
         assert isinstance(diag, dict) and "Backward" in str(diag["anomaly"]) and "nan" in str(diag["anomaly"])
-        assert diag["finite_without_flash_varlen"] is None  # CPU: the flash varlen path is never used
+        assert diag["finite_with_math_attention"] is None  # CPU: no fused attention kernel runs
         assert trainer.nonfinite_weights() == []
         await sync(trainer, engine, 2)
         assert checksums(engine.model) == before  # the engine got the same (finite) weights
