@@ -89,9 +89,13 @@ def sampling_payload(req: GenerateRequest) -> dict[str, Any]:
         "top_p": float(s.top_p),
         "top_k": int(s.top_k) if s.top_k > 0 else -1,  # SGLang: -1 = off (miles: 0)
         "max_new_tokens": int(s.max_new_tokens),
-        # miles stops only on the caller's stop ids (parity with the embedded engine), never on
-        # the checkpoint's eos unless the caller lists it.
-        "ignore_eos": True,
+        # Without stop ids a request runs to max_new_tokens (parity with the embedded engine, which
+        # stops only on the caller's ids): ignore_eos. With them it must be off, because SGLang's
+        # ignore_eos turns off every token-based stop, the caller's stop_token_ids included
+        # (0.5.17, Req._check_token_based_finish): session 17's GSM8K run on SGLang ran every answer
+        # to 512 tokens past <|im_end|>. SGLang then also stops on the checkpoint's own eos ids;
+        # the tokenizer's stop ids that miles sends normally hold them (rollout/tokens/tokenizer.py).
+        "ignore_eos": not s.stop_token_ids,
     }
     if s.stop_token_ids:
         out["stop_token_ids"] = [int(t) for t in s.stop_token_ids]

@@ -27,7 +27,8 @@ def _low_scores(n: int, d: int, dev: str, dtype: torch.dtype) -> tuple[torch.Ten
     v = torch.randn(1, 2, n, d, generator=g)
     q[..., 1] = 1.0
     k[..., 1] = -110.0 * d**0.5
-    return tuple(x.to(dev, dtype).requires_grad_(True) for x in (q, k, v))
+    # through bf16 first: an fp32 reference then sees exactly the bf16 run's inputs
+    return tuple(x.to(torch.bfloat16).to(dev, dtype).requires_grad_(True) for x in (q, k, v))
 
 
 def _grads(fn: Attend, n: int, d: int, dev: str, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -63,10 +64,17 @@ def test_cuda_masked_backward_is_finite_and_matches_math(n: int) -> None:
         with sdpa_kernel([SDPBackend.MATH]):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=d**-0.5)
 
-    ref = _grads(math, n, d, "cuda", torch.bfloat16)
-    for a, b in zip(ours, ref, strict=True):
-        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+    # the reference: the math kernel in fp32 (in bf16 it is itself off by more than the efficient kernel)
+    ref = _grads(math, n, d, "cuda", torch.float32)
     # what torch's own choice gives on this card (the bug's witness; not asserted: a fixed torch is clean)
     plain = _grads(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=d**-0.5),
                    n, d, "cuda", torch.bfloat16)
-    print(f"n={n} default-backend dq non-finite: {int((~torch.isfinite(plain[1])).sum())}")
+    # dq's channel 1 is -110 sqrt(d) times a sum that is 0 exactly (softmax's gradient sums to 0 over
+    # keys): pure cancellation noise in bf16, so it is left out of the comparison
+    keep = torch.ones(d, dtype=torch.bool, device="cuda")
+    keep[1] = False
+    ours[1], ref[1] = ours[1][..., keep], ref[1][..., keep]
+    rel = [((a - b).norm() / b.norm()).item() for a, b in zip(ours, ref, strict=True)]
+    print(f"n={n} default-backend dq non-finite: {int((~torch.isfinite(plain[1])).sum())}; "
+          f"ours vs fp32 math, relative error of out, dq, dk, dv: {[f'{r:.2g}' for r in rel]}")
+    assert max(rel) < 2e-2, rel

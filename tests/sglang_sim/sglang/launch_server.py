@@ -153,7 +153,9 @@ class SimServer:
             r.logprobs.append(float(lp[tok]))
 
     def maybe_finish(self, r: Req) -> None:
-        if r.out[-1] in (r.sp.get("stop_token_ids") or []):
+        # as SGLang 0.5.17 (Req._check_token_based_finish): ignore_eos turns off every token-based
+        # stop, the caller's stop_token_ids included
+        if not r.sp.get("ignore_eos") and r.out[-1] in (r.sp.get("stop_token_ids") or []):
             self.finish(r, {"type": "stop", "matched": r.out[-1]})
         elif len(r.out) >= int(r.sp["max_new_tokens"]) or len(r.prompt) + len(r.out) >= self.args.context_length:
             self.finish(r, {"type": "length", "length": len(r.out)})
