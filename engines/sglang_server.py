@@ -128,9 +128,12 @@ class SGLangServer:
 
     async def _start(self, session: aiohttp.ClientSession) -> None:
         if _port_taken(self.cfg.sglang_host, self.cfg.sglang_port):
+            await self._wait_port_free()
+        if _port_taken(self.cfg.sglang_host, self.cfg.sglang_port):
             # Without this check a leftover server on the port would answer /health for ours.
-            raise EngineStartError(f"port {self.cfg.sglang_port} on {self.cfg.sglang_host} is already in use "
-                                   "(another server?); stop it or set engine.sglang_port")
+            raise EngineStartError(f"port {self.cfg.sglang_port} on {self.cfg.sglang_host} is still in use after "
+                                   f"{self.cfg.sglang_port_wait_s:g} s (engine.sglang_port_wait_s; another "
+                                   "server?); stop it or set engine.sglang_port")
         args = launch_args(self.cfg, self.model_path, self.weight_version, self.context_length)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as f:
@@ -145,6 +148,15 @@ class SGLangServer:
         except EngineError as exc:
             await self.stop(5.0)  # a server that hangs in start-up is not left holding the GPU
             raise EngineStartError(f"{exc}{self._cause()}") from exc
+
+    async def _wait_port_free(self) -> None:
+        """The port is taken: most often by the server of this engine role's previous incarnation,
+        which got SIGTERM when that role died (`_die_with_parent`) and is still shutting down."""
+        log.warning("sglang_port_in_use_waiting", host=self.cfg.sglang_host, port=self.cfg.sglang_port,
+                    wait_s=self.cfg.sglang_port_wait_s)
+        deadline = Deadline.after(self.cfg.sglang_port_wait_s)
+        while not deadline.expired() and _port_taken(self.cfg.sglang_host, self.cfg.sglang_port):
+            await asyncio.sleep(0.5)
 
     async def stop(self, timeout_s: float = 30.0) -> None:
         proc = self._proc

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import json
 import os
 import sys
@@ -61,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--directory", default=os.environ.get("MILES_DIRECTORY", ""))
     ap.add_argument("--ready", default="")
     a = ap.parse_args(argv)
+    # A segfault in native code (a CUDA IPC open, a kernel, an extension) kills the process with no
+    # Python traceback: faulthandler writes the stacks to stderr (the role's log) as it dies, and
+    # the supervisor reads them back as the crash's cause (launch/supervision.py `crash_report`).
+    faulthandler.enable(all_threads=True)
     with open(a.config) as f:
         cfg = from_dict(MilesConfig, json.load(f))
     configure_logging(cfg.run.log_level, cfg.run.json_logs, run=cfg.run.name, role=a.role, rank=a.index)

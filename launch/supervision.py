@@ -67,6 +67,9 @@ def crash_report(log_path: Path, start: int = 0, tail_bytes: int = 1 << 16) -> C
             lines = f.read().decode(errors="replace").splitlines()
     except OSError:
         return CrashReport()
+    fatal = _fatal_signal(lines)
+    if fatal:
+        return CrashReport(fatal)
     fallback = ""
     for ln in reversed(lines):
         if not ln.strip():
@@ -82,6 +85,28 @@ def crash_report(log_path: Path, start: int = 0, tail_bytes: int = 1 << 16) -> C
         if ev.get("level") == "error" and ev.get("error") and not fallback:
             fallback = " ".join(str(ev["error"]).split())[:REASON_CHARS]
     return CrashReport(fallback)
+
+
+def _fatal_signal(lines: list[str]) -> str:
+    """faulthandler's report of a fatal signal (launch/role.py enables it), as one line: the
+    error and the two innermost frames of the thread that crashed, e.g. "Fatal Python error:
+    Segmentation fault at torch/cuda/__init__.py:519 in _lazy_init < weightsync/receiver.py:88
+    in open"; '' when there is none."""
+    starts = [i for i, ln in enumerate(lines) if ln.startswith("Fatal Python error:")]
+    if not starts:
+        return ""
+    frames: list[str] = []
+    for ln in lines[starts[-1] + 1:]:
+        frame = ln.strip()
+        if frames and not frame.startswith("File "):
+            break  # the end of the crashing thread's stack (it is listed first)
+        if frame.startswith("File "):  # File "/x/miles/engines/sglang.py", line 212 in update_weights
+            path, _, rest = frame[len('File "'):].partition('", line ')
+            where = path.split("/miles/", 1)[1] if "/miles/" in path else "/".join(path.split("/")[-2:])
+            line_no, _, func = rest.partition(" in ")
+            frames.append(f"{where}:{line_no} in {func}")
+    head = " ".join(lines[starts[-1]].split())
+    return (f"{head} at {' < '.join(frames[:2])}" if frames else head)[:REASON_CHARS]
 
 
 def _event(line: str) -> dict[str, Any] | None:

@@ -140,6 +140,10 @@ class EngineConfig:
     sglang_startup_timeout_s: float = opt(600.0, "longest wait for a (re)started server to answer /health", "s")
     sglang_request_timeout_s: float = opt(3600.0, "longest wait for one HTTP call to the server", "s")
     sglang_max_restarts: int = opt(3, "restarts after a crash of the launched server before giving up", "restarts")
+    sglang_port_wait_s: float = opt(
+        60.0, "how long a starting server waits for its port to be free before failing: a restarted engine "
+        "role's old server is still shutting down (it got SIGTERM when that role died; SGLang takes seconds "
+        "to exit, and the H100 restart of session 17 failed 4 s after the crash on 'port in use')", "s")
     sglang_stage_dir: str = opt("", "folder for staged weight versions (update from disk); '' = a temp dir", "path")
     ready_wait_s: float = opt(
         900.0, "how long, at start, the rollout process waits for every engine to register and the trainer for "

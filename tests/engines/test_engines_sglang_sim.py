@@ -229,3 +229,35 @@ async def test_a_dense_checkpoint_generates_with_routing_replay_on(tmp_path: Pat
         assert len(res.output_ids) == 6 and res.routed_experts is None
     finally:
         await eng.close()
+
+
+async def test_a_start_waits_for_the_port_then_fails_naming_the_option(ckpt: Path, tmp_path: Path) -> None:
+    """A listener holds the port (as a crashed engine role's old server does while it shuts down):
+    the start waits for it; released within engine.sglang_port_wait_s, the server starts; held
+    past it, the start fails naming the option."""
+    cfg = sim_config(ckpt, tmp_path, sglang_port_wait_s=30.0)
+    held = socket.socket()
+    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    held.bind(("127.0.0.1", cfg.sglang_port))
+    held.listen()
+    eng = SGLangEngine(cfg)
+    try:
+        start = asyncio.create_task(eng.start())
+        await asyncio.sleep(1.0)
+        assert not start.done()  # still waiting on the port
+        held.close()
+        await asyncio.wait_for(start, 120)
+        assert (await eng.generate(req())).output_ids
+    finally:
+        held.close()
+        await eng.close()
+    cfg = sim_config(ckpt, tmp_path, sglang_port_wait_s=0.5)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", cfg.sglang_port))
+        busy.listen()
+        eng = SGLangEngine(cfg)
+        try:
+            with pytest.raises(EngineStartError, match="sglang_port_wait_s"):
+                await eng.start()
+        finally:
+            await eng.close()

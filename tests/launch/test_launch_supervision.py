@@ -71,6 +71,26 @@ def test_crash_report_reads_this_incarnation_only(tmp_path: Path) -> None:
     assert crash_report(log, start).reason == "ModuleNotFoundError: No module named 'sglang'"
 
 
+@pytest.mark.timeout(60)
+def test_a_segfault_is_reported_with_where_it_happened(tmp_path: Path) -> None:
+    """A real process that dies of SIGSEGV in native code, with faulthandler on as a role has it
+    (launch/role.py): its log holds no Python exception, and the report names the signal and the
+    innermost Python frame of the crashing thread."""
+    log = tmp_path / "engine-0.log"
+    log.write_text(json.dumps({"event": "host_ready", "level": "info"}) + "\n")
+    script = tmp_path / "boom.py"
+    script.write_text("import ctypes, faulthandler\nfaulthandler.enable(all_threads=True)\n"
+                      "def push_weights():\n    ctypes.string_at(0)\npush_weights()\n")
+    with log.open("ab") as f:
+        proc = subprocess.run([sys.executable, str(script)], stderr=f, timeout=30)
+    assert proc.returncode == -11
+    reason = crash_report(log, 0).reason
+    assert reason.startswith("Fatal Python error: Segmentation fault at "), reason
+    # the two innermost frames: where the signal hit (inside ctypes), then the caller
+    assert "ctypes/__init__.py:" in reason and " in string_at < " in reason, reason
+    assert reason.endswith(f"{tmp_path.name}/boom.py:4 in push_weights"), reason
+
+
 def test_exception_line_keeps_the_tail_of_a_long_message() -> None:
     server_line = "ValueError: the server's own error line"
     line = exception_line(StartupError("sglang server exited at start: " + "x" * 2000 + "\n" + server_line))
