@@ -94,3 +94,40 @@ async def test_cuda_ipc_flat_sync_is_bit_equal(procs) -> None:
     finally:
         await sync.close()
         await host.stop()
+
+
+_FRESH_PROCESS_MAPS = """
+import sys, msgspec, torch
+from miles.transport.bulk.base import LocalWeights
+from miles.transport.bulk.cuda_ipc import CudaIpcReceiver
+header = msgspec.msgpack.decode(sys.stdin.buffer.read())
+assert not torch.cuda.is_initialized()  # the mapping is this process's first CUDA call
+rx = CudaIpcReceiver({"device": 0}, 1 << 20)
+import asyncio
+out = asyncio.run(rx.recv(header, LocalWeights(version=0, get=lambda n: None)))
+asyncio.run(rx.settle())
+print(sum(float(t.double().sum()) for _, t in out))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+def test_cuda_ipc_maps_in_a_process_that_never_touched_cuda() -> None:
+    """An SGLang engine role runs no model, so the receiver's mapping is its first CUDA call; the
+    receiver initialises CUDA itself (without it, that process died of SIGSEGV in session 17)."""
+    import subprocess
+    import sys
+
+    import msgspec
+
+    from miles.transport.bulk.buckets import Bucket
+    from miles.transport.bulk.cuda_ipc import CudaIpcSender
+
+    a = torch.arange(256, dtype=torch.float32, device="cuda")
+    b = torch.ones(64, dtype=torch.bfloat16, device="cuda")
+    tx = CudaIpcSender(SyncConfig(transport="cuda_ipc"))
+    header = tx.prepare(1, 0, Bucket(["a", "b"], [a, b], a.nbytes + b.nbytes))
+    child = subprocess.run([sys.executable, "-c", _FRESH_PROCESS_MAPS], input=msgspec.msgpack.encode(header),
+                           capture_output=True, timeout=60)
+    assert child.returncode == 0, child.stderr.decode()[-2000:]
+    assert float(child.stdout.decode().split()[-1]) == float(a.sum() + b.float().sum())

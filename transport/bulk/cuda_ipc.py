@@ -146,6 +146,11 @@ class CudaIpcReceiver(BulkReceiver):
 
     def __init__(self, info: dict[str, Any], bucket_bytes: int) -> None:
         _need_cuda()
+        # `_new_shared_cuda` does not initialise CUDA itself (torch's own rebuild of a shared CUDA
+        # tensor calls `_lazy_init` first). In a process whose first CUDA call is the mapping (an
+        # SGLang engine role: it runs no model) it died of SIGSEGV at the first push (session 17,
+        # H100; the dense 1.3B SGLang case of session 12 died the same way).
+        torch.cuda.init()
         super().__init__(info, bucket_bytes)
         self._maps: list[torch.UntypedStorage] = []
         self._version: int | None = None
