@@ -23,16 +23,17 @@ BUCKET = 1 << 12
 class Side:
     """A sender and one engine's receiver over a directory, the engine's weights as a dict."""
 
-    def __init__(self, root: Path, weights: dict[str, torch.Tensor]) -> None:
+    def __init__(self, root: Path, weights: dict[str, torch.Tensor], bucket: int = BUCKET) -> None:
         self.snd = DiskDeltaSender(SyncConfig(transport="disk_delta", bucket_mib=1, delta_dir=str(root)))
         asyncio.run(self.snd.open(["e"]))
-        self.rcv = DiskDeltaReceiver({"dir": str(root)}, BUCKET)
+        self.bucket = bucket  # no tensor here is larger: none is chunked (`live` holds whole tensors)
+        self.rcv = DiskDeltaReceiver({"dir": str(root)}, bucket)
         self.live = {k: torch.zeros_like(v) for k, v in weights.items()}
         self.version = 0
 
     def write(self, v: int, weights: dict[str, torch.Tensor]) -> int:
         n = 0
-        for seq, b in enumerate(iter_buckets(weights.items(), BUCKET)):
+        for seq, b in enumerate(iter_buckets(weights.items(), self.bucket)):
             self.snd.prepare(v, seq, b)
             asyncio.run(self.snd.transmit())
             n += 1
@@ -109,3 +110,47 @@ def test_a_corrupt_delta_is_refused_after_the_read_buffer_was_reused(tmp_path: P
     path.write_bytes(bytes(data))
     with pytest.raises(SyncError, match="checksum mismatch"):
         side.rcv._recv(2, int(seq), LocalWeights(1, lambda k: side.live[k]))
+
+
+def _large() -> dict[str, torch.Tensor]:
+    """Tensors past the compression sample (64 KiB) and the receiver's 1 MiB read chunk: a dense
+    random change of them goes uncompressed (`full+raw`), read from the file straight into place."""
+    g = torch.Generator().manual_seed(1)
+    return {"big": torch.randn(300_000, generator=g), "small": torch.randn(64, generator=g)}
+
+
+def test_uncompressed_entries_are_read_in_place_and_checked(tmp_path: Path) -> None:
+    w = _large()
+    side = Side(tmp_path, w, bucket=2 << 20)
+    side.push(1, w)
+    w["big"] += torch.randn(w["big"].shape, generator=torch.Generator().manual_seed(2))
+    enc = {e["name"]: e["encoding"] for e in side.push(2, w)}
+    assert enc == {"big": "full+raw", "small": "same"}
+    assert torch.equal(side.live["big"], w["big"]) and torch.equal(side.live["small"], w["small"])
+    # the receiver's read buffer was not needed for them: it holds at most the compressed payloads
+    assert side.rcv._buf.numel() < w["big"].numel() * 4
+
+    w["big"] -= 0.25
+    side.write(3, w)
+    idx = side.rcv._load_index(3)
+    seq, entry = next((s, e) for s, b in idx["buckets"].items() for e in b if e["name"] == "big")
+    assert entry["encoding"] == "full+raw"
+    path = version_dir(tmp_path, 3) / f"bucket_{seq}.bin"
+    data = bytearray(path.read_bytes())
+    data[entry["offset"] + (1 << 20) + 5] ^= 0x01  # in the second read chunk
+    path.write_bytes(bytes(data))
+    with pytest.raises(SyncError, match="checksum mismatch"):
+        side.rcv._recv(3, int(seq), LocalWeights(2, lambda k: side.live[k]))
+    path.write_bytes(bytes(data[: entry["offset"] + 100]))  # cut short inside the entry
+    with pytest.raises(SyncError, match="runs past the end"):
+        side.rcv._recv(3, int(seq), LocalWeights(2, lambda k: side.live[k]))
+
+
+def test_versions_past_delta_keep_are_deleted(tmp_path: Path) -> None:
+    w = _weights()
+    side = Side(tmp_path, w)
+    for v in range(1, 6):
+        w["w0"] += 1.0
+        side.push(v, w)
+    asyncio.run(side.snd.close())  # waits for the last delete, which runs beside the next push
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["weight_v4", "weight_v5"]  # sync.delta_keep = 2
