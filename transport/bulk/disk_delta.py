@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -96,6 +97,8 @@ class DiskDeltaSender(BulkSender):
         self._index: dict[str, Any] = {}
         self._bucket: tuple[int, Bucket] | None = None
         self._rm: threading.Thread | None = None  # deleting versions past sync.delta_keep
+        self._writer: ThreadPoolExecutor | None = None  # writes the bucket files, in order (`transmit`)
+        self._writes: list[Future[None]] = []  # its writes of the version being written
         self.written_bytes = 0
 
     async def open(self, peers: list[str]) -> list[dict[str, Any]]:
@@ -131,12 +134,31 @@ class DiskDeltaSender(BulkSender):
         return {"version": version, "seq": seq}
 
     async def transmit(self) -> None:
+        """Queue the bucket's file write on the writer thread and return: the coordinator packs
+        the next bucket while this one is written (receivers read only after `finish`, which
+        waits for every write). One thread for all of them, in order: a thread hop per bucket
+        cost ~2.5 ms of a ~60 ms update on a loaded 2-core host."""
         if self._bucket is None or self._tmp is None:
             raise SyncError("disk_delta: transmit before prepare")
         seq, bucket = self._bucket
         self._bucket = None
-        entries = await asyncio.to_thread(self._write_bucket, self._tmp / f"bucket_{seq}.bin", bucket)
-        self._index["buckets"][str(seq)] = entries
+        for w in [w for w in self._writes if w.done()]:
+            w.result()  # a failed write fails the push now, not at `finish`
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="disk-delta-write")
+        path, index = self._tmp / f"bucket_{seq}.bin", self._index["buckets"]
+        self._writes.append(self._writer.submit(self._write_into, index, str(seq), path, bucket))
+
+    def _write_into(self, index: dict[str, Any], key: str, path: Path, bucket: Bucket) -> None:
+        index[key] = self._write_bucket(path, bucket)
+
+    async def _written(self, check: bool) -> None:
+        """Wait for the queued writes; `check`: raise the first failure."""
+        writes, self._writes = self._writes, []
+        done = await asyncio.gather(*map(asyncio.wrap_future, writes), return_exceptions=True)
+        errors = [e for e in done if isinstance(e, BaseException)]
+        if check and errors:
+            raise errors[0]
 
     def _write_bucket(self, path: Path, bucket: Bucket) -> list[dict[str, Any]]:
         entries, pos = [], 0
@@ -167,6 +189,7 @@ class DiskDeltaSender(BulkSender):
         return entries
 
     async def finish(self, version: int) -> None:
+        await self._written(check=True)
         tmp = self._begin(version)
         self._tmp = None
         (tmp / INDEX).write_text(json.dumps(self._index))
@@ -199,6 +222,7 @@ class DiskDeltaSender(BulkSender):
             self._rm = None
 
     async def abort(self, version: int) -> None:
+        await self._written(check=False)  # nothing may still write into the files or buffers dropped here
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
@@ -213,6 +237,9 @@ class DiskDeltaSender(BulkSender):
     async def close(self) -> None:
         await self.abort(-1)
         await self._removed()
+        if self._writer is not None:
+            self._writer.shutdown()
+            self._writer = None
 
 
 class DiskDeltaReceiver(BulkReceiver):
