@@ -154,3 +154,27 @@ def test_versions_past_delta_keep_are_deleted(tmp_path: Path) -> None:
         side.push(v, w)
     asyncio.run(side.snd.close())  # waits for the last delete, which runs beside the next push
     assert sorted(p.name for p in tmp_path.iterdir()) == ["weight_v4", "weight_v5"]  # sync.delta_keep = 2
+
+
+def test_a_failed_bucket_write_fails_the_push_and_abort_recovers(tmp_path: Path) -> None:
+    """Bucket files are written on a writer thread after `transmit` returns: a write that fails
+    (here: its directory is gone) fails `finish` (or the next `transmit`), and after `abort` the
+    next version is still an exact delta against the committed base."""
+    import shutil
+
+    w = _weights()
+    side = Side(tmp_path, w)
+    side.push(1, w)
+    w["w4"] += 1.0
+    buckets = list(iter_buckets(w.items(), BUCKET))
+    side.snd.prepare(2, 0, buckets[0])
+    assert side.snd._tmp is not None
+    shutil.rmtree(side.snd._tmp)  # fault injection: the version's directory vanished
+    asyncio.run(side.snd.transmit())  # returns once queued
+    with pytest.raises(FileNotFoundError):
+        asyncio.run(side.snd.finish(2))
+    asyncio.run(side.snd.abort(2))
+    enc = {e["name"]: e["encoding"] for e in side.push(3, w)}
+    assert enc["w4"].startswith("xor") and enc["w0"] == "same"
+    for k in w:
+        assert torch.equal(side.live[k], w[k]), k
