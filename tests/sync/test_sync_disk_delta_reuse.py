@@ -178,3 +178,46 @@ def test_a_failed_bucket_write_fails_the_push_and_abort_recovers(tmp_path: Path)
     assert enc["w4"].startswith("xor") and enc["w0"] == "same"
     for k in w:
         assert torch.equal(side.live[k], w[k]), k
+
+
+def test_the_next_bucket_is_read_ahead_and_an_unexpected_ask_still_gets_its_own(tmp_path: Path) -> None:
+    """`recv` of bucket k starts reading bucket k+1 into place; the next ask takes it (a corrupt
+    one still raises there), and an ask for another bucket waits for it and reads its own."""
+    w = _weights()
+    side = Side(tmp_path, w, bucket=1024)  # a bucket per one or two tensors
+    side.push(1, w)
+    for k in w:
+        w[k] += 0.5
+    n = side.write(2, w)
+    assert n >= 3
+    local = LocalWeights(1, lambda k: side.live[k])
+
+    async def asks(order: list[int]) -> dict[str, torch.Tensor]:
+        got: dict[str, torch.Tensor] = {}
+        for seq in order:
+            got.update((name, t.clone()) for name, t in await side.rcv.recv({"version": 2, "seq": seq}, local))
+            if seq == order[0]:
+                assert side.rcv._ahead is not None and side.rcv._ahead[:2] == (2, seq + 1)
+        await side.rcv.settle()
+        assert side.rcv._ahead is None
+        return got
+
+    for order in (list(range(n)), [0, 2, 1, *range(3, n)]):
+        got = asyncio.run(asks(order))
+        assert set(got) == set(w)
+        for k in w:
+            assert torch.equal(got[k], w[k]), k
+    idx = side.rcv._load_index(2)
+    entry = idx["buckets"]["1"][0]
+    path = version_dir(tmp_path, 2) / "bucket_1.bin"
+    data = bytearray(path.read_bytes())
+    data[entry["offset"]] ^= 0x10
+    path.write_bytes(bytes(data))
+
+    async def corrupt() -> None:
+        await side.rcv.recv({"version": 2, "seq": 0}, local)  # reads bucket 1 ahead: it fails there
+        with pytest.raises(SyncError, match="checksum mismatch|corrupt delta"):
+            await side.rcv.recv({"version": 2, "seq": 1}, local)
+
+    asyncio.run(corrupt())
+    asyncio.run(side.rcv.close())

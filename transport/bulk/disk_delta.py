@@ -252,6 +252,10 @@ class DiskDeltaReceiver(BulkReceiver):
         self.root = Path(str(info["dir"]))
         self._index: dict[str, Any] | None = None
         self._buf = torch.empty(0, dtype=torch.uint8)  # one bucket file's bytes, reused
+        # The next bucket, read ahead while the engine stages this one and the next ask travels:
+        # (version, seq, its entries). Every bucket is on disk before the first ask (`finish`).
+        self._ahead: tuple[int, int, Future[list[tuple[str, torch.Tensor]]]] | None = None
+        self._reader: ThreadPoolExecutor | None = None
 
     def _load_index(self, version: int) -> dict[str, Any]:
         if self._index is None or self._index.get("version") != version:
@@ -263,7 +267,41 @@ class DiskDeltaReceiver(BulkReceiver):
         return self._index
 
     async def recv(self, header: dict[str, Any], local: LocalWeights) -> list[tuple[str, torch.Tensor]]:
-        return await asyncio.to_thread(self._recv, int(header["version"]), int(header["seq"]), local)
+        """Bucket `seq` (read ahead at the last ask when it was the next one), then bucket seq+1
+        starts reading into its staging slots in the background: on a 64 MiB update the asks
+        come one at a time, ~1.5 ms of round trip each besides the read."""
+        version, seq = int(header["version"]), int(header["seq"])
+        ahead = await self._take_ahead(version, seq)
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix="disk-delta-read")
+        got = ahead.result() if ahead is not None else await asyncio.wrap_future(
+            self._reader.submit(self._recv, version, seq, local))
+        index = self._index
+        if index is not None and index.get("version") == version and str(seq + 1) in index["buckets"]:
+            self._ahead = (version, seq + 1, self._reader.submit(self._recv, version, seq + 1, local))
+        return got
+
+    async def _take_ahead(self, version: int, seq: int) -> Future[list[tuple[str, torch.Tensor]]] | None:
+        """The finished read-ahead of (version, seq) if it is that bucket's (its error raises when its
+        result is taken); another bucket's is waited for and dropped (nothing may still write)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        await asyncio.wait([asyncio.wrap_future(ahead[2])])
+        return ahead[2] if ahead[:2] == (version, seq) else None
+
+    async def settle(self) -> None:
+        """Before the commit (or an abort): no read-ahead may still write into staging."""
+        await self._take_ahead(-1, -1)
+
+    def release(self) -> None:
+        self._ahead = None
+
+    async def close(self) -> None:
+        await self.settle()
+        if self._reader is not None:
+            self._reader.shutdown()
+            self._reader = None
 
     def _read_into(self, f: BinaryIO, into: memoryview, what: str) -> str:
         """Read len(into) bytes from f's position into `into`, hashing each chunk as it lands
