@@ -19,13 +19,14 @@ by that digest (equal to the last version's: `same`, with no XOR pass over its b
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import shutil
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 import xxhash
@@ -303,7 +304,7 @@ class DiskDeltaReceiver(BulkReceiver):
             self._reader.shutdown()
             self._reader = None
 
-    def _read_into(self, f: BinaryIO, into: memoryview, what: str) -> str:
+    def _read_into(self, f: io.FileIO, into: memoryview, what: str) -> str:
         """Read len(into) bytes from f's position into `into`, hashing each chunk as it lands
         (cache-hot) -> the digest of the bytes read."""
         h = xxhash.xxh3_128()
@@ -316,7 +317,7 @@ class DiskDeltaReceiver(BulkReceiver):
             got += n
         return h.hexdigest()
 
-    def _payload(self, f: BinaryIO, length: int, what: str) -> memoryview:
+    def _payload(self, f: io.FileIO, length: int, what: str) -> memoryview:
         """The next `length` bytes of f, read into the reused buffer (grown when needed)."""
         if self._buf.numel() < length:
             self._buf = torch.empty(length, dtype=torch.uint8)
@@ -340,7 +341,7 @@ class DiskDeltaReceiver(BulkReceiver):
         except OSError as exc:
             raise SyncError(f"disk_delta v{version}: cannot read {path}: {exc}") from exc
 
-    def _entries(self, f: BinaryIO, path: Path, version: int, base: int | None, entries: list[dict[str, Any]],
+    def _entries(self, f: io.FileIO, path: Path, version: int, base: int | None, entries: list[dict[str, Any]],
                  local: LocalWeights) -> list[tuple[str, torch.Tensor]]:
         size = os.fstat(f.fileno()).st_size
         out = []
