@@ -20,7 +20,10 @@ steps as CUDA graphs of a torch.compile'd forward, launched one step ahead of th
 (`engine.compile_decode`, `engine.overlap_decode`; compiled and captured in an untimed first run
 per engine, whose time is printed), and it prefills a group's shared prompt once
 (`engine.share_prompts`); grouped cases also run it with sharing off. `--plain-cases` runs cases
-once more with graphs alone (neither compiled nor overlapped).
+once more with graphs alone (neither compiled nor overlapped). On cpu every case also runs an
+engine with `engine.compile_decode_cpu` (its decode forward compiled by Inductor; off by default;
+compiled in its untimed first run, whose time is printed) in the same rounds: the `compiled`
+line under each row and `*_compiled_*` keys (`--no-compiled` skips it).
 The baseline is transformers `generate`: on cuda with `cache_implementation="static"`, which
 torch.compiles the decode forward (compiled in its warm-up run), only for the `--hf` cases
 (compiling is slow); on cpu with its defaults, for every case.
