@@ -142,7 +142,10 @@ class Stepper:
         if g is None or g.failed:
             return False
         with self._mode(), torch.inference_mode():
-            return g.compile_aside()
+            ok = g.compile_aside()
+        if not ok and g is self._compiled_cpu:  # CPU: the uncompiled padded forward it serves with only costs
+            g.failed = True
+        return ok
 
     def use_compiled(self) -> None:
         """Between steps: swap the compiled decode in (a failure leaves decode eager, as at a step)."""

@@ -190,3 +190,34 @@ async def test_compile_decode_cpu_whose_compile_fails_decodes_eagerly(monkeypatc
     for a, b in zip(eager, fell_back, strict=True):
         assert a.output_ids == b.output_ids
         assert np.allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+async def test_compile_decode_cpu_in_the_background_whose_compile_fails_decodes_eagerly(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """engine.compile_background with compile_decode_cpu: the engine serves at once (uncompiled),
+    and when the compile aside fails it decodes eagerly, with the eager engine's tokens."""
+    def broken(cls: type) -> object:  # fault injection: the compiler raises as Inductor would
+        def run(*args: object) -> object:
+            raise RuntimeError("InductorError: simulated compile failure")
+        return run
+
+    model = tiny_model("qwen3", num_hidden_layers=1)
+    eager, _ = await _engine_run(model, False)
+    monkeypatch.setattr(cuda_graph, "_compiled_forward", broken)
+    eng = TorchEngine(model, EngineConfig(max_batch_size=4, max_seq_len=64, kv_budget_tokens=0,
+                                          compile_decode_cpu=True, compile_background=True))
+    prompts = [[1, 2, 3], [4] * 9, [5, 6], [7, 8, 9, 10]]
+    reqs = [GenerateRequest(input_ids=p, sampling=SamplingParams(temperature=1.0 if i % 2 else 0.0, seed=i,
+                                                                 max_new_tokens=6 + 3 * i))
+            for i, p in enumerate(prompts)]
+    try:
+        await eng.warm_up()
+        assert not await eng.compile_done()
+        graphs = eng.stepper.graphs
+        assert graphs is not None and graphs.failed  # eager from now on
+        late = await asyncio.gather(*(eng.generate(r) for r in reqs))
+    finally:
+        await eng.close()
+    for a, b in zip(eager, late, strict=True):
+        assert a.output_ids == b.output_ids
+        assert np.allclose(a.logprobs, b.logprobs, atol=1e-5)
