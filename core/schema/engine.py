@@ -81,11 +81,11 @@ class EngineConfig:
         "torch.compile (Inductor, C++ kernels) the decode forward, padded as the CUDA graphs pad it (batch to a "
         "power of two, keys to the pool's width, masked), so a step runs a few fused kernels instead of ~180-270 "
         "small eager ops; prefill stays eager. One dynamic-shape compile per process, in warm_up or the first "
-        "decode step (15-35 s on 2 shared cores for bench/engine.py's CPU models; Inductor's on-disk cache "
+        "decode step (10-35 s on 2 shared cores for bench/engine.py's CPU models; Inductor's on-disk cache "
         "shortens later ones). Logprobs differ from the eager step's by rounding only (fused ops); a MoE model's "
         "experts run densely on the decode batch. A compile that fails leaves decode eager. 2 shared cores, b8 "
         "(bench/results/engine_cpu_s17.txt): dense 2.3-2.5x eager transformers where the eager engine is 1.5-1.6x, "
-        "MoE 1.8-2.3x where it is 1.3-1.4x. Off by default: the compile outweighs the gain for short runs and tests",
+        "MoE 1.8-2.3x where it is 1.3-1.6x. Off by default: the compile outweighs the gain for short runs and tests",
     )
     compile_background: bool = opt(
         False,
