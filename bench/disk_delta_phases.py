@@ -2,16 +2,22 @@
 
 In one process, no actors: the per-entry work of transport/bulk/disk_delta.py for one update of
 bench/weight_sync.py's 64 MiB model with half the tensors changed (trainer side: a digest of
-every entry; file write and base copy of the changed ones; engine side: the file read into a
-reused buffer, the changed entries into their staging slots and their digest, the copy of
-unchanged ones from the live weights; the delete of the version before last), and the raw
-channel writing and reading back the full bytes as a file. Changed entries go two ways, each
-update both, in alternating order: `bytes` (what disk_delta writes when it does not compress:
-the bytes themselves, copied into the slot) and `xor` (what it wrote before session 15: their
-XOR with the base, computed and checked for zeros on the sender, XORed back on the receiver).
-Medians of `--reps` updates, in ms. What the bench's ratio has beyond these is the per-update
-fixed cost (stage asks to the engine actor per bucket, index.json, the directory rename, the
-commit). Results: bench/results/weight_sync_disk_delta_cpu*.txt. Last line: one JSON object.
+every entry; file write and base copy of the changed ones; engine side: the changed entries
+from the file into their staging slots, checked by digest, the copy of unchanged ones from the
+live weights; the delete of the version before last), and the raw channel writing and reading
+back the full bytes as a file. Changed entries (uncompressed: `full+raw`) go three ways, each
+update all three, in rotating order:
+  buffered  session 15's receiver: the file read into a reused buffer, each entry copied into its
+            slot, then hashed; the sender writes an entry, then copies it as the next base
+  direct    this session's receiver: each entry read from the file straight into its slot in
+            1 MiB chunks, each chunk hashed as it lands (cache-hot); the sender as `buffered`
+  chunked   `direct`, and the sender copies each 1 MiB chunk into the next base and writes the
+            file from that copy while it is in cache
+`rm` (deleting the version before last) runs beside the next push since session 17: printed, not
+in the sums. Medians of `--reps` updates, in ms. What the bench's ratio has beyond these is the
+per-update fixed cost (stage asks to the engine actor per bucket, index.json, the directory
+rename, the commit). Results: bench/results/weight_sync_disk_delta_cpu*.txt. Last line: one
+JSON object.
 
 Usage: python bench/disk_delta_phases.py [--reps 9]
 """
@@ -31,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import weight_sync as ws  # noqa: E402  (bench/ is not a package)
@@ -38,7 +45,8 @@ import weight_sync as ws  # noqa: E402  (bench/ is not a package)
 from miles.models.hf_io import hf_tensor_views  # noqa: E402
 from miles.transport.bulk.delta_codec import as_bytes, digest  # noqa: E402
 
-VARIANTS = ("bytes", "xor")  # how a changed entry travels: now / before session 15
+VARIANTS = ("buffered", "direct", "chunked")  # see the module doc
+CHUNK = 1 << 20
 
 
 def main() -> None:
@@ -53,7 +61,6 @@ def main() -> None:
     keep = [v.clone() for v in views]  # the sender's spare
     slot = [v.clone() for v in views]  # the engine's staging
     sums = [digest(v) for v in views]
-    scratch = torch.empty(max(v.numel() for v in views), dtype=torch.uint8)
     buf = torch.empty(total, dtype=torch.uint8)
     times: dict[str, list[float]] = {}
     root = Path(tempfile.mkdtemp(prefix="miles-delta-phases-"))
@@ -68,7 +75,7 @@ def main() -> None:
         changed: list[int] = []
         for rep in range(a.reps):
             ws.perturb(model, rep, 0.5)
-            for variant in (VARIANTS if rep % 2 == 0 else VARIANTS[::-1]):
+            for variant in VARIANTS[rep % 3:] + VARIANTS[:rep % 3]:
                 t: dict[str, float] = {}
                 d = root / f"v{rep}-{variant}"
                 d.mkdir()
@@ -79,35 +86,42 @@ def main() -> None:
                             s = digest(n)
                         if s == sums[i]:
                             continue
-                        if variant == "xor":
-                            with timer("s_xor", t):
-                                p = torch.bitwise_xor(n, base[i], out=scratch[:n.numel()])
-                                p.any()  # encode's check for an all-zero XOR
+                        if variant == "chunked":
+                            with timer("s_keep+write", t):
+                                for c in range(0, n.numel(), CHUNK):
+                                    part = keep[i][c:c + CHUNK].copy_(n[c:c + CHUNK])
+                                    f.write(memoryview(part.numpy()))
                         else:
-                            p = n
-                        with timer("s_write", t):
-                            f.write(memoryview(p.numpy()))
-                        with timer("s_keep", t):
-                            keep[i].copy_(n)
+                            with timer("s_write", t):
+                                f.write(memoryview(n.numpy()))
+                            with timer("s_keep", t):
+                                keep[i].copy_(n)
                         changed.append(i)
-                with timer("r_read", t), open(d / "b.bin", "rb", buffering=0) as f:
-                    f.readinto(memoryview(buf.numpy()))
-                pos = 0
-                for i, n in enumerate(views):
-                    if i in changed:
-                        k = n.numel()
-                        if variant == "xor":
-                            with timer("r_xor", t):
-                                torch.bitwise_xor(buf[pos:pos + k], base[i], out=slot[i])
+                with open(d / "b.bin", "rb", buffering=0) as f:
+                    if variant == "buffered":
+                        with timer("r_read", t):
+                            f.readinto(memoryview(buf.numpy()))
+                    pos = 0
+                    for i, n in enumerate(views):
+                        if i in changed:
+                            k = n.numel()
+                            if variant == "buffered":
+                                with timer("r_copy", t):
+                                    slot[i].copy_(buf[pos:pos + k])
+                                with timer("r_digest", t):
+                                    digest(slot[i])
+                            else:
+                                with timer("r_read+digest", t):
+                                    h = xxhash.xxh3_128()
+                                    view = slot[i].numpy().data
+                                    for c in range(0, k, CHUNK):
+                                        got = f.readinto(view[c:c + CHUNK])
+                                        h.update(view[c:c + got])
+                                    h.hexdigest()
+                            pos += k
                         else:
-                            with timer("r_copy", t):
-                                slot[i].copy_(buf[pos:pos + k])
-                        with timer("r_digest", t):
-                            digest(slot[i])
-                        pos += k
-                    else:
-                        with timer("r_copy_same", t):
-                            slot[i].copy_(base[i])
+                            with timer("r_copy_same", t):
+                                slot[i].copy_(base[i])
                 if rep >= 2:
                     with timer("rm", t):
                         shutil.rmtree(root / f"v{rep - 2}-{variant}")
@@ -139,9 +153,9 @@ def main() -> None:
     raw = med["raw_write"] + med["raw_read"]
     out: dict[str, Any] = {"phases_ms": {k: round(v, 1) for k, v in med.items()}}
     for variant in VARIANTS:
-        ours = sum(v for k, v in med.items() if k.startswith(variant + ":"))
+        ours = sum(v for k, v in med.items() if k.startswith(variant + ":") and not k.endswith(":rm"))
         print(f"disk_delta phases ({variant}) {ours:.1f} ms vs raw {raw:.1f} ms: ratio {raw / ours:.2f} "
-              "(before RPC, index, commit)")
+              "(before RPC, index, commit; rm apart)")
         out[f"ratio_{variant}"] = round(raw / ours, 3)
     print(json.dumps(out))
 

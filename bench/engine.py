@@ -20,7 +20,10 @@ steps as CUDA graphs of a torch.compile'd forward, launched one step ahead of th
 (`engine.compile_decode`, `engine.overlap_decode`; compiled and captured in an untimed first run
 per engine, whose time is printed), and it prefills a group's shared prompt once
 (`engine.share_prompts`); grouped cases also run it with sharing off. `--plain-cases` runs cases
-once more with graphs alone (neither compiled nor overlapped).
+once more with graphs alone (neither compiled nor overlapped). On cpu every case also runs an
+engine with `engine.compile_decode_cpu` (its decode forward compiled by Inductor; off by default;
+compiled in its untimed first run, whose time is printed) in the same rounds: the `compiled`
+line under each row and `*_compiled_*` keys (`--no-compiled` skips it).
 The baseline is transformers `generate`: on cuda with `cache_implementation="static"`, which
 torch.compiles the decode forward (compiled in its warm-up run), only for the `--hf` cases
 (compiling is slow); on cpu with its defaults, for every case.
@@ -108,8 +111,8 @@ def prime(run: EngineRun, what: str) -> None:
     t = timed(run)
     g = run.engine.stepper.graphs
     state = "no graphs" if g is None else "graphs failed" if g.failed else "compiled" if g.compiled else "uncompiled"
-    if run.engine.device.type == "cuda":
-        print(f"# {what}: {t:.1f} s ({state} decode graphs)", flush=True)
+    if run.engine.device.type == "cuda" or g is not None:  # cpu: engine.compile_decode_cpu
+        print(f"# {what}: {t:.1f} s ({state} decode {'graphs' if g is None or g.capture else 'forward'})", flush=True)
 
 
 def rounds(repeats: int, fns: list[Any], budget_s: float) -> list[list[float]]:
@@ -271,6 +274,9 @@ def bench_case(
     runs["engine"] = EngineRun(model, args.device, case, prompts, share=True, settings=args.engine_set)
     if case.samples > 1 and not args.no_unshared:
         runs["engine_unshared"] = EngineRun(model, args.device, case, prompts, share=False, settings=args.engine_set)
+    if args.device == "cpu" and not args.no_compiled:
+        runs["engine_compiled"] = EngineRun(model, args.device, case, prompts, share=True,
+                                            settings={**args.engine_set, "compile_decode_cpu": True})
     for key in [k for k in runs if k.startswith("engine")]:
         prime(runs[key], f"{key} first run")
     if hf is not None:
@@ -288,7 +294,9 @@ def bench_case(
                     if k in tok and CPU_S.get(id(r))})
     if "hf" in tok:  # the median of each round's own ratio: the two runs of a round see the same load
         t = dict(zip(runs, times, strict=True))
-        tok["hf_paired_speedup"] = statistics.median(h / e for e, h in zip(t["engine"], t["hf"], strict=True))
+        for k in ("engine", "engine_compiled"):
+            if k in t:
+                tok[f"hf_paired_speedup{k[6:]}"] = statistics.median(h / e for e, h in zip(t[k], t["hf"], strict=True))
     return tok, times
 
 
@@ -364,6 +372,15 @@ def report(
         print(f"#   by CPU time: engine {tok['engine_cpu']:.1f}, hf {tok['hf_cpu']:.1f} tok/s, "
               f"en/hf {tok['engine_cpu'] / tok['hf_cpu']:.2f}; median of the rounds' own en/hf "
               f"{tok.get('hf_paired_speedup', float('nan')):.2f}", flush=True)
+    if "engine_compiled" in tok:  # engine.compile_decode_cpu, in the same rounds
+        co = tok["engine_compiled"]
+        out[f"{key}_compiled_tok_s"] = round(co, 1)
+        if "hf" in tok:
+            out[f"{key}_compiled_speedup_vs_hf"] = round(co / tok["hf"], 3)
+            out[f"{key}_compiled_speedup_vs_hf_paired"] = round(tok.get("hf_paired_speedup_compiled", 0.0), 3)
+        print(f"#   compiled decode (engine.compile_decode_cpu): {co:.1f} tok/s, co/hf "
+              f"{co / tok['hf'] if 'hf' in tok else float('nan'):.2f}, median of the rounds' own co/hf "
+              f"{tok.get('hf_paired_speedup_compiled', float('nan')):.2f}", flush=True)
     if device == "cpu" and name == "b8":  # the keys of earlier CPU runs (bench/results/engine_cpu.txt)
         out[f"cpu_{kind}_engine_tok_s"] = round(en, 1)
         if "hf" in tok:
@@ -397,6 +414,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="comma list of model:case run once more, last, with engine.compile_decode=false and "
                          "overlap_decode=false (decode graphs only: the engine before those defaults)")
     ap.add_argument("--no-unshared", action="store_true", help="grouped cases: skip the share_prompts=false run")
+    ap.add_argument("--no-compiled", action="store_true",
+                    help="cpu: skip the run with engine.compile_decode_cpu=true (its first run compiles, ~35 s)")
     ap.add_argument("--repeats", type=int, default=None, help="timed runs per side (cpu: 7; cuda: 3)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads for both sides")
     ap.add_argument("--budget-s", type=float, default=None,

@@ -78,6 +78,7 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int, bool, tuple[int, int]], _Graph] = {}
         self._mempool: torch.cuda._POOL_HANDLE | None = None
         self.failed = False  # a capture failed: the engine falls back to eager decode for good
+        self.compile_failed = False  # the compile failed (`_uncompile`): the forward runs uncompiled
         self.aside = False  # a compile runs in another thread (`compile_aside`): capture nothing new
 
     def buckets(self, n: int, read: int) -> tuple[int, int]:
@@ -224,6 +225,7 @@ class DecodeGraphs:
     def _uncompile(self, exc: Exception) -> None:
         log.warning("decode_compile_disabled", error=f"{type(exc).__name__}: {str(exc)[:500]}")
         self.compiled = False
+        self.compile_failed = True
 
     def _forward(
         self, inputs: torch.Tensor, read: int, want_routed: bool

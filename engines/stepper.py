@@ -70,6 +70,7 @@ class Stepper:
         cuda_graphs: bool = True,
         compile_decode: bool = False,
         overlap: bool = True,
+        compile_cpu: bool = False,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -95,11 +96,26 @@ class Stepper:
             self.graphs = DecodeGraphs(model, pool, compiled=compiled)
         elif use_graphs and isinstance(pool, PagedPool):  # not compiled: its bind has a host side
             self.graphs = PagedDecodeGraphs(model, pool)
+        elif (compile_cpu and device.type == "cpu" and not self.vl and not batch_invariant
+              and isinstance(pool, RowPool)):
+            # engine.compile_decode_cpu: the graphs' padded forward, compiled and run without capture.
+            # A step of a small model is ~180 eager ops of a few microseconds each; compiled, a few
+            # fused C++ kernels. If the compile fails, the padded forward is slower than the eager
+            # step, so decode goes eager (`_decode_forward`).
+            self.graphs = DecodeGraphs(model, pool, capture=False, compiled=True)
+        self._compiled_cpu = self.graphs if self.graphs is not None and device.type == "cpu" else None
         self.overlap = overlap  # engine.overlap_decode
 
     def _mode(self) -> contextlib.AbstractContextManager[object]:
         """The kernels' mode for a step: batch-invariant (true on-policy) or the default ops."""
         return BatchInvariant() if self.batch_invariant else contextlib.nullcontext()
+
+    def _eager_if_uncompiled(self) -> None:
+        """The CPU's compiled decode (engine.compile_decode_cpu) after its compile failed (logged by
+        DecodeGraphs): the uncapturable padded forward only costs there, so decode eagerly from now on."""
+        g = self._compiled_cpu
+        if g is not None and g is self.graphs and g.compile_failed:
+            g.failed = True
 
     def _graphs_failed(self, exc: Exception) -> None:
         """A capture the model cannot take: decode eagerly from now on."""
@@ -116,6 +132,7 @@ class Stepper:
         try:
             with self._mode(), torch.inference_mode():
                 g.warm_up(every_batch)
+            self._eager_if_uncompiled()
         except Exception as exc:  # noqa: BLE001 - decode eagerly instead
             self._graphs_failed(exc)
 
@@ -125,7 +142,10 @@ class Stepper:
         if g is None or g.failed:
             return False
         with self._mode(), torch.inference_mode():
-            return g.compile_aside()
+            ok = g.compile_aside()
+        if not ok and g is self._compiled_cpu:  # CPU: the uncompiled padded forward it serves with only costs
+            g.failed = True
+        return ok
 
     def use_compiled(self) -> None:
         """Between steps: swap the compiled decode in (a failure leaves decode eager, as at a step)."""
@@ -162,6 +182,7 @@ class Stepper:
                 ids, pos = prev.tokens, prev.pos + 1
             try:
                 logits, routed = self.graphs.run_fed(ids, pos, max(s.kv_len for s in seqs) + 1, want)
+                self._eager_if_uncompiled()
             except Exception as exc:  # noqa: BLE001 - decode eagerly instead
                 self._graphs_failed(exc)
                 return None
@@ -290,7 +311,9 @@ class Stepper:
                 kv_lens = [s.kv_len for s in seqs]
                 if self.pool.reserves:  # blocks and tables, outside the graph
                     self.pool.prepare(0, kv_lens)
-                return self.graphs.run([s.tokens[-1] for s in seqs], kv_lens, want)
+                out = self.graphs.run([s.tokens[-1] for s in seqs], kv_lens, want)
+                self._eager_if_uncompiled()
+                return out
             except Exception as exc:  # noqa: BLE001 - decode eagerly instead
                 self._graphs_failed(exc)
         dev = self.device

@@ -91,7 +91,7 @@ class TorchEngine(Engine):
             self.pool = RowPool(self.spec, self.cfg.max_batch_size, self.max_seq_len, self.dtype, self.device)
         self.stepper = Stepper(
             model, self.pool, self.device, batch_invariant, self.cfg.cuda_graphs, self.cfg.compile_decode,
-            overlap=self.cfg.overlap_decode,
+            overlap=self.cfg.overlap_decode, compile_cpu=self.cfg.compile_decode_cpu,
         )
         self.sessions = SessionKVStore(self.cfg.kv_budget_tokens)
         self.stale_session_kv = 0  # saved session KV not reused: older weights wrote it (session_kv_reuse)

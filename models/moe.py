@@ -96,10 +96,11 @@ class Experts(nn.Module):
             return self._grouped(x, ids, weights)
         if impl == "grouped_mm":
             return grouped_swiglu_experts(x, ids, weights, self.gate_up_proj, self.down_proj)
-        # graph capture, and the engine's compiled decode that is captured next: the other paths
-        # need per-expert counts on the host; a decode batch is small enough that dense wins
-        # anyway. (is_compiling first: under a trace, the capture query would break the graph.)
-        if impl == "dense" or (x.is_cuda and (torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing())):
+        # graph capture, and the engine's compiled decode (captured next on CUDA; run as is on the
+        # CPU, engine.compile_decode_cpu): the other paths need per-expert counts on the host; a
+        # decode batch is small enough that dense wins anyway. (is_compiling first: under a trace,
+        # the capture query would break the graph.)
+        if impl == "dense" or torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
             return self._dense(x, ids, weights)
         e, two_i, h = self.gate_up_proj.shape
         extra_macs = n * (e - k) * (two_i + self.inter) * h

@@ -75,6 +75,18 @@ class EngineConfig:
         "models), made while the engine serves (compile_background) or before; a compile that fails falls back to "
         "the uncompiled graphs",
     )
+    compile_decode_cpu: bool = opt(
+        False,
+        "torch engine on CPU over kv_layout=rows, outside batch_invariant (dense and MoE; not vision-language): "
+        "torch.compile (Inductor, C++ kernels) the decode forward, padded as the CUDA graphs pad it (batch to a "
+        "power of two, keys to the pool's width, masked), so a step runs a few fused kernels instead of ~180-270 "
+        "small eager ops; prefill stays eager. One dynamic-shape compile per process, in warm_up or the first "
+        "decode step (10-35 s on 2 shared cores for bench/engine.py's CPU models; Inductor's on-disk cache "
+        "shortens later ones). Logprobs differ from the eager step's by rounding only (fused ops); a MoE model's "
+        "experts run densely on the decode batch. A compile that fails leaves decode eager. 2 shared cores, b8 "
+        "(bench/results/engine_cpu_s17.txt): dense 2.3-2.5x eager transformers where the eager engine is 1.5-1.6x, "
+        "MoE 1.8-2.3x where it is 1.3-1.6x. Off by default: the compile outweighs the gain for short runs and tests",
+    )
     compile_background: bool = opt(
         False,
         "with compile_decode: the engine serves at once with uncompiled decode graphs while the compile runs in "

@@ -86,14 +86,15 @@ class SyncConfig:
     )
     delta_dir: str = opt(
         "", "shared directory of disk_delta versions (weight_v{N}/); required for disk_delta. Its speed on the CPU "
-        "bench (64 MiB, half the tensors changed per update): 0.4-1.4x of writing and reading the whole model as "
-        "files, not a steady >= 0.8x, and measured why: its own byte work per update (the sender's digest of every "
-        "byte to find the unchanged tensors; each changed byte written, kept as the next base, read, copied into "
-        "the engine's staging and digested as a check; each unchanged byte copied into the double-buffered "
-        "staging) takes ~90 ms at best on the 2-core box, ~55 ms of it memory passes besides the file I/O, while "
-        "the raw channel moves all 64 MiB out and back in ~36 ms when files go at page-cache speed (~2 GB/s): "
-        "~0.4x then. It wins (1.1-1.8x) when file I/O is the bottleneck (writeback, a busy disk), which is what "
-        "writing half the bytes is for (bench/results/weight_sync_disk_delta_cpu_s15.txt, "
+        "bench (64 MiB, 16 MiB buckets, half the tensors changed per update, 2 shared cores): 0.63-0.72x of "
+        "writing and reading the whole model as files (40-44 ms an update where the raw channel takes 26-30 ms at "
+        "page-cache speed; 0.53-0.64x before session 17), not 0.8x, and measured why: of its ~25 ms of byte "
+        "work, the file I/O of the changed half is ~13 ms and the rest is passes the design needs (the sender's "
+        "digest of every byte to find the unchanged tensors ~5, its copy of the changed bytes as the next base ~3, "
+        "the engine's copy of unchanged tensors into its double-buffered staging ~4, the check digest ~1); the "
+        "other ~17 ms are a version's fixed costs over the actor wire (a stage ask per bucket, answered in order; "
+        "the bucket files, index and rename; the commit). Where file I/O is slow (writeback, a busy disk) writing "
+        "half the bytes wins: 1.1-1.8x (bench/results/weight_sync_disk_delta_cpu_s17.txt, "
         "bench/disk_delta_phases.py)", "path"
     )
     delta_compression: DeltaCompression = opt(

@@ -136,3 +136,88 @@ async def test_background_compile_serves_before_it_is_ready_and_swaps_in(monkeyp
     for a, b, c in zip(plain, early, late, strict=True):
         assert a.output_ids == b.output_ids == c.output_ids
         assert np.allclose(a.logprobs, c.logprobs, atol=1e-4)
+
+
+async def _engine_run(model: CausalLM, compile_cpu: bool, routed: bool = False) -> tuple[list[GenerateResult], TorchEngine]:
+    """engine.compile_decode_cpu through the engine's own config (not a hand-set DecodeGraphs):
+    greedy and seeded requests of different lengths, two of them joining mid-run."""
+    eng = TorchEngine(model, EngineConfig(max_batch_size=4, max_seq_len=64, kv_budget_tokens=0,
+                                          compile_decode_cpu=compile_cpu))
+    prompts = [[1, 2, 3], [4] * 9, [5, 6], [7, 8, 9, 10]]
+    reqs = [GenerateRequest(input_ids=p, return_routed_experts=routed,
+                            sampling=SamplingParams(temperature=1.0 if i % 2 else 0.0, seed=i, max_new_tokens=6 + 3 * i))
+            for i, p in enumerate(prompts)]
+    try:
+        first = [asyncio.create_task(eng.generate(r)) for r in reqs[:2]]
+        while eng.stats()["generated_tokens"] < 3:
+            await asyncio.sleep(0)
+        rest = [asyncio.create_task(eng.generate(r)) for r in reqs[2:]]
+        return list(await asyncio.gather(*first, *rest)), eng
+    finally:
+        await eng.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+async def test_compile_decode_cpu_option_gives_the_eager_engines_tokens(arch: str) -> None:
+    kw = {"num_hidden_layers": 3, "mlp_only_layers": [1]} if arch == "qwen3_moe" else {"num_hidden_layers": 1}
+    model = tiny_model(arch, **kw)
+    routed = arch == "qwen3_moe"
+    eager, plain = await _engine_run(model, False, routed)
+    assert plain.stepper.graphs is None  # off by default: the CPU engine decodes eagerly
+    compiled, eng = await _engine_run(model, True, routed)
+    graphs = eng.stepper.graphs
+    assert graphs is not None and graphs.compiled and not graphs.failed
+    for a, b in zip(eager, compiled, strict=True):
+        assert a.output_ids == b.output_ids and a.finish_reason == b.finish_reason
+        assert np.allclose(a.logprobs, b.logprobs, atol=1e-4)
+        if routed:  # the experts run densely under the compile: the same choice
+            assert a.routed_experts is not None and b.routed_experts is not None
+            assert np.array_equal(a.routed_experts, b.routed_experts)
+
+
+async def test_compile_decode_cpu_whose_compile_fails_decodes_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(cls: type) -> object:  # fault injection: the compiler raises as Inductor would
+        def run(*args: object) -> object:
+            raise RuntimeError("InductorError: simulated compile failure")
+        return run
+
+    model = tiny_model("qwen3", num_hidden_layers=1)
+    eager, _ = await _engine_run(model, False)
+    monkeypatch.setattr(cuda_graph, "_compiled_forward", broken)
+    fell_back, eng = await _engine_run(model, True)
+    graphs = eng.stepper.graphs
+    assert graphs is not None and graphs.failed and not graphs.compiled  # eager from then on
+    for a, b in zip(eager, fell_back, strict=True):
+        assert a.output_ids == b.output_ids
+        assert np.allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+async def test_compile_decode_cpu_in_the_background_whose_compile_fails_decodes_eagerly(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """engine.compile_background with compile_decode_cpu: the engine serves at once (uncompiled),
+    and when the compile aside fails it decodes eagerly, with the eager engine's tokens."""
+    def broken(cls: type) -> object:  # fault injection: the compiler raises as Inductor would
+        def run(*args: object) -> object:
+            raise RuntimeError("InductorError: simulated compile failure")
+        return run
+
+    model = tiny_model("qwen3", num_hidden_layers=1)
+    eager, _ = await _engine_run(model, False)
+    monkeypatch.setattr(cuda_graph, "_compiled_forward", broken)
+    eng = TorchEngine(model, EngineConfig(max_batch_size=4, max_seq_len=64, kv_budget_tokens=0,
+                                          compile_decode_cpu=True, compile_background=True))
+    prompts = [[1, 2, 3], [4] * 9, [5, 6], [7, 8, 9, 10]]
+    reqs = [GenerateRequest(input_ids=p, sampling=SamplingParams(temperature=1.0 if i % 2 else 0.0, seed=i,
+                                                                 max_new_tokens=6 + 3 * i))
+            for i, p in enumerate(prompts)]
+    try:
+        await eng.warm_up()
+        assert not await eng.compile_done()
+        graphs = eng.stepper.graphs
+        assert graphs is not None and graphs.failed  # eager from now on
+        late = await asyncio.gather(*(eng.generate(r) for r in reqs))
+    finally:
+        await eng.close()
+    for a, b in zip(eager, late, strict=True):
+        assert a.output_ids == b.output_ids
+        assert np.allclose(a.logprobs, b.logprobs, atol=1e-5)

@@ -57,7 +57,9 @@ def digest(b: torch.Tensor) -> str:
 
 # `*_sampled` compresses an entry only when a sample of it shrinks at least this much: a slow
 # compressor (zlib runs at ~0.05-0.1 GB/s) saving a quarter of the bytes loses to any disk.
-SAMPLE_BYTES = 1 << 16
+# 16 KiB: lz4 took 0.25-0.45 ms per 64 KiB sample on the 2-core CPU host, ~10 % of a 64 MiB
+# update's time when half its tensors change (bench/results/weight_sync_disk_delta_cpu_s17.txt).
+SAMPLE_BYTES = 1 << 14
 AUTO_MAX_RATIO = 0.5
 
 
