@@ -3,8 +3,9 @@
     python bench/learn_plot_qwen.py --res bench/results/learn_gsm8k_qwen_h100.json \
         [--trl bench/results/learn_vs_trl_qwen_h100.json] [--out docs/img/learn_gsm8k_qwen_h100.png]
 
-Panels: held-out greedy accuracy against training time (lenient: the last number, on the first 128
-test rows every 25 steps and on all 1,319 at the ends; strict: the number after the last ####), each
+Panels: held-out greedy accuracy against training time (strict: the answer in the recipe's format,
+the last \\boxed{} or after the last ####, on the first 128 test rows every 25 steps and on all 1,319
+at the ends; lenient: the last number, on all 1,319), each
 run and TRL; the raw training reward per step with its 9-step moving average; the step time and
 |logp engine - logp trainer| per step. The title names the GPU, the commit and the recipe. Input: the
 run lines of bench/learn_summary.py (needs matplotlib).
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -38,20 +40,23 @@ def main() -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    # strict reads the answer where the recipe's prompt asks for it (rollout/envs/gsm8k.py STRICT)
+    fmt = tomllib.loads(Path(a.recipe).read_text())["rollout"]["env_args"].get("answer_format", "hash")
+    strict = "strict (last \\boxed{})" if fmt == "boxed" else "strict (after ####)"
     rows = lines(Path(a.res))
     runs = [r for r in rows if r.get("kind") == "run" and not r.get("failed")]
     head = rows[-1]
     fig, ax = plt.subplots(1, 3, figsize=(16, 4.6))
     for r in runs:
         label = f"{r.get('engine_label', r['mode'])} seed {r['seed']}"
-        cur = [c for c in r["eval_curve"] if c.get("lenient") is not None]
-        pts = ax[0].plot([c["loop_s"] / 60 for c in cur], [100 * c["lenient"] for c in cur], "o-", alpha=0.5,
-                         label=f"{label}: lenient, first 128 rows")[0]
-        full = [c for c in r["eval_curve"] if c.get("full_lenient") is not None]
-        ax[0].plot([c["loop_s"] / 60 for c in full], [100 * c["full_lenient"] for c in full], "s-", ms=8,
-                   color=pts.get_color(), label=f"{label}: lenient, all 1,319 rows")
-        ax[0].plot([c["loop_s"] / 60 for c in cur], [100 * c["strict"] for c in cur], "x:",
-                   color=pts.get_color(), label=f"{label}: strict (after ####)")
+        cur = [c for c in r["eval_curve"] if c.get("strict") is not None]
+        pts = ax[0].plot([c["loop_s"] / 60 for c in cur], [100 * c["strict"] for c in cur], "o-", alpha=0.5,
+                         label=f"{label}: {strict}, first 128 rows")[0]
+        full = [c for c in r["eval_curve"] if c.get("full_strict") is not None]
+        ax[0].plot([c["loop_s"] / 60 for c in full], [100 * c["full_strict"] for c in full], "s-", ms=8,
+                   color=pts.get_color(), label=f"{label}: {strict}, all 1,319 rows")
+        ax[0].plot([c["loop_s"] / 60 for c in full], [100 * c["full_lenient"] for c in full], "x:",
+                   color=pts.get_color(), label=f"{label}: lenient (last number), all 1,319 rows")
         rew = r["reward_per_step"]
         line = ax[1].plot(range(1, len(rew) + 1), rew, alpha=0.25)[0]
         ax[1].plot(range(1, len(rew) + 1), ma(rew), color=line.get_color(), label=f"{label} (MA9)")
