@@ -89,9 +89,9 @@ def crash_report(log_path: Path, start: int = 0, tail_bytes: int = 1 << 16) -> C
 
 def _fatal_signal(lines: list[str]) -> str:
     """faulthandler's report of a fatal signal (launch/role.py enables it), as one line: the
-    error and the two innermost frames of the thread that crashed, e.g. "Fatal Python error:
-    Segmentation fault at torch/cuda/__init__.py:519 in _lazy_init < weightsync/receiver.py:88
-    in open"; '' when there is none."""
+    error and the two innermost frames of the thread that crashed ("Fatal Python error:
+    Segmentation fault at FILE:LINE in FUNCTION < its caller's FILE:LINE in FUNCTION"; a path
+    inside miles is shown from the package root); '' when there is none."""
     starts = [i for i, ln in enumerate(lines) if ln.startswith("Fatal Python error:")]
     if not starts:
         return ""
