@@ -156,6 +156,20 @@ class ShardedCoordinator:
         self.versions.pop(engine, None)
         self._forget()
 
+    async def offer_plan(self, plan: TransferPlan, live: list[str], dead: list[str]) -> dict[str, str]:
+        """Rank 0: hand `live` engines the flat plan (once per plan and engine set); the engines that
+        declined it, with their reasons (empty: all took it). Inside a push a decline fails the
+        push; a one-rank sync (weightsync/one_rank.py) asks before pushing and sends a decliner
+        tensors instead (weightsync/trainer_sync.py `GatheredSync`)."""
+        if self._plan_for == (plan.digest, tuple(live)):
+            return {}
+        wire = plan.engines[0].plan.to_wire()
+        took = await self._each("flat plan", live, lambda n: self.link.plan(n, wire), dead)
+        why = {n: str(t) for n, t in zip(live, took, strict=True) if t is not True and t is not None}
+        if not why:
+            self._plan_for = (plan.digest, tuple(n for n in live if n not in dead))
+        return why
+
     # ------------------------------------------------------------------ the protocol
     async def push(self, version: int, export: ShardExport) -> SyncReport:
         """Push `version` from every rank's `export` (a collective: every rank calls it)."""
@@ -175,16 +189,10 @@ class ShardedCoordinator:
             return {"live": list(now), "shared": shared, "base": base}
 
         async def send_plan() -> None:
-            live = rnd.alive()
-            if self._plan_for == (plan.digest, tuple(live)):
-                return
-            wire = plan.engines[0].plan.to_wire()
-            took = await self._each("flat plan", live, lambda n: self.link.plan(n, wire), dead)
-            why = {n: str(t) for n, t in zip(live, took, strict=True) if t is not True and t is not None}
+            why = await self.offer_plan(plan, rnd.alive(), dead)
             if why:
                 raise SyncError(f"engines declined the sharded plan (a sharded sync lands byte ranges only; "
                                 f"set sync.dtype to the engines' dtype): {why}")
-            self._plan_for = (plan.digest, tuple(live))
 
         async def body() -> None:
             ctl = (await self._phase("pause", begin if self.rank == 0 else None, dead))[0]
