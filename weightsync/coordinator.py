@@ -170,7 +170,7 @@ class GatheredCoordinator:
         tag, nbytes = self.sender.tag, self.sender.bucket_bytes
         await self._together(self._all(f"open {tag} channel", live,
                                        lambda n: self.link.open(n, tag, infos[n], nbytes), dead),
-                             getattr(self.sender, "connected", None))
+                             self.sender.connected)
         self._open_for = list(live)
 
     @staticmethod

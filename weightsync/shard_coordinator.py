@@ -35,9 +35,9 @@ import xxhash
 
 from miles.core.errors import SyncError
 from miles.core.logging import get_logger
-from miles.transport.bulk.base import dtype_of
-from miles.transport.bulk.shard_channels import SHARDED_TAG, ShardSender
+from miles.transport.bulk.base import BulkSender, dtype_of
 from miles.transport.bulk.shard_delta import IDX_BYTES, encode
+from miles.transport.bulk.shard_receiver import SHARDED_TAG
 from miles.weightsync.coordinator import SyncLink, adopt, drain
 from miles.weightsync.push_round import PushRound, SyncReport, each
 from miles.weightsync.rank_group import RankGroup
@@ -102,7 +102,7 @@ class ShardedOptions:
     pause_mode: str = "none"
     verify_every: int = 0
     delta: bool = False  # send only changed words when fewer bytes (transport/bulk/shard_delta.py); +1 shard of memory
-    receive_ahead_bytes: int = 0  # ucx engines: a bucket per rank, up to this much (transport/bulk/shard_channels.py)
+    receive_ahead_bytes: int = 0  # ucx engines: a bucket per rank, up to this much (transport/bulk/shard_receiver.py)
 
 
 class _Failed(SyncError):
@@ -112,7 +112,7 @@ class _Failed(SyncError):
 class ShardedCoordinator:
     """One trainer rank's side of a sharded sync to `engines` (every rank has the same list)."""
 
-    def __init__(self, link: SyncLink, group: RankGroup, sender: ShardSender, engines: list[str],
+    def __init__(self, link: SyncLink, group: RankGroup, sender: BulkSender, engines: list[str],
                  opts: ShardedOptions) -> None:
         self.link, self.group, self.sender, self.opts = link, group, sender, opts
         self.engines = list(engines)
@@ -385,7 +385,7 @@ class ShardedCoordinator:
             raise SyncError(errs[0])
         return True
 
-    async def catch_up(self, engine: str, version: int, export: ShardExport, sender: ShardSender) -> SyncReport:
+    async def catch_up(self, engine: str, version: int, export: ShardExport, sender: BulkSender) -> SyncReport:
         """Bring one (restarted or lagging) engine to `version`: every rank sends it its shard over
         `sender` (a collective). The engine joins this coordinator's set; the channel is rebuilt
         on the next push so it gets a receiver too."""

@@ -10,15 +10,13 @@ at. weightsync/actor_wire.py binds them to the actor wire (`WeightSync`, `Sharde
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
-from typing import Any, cast
 
 import torch
 
 from miles.core.schema.sync import SyncConfig
-from miles.transport.bulk.base import BulkSender, make_sender
-from miles.transport.bulk.shard_channels import ShardTransport, make_shard_sender
-from miles.transport.bulk.wire_plan import SegmentSender
+from miles.transport.bulk.base import BulkSender, SenderPlace, make_sender
 from miles.weightsync.coordinator import GatheredCoordinator, SyncLink, adopt
 from miles.weightsync.flat import FlatWeights
 from miles.weightsync.one_rank import SoloRankGroup, one_rank_export, one_rank_plan
@@ -54,17 +52,12 @@ class GatheredSync:
         self.link = link
         self.device = torch.device(device)
         self.advertise = advertise
-        sender: BulkSender = make_sender(cfg)
-        if cfg.transport in ("broadcast", "ucx") and isinstance(sender, SegmentSender):
-            # Broadcast picks NCCL for a CUDA trainer, gloo for a CPU one; ucx keeps GPU weights on the GPU.
-            sender.device = self.device
-        if hasattr(sender, "advertise"):
-            sender.advertise = advertise
-        self.coordinator = GatheredCoordinator(link, sender, cfg, engines, self.device)
+        # The device picks broadcast's backend (NCCL for a CUDA trainer, gloo for a CPU one); ucx keeps GPU weights on the GPU.
+        self.place = SenderPlace(0, 1, advertise, self.device)
+        self.coordinator = GatheredCoordinator(link, make_sender(cfg, self.place), cfg, engines, self.device)
         self.one_rank: ShardedCoordinator | None = None
         if cfg.transport in ONE_RANK_TRANSPORTS:
-            self.one_rank = self._solo(cast(ShardTransport, cfg.transport), self.coordinator.engines,
-                                       cfg.pause_mode, cfg.verify_every)
+            self.one_rank = self._solo(cfg, self.coordinator.engines, cfg.pause_mode, cfg.verify_every)
             # one engine set and one record of versions, whichever coordinator pushed
             self.one_rank.engines = self.coordinator.engines
             self.one_rank.versions = self.coordinator.versions
@@ -72,8 +65,9 @@ class GatheredSync:
         self._transfer: tuple[str, TransferPlan | None] = ("", None)  # one-rank plan per flat plan digest
         self._declined: tuple[str, tuple[str, ...]] | None = None  # (plan, engines) the engines declined
 
-    def _solo(self, tag: ShardTransport, engines: list[str], pause_mode: str, verify_every: int) -> ShardedCoordinator:
-        sender = make_shard_sender(tag, 0, 1, self.cfg.step_timeout_s, self.advertise, self.device)
+    def _solo(self, cfg: SyncConfig, engines: list[str], pause_mode: str, verify_every: int) -> ShardedCoordinator:
+        """A sharded coordinator of one rank over `cfg`'s channel."""
+        sender = make_sender(cfg, self.place, sharded=True)
         # No receive-ahead (ucx): it lets several ranks' bytes flow into an engine at once; from one rank
         # it would only add a copy, where a bucket is received straight into the staging slots.
         opts = ShardedOptions(self.cfg.bucket_mib << 20, self.cfg.pipeline_depth, pause_mode, verify_every)
@@ -133,7 +127,7 @@ class GatheredSync:
         export as a one-rank sharded push, else tensor by tensor). The engine joins the set."""
         export = self._export(named)
         if export is not None:
-            sub = self._solo("zmq", [engine], "none", 0)
+            sub = self._solo(dataclasses.replace(self.cfg, transport="zmq"), [engine], "none", 0)
             try:
                 if await self._taken(sub, export, [engine]):
                     rep = await sub.push(version, export)
@@ -181,12 +175,11 @@ class ShardedSync:
         # delta: only changed words when that moves fewer bytes (transport/bulk/shard_delta.py; +1 shard)
         self.opts = ShardedOptions(bucket_bytes or cfg.bucket_mib << 20, cfg.pipeline_depth, cfg.pause_mode,
                                    cfg.verify_every, delta, cfg.receive_ahead_mib << 20)
-        self.coordinator = ShardedCoordinator(self.link, self.group, self._sender(cast(ShardTransport, cfg.transport)),
-                                              engines, self.opts)
+        self.coordinator = ShardedCoordinator(self.link, self.group, self._sender(cfg), engines, self.opts)
 
-    def _sender(self, tag: ShardTransport) -> Any:  # sync.transport: the loader allows only these under sync.sharded
-        return make_shard_sender(tag, self.group.rank, self.group.size, self.cfg.step_timeout_s, self.advertise,
-                                 self.device)
+    def _sender(self, cfg: SyncConfig) -> BulkSender:  # sync.transport: the loader allows only zmq, ucx, broadcast
+        place = SenderPlace(self.group.rank, self.group.size, self.advertise, self.device)
+        return make_sender(cfg, place, sharded=True)
 
     @property
     def engines(self) -> list[str]:
@@ -197,7 +190,8 @@ class ShardedSync:
 
     async def catch_up(self, engine: str, version: int, export: ShardExport) -> SyncReport:
         """Bring one engine to `version` over zmq, every rank sending its shard (a collective)."""
-        return await self.coordinator.catch_up(engine, version, export, self._sender("zmq"))
+        return await self.coordinator.catch_up(engine, version, export,
+                                               self._sender(dataclasses.replace(self.cfg, transport="zmq")))
 
     async def close(self) -> None:
         await self.coordinator.close()

@@ -17,7 +17,7 @@ import torch
 from miles.core.errors import SyncError
 from miles.core.schema.sync import SyncConfig
 from miles.models.hf_io import hf_tensor_views, tensor_checksum
-from miles.transport.bulk.shard_channels import make_shard_sender
+from miles.transport.bulk.base import make_sender
 from miles.weightsync.actor_wire import ActorSyncLink, WeightSync
 from miles.weightsync.flat import FlatWeights
 from miles.weightsync.one_rank import SoloRankGroup, one_rank_export
@@ -87,7 +87,7 @@ async def test_a_gathered_export_goes_through_the_sharded_coordinator_with_one_r
 
     export = one_rank_export(fw)
     assert export is not None
-    sender = make_shard_sender(transport, 0, 1, cfg.step_timeout_s, "127.0.0.1", torch.device("cpu"))  # type: ignore[arg-type]
+    sender = make_sender(cfg, sharded=True)
     sharded = ShardedCoordinator(ActorSyncLink(host, cfg.step_timeout_s), SoloRankGroup(), sender, engines,
                                  ShardedOptions(1 << 20, verify_every=1))
     try:
