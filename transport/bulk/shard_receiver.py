@@ -98,7 +98,10 @@ class ShardReceiver(BulkReceiver):
         self._broken = ""  # why the receive-ahead stream broke, if it did
         self._pg: Any = None
         self._store: Any = None
-        dev = "cuda" if self.sources and self.sources[0].get("backend") == "nccl" else "cpu"
+        # GPU weights land through GPU buffers (NCCL, or UCX moving CUDA memory itself), as a gathered
+        # ucx receiver's do: the senders say where their bytes live.
+        first = self.sources[0] if self.sources else {}
+        dev = "cuda" if first.get("backend") == "nccl" or first.get("mem") == "cuda" else "cpu"
         self._buf = torch.empty(0, dtype=torch.uint8, device=dev)  # grown to a bucket on first need
         self._full = torch.empty(0, dtype=torch.uint8, device=dev)  # a delta bucket rebuilt (delta syncs only)
 
