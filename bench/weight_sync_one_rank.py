@@ -9,6 +9,7 @@ every flat push took before), B = `sync.push` (the routed one-rank path). A push
 switch of path reopens the channel and is not timed. Reports the median and best ms per push.
 
     python bench/weight_sync_one_rank.py [--transports zmq,ucx] [--hidden 512 --layers 4] [--pushes 15]
+    python bench/weight_sync_one_rank.py --device cuda --hidden 2048 --layers 8   # a GPU run
 
 Prints a table, then one JSON object as the last line.
 """
@@ -42,11 +43,12 @@ from miles.weightsync.param_buffer import pack_parameters  # noqa: E402
 torch.set_num_threads(1)
 
 
-async def ab(directory: str, fw: FlatWeights, transport: str, bucket_mib: int, pushes: int) -> dict[str, list[float]]:
+async def ab(directory: str, fw: FlatWeights, transport: str, bucket_mib: int, pushes: int,
+             device: str = "cpu") -> dict[str, list[float]]:
     host = Host(TransportConfig(), directory)
     await host.start()
     sync = WeightSync(host, SyncConfig(transport=transport, bucket_mib=bucket_mib, pause_mode="none",  # type: ignore[arg-type]
-                                       step_timeout_s=60), ["engine"])
+                                       step_timeout_s=60), ["engine"], device)
     assert sync.one_rank is not None, f"{transport} is not routed through a one-rank sharded sync"
 
     async def gathered(version: int, fw: FlatWeights) -> Any:
@@ -65,6 +67,8 @@ async def ab(directory: str, fw: FlatWeights, transport: str, bucket_mib: int, p
                 await push(version, fw)  # the switch: reopens the channel (and resends the plan)
                 with torch.no_grad():
                     fw.buffer.add_(1)  # new bytes each version, in place, as an optimizer step
+                if device != "cpu":
+                    torch.cuda.synchronize(device)
                 version += 1
                 t0 = time.perf_counter()
                 rep = await push(version, fw)
@@ -89,19 +93,20 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--bucket-mib", type=int, default=16)
     ap.add_argument("--pushes", type=int, default=15)
+    ap.add_argument("--device", default="cpu", help="cuda: a bf16 model on the GPU, trainer and engine (GPU runs)")
     a = ap.parse_args()
     transports = [t for t in a.transports.split(",") if t and (t != "ucx" or importlib.util.find_spec("ucxx"))]
-    packed = make_model(a.hidden, a.layers, 2)
+    packed = make_model(a.hidden, a.layers, 2, a.device)
     pack_parameters(list(packed.parameters()))
     fw = FlatWeights.of(hf_tensor_views(packed).items())  # type: ignore[arg-type]
     mib = fw.plan.nbytes / 2**20
     rows, out = [], {}
     with tempfile.TemporaryDirectory(prefix="miles-bench-onerank-") as tmp:
         ready = str(Path(tmp) / "eready")
-        eng, directory = spawn(["--serve-engine", str(a.hidden), str(a.layers), ready], ready)
+        eng, directory = spawn(["--serve-engine", str(a.hidden), str(a.layers), ready, a.device], ready)
         try:
             for tr in transports:
-                times = asyncio.run(ab(directory, fw, tr, a.bucket_mib, a.pushes))
+                times = asyncio.run(ab(directory, fw, tr, a.bucket_mib, a.pushes, a.device))
                 med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
                 best = {k: min(v) * 1e3 for k, v in times.items()}
                 rows.append((tr, med, best))
@@ -111,12 +116,13 @@ def main() -> None:
         finally:
             eng.terminate()
             eng.wait(10)
-    print(f"model {mib:.1f} MiB, {a.bucket_mib} MiB buckets, {a.pushes} pushes per path, interleaved")
+    print(f"model {mib:.1f} MiB on {a.device}, {a.bucket_mib} MiB buckets, {a.pushes} pushes per path, interleaved")
     print(f"{'transport':>9} {'gathered ms (med/best)':>23} {'one-rank ms (med/best)':>23} {'ratio':>6}")
     for tr, med, best in rows:
         print(f"{tr:>9} {med['gathered']:11.1f}/{best['gathered']:<11.1f} {med['one_rank']:11.1f}/{best['one_rank']:<11.1f} "
               f"{med['one_rank'] / med['gathered']:6.3f}")
-    print(json.dumps({"model_mib": round(mib, 1), "bucket_mib": a.bucket_mib, "pushes": a.pushes, **out}))
+    print(json.dumps({"model_mib": round(mib, 1), "device": a.device, "bucket_mib": a.bucket_mib, "pushes": a.pushes,
+                      **out}))
 
 
 if __name__ == "__main__":
