@@ -2,14 +2,15 @@
 
 Since session 17 `GatheredSync.push` sends a flat export over zmq or ucx through
 `ShardedCoordinator` with one rank (weightsync/one_rank.py); `GatheredCoordinator` still has its
-flat path (broadcast, disk_delta and cuda_ipc use it). Both run here in one process against one
+flat path (broadcast, disk_delta and cuda_ipc use it; broadcast's one-rank push, one collective per
+bucket to every engine, is measured here too though not routed yet). Both run here in one process against one
 engine process (a real EngineActor, as bench/weight_sync.py serves it), interleaved push by push
 (alternating which goes first) so both see the same machine load: A = `sync.coordinator.push` (the gathered flat path, what
-every flat push took before), B = `sync.push` (the routed one-rank path). A push after each
+every flat push took before), B = the one-rank sharded push (`sync.push` for zmq and ucx). A push after each
 switch of path reopens the channel and is not timed. Reports the median and best ms per push.
 
     python bench/weight_sync_one_rank.py [--transports zmq,ucx] [--hidden 512 --layers 4] [--pushes 15]
-    python bench/weight_sync_one_rank.py --device cuda --hidden 2048 --layers 8   # a GPU run
+    python bench/weight_sync_one_rank.py --device cuda --hidden 2048 --layers 8 --transports zmq,ucx,broadcast  # a GPU
 
 Prints a table, then one JSON object as the last line.
 """
@@ -38,6 +39,7 @@ from miles.core.schema.transport import TransportConfig  # noqa: E402
 from miles.models.hf_io import hf_tensor_views  # noqa: E402
 from miles.weightsync.actor_wire import WeightSync  # noqa: E402
 from miles.weightsync.flat import FlatWeights  # noqa: E402
+from miles.weightsync.one_rank import one_rank_export  # noqa: E402
 from miles.weightsync.param_buffer import pack_parameters  # noqa: E402
 
 torch.set_num_threads(1)
@@ -47,15 +49,24 @@ async def ab(directory: str, fw: FlatWeights, transport: str, bucket_mib: int, p
              device: str = "cpu") -> dict[str, list[float]]:
     host = Host(TransportConfig(), directory)
     await host.start()
-    sync = WeightSync(host, SyncConfig(transport=transport, bucket_mib=bucket_mib, pause_mode="none",  # type: ignore[arg-type]
-                                       step_timeout_s=60), ["engine"], device)
-    assert sync.one_rank is not None, f"{transport} is not routed through a one-rank sharded sync"
+    cfg = SyncConfig(transport=transport, bucket_mib=bucket_mib, pause_mode="none", step_timeout_s=60)  # type: ignore[arg-type]
+    sync = WeightSync(host, cfg, ["engine"], device)
+    one = sync.one_rank
+    if one is None:  # a transport not routed yet (broadcast): its one-rank coordinator, as the router builds it
+        one = sync._solo(cfg, sync.coordinator.engines, cfg.pause_mode, cfg.verify_every)
+        one.versions = sync.coordinator.versions
+    export = one_rank_export(fw)
+    assert export is not None
 
     async def gathered(version: int, fw: FlatWeights) -> Any:
         sync._use(sync.coordinator)  # as the router does: the coordinator reopens the channel it lost
         return await sync.coordinator.push(version, fw)
 
-    paths: dict[str, Any] = {"gathered": gathered, "one_rank": sync.push}
+    async def one_rank(version: int, fw: FlatWeights) -> Any:
+        sync._use(one)  # what `sync.push` does for a routed transport
+        return await one.push(version, export)
+
+    paths: dict[str, Any] = {"gathered": gathered, "one_rank": one_rank}
     times: dict[str, list[float]] = {k: [] for k in paths}
     phases: dict[str, list[tuple[float, float, int]]] = {k: [] for k in paths}
     version = int(time.time() * 1000) % 10**9
@@ -79,6 +90,8 @@ async def ab(directory: str, fw: FlatWeights, transport: str, bucket_mib: int, p
                     assert (rep.full_bytes > 0) == (name == "one_rank"), (name, rep)
     finally:
         await sync.close()
+        if one is not sync.one_rank:
+            await one.close()
         await host.stop()
     for name, ph in phases.items():
         print(f"{transport} {name}: transfer {statistics.median(p[0] for p in ph) * 1e3:.1f} ms, commit "

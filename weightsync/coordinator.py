@@ -25,8 +25,8 @@ byte ranges of a flat plan only, and this coordinator also carries: tensor-by-te
 LoRA adapter payload, FP8 codes + scales, an engine that declines the flat plan, as SGLang's
 bucket updates do, an export in another dtype than the wire's or of several dtypes), the
 `disk_delta` and `cuda_ipc` channels (no sharded sender: files of per-tensor deltas, one GPU's
-IPC handles), and `broadcast` (one collective sends the bytes once to every engine, where the
-sharded sender's send/recv per pair would send them once per engine).
+IPC handles), and `broadcast`'s flat exports until its one-rank push is as fast
+(weightsync/trainer_sync.py `ONE_RANK_TRANSPORTS`).
 """
 
 from __future__ import annotations

@@ -56,6 +56,7 @@ def bucket_bytes(buffer: torch.Tensor, b: ShardBucket) -> torch.Tensor:
 
 
 Run = tuple[int, int, int, int, str]  # (dst, owner rank, src, bytes, HF name)
+ALL = ""  # the chain key of a fan-out channel's transfers (one per bucket for every engine)
 
 
 def _coalesce(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -269,7 +270,8 @@ class ShardedCoordinator:
         if self._buckets[0] != key:
             self._buckets = (key, plan.buckets(self.rank, 0, self.opts.bucket_bytes))
         buckets = self._buckets[1]
-        chains: dict[str, asyncio.Future[Any] | None] = {}
+        chains: dict[str, asyncio.Future[Any] | None] = {}  # per engine; ALL: a fan-out channel's one chain
+        fan = self.sender.fanout
         inflight: deque[asyncio.Future[Any]] = deque()
         digest = plan.engines[0].plan.digest
         word = dtype_of(plan.trainer.dtype).itemsize
@@ -279,6 +281,11 @@ class ShardedCoordinator:
             if prev is not None:
                 await prev
             await self.sender.send(i, seq, data)
+
+        async def move_all(prev: asyncio.Future[Any] | None, seq: int, data: torch.Tensor) -> None:
+            if prev is not None:
+                await prev
+            await self.sender.send_all(seq, data)
 
         async def both(ask: asyncio.Future[Any], tx: asyncio.Future[Any]) -> None:
             try:
@@ -307,9 +314,12 @@ class ShardedCoordinator:
                 def ranged(n: str, h: dict[str, Any] = header, a: int = lo, z: int = hi) -> Awaitable[int]:
                     return self.link.range(n, version, digest, a, z, h)  # this bucket's, bound now
 
+                every = None
+                if fan:  # one transfer per bucket reaches every engine; each engine's ask waits on it
+                    every = chains[ALL] = asyncio.ensure_future(move_all(chains.get(ALL), seq, data))
                 for name in [n for n in live if n not in dead]:
                     i = live.index(name)
-                    tx = asyncio.ensure_future(move(chains.get(name), i, seq, data))
+                    tx = every if every is not None else asyncio.ensure_future(move(chains.get(name), i, seq, data))
                     chains[name] = tx
                     ask = asyncio.ensure_future(self._each(
                         f"stage v{version} bucket {seq} of rank {self.rank} ({self.sender.tag})", [name],

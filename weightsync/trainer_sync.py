@@ -25,9 +25,12 @@ from miles.weightsync.rank_group import RankGroup, TorchRankGroup
 from miles.weightsync.shard_coordinator import ShardedCoordinator, ShardedOptions
 from miles.weightsync.shard_plan import ShardExport, TransferPlan
 
-# Transports a gathered flat export goes over as a one-rank sharded sync (weightsync/one_rank.py).
-# Not broadcast: a one-rank sharded broadcast sends every engine its own copy (send/recv per pair),
-# where the gathered channel sends the bytes once in one collective to every engine.
+# Transports a gathered flat export goes over as a one-rank sharded sync (weightsync/one_rank.py); empty
+# it to send every flat export through GatheredCoordinator again. Not yet broadcast, though its sharded
+# sender with one rank sends each bucket in one collective to every engine as the gathered one does
+# (`BroadcastSender.fanout`, tested in tests/sync/test_sync_one_rank.py): on the CPU that push measured
+# 4-15 % slower than the gathered one (bench/results/weight_sync_one_rank_cpu.txt), cause not found,
+# and NCCL's is not measured yet (bench/weight_sync_one_rank.py --device cuda --transports broadcast).
 ONE_RANK_TRANSPORTS: frozenset[str] = frozenset({"zmq", "ucx"})
 
 
@@ -40,8 +43,8 @@ class GatheredSync:
     (weightsync/coordinator.py; its docstring says why each is not a one-rank sharded push yet):
     tensor-by-tensor exports (LoRA adapters, FP8 codes + scales), an export in another dtype than
     the wire's or of several dtypes, an engine that declines the flat plan (SGLang's bucket
-    updates: it is asked before the push and then sent tensors), and the broadcast, disk_delta
-    and cuda_ipc channels. Both coordinators share the engine list and the versions each engine
+    updates: it is asked before the push and then sent tensors), and the disk_delta and cuda_ipc
+    channels; broadcast too, for now (`ONE_RANK_TRANSPORTS` says why). Both coordinators share the engine list and the versions each engine
     committed; each reopens its channel when the other one ran last (an engine holds one
     receiver at a time).
     """

@@ -12,6 +12,7 @@ from miles.core.errors import SyncError
 from miles.core.schema.sync import SyncConfig
 from miles.models.hf_io import checksums
 from miles.weightsync.actor_wire import WeightSync
+from miles.weightsync.trainer_sync import ONE_RANK_TRANSPORTS
 
 from .sync_helpers import client, held, named, perturb, start_engines, trainer_model
 
@@ -101,9 +102,9 @@ async def test_cuda_ipc_flat_sync_is_bit_equal(procs) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU for the trainer and the engines")
 @pytest.mark.parametrize("transport", ["zmq", "broadcast", *(["ucx"] if HAS_UCXX else [])])
 async def test_a_cuda_flat_export_reaches_cuda_engines_bit_equal(procs, transport: str) -> None:
-    """A CUDA trainer's flat export to CUDA engines: over zmq and ucx as a one-rank sharded sync
-    (weightsync/one_rank.py; ucx lands GPU to GPU), over broadcast by NCCL's collective; then a
-    tensor-by-tensor push on the same channel, and the flat export again."""
+    """A CUDA trainer's flat export to CUDA engines: over zmq and ucx a one-rank sharded sync
+    (weightsync/one_rank.py; ucx lands GPU to GPU), over broadcast NCCL's collective; then a
+    tensor-by-tensor push on the same channel (the gathered coordinator), and the flat export again."""
     from miles.models.hf_io import hf_tensor_views
     from miles.weightsync.flat import FlatWeights
     from miles.weightsync.param_buffer import pack_parameters
@@ -121,7 +122,7 @@ async def test_a_cuda_flat_export_reaches_cuda_engines_bit_equal(procs, transpor
             state = hf_tensor_views(model).items()
             rep = await sync.push(version, state if version == 3 else FlatWeights.of(state))
             assert rep.committed == engines and rep.verified, (version, rep)
-            assert (rep.full_bytes > 0) == (version != 3 and transport != "broadcast"), (version, rep)
+            assert (rep.full_bytes > 0) == (version != 3 and transport in ONE_RANK_TRANSPORTS), (version, rep)
             assert await held(host, engines) == [checksums(model)] * 2, version
     finally:
         await sync.close()

@@ -247,6 +247,16 @@ class BulkSender(abc.ABC):
         """Move sharded bucket `seq`'s bytes to peer #`peer` (runs with that peer's receive)."""
         raise SyncError(f"the {self.tag} channel has no sharded sender (zmq, ucx and broadcast have)")
 
+    @property
+    def fanout(self) -> bool:
+        """Whether one `send_all` per bucket reaches every peer at once (a collective), in place of
+        a `send` per peer."""
+        return False
+
+    async def send_all(self, seq: int, data: torch.Tensor) -> None:
+        """Move sharded bucket `seq`'s bytes to every peer in one transfer (`fanout` channels)."""
+        raise SyncError(f"the {self.tag} channel has no one-transfer send to every engine")
+
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release the channel."""
 

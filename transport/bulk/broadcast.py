@@ -91,8 +91,9 @@ class BroadcastSender(SegmentSender):
     """One group of every sending trainer rank and every engine: trainer rank r is group rank r,
     engine #i is `world + i` (a gathered sync: rank 0 and engines 1..N); rank 0 hosts the store.
 
-    A gathered bucket goes to every engine in one broadcast collective. A sharded bucket goes
-    by send/recv per (rank, engine) pair, not per-owner broadcasts: an engine lands buckets one
+    A gathered bucket, and a bucket of a one-rank sharded sync (`fanout`), goes to every engine in
+    one broadcast collective. A sharded bucket of several ranks goes by send/recv per (rank,
+    engine) pair, not per-owner broadcasts: an engine lands buckets one
     at a time, in the order their headers arrive, and collectives of several owners' groups
     taken in different orders by different engines would deadlock; point-to-point transfers
     only need each pair's order, which the header order gives."""
@@ -157,6 +158,25 @@ class BroadcastSender(SegmentSender):
             await _broadcast_all(self._pg, plan.sends)
         except RuntimeError as exc:
             raise SyncError(f"broadcast of {plan.nbytes} bytes failed: {exc}") from exc
+
+    @property
+    def fanout(self) -> bool:
+        """One sending rank (a gathered flat export as a one-rank sharded sync): its buckets reach
+        every engine in one broadcast each, as the gathered channel's do (no per-owner deadlock)."""
+        return self.world == 1
+
+    def header(self, seq: int, data: torch.Tensor) -> dict[str, Any]:
+        return {**super().header(seq, data), "collective": self.fanout}
+
+    async def send_all(self, seq: int, data: torch.Tensor) -> None:
+        await self.connected()
+        if self._pg is None or not self.fanout:
+            raise SyncError(f"broadcast (sharded): a broadcast to every engine needs one open sending rank "
+                            f"(this is rank {self.rank} of {self.world})")
+        try:
+            await _broadcast_all(self._pg, [data])
+        except RuntimeError as exc:
+            raise SyncError(f"broadcast (sharded) of {data.numel()} bytes failed: {exc}") from exc
 
     async def send(self, peer: int, seq: int, data: torch.Tensor) -> None:
         await self.connected()

@@ -16,7 +16,8 @@ wire; the bytes go on the channel:
   (receive-ahead): every rank's bytes flow at once, and a header lands what already arrived.
   Ranks beyond that budget are received when their header comes up, as before.
 - `broadcast`: one torch.distributed group of every trainer rank and engine (gloo on CPU,
-  NCCL on GPU) and send/recv per pair (transport/bulk/broadcast.py says why not broadcasts).
+  NCCL on GPU) and send/recv per pair (transport/bulk/broadcast.py says why not broadcasts);
+  from one sending rank (a gathered flat export) one broadcast per bucket to every engine.
 
 A receiver lands a bucket's bytes in the engine's staging slots through the flat plan's
 landing (weightsync/flat.py): straight into the slots when the bucket is one range and
@@ -164,7 +165,7 @@ class ShardReceiver(BulkReceiver):
             torch.cuda.current_stream(buf.device).synchronize()  # the landing copies read it on the stream
         self._post(src, buf)
 
-    async def _take(self, src: int, seq: int, dst: torch.Tensor) -> None:
+    async def _take(self, src: int, seq: int, dst: torch.Tensor, collective: bool = False) -> None:
         if self.channel == "ucx":
             from miles.transport.bulk.ucx import ucx_buffer, ucx_transfer
 
@@ -173,10 +174,16 @@ class ShardReceiver(BulkReceiver):
         else:
             if self._pg is None:
                 raise SyncError("broadcast (sharded): receive before open")
-            from miles.transport.bulk.broadcast import _wait
+            from miles.transport.bulk.broadcast import _broadcast_all, _wait
 
-            await _wait(self._pg.recv([dst], src, seq), f"broadcast (sharded): receiving {dst.numel()} bytes "
-                        f"from trainer rank {src}")
+            what = f"broadcast (sharded): receiving {dst.numel()} bytes from trainer rank {src}"
+            if not collective:  # several sending ranks: send/recv per pair
+                await _wait(self._pg.recv([dst], src, seq), what)
+                return
+            try:  # one sending rank (0) broadcasts each bucket to every engine; completes through its future
+                await _broadcast_all(self._pg, [dst])
+            except RuntimeError as exc:
+                raise SyncError(f"{what} failed: {exc}") from exc
 
     async def recv_flat(self, header: dict[str, Any], landing: Any, local: LocalWeights) -> list[str]:
         try:
@@ -186,6 +193,7 @@ class ShardReceiver(BulkReceiver):
             raise SyncError(f"sharded bucket header is malformed: {exc}") from exc
         total = sum(w * c for _, w, _, c in blocks)
         delta = "delta" in header  # (indices, words) against the live version: shard_delta.py
+        collective = bool(header.get("collective"))  # broadcast from one sending rank to every engine
         wire = int(header.get("nbytes", total))
         if any(not (lo >= 0 and w > 0 and c > 0 and (c == 1 or st >= w) and lo + st * (c - 1) + w <= landing.plan.nbytes)
                for lo, w, st, c in blocks) or (wire != total and not delta):
@@ -221,12 +229,12 @@ class ShardReceiver(BulkReceiver):
             region = landing.region(local)
             if not delta and len(ranges) == 1 and region is not None and region.device == self._buf.device:
                 lo, hi = ranges[0]
-                await self._take(src, seq, region[lo:hi])  # straight into the staging slots
+                await self._take(src, seq, region[lo:hi], collective)  # straight into the staging slots
                 return landing.plan.done_in(lo, hi)
             if self._buf.numel() < wire:
                 self._buf = torch.empty(max(wire, self.bucket_bytes), dtype=torch.uint8, device=self._buf.device)
             data = self._buf[:wire]
-            await self._take(src, seq, data)
+            await self._take(src, seq, data, collective)
         if delta:
             if self._full.numel() < total:
                 self._full = torch.empty(max(total, self.bucket_bytes), dtype=torch.uint8, device=self._buf.device)
