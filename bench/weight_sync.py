@@ -161,7 +161,7 @@ def spawn(args: list[str], ready: str | None = None) -> tuple[subprocess.Popen[b
     if ready is None:
         return p, ""
     deadline = time.monotonic() + 60
-    while not os.path.exists(ready):
+    while not os.path.exists(ready) or not Path(ready).read_text():  # written, not only created
         if p.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"child {args} failed: {p.stderr.read().decode() if p.stderr else ''}")
         time.sleep(0.02)

@@ -4,7 +4,8 @@
 architecture). Per transport, each round times one update both ways, back to back:
 
   gathered  every rank takes part in the gather into rank 0's flat export buffer
-            (export_sync_state(flat=True)), then rank 0 alone pushes it (WeightSync, flat ranges)
+            (export_sync_state(flat=True)), then rank 0 alone pushes it (WeightSync: over zmq and ucx
+            a sharded sync with one rank since session 17, weightsync/one_rank.py; over broadcast flat ranges)
   sharded   every rank casts its own slices into its send buffer (export_sharded_state) and
             sends them to every engine itself (ShardedWeightSync: transfer plan, no gather)
 

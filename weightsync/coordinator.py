@@ -18,14 +18,15 @@ it comes back.
 They need nothing of the actor runtime: the link is a Protocol, so the protocol can be read,
 and tested, on its own.
 
-Why two coordinators, not the gathered one as the sharded one with one rank: for a flat export
-over zmq, ucx or broadcast they are the same protocol (`sync.sharded = true` at one trainer rank
-runs it), but the gathered path also carries what the sharded sender does not: tensor-by-tensor
-pushes (the LoRA adapter payload, FP8 codes + scales, an engine that declines the flat plan, as
-SGLang's bucket updates do, or one in another dtype), the `disk_delta` and `cuda_ipc` channels
-(no sharded sender), and the whole copy on rank 0 that a catch-up or a snapshot eval sends from.
-weightsync/one_rank.py makes a flat export a one-rank sharded one (tests/sync/test_sync_one_rank.py);
-the gathered flat pushes are not routed there yet (the GPU channels' timings are to be measured first).
+What still goes through `GatheredCoordinator`, and why: a gathered flat export over zmq or ucx
+is a sharded sync with one rank (weightsync/trainer_sync.py `GatheredSync` routes it through
+`ShardedCoordinator` on weightsync/one_rank.py's `SoloRankGroup`), but the sharded sender moves
+byte ranges of a flat plan only, and this coordinator also carries: tensor-by-tensor pushes (the
+LoRA adapter payload, FP8 codes + scales, an engine that declines the flat plan, as SGLang's
+bucket updates do, an export in another dtype than the wire's or of several dtypes), the
+`disk_delta` and `cuda_ipc` channels (no sharded sender: files of per-tensor deltas, one GPU's
+IPC handles), and `broadcast`'s flat exports until its one-rank push is as fast
+(weightsync/trainer_sync.py `ONE_RANK_TRANSPORTS`).
 """
 
 from __future__ import annotations
@@ -169,7 +170,7 @@ class GatheredCoordinator:
         tag, nbytes = self.sender.tag, self.sender.bucket_bytes
         await self._together(self._all(f"open {tag} channel", live,
                                        lambda n: self.link.open(n, tag, infos[n], nbytes), dead),
-                             getattr(self.sender, "connected", None))
+                             self.sender.connected)
         self._open_for = list(live)
 
     @staticmethod

@@ -7,8 +7,8 @@ copy), and whose engine plan is the flat plan unchanged. `SoloRankGroup` is the 
 single process (no torch.distributed). With both, `ShardedCoordinator` pushes a gathered flat
 export over the sharded channels (zmq, ucx, broadcast).
 
-The gathered path (weightsync/coordinator.py) does not route its flat pushes here yet: its
-docstring says what it carries that a sharded sender does not.
+`GatheredSync` (weightsync/trainer_sync.py) pushes every flat export over zmq and ucx this way;
+weightsync/coordinator.py's docstring says what still goes through the gathered coordinator.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from miles.core.errors import SyncError
-from miles.weightsync.flat import FlatWeights
+from miles.weightsync.flat import FlatPlan, FlatWeights
 from miles.weightsync.shard_plan import (
     EngineLayout,
     HFPart,
@@ -45,10 +45,10 @@ class SoloRankGroup:
         raise SyncError(f"a one-rank group has no rank {src} to receive from")
 
 
-def one_rank_export(weights: FlatWeights) -> ShardExport | None:
-    """`weights` as rank 0's export of a one-rank sharded sync, sending from its own buffer; None
-    where the flat plan is not a one-rank transfer plan's (tensors of several dtypes, a 0-d one)."""
-    plan = weights.plan
+def one_rank_plan(plan: FlatPlan) -> TransferPlan | None:
+    """The transfer plan of a one-rank sharded sync of flat plan `plan`: one rank owns every
+    tensor whole, its send buffer laid out as the flat buffer, the engines' plan `plan` itself;
+    None where the flat plan is not a one-rank transfer plan's (tensors of several dtypes, a 0-d one)."""
     if len(set(plan.dtypes)) != 1 or any(not s for s in plan.shapes):
         return None
     wire = plan.dtypes[0]
@@ -58,5 +58,15 @@ def one_rank_export(weights: FlatWeights) -> ShardExport | None:
     if transfer.engines[0].plan != plan or transfer.send_bytes[0] != plan.nbytes or any(
             p.src != off for p, off in zip(transfer.pieces[0], plan.offsets, strict=True)):
         # the engines would get another plan, or the send buffer would be laid out differently
+        return None
+    return transfer
+
+
+def one_rank_export(weights: FlatWeights, transfer: TransferPlan | None = None) -> ShardExport | None:
+    """`weights` as rank 0's export of a one-rank sharded sync, sending from its own buffer (no
+    copy); None where its flat plan has no one-rank transfer plan (`one_rank_plan`). `transfer`:
+    that plan when the caller keeps it (it is the same for every version of one flat plan)."""
+    transfer = transfer if transfer is not None else one_rank_plan(weights.plan)
+    if transfer is None:
         return None
     return ShardExport(weights.buffer.reshape(-1).view(torch.uint8), transfer, 0)

@@ -35,9 +35,9 @@ import xxhash
 
 from miles.core.errors import SyncError
 from miles.core.logging import get_logger
-from miles.transport.bulk.base import dtype_of
-from miles.transport.bulk.shard_channels import SHARDED_TAG, ShardSender
+from miles.transport.bulk.base import BulkSender, dtype_of
 from miles.transport.bulk.shard_delta import IDX_BYTES, encode
+from miles.transport.bulk.shard_receiver import SHARDED_TAG
 from miles.weightsync.coordinator import SyncLink, adopt, drain
 from miles.weightsync.push_round import PushRound, SyncReport, each
 from miles.weightsync.rank_group import RankGroup
@@ -56,6 +56,7 @@ def bucket_bytes(buffer: torch.Tensor, b: ShardBucket) -> torch.Tensor:
 
 
 Run = tuple[int, int, int, int, str]  # (dst, owner rank, src, bytes, HF name)
+ALL = ""  # the chain key of a fan-out channel's transfers (one per bucket for every engine)
 
 
 def _coalesce(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -102,7 +103,7 @@ class ShardedOptions:
     pause_mode: str = "none"
     verify_every: int = 0
     delta: bool = False  # send only changed words when fewer bytes (transport/bulk/shard_delta.py); +1 shard of memory
-    receive_ahead_bytes: int = 0  # ucx engines: a bucket per rank, up to this much (transport/bulk/shard_channels.py)
+    receive_ahead_bytes: int = 0  # ucx engines: a bucket per rank, up to this much (transport/bulk/shard_receiver.py)
 
 
 class _Failed(SyncError):
@@ -112,7 +113,7 @@ class _Failed(SyncError):
 class ShardedCoordinator:
     """One trainer rank's side of a sharded sync to `engines` (every rank has the same list)."""
 
-    def __init__(self, link: SyncLink, group: RankGroup, sender: ShardSender, engines: list[str],
+    def __init__(self, link: SyncLink, group: RankGroup, sender: BulkSender, engines: list[str],
                  opts: ShardedOptions) -> None:
         self.link, self.group, self.sender, self.opts = link, group, sender, opts
         self.engines = list(engines)
@@ -156,6 +157,20 @@ class ShardedCoordinator:
         self.versions.pop(engine, None)
         self._forget()
 
+    async def offer_plan(self, plan: TransferPlan, live: list[str], dead: list[str]) -> dict[str, str]:
+        """Rank 0: hand `live` engines the flat plan (once per plan and engine set); the engines that
+        declined it, with their reasons (empty: all took it). Inside a push a decline fails the
+        push; a one-rank sync (weightsync/one_rank.py) asks before pushing and sends a decliner
+        tensors instead (weightsync/trainer_sync.py `GatheredSync`)."""
+        if self._plan_for == (plan.digest, tuple(live)):
+            return {}
+        wire = plan.engines[0].plan.to_wire()
+        took = await self._each("flat plan", live, lambda n: self.link.plan(n, wire), dead)
+        why = {n: str(t) for n, t in zip(live, took, strict=True) if t is not True and t is not None}
+        if not why:
+            self._plan_for = (plan.digest, tuple(n for n in live if n not in dead))
+        return why
+
     # ------------------------------------------------------------------ the protocol
     async def push(self, version: int, export: ShardExport) -> SyncReport:
         """Push `version` from every rank's `export` (a collective: every rank calls it)."""
@@ -175,16 +190,10 @@ class ShardedCoordinator:
             return {"live": list(now), "shared": shared, "base": base}
 
         async def send_plan() -> None:
-            live = rnd.alive()
-            if self._plan_for == (plan.digest, tuple(live)):
-                return
-            wire = plan.engines[0].plan.to_wire()
-            took = await self._each("flat plan", live, lambda n: self.link.plan(n, wire), dead)
-            why = {n: str(t) for n, t in zip(live, took, strict=True) if t is not True and t is not None}
+            why = await self.offer_plan(plan, rnd.alive(), dead)
             if why:
                 raise SyncError(f"engines declined the sharded plan (a sharded sync lands byte ranges only; "
                                 f"set sync.dtype to the engines' dtype): {why}")
-            self._plan_for = (plan.digest, tuple(live))
 
         async def body() -> None:
             ctl = (await self._phase("pause", begin if self.rank == 0 else None, dead))[0]
@@ -261,7 +270,8 @@ class ShardedCoordinator:
         if self._buckets[0] != key:
             self._buckets = (key, plan.buckets(self.rank, 0, self.opts.bucket_bytes))
         buckets = self._buckets[1]
-        chains: dict[str, asyncio.Future[Any] | None] = {}
+        chains: dict[str, asyncio.Future[Any] | None] = {}  # per engine; ALL: a fan-out channel's one chain
+        fan = self.sender.fanout
         inflight: deque[asyncio.Future[Any]] = deque()
         digest = plan.engines[0].plan.digest
         word = dtype_of(plan.trainer.dtype).itemsize
@@ -271,6 +281,11 @@ class ShardedCoordinator:
             if prev is not None:
                 await prev
             await self.sender.send(i, seq, data)
+
+        async def move_all(prev: asyncio.Future[Any] | None, seq: int, data: torch.Tensor) -> None:
+            if prev is not None:
+                await prev
+            await self.sender.send_all(seq, data)
 
         async def both(ask: asyncio.Future[Any], tx: asyncio.Future[Any]) -> None:
             try:
@@ -299,9 +314,12 @@ class ShardedCoordinator:
                 def ranged(n: str, h: dict[str, Any] = header, a: int = lo, z: int = hi) -> Awaitable[int]:
                     return self.link.range(n, version, digest, a, z, h)  # this bucket's, bound now
 
+                every = None
+                if fan:  # one transfer per bucket reaches every engine; each engine's ask waits on it
+                    every = chains[ALL] = asyncio.ensure_future(move_all(chains.get(ALL), seq, data))
                 for name in [n for n in live if n not in dead]:
                     i = live.index(name)
-                    tx = asyncio.ensure_future(move(chains.get(name), i, seq, data))
+                    tx = every if every is not None else asyncio.ensure_future(move(chains.get(name), i, seq, data))
                     chains[name] = tx
                     ask = asyncio.ensure_future(self._each(
                         f"stage v{version} bucket {seq} of rank {self.rank} ({self.sender.tag})", [name],
@@ -377,7 +395,7 @@ class ShardedCoordinator:
             raise SyncError(errs[0])
         return True
 
-    async def catch_up(self, engine: str, version: int, export: ShardExport, sender: ShardSender) -> SyncReport:
+    async def catch_up(self, engine: str, version: int, export: ShardExport, sender: BulkSender) -> SyncReport:
         """Bring one (restarted or lagging) engine to `version`: every rank sends it its shard over
         `sender` (a collective). The engine joins this coordinator's set; the channel is rebuilt
         on the next push so it gets a receiver too."""

@@ -19,12 +19,13 @@ import pytest
 import torch
 
 from miles.core.errors import ActorDeadError, EngineError, PlanMissing, SyncError
+from miles.core.schema.sync import SyncConfig
 from miles.models.config import ModelSpec
 from miles.models.hf_io import tensor_checksum
 from miles.models.presets import tiny_config
 from miles.models.registry import build_model
-from miles.transport.bulk.base import LocalWeights, make_receiver
-from miles.transport.bulk.shard_channels import ZmqShardSender
+from miles.transport.bulk.base import LocalWeights, SenderPlace, make_receiver
+from miles.transport.bulk.zmq_channel import ZmqSender
 from miles.weightsync.flat import FlatLanding, FlatPlan, FlatWeights
 from miles.weightsync.flat_export import ShardExportBuffer
 from miles.weightsync.shard_coordinator import ShardedCoordinator, ShardedOptions
@@ -167,9 +168,14 @@ async def push_all(coords: list[ShardedCoordinator], version: int, exs: list[Sha
                                 return_exceptions=True)
 
 
+def zmq_sender(rank: int, world: int) -> ZmqSender:
+    """Trainer rank `rank`'s zmq sender (the one sender class both coordinators drive)."""
+    return ZmqSender(SyncConfig(step_timeout_s=10.0), SenderPlace(rank, world))
+
+
 def make(link: MemLink, verify_every: int = 1) -> list[ShardedCoordinator]:
     hub = Hub(WORLD)
-    return [ShardedCoordinator(link, LocalRankGroup(hub, r), ZmqShardSender(r, WORLD, 10.0), ENGINES,
+    return [ShardedCoordinator(link, LocalRankGroup(hub, r), zmq_sender(r, WORLD), ENGINES,
                                ShardedOptions(4096, 2, "in_place", verify_every)) for r in range(WORLD)]
 
 
@@ -257,7 +263,7 @@ def exports_of(model: torch.nn.Module, bufs: list[ShardExportBuffer]) -> tuple[l
 async def test_delta_sends_only_changed_words_and_falls_back_to_full() -> None:
     link = MemLink()
     hub = Hub(WORLD)
-    coords = [ShardedCoordinator(link, LocalRankGroup(hub, r), ZmqShardSender(r, WORLD, 10.0), ENGINES,
+    coords = [ShardedCoordinator(link, LocalRankGroup(hub, r), zmq_sender(r, WORLD), ENGINES,
                                  ShardedOptions(4096, 2, "none", 1, delta=True)) for r in range(WORLD)]
     model = build_model(ModelSpec.from_hf(tiny_config("qwen3", vocab_size=96)), seed=10).requires_grad_(False)
     bufs = [ShardExportBuffer() for _ in range(WORLD)]
@@ -300,7 +306,7 @@ async def test_a_restarted_engine_is_reconnected_and_sent_the_whole_version() ->
     resends the plan and goes in full, every rank following rank 0's decision."""
     link = MemLink()
     hub = Hub(WORLD)
-    coords = [ShardedCoordinator(link, LocalRankGroup(hub, r), ZmqShardSender(r, WORLD, 10.0), ENGINES,
+    coords = [ShardedCoordinator(link, LocalRankGroup(hub, r), zmq_sender(r, WORLD), ENGINES,
                                  ShardedOptions(4096, 2, "none", 0, delta=True)) for r in range(WORLD)]
     model = build_model(ModelSpec.from_hf(tiny_config("qwen3", vocab_size=96)), seed=10).requires_grad_(False)
     bufs = [ShardExportBuffer() for _ in range(WORLD)]

@@ -20,8 +20,10 @@ from miles.models.hf_io import hf_tensor_views, tensor_checksum
 from miles.transport.bulk.base import LocalWeights
 from miles.weightsync.actor_wire import WeightSync
 from miles.weightsync.flat import FlatLanding, FlatPlan, FlatWeights
+from miles.weightsync.one_rank import one_rank_plan
 from miles.weightsync.param_buffer import pack_parameters
 from miles.weightsync.stager import WeightStager
+from miles.weightsync.trainer_sync import ONE_RANK_TRANSPORTS
 
 from .sync_helpers import client, held, perturb, start_engines, trainer_model
 
@@ -144,7 +146,8 @@ FLAT_TRANSPORTS = ["zmq", "broadcast", *(["ucx"] if importlib.util.find_spec("uc
 @pytest.mark.parametrize("order", ["same", "reversed"])
 async def test_flat_sync_reaches_bit_equality(procs, order: str, transport: str) -> None:
     """Ranges in the engines' order land straight in their slots (one copy or one receive);
-    reversed, they land piecewise. Then a tensor-by-tensor push on the same channel."""
+    reversed, they land piecewise. Over zmq and ucx the flat export goes as a sharded sync with one
+    rank (weightsync/one_rank.py). Then a tensor-by-tensor push on the same channel, and a flat one again."""
     directory = start_engines(procs, extra=["--hidden", "512", "--layers", "1"])
     host = await client(directory)
     model, fw = _flat_trainer(order)
@@ -158,7 +161,13 @@ async def test_flat_sync_reaches_bit_equality(procs, order: str, transport: str)
                     t.add_(torch.randn(t.shape, generator=torch.Generator().manual_seed(version)) * 0.01)
             rep = await sync.push(version, fw)
             assert rep.committed == engines and rep.verified is True, rep
-            assert rep.buckets == len(fw.plan.ranges(1 << 20)) and rep.bytes == fw.plan.nbytes
+            assert rep.bytes == fw.plan.nbytes
+            if transport in ONE_RANK_TRANSPORTS:  # a one-rank sharded push: its buckets, its full-bytes count
+                transfer = one_rank_plan(fw.plan)
+                assert transfer is not None
+                assert rep.buckets == len(transfer.buckets(0, 0, 1 << 20)) and rep.full_bytes == fw.plan.nbytes
+            else:
+                assert rep.buckets == len(fw.plan.ranges(1 << 20)) and rep.full_bytes == 0
             want = {n: tensor_checksum(t) for n, t in fw}
             for got in await held(host, engines):
                 assert got == want
@@ -168,6 +177,11 @@ async def test_flat_sync_reaches_bit_equality(procs, order: str, transport: str)
         perturb(model, seed=3)
         rep = await sync.push(3, hf_tensor_views(model).items())
         assert rep.committed == engines and rep.verified is True
+        # and back to the flat export: each coordinator reopens the channel the other one replaced
+        rep = await sync.push(4, fw)
+        assert rep.committed == engines and rep.verified is True
+        want = {n: tensor_checksum(t) for n, t in fw}
+        assert await held(host, engines) == [want, want]
     finally:
         await sync.close()
         await host.stop()

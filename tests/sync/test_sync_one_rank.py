@@ -17,7 +17,7 @@ import torch
 from miles.core.errors import SyncError
 from miles.core.schema.sync import SyncConfig
 from miles.models.hf_io import hf_tensor_views, tensor_checksum
-from miles.transport.bulk.shard_channels import make_shard_sender
+from miles.transport.bulk.base import make_sender
 from miles.weightsync.actor_wire import ActorSyncLink, WeightSync
 from miles.weightsync.flat import FlatWeights
 from miles.weightsync.one_rank import SoloRankGroup, one_rank_export
@@ -87,7 +87,7 @@ async def test_a_gathered_export_goes_through_the_sharded_coordinator_with_one_r
 
     export = one_rank_export(fw)
     assert export is not None
-    sender = make_shard_sender(transport, 0, 1, cfg.step_timeout_s, "127.0.0.1", torch.device("cpu"))  # type: ignore[arg-type]
+    sender = make_sender(cfg, sharded=True)
     sharded = ShardedCoordinator(ActorSyncLink(host, cfg.step_timeout_s), SoloRankGroup(), sender, engines,
                                  ShardedOptions(1 << 20, verify_every=1))
     try:
@@ -99,4 +99,31 @@ async def test_a_gathered_export_goes_through_the_sharded_coordinator_with_one_r
             assert await held(host, engines) == [want, want]
     finally:
         await sharded.close()
+        await host.stop()
+
+
+async def test_a_flat_catch_up_goes_as_a_one_rank_push_and_the_engine_joins(procs) -> None:
+    """`GatheredSync.catch_up` of a flat source: a one-rank sharded push over zmq (it counts the full
+    bytes, as only the sharded coordinator does); the engine joins the set, and the next push over
+    ucx or zmq reaches it too."""
+    directory = start_engines(procs, extra=["--hidden", "256", "--layers", "1"])
+    host = await client(directory)
+    fw = _flat_trainer()
+    transport = "ucx" if importlib.util.find_spec("ucxx") else "zmq"
+    sync = WeightSync(host, SyncConfig(transport=transport, bucket_mib=1, verify_every=1, step_timeout_s=20),  # type: ignore[arg-type]
+                      ["e0"])
+    try:
+        rep = await sync.push(1, fw)
+        assert rep.committed == ["e0"] and rep.full_bytes == fw.plan.nbytes, rep
+        up = await sync.catch_up("e1", 1, fw)
+        assert up.committed == ["e1"] and up.transport == "zmq" and up.full_bytes == fw.plan.nbytes, up
+        assert sync.engines == ["e0", "e1"] and sync.versions == {"e0": 1, "e1": 1}
+        with torch.no_grad():
+            fw.buffer.add_(1)
+        want = {n: tensor_checksum(t) for n, t in fw}
+        rep = await sync.push(2, fw)
+        assert rep.committed == ["e0", "e1"] and rep.verified is True, rep
+        assert await held(host, ["e0", "e1"]) == [want, want]
+    finally:
+        await sync.close()
         await host.stop()

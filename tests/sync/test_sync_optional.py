@@ -1,4 +1,5 @@
-"""The channels that need optional pieces: ucx (UCXX) and cuda_ipc (a CUDA GPU shared by trainer and engine)."""
+"""The channels that need optional pieces: ucx (UCXX) and cuda_ipc (a CUDA GPU shared by trainer and engine),
+and the GPU paths of the others (a CUDA trainer's flat export to CUDA engines)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from miles.core.errors import SyncError
 from miles.core.schema.sync import SyncConfig
 from miles.models.hf_io import checksums
 from miles.weightsync.actor_wire import WeightSync
+from miles.weightsync.trainer_sync import ONE_RANK_TRANSPORTS
 
 from .sync_helpers import client, held, named, perturb, start_engines, trainer_model
 
@@ -131,3 +133,34 @@ def test_cuda_ipc_maps_in_a_process_that_never_touched_cuda() -> None:
                            capture_output=True, timeout=60)
     assert child.returncode == 0, child.stderr.decode()[-2000:]
     assert float(child.stdout.decode().split()[-1]) == float(a.sum() + b.float().sum())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU for the trainer and the engines")
+@pytest.mark.parametrize("transport", ["zmq", "broadcast", *(["ucx"] if HAS_UCXX else [])])
+async def test_a_cuda_flat_export_reaches_cuda_engines_bit_equal(procs, transport: str) -> None:
+    """A CUDA trainer's flat export to CUDA engines: over zmq and ucx a one-rank sharded sync
+    (weightsync/one_rank.py; ucx lands GPU to GPU), over broadcast NCCL's collective; then a
+    tensor-by-tensor push on the same channel (the gathered coordinator), and the flat export again."""
+    from miles.models.hf_io import hf_tensor_views
+    from miles.weightsync.flat import FlatWeights
+    from miles.weightsync.param_buffer import pack_parameters
+
+    directory = start_engines(procs, extra=["--device", "cuda"])
+    host = await client(directory)
+    model = trainer_model().to("cuda")
+    pack_parameters(list(model.parameters()))
+    engines = ["e0", "e1"]
+    sync = WeightSync(host, SyncConfig(transport=transport, bucket_mib=1, verify_every=1, step_timeout_s=30),  # type: ignore[arg-type]
+                      engines, device="cuda")
+    try:
+        for version in (1, 2, 3, 4):
+            perturb(model, seed=version)
+            state = hf_tensor_views(model).items()
+            rep = await sync.push(version, state if version == 3 else FlatWeights.of(state))
+            assert rep.committed == engines and rep.verified, (version, rep)
+            assert (rep.full_bytes > 0) == (version != 3 and transport in ONE_RANK_TRANSPORTS), (version, rep)
+            assert await held(host, engines) == [checksums(model)] * 2, version
+    finally:
+        await sync.close()
+        await host.stop()

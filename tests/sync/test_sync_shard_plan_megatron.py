@@ -22,7 +22,7 @@ from miles.models.presets import tiny_config
 from miles.models.registry import build_model
 from miles.trainer.megatron.layout import fuse, targets, tp_shard
 from miles.transport.bulk.base import LocalWeights
-from miles.transport.bulk.shard_channels import ShardReceiver, ZmqShardSender, parse_ranges
+from miles.transport.bulk.shard_receiver import ShardReceiver, parse_ranges
 from miles.weightsync.flat import FlatLanding, FlatPlan, FlatWeights
 from miles.weightsync.flat_export import hf_parts
 from miles.weightsync.shard_coordinator import ShardedCoordinator, ShardedOptions, bucket_bytes
@@ -41,7 +41,7 @@ from miles.weightsync.shard_plan import (
     fsdp_rows,
 )
 
-from .test_sync_coordinator import ENGINES, Hub, LocalRankGroup, MemLink
+from .test_sync_coordinator import ENGINES, Hub, LocalRankGroup, MemLink, zmq_sender
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -228,7 +228,7 @@ async def test_megatron_ranks_push_through_the_coordinator_and_verify(delta: boo
     par = MegatronParallel(tp=2, ep=2)
     link = BlockLink()
     hub = Hub(par.world)
-    coords = [ShardedCoordinator(link, LocalRankGroup(hub, r), ZmqShardSender(r, par.world, 10.0), ENGINES,
+    coords = [ShardedCoordinator(link, LocalRankGroup(hub, r), zmq_sender(r, par.world), ENGINES,
                                  ShardedOptions(4096, 2, "in_place", 1, delta=delta)) for r in range(par.world)]
     shapes = {n: tuple(t.shape) for n, t in _hf(spec, 0).items()}
     exporters = [MegatronShardExporter(lambda e: targets(spec, set(), e, par.ep), shapes, kv_heads=spec.num_kv_heads,

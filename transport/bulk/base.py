@@ -1,12 +1,19 @@
-"""The bulk-channel interface weight buckets travel on, and the registry of channels by tag.
+"""The bulk-channel interface weight bytes travel on, and the registry of channels by tag.
 
-A sync run opens one sender (trainer rank 0) and one receiver per engine. Control
-(what bucket comes next, its layout) travels as small msgpack messages over the
-actor wire; the bytes travel on the channel. Per bucket the coordinator calls
-`sender.prepare()` for the layout header it forwards to every receiver, then runs
-`sender.transmit()` concurrently with every receiver's `recv()` (streaming
-channels) or before them (`streaming = False`: the receivers read after
-`finish()`, e.g. a directory written atomically).
+One sender class per channel (`BulkSender`, registered by `sync.transport`) and one receiver
+per engine (`BulkReceiver`); both coordinators drive the same senders:
+
+- the gathered coordinator (weightsync/coordinator.py: one process holds the model) moves
+  buckets of tensors or flat byte ranges: per bucket `prepare()` gives the layout header
+  forwarded to every receiver, then `transmit()` runs concurrently with every receiver's
+  `recv()` (streaming channels) or before them (`streaming = False`: the receivers read after
+  `finish()`, e.g. a directory written atomically);
+- the sharded coordinator (weightsync/shard_coordinator.py: every trainer rank sends its own
+  bytes, a gathered flat export as one rank) moves each rank's buckets of a transfer plan:
+  `header()` per bucket, then `send()` to each engine (channels with `sharded = True`).
+
+Control (what comes next, its layout) travels as small msgpack messages over the actor wire;
+the bytes travel on the channel.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ RECEIVERS = Registry("sync.transport", {
     "ucx": "miles.transport.bulk.ucx:UcxReceiver",
     "cuda_ipc": "miles.transport.bulk.cuda_ipc:CudaIpcReceiver",
     # Sharded syncs (every trainer rank sends its own bytes): one receiver takes every rank's.
-    "sharded": "miles.transport.bulk.shard_channels:ShardReceiver",
+    "sharded": "miles.transport.bulk.shard_receiver:ShardReceiver",
 })
 
 
@@ -162,8 +169,21 @@ def unpack(lay: Layout, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+@dataclass(frozen=True)
+class SenderPlace:
+    """Where a sender runs: its trainer rank among `world` ranks (a gathered sync is rank 0 of 1),
+    the address engines reach it at, and the device its weights live on."""
+
+    rank: int = 0
+    world: int = 1
+    advertise: str = "127.0.0.1"
+    device: torch.device = torch.device("cpu")
+
+
 class BulkSender(abc.ABC):
-    """Trainer side of a channel. One instance per run; `open` again when the peer set changes."""
+    """One trainer rank's side of a channel to every engine. One instance per run; `open` again
+    when the peer set changes. The bucket path serves the gathered coordinator, the
+    `header`/`send` path the sharded one (`sharded = True`)."""
 
     tag: ClassVar[str]
     streaming: ClassVar[bool] = True
@@ -172,28 +192,42 @@ class BulkSender(abc.ABC):
     # Flat ranges in flight at once; 0 = `sync.pipeline_depth`. A channel whose headers hold no
     # buffer of the sender's (cuda_ipc: the engine reads the trainer's memory) sends them all at once.
     flat_window: ClassVar[int] = 0
+    sharded: ClassVar[bool] = False  # True: sends a sharded sync's buckets (`header` / `send`)
 
-    def __init__(self, cfg: SyncConfig) -> None:
+    def __init__(self, cfg: SyncConfig, place: SenderPlace | None = None) -> None:
+        place = place if place is not None else SenderPlace()
         self.cfg = cfg
         self.bucket_bytes = cfg.bucket_mib << 20
+        self.timeout_s = cfg.step_timeout_s
+        self.rank, self.world, self.advertise, self.device = place.rank, place.world, place.advertise, place.device
         self.peers: list[str] = []
 
-    @abc.abstractmethod
-    async def open(self, peers: list[str]) -> list[dict[str, Any]]:
-        """Set the channel up for `peers`; returns what each peer's receiver needs to connect."""
+    async def setup(self, peers: list[str]) -> dict[str, Any]:
+        """Sharded syncs, rank 0 only, before every rank's `open`: what every rank needs to open
+        (e.g. a rendezvous address)."""
+        return {}
 
     @abc.abstractmethod
+    async def open(self, peers: list[str], shared: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        """Set this rank's side up for `peers`; returns what each peer's receiver needs of this rank.
+        `shared`: rank 0's `setup` (a sharded sync); None: this sender sets itself up."""
+
+    async def connected(self) -> None:  # noqa: B027 - optional hook
+        """Wait until every peer is connected (runs while the engines open their receivers)."""
+
+    # ------------------------------------------------------------------ the gathered coordinator's buckets
     def prepare(self, version: int, seq: int, bucket: Bucket) -> dict[str, Any]:
         """Stage bucket `seq` of `version` for sending; returns the header every receiver gets."""
+        raise SyncError(f"the {self.tag} channel has no bucket path")
 
     def prepare_flat(self, version: int, seq: int, lo: int, hi: int, weights: Any) -> dict[str, Any]:
         """Stage bytes [lo, hi) of a flat export (weightsync/flat.py) for sending; returns
         the header every receiver's `recv_flat` gets. Only channels with `flat = True`."""
         raise SyncError(f"the {self.tag} channel has no flat path")
 
-    @abc.abstractmethod
     async def transmit(self) -> None:
         """Move the prepared bucket's bytes (concurrently with the receivers' `recv`)."""
+        raise SyncError(f"the {self.tag} channel has no bucket path")
 
     async def finish(self, version: int) -> None:  # noqa: B027 - optional hook
         """Called once every bucket of `version` was transmitted."""
@@ -204,8 +238,27 @@ class BulkSender(abc.ABC):
     async def abort(self, version: int) -> None:  # noqa: B027 - optional hook
         """Called when `version` is abandoned; drop anything half-written."""
 
-    @abc.abstractmethod
-    async def close(self) -> None: ...
+    # ------------------------------------------------------------------ the sharded coordinator's buckets
+    def header(self, seq: int, data: torch.Tensor) -> dict[str, Any]:
+        """Channel part of sharded bucket `seq`'s header (the coordinator adds the ranges)."""
+        return {"src": self.rank, "seq": seq, "nbytes": int(data.numel())}
+
+    async def send(self, peer: int, seq: int, data: torch.Tensor) -> None:
+        """Move sharded bucket `seq`'s bytes to peer #`peer` (runs with that peer's receive)."""
+        raise SyncError(f"the {self.tag} channel has no sharded sender (zmq, ucx and broadcast have)")
+
+    @property
+    def fanout(self) -> bool:
+        """Whether one `send_all` per bucket reaches every peer at once (a collective), in place of
+        a `send` per peer."""
+        return False
+
+    async def send_all(self, seq: int, data: torch.Tensor) -> None:
+        """Move sharded bucket `seq`'s bytes to every peer in one transfer (`fanout` channels)."""
+        raise SyncError(f"the {self.tag} channel has no one-transfer send to every engine")
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the channel."""
 
 
 class BulkReceiver(abc.ABC):
@@ -239,9 +292,13 @@ class BulkReceiver(abc.ABC):
         """Release the channel."""
 
 
-def make_sender(cfg: SyncConfig) -> BulkSender:
+def make_sender(cfg: SyncConfig, place: SenderPlace | None = None, sharded: bool = False) -> BulkSender:
+    """The sender of `sync.transport` at `place`; `sharded`: one that sends a sharded sync's buckets."""
     cls = SENDERS.get(cfg.transport)
-    return cls(cfg)
+    if sharded and not cls.sharded:
+        raise SyncError(f"sync.transport={cfg.transport!r} has no sharded sender (zmq, ucx and broadcast have)")
+    sender: BulkSender = cls(cfg, place)
+    return sender
 
 
 def make_receiver(tag: str, info: dict[str, Any], bucket_bytes: int) -> BulkReceiver:

@@ -1,9 +1,10 @@
-"""`broadcast` channel: one torch.distributed group spanning trainer rank 0 and every engine.
+"""`broadcast` channel: one torch.distributed group spanning the sending trainer ranks and every engine.
 
 The group is standalone (its own TCPStore, not the trainer's default group), created
-once per peer set and torn down explicitly. Buckets go as one flat uint8 buffer per
-bucket from rank 0; gloo on CPU, NCCL when the weights live on a GPU. Blocking
-collectives run in a worker thread so the actor loops stay responsive.
+once per peer set and torn down explicitly; gloo on CPU, NCCL when the weights live on a
+GPU. A gathered sync broadcasts each bucket from rank 0; a sharded one sends each rank's
+buckets point to point (`BroadcastSender`). Blocking calls run in a worker thread or
+complete through the work's future, so the actor loops stay responsive.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from miles.core.errors import SyncError
 from miles.core.logging import get_logger
-from miles.transport.bulk.base import BulkReceiver, LocalWeights
+from miles.transport.bulk.base import BulkReceiver, LocalWeights, SenderPlace
 from miles.transport.bulk.wire_plan import Landing, SegmentSender, flat_landed, flat_target
 
 log = get_logger("miles.bulk.broadcast")
@@ -79,45 +80,74 @@ async def _broadcast_all(pg: Any, bufs: list[torch.Tensor]) -> None:
         w.wait()  # already complete: surfaces an earlier work's failure
 
 
-class BroadcastSender(SegmentSender):
-    tag = "broadcast"
+async def _wait(work: Any, what: str) -> None:
+    try:
+        await asyncio.to_thread(work.wait)
+    except RuntimeError as exc:
+        raise SyncError(f"{what} failed: {exc}") from exc
 
-    def __init__(self, cfg: Any) -> None:
-        super().__init__(cfg)
-        self.advertise = "127.0.0.1"
+
+class BroadcastSender(SegmentSender):
+    """One group of every sending trainer rank and every engine: trainer rank r is group rank r,
+    engine #i is `world + i` (a gathered sync: rank 0 and engines 1..N); rank 0 hosts the store.
+
+    A gathered bucket, and a bucket of a one-rank sharded sync (`fanout`), goes to every engine in
+    one broadcast collective. A sharded bucket of several ranks goes by send/recv per (rank,
+    engine) pair, not per-owner broadcasts: an engine lands buckets one
+    at a time, in the order their headers arrive, and collectives of several owners' groups
+    taken in different orders by different engines would deadlock; point-to-point transfers
+    only need each pair's order, which the header order gives."""
+
+    tag = "broadcast"
+    sharded = True
+
+    def __init__(self, cfg: Any, place: SenderPlace | None = None) -> None:
+        super().__init__(cfg, place)
         self._store: Any = None
         self._pg: Any = None
         self._pending: asyncio.Future[Any] | None = None
 
-    async def open(self, peers: list[str]) -> list[dict[str, Any]]:
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device.type == "cuda" else "gloo"
+
+    async def setup(self, peers: list[str]) -> dict[str, Any]:
+        """Rank 0: a fresh store for the group of every rank and `peers` (port 0: the OS picks one)."""
         await self.close()
         from torch.distributed import TCPStore
 
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        world = len(peers) + 1
-        timeout = datetime.timedelta(seconds=self.cfg.step_timeout_s)
-        # Port 0: the OS picks a free one; its number is handed to the engines in their open info.
-        self._store = TCPStore(self.advertise, 0, world, True, timeout=timeout, wait_for_workers=False)
-        port = self._store.port
-        self.peers = list(peers)
-        infos = [{"backend": backend, "addr": self.advertise, "port": port, "rank": i + 1, "world": world,
-                  "timeout_s": self.cfg.step_timeout_s} for i in range(len(peers))]
-        # Rank 0 joins concurrently with the engines, who are told to join by the coordinator.
-        loop = asyncio.get_running_loop()
-        self._pending = loop.run_in_executor(None, self._join, backend, world, timeout)
-        return infos
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        self._store = TCPStore(self.advertise, 0, self.world + len(peers), True, timeout=timeout,
+                               wait_for_workers=False)
+        return {"addr": self.advertise, "port": self._store.port, "backend": self.backend}
 
-    def _join(self, backend: str, world: int, timeout: datetime.timedelta) -> None:
-        self._pg = _make_pg(backend, self._store, 0, world, timeout)
+    async def open(self, peers: list[str], shared: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        if shared is None:  # a gathered sync: rank 0 sets the group up itself
+            shared = await self.setup(peers)
+        elif self.rank != 0:
+            await self.close()
+            from torch.distributed import TCPStore
+
+            self._store = TCPStore(str(shared["addr"]), int(shared["port"]), self.world + len(peers), False,
+                                   timeout=datetime.timedelta(seconds=self.timeout_s), wait_for_workers=False)
+        self.peers = list(peers)
+        size = self.world + len(peers)
+        # This rank joins concurrently with the engines, who are told to join by the coordinator.
+        self._pending = asyncio.ensure_future(asyncio.to_thread(
+            _make_pg, str(shared["backend"]), self._store, self.rank, size, datetime.timedelta(seconds=self.timeout_s)))
+        if self.rank != 0:
+            return [{} for _ in peers]
+        return [{"backend": shared["backend"], "addr": shared["addr"], "port": shared["port"], "rank": self.world + i,
+                 "world": size, "timeout_s": self.timeout_s} for i in range(len(peers))]
 
     async def connected(self) -> None:
-        """Await rank 0's join (after the engines were told to join)."""
+        """Await this rank's join (after the engines were told to join)."""
         if self._pending is not None:
             fut, self._pending = self._pending, None
             try:
-                await fut
+                self._pg = await fut
             except RuntimeError as exc:
-                raise SyncError(f"broadcast group setup failed: {exc}") from exc
+                raise SyncError(f"broadcast group setup failed on rank {self.rank}: {exc}") from exc
 
     async def transmit(self) -> None:
         await self.connected()
@@ -128,6 +158,32 @@ class BroadcastSender(SegmentSender):
             await _broadcast_all(self._pg, plan.sends)
         except RuntimeError as exc:
             raise SyncError(f"broadcast of {plan.nbytes} bytes failed: {exc}") from exc
+
+    @property
+    def fanout(self) -> bool:
+        """One sending rank (a gathered flat export as a one-rank sharded sync): its buckets reach
+        every engine in one broadcast each, as the gathered channel's do (no per-owner deadlock)."""
+        return self.world == 1
+
+    def header(self, seq: int, data: torch.Tensor) -> dict[str, Any]:
+        return {**super().header(seq, data), "collective": self.fanout}
+
+    async def send_all(self, seq: int, data: torch.Tensor) -> None:
+        await self.connected()
+        if self._pg is None or not self.fanout:
+            raise SyncError(f"broadcast (sharded): a broadcast to every engine needs one open sending rank "
+                            f"(this is rank {self.rank} of {self.world})")
+        try:
+            await _broadcast_all(self._pg, [data])
+        except RuntimeError as exc:
+            raise SyncError(f"broadcast (sharded) of {data.numel()} bytes failed: {exc}") from exc
+
+    async def send(self, peer: int, seq: int, data: torch.Tensor) -> None:
+        await self.connected()
+        if self._pg is None:
+            raise SyncError("broadcast (sharded): send before open")
+        work = self._pg.send([data], self.world + peer, seq)
+        await _wait(work, f"broadcast (sharded): rank {self.rank} sending {data.numel()} bytes to engine #{peer}")
 
     async def close(self) -> None:
         pending, self._pending = self._pending, None

@@ -37,6 +37,7 @@ from miles.transport.bulk.base import (
     BulkSender,
     Layout,
     LocalWeights,
+    SenderPlace,
     dtype_of,
     slot_region,
 )
@@ -57,9 +58,9 @@ class CudaIpcSender(BulkSender):
     flat = True
     flat_window = 1 << 20  # a range's header is four ints: nothing to free between ranges
 
-    def __init__(self, cfg: SyncConfig) -> None:
+    def __init__(self, cfg: SyncConfig, place: SenderPlace | None = None) -> None:
         _need_cuda()
-        super().__init__(cfg)
+        super().__init__(cfg, place)
         self.device = torch.device("cuda", torch.cuda.current_device())
         self._shared: dict[tuple[int, int], int] = {}  # (storage address, size) -> index in this version
         self._handles: list[dict[str, Any]] = []
@@ -71,7 +72,7 @@ class CudaIpcSender(BulkSender):
         self._flat_sent = False
         self._flat_version: int | None = None
 
-    async def open(self, peers: list[str]) -> list[dict[str, Any]]:
+    async def open(self, peers: list[str], shared: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         self.peers = list(peers)
         self._flat_sent = False  # fresh receivers map the flat buffer afresh
         return [{"device": self.device.index} for _ in peers]

@@ -40,7 +40,7 @@ import xxhash
 from miles.core.errors import MilesError, SyncError
 from miles.core.logging import get_logger
 from miles.core.schema.sync import SyncConfig
-from miles.transport.bulk.base import BulkReceiver, BulkSender, LocalWeights
+from miles.transport.bulk.base import BulkReceiver, BulkSender, LocalWeights, SenderPlace
 from miles.transport.bulk.buckets import CHUNK_SEP, Bucket
 from miles.transport.bulk.delta_codec import as_bytes, decode, digest, encode, pick_compressor
 
@@ -87,8 +87,8 @@ class DiskDeltaSender(BulkSender):
     tag = "disk_delta"
     streaming = False
 
-    def __init__(self, cfg: SyncConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: SyncConfig, place: SenderPlace | None = None) -> None:
+        super().__init__(cfg, place)
         if not cfg.delta_dir:
             raise SyncError("disk_delta needs sync.delta_dir (a directory every engine can read)")
         self.root = Path(cfg.delta_dir)
@@ -108,7 +108,7 @@ class DiskDeltaSender(BulkSender):
         self._writes: list[Future[None]] = []  # its writes of the version being written
         self.written_bytes = 0
 
-    async def open(self, peers: list[str]) -> list[dict[str, Any]]:
+    async def open(self, peers: list[str], shared: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         self.root.mkdir(parents=True, exist_ok=True)
         self.peers = list(peers)
         return [{"dir": str(self.root)} for _ in peers]

@@ -1,6 +1,7 @@
-"""`ucx` channel: UCXX endpoints from trainer rank 0 to each engine (the `ucx` extra).
+"""`ucx` channel: UCXX endpoints from each trainer rank to each engine (the `ucx` extra).
 
-Rank 0 listens; each engine connects once per run and announces its index, so
+Each sending rank (a gathered sync: rank 0 alone) listens; each engine connects to it once
+per run and announces its index (a sharded sync's receiver: transport/bulk/shard_receiver.py), so
 endpoints and the staging buffers (registered once, not per update) are reused for
 every bucket. Large runs of tensors go from the trainer's memory, the rest packed
 (wire_plan); receivers write straight into the engine's staging slots when they are laid
@@ -24,7 +25,7 @@ import torch
 from miles.core.errors import SyncError
 from miles.core.logging import get_logger
 from miles.core.schema.sync import SyncConfig
-from miles.transport.bulk.base import BulkReceiver, LocalWeights
+from miles.transport.bulk.base import BulkReceiver, LocalWeights, SenderPlace
 from miles.transport.bulk.buckets import Bucket
 from miles.transport.bulk.wire_plan import (
     DIRECT_MIN_BYTES_GPU,
@@ -167,19 +168,25 @@ class UcxPeers:
 
 
 class UcxSender(SegmentSender):
+    """This rank's listener and an endpoint per engine. Gathered buckets go as segments
+    (wire_plan); a sharded bucket is one message to each engine."""
+
     tag = "ucx"
+    sharded = True
     direct_min = DIRECT_MIN_BYTES_GPU  # a UCX message costs a rendezvous round trip: pack all but huge runs
 
-    def __init__(self, cfg: SyncConfig) -> None:
-        super().__init__(cfg)
-        self.advertise = "127.0.0.1"
+    def __init__(self, cfg: SyncConfig, place: SenderPlace | None = None) -> None:
+        super().__init__(cfg, place)
         self._peers = UcxPeers()
 
-    async def open(self, peers: list[str]) -> list[dict[str, Any]]:
+    async def open(self, peers: list[str], shared: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         port = await self._peers.listen()
         self.peers = list(peers)
         return [{"addr": self.advertise, "port": port, "index": i, "mem": self.device.type,
-                 "timeout_s": self.cfg.step_timeout_s} for i in range(len(peers))]
+                 "timeout_s": self.timeout_s} for i in range(len(peers))]
+
+    async def connected(self) -> None:
+        await self._peers.connected(len(self.peers), self.timeout_s, f"ucx (rank {self.rank})")
 
     def prepare(self, version: int, seq: int, bucket: Bucket) -> dict[str, Any]:
         header = super().prepare(version, seq, bucket)
@@ -194,16 +201,23 @@ class UcxSender(SegmentSender):
         return header
 
     async def transmit(self) -> None:
-        await self._peers.connected(len(self.peers), self.cfg.step_timeout_s, "ucx")
+        await self.connected()
         plan = self.next_plan()
         views = [ucx_buffer(b) for b in plan.sends]
 
         async def to(index: int) -> None:
             for v in views:  # in header order: the receiver posts its receives in the same order
-                await self._peers.send(index, v, self.cfg.step_timeout_s,
+                await self._peers.send(index, v, self.timeout_s,
                                        f"ucx: sending {plan.nbytes} bytes to engine #{index} ({self.peers[index]!r})")
 
         await asyncio.gather(*(to(i) for i in list(self._peers.eps)))
+
+    async def send(self, peer: int, seq: int, data: torch.Tensor) -> None:
+        if data.device.type == "cuda":
+            torch.cuda.current_stream(data.device).synchronize()  # UCX reads outside torch's streams
+        await self._peers.send(peer, ucx_buffer(data), self.timeout_s,
+                               f"ucx (rank {self.rank}): sending {data.numel()} bytes to engine #{peer} "
+                               f"({self.peers[peer]!r})")
 
     async def close(self) -> None:
         await self._peers.close()

@@ -21,7 +21,14 @@ from typing import Any, ClassVar
 import torch
 
 from miles.core.errors import SyncError
-from miles.transport.bulk.base import BulkSender, Layout, LocalWeights, slot_region, unpack
+from miles.transport.bulk.base import (
+    BulkSender,
+    Layout,
+    LocalWeights,
+    SenderPlace,
+    slot_region,
+    unpack,
+)
 from miles.transport.bulk.buckets import Bucket
 
 # A run at least this large is sent from the trainer's memory; below it, one more message
@@ -129,14 +136,13 @@ def plan_sends(bucket: Bucket, bufs: PackBuffers, direct_min: int | None = None)
 class SegmentSender(BulkSender):
     """A sender whose buckets travel as segments: planned at `prepare`, sent in that order.
 
-    `device` is where the weights live (set by the coordinator); pack buffers follow it.
+    `device` is where the weights live (the sender's place); pack buffers follow it.
     """
 
     direct_min: ClassVar[int | None] = None  # smallest run sent unpacked; None: by device
 
-    def __init__(self, cfg: Any) -> None:
-        super().__init__(cfg)
-        self.device = torch.device("cpu")
+    def __init__(self, cfg: Any, place: SenderPlace | None = None) -> None:
+        super().__init__(cfg, place)
         self._packs = PackBuffers(cfg.pipeline_depth, self.bucket_bytes, self.device)
         self._ready: deque[SendPlan] = deque()  # prepared buckets, in transmit order
 

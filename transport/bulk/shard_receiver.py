@@ -1,8 +1,10 @@
-"""Channels of the sharded weight sync: every trainer rank sends its own bytes to every engine.
+"""The engine's receiver of a sharded weight sync: buckets from every trainer rank.
 
-One sender per trainer rank, one `ShardReceiver` per engine that takes buckets from every
-rank. Control (which byte ranges a bucket holds, from which rank) rides in the `FlatRange`
-header over the actor wire; the bytes go on the channel:
+Every trainer rank sends its own bytes with its channel's sender (transport/bulk/base.py
+`BulkSender`, the same classes a gathered sync uses; a gathered flat export is a one-rank
+sharded sync). One `ShardReceiver` per engine takes buckets from every rank. Control (which
+byte ranges a bucket holds, from which rank) rides in the `FlatRange` header over the actor
+wire; the bytes go on the channel:
 
 - `zmq`: inline in the header, as a zero-copy frame of the rank's send buffer.
 - `ucx`: one endpoint per (rank, engine) pair; each rank listens, each engine connects to
@@ -14,10 +16,8 @@ header over the actor wire; the bytes go on the channel:
   (receive-ahead): every rank's bytes flow at once, and a header lands what already arrived.
   Ranks beyond that budget are received when their header comes up, as before.
 - `broadcast`: one torch.distributed group of every trainer rank and engine (gloo on CPU,
-  NCCL on GPU) and send/recv per pair. Not a per-owner broadcast: an engine lands buckets
-  one at a time, in the order their headers arrive, and collectives of several owners'
-  groups taken in different orders by different engines would deadlock; point-to-point
-  transfers only need each pair's order, which the header order gives.
+  NCCL on GPU) and send/recv per pair (transport/bulk/broadcast.py says why not broadcasts);
+  from one sending rank (a gathered flat export) one broadcast per bucket to every engine.
 
 A receiver lands a bucket's bytes in the engine's staging slots through the flat plan's
 landing (weightsync/flat.py): straight into the slots when the bucket is one range and
@@ -26,10 +26,8 @@ the slots are laid out like the plan, else through its bucket buffer, range by r
 
 from __future__ import annotations
 
-import abc
 import asyncio
-import datetime
-from typing import Any, ClassVar, Literal, assert_never
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,176 +38,7 @@ from miles.transport.bulk.base import BulkReceiver, LocalWeights
 from miles.transport.bulk.shard_delta import decode
 
 log = get_logger("miles.bulk.sharded")
-ShardTransport = Literal["zmq", "ucx", "broadcast"]  # the transports a sharded sync runs over
 SHARDED_TAG = "sharded"  # the receiver tag engines open (BulkOpen.transport)
-
-
-class ShardSender(abc.ABC):
-    """One trainer rank's side of a sharded channel to every engine."""
-
-    tag: ClassVar[str]
-
-    def __init__(self, rank: int, world: int, timeout_s: float, advertise: str = "127.0.0.1") -> None:
-        self.rank, self.world, self.timeout_s, self.advertise = rank, world, timeout_s, advertise
-        self.peers: list[str] = []
-
-    async def setup(self, peers: list[str]) -> dict[str, Any]:
-        """Rank 0 only, before `open`: what every rank needs to open (e.g. a rendezvous address)."""
-        return {}
-
-    @abc.abstractmethod
-    async def open(self, peers: list[str], shared: dict[str, Any]) -> list[dict[str, Any]]:
-        """Set up this rank's side for `peers`; returns what each peer's receiver needs of this rank."""
-
-    async def connected(self) -> None:  # noqa: B027 - optional hook
-        """Wait until every peer is connected to this rank (runs while engines open their receivers)."""
-
-    def header(self, seq: int, data: torch.Tensor) -> dict[str, Any]:
-        """Channel part of bucket `seq`'s header (the coordinator adds the ranges)."""
-        return {"src": self.rank, "seq": seq, "nbytes": int(data.numel())}
-
-    @abc.abstractmethod
-    async def send(self, peer: int, seq: int, data: torch.Tensor) -> None:
-        """Move bucket `seq`'s bytes to peer #`peer` (runs with that peer's receive)."""
-
-    async def close(self) -> None:  # noqa: B027 - optional hook
-        """Release the channel."""
-
-
-class ZmqShardSender(ShardSender):
-    tag = "zmq"
-
-    async def open(self, peers: list[str], shared: dict[str, Any]) -> list[dict[str, Any]]:
-        self.peers = list(peers)
-        return [{} for _ in peers]
-
-    def header(self, seq: int, data: torch.Tensor) -> dict[str, Any]:
-        return {**super().header(seq, data), "data": data if data.device.type == "cpu" else data.to("cpu")}
-
-    async def send(self, peer: int, seq: int, data: torch.Tensor) -> None:
-        """The bytes travel with the header."""
-
-
-class UcxShardSender(ShardSender):
-    tag = "ucx"
-
-    def __init__(self, rank: int, world: int, timeout_s: float, advertise: str = "127.0.0.1") -> None:
-        super().__init__(rank, world, timeout_s, advertise)
-        from miles.transport.bulk.ucx import UcxPeers
-
-        self._peers = UcxPeers()
-
-    async def open(self, peers: list[str], shared: dict[str, Any]) -> list[dict[str, Any]]:
-        port = await self._peers.listen()
-        self.peers = list(peers)
-        return [{"addr": self.advertise, "port": port} for _ in peers]
-
-    async def connected(self) -> None:
-        await self._peers.connected(len(self.peers), self.timeout_s, f"ucx (rank {self.rank})")
-
-    async def send(self, peer: int, seq: int, data: torch.Tensor) -> None:
-        from miles.transport.bulk.ucx import ucx_buffer
-
-        if data.device.type == "cuda":
-            torch.cuda.current_stream(data.device).synchronize()  # UCX reads outside torch's streams
-        await self._peers.send(peer, ucx_buffer(data), self.timeout_s,
-                               f"ucx (rank {self.rank}): sending {data.numel()} bytes to engine #{peer} "
-                               f"({self.peers[peer]!r})")
-
-    async def close(self) -> None:
-        await self._peers.close()
-
-
-def _make_pg(backend: str, store: Any, rank: int, world: int, timeout_s: float) -> Any:
-    from miles.transport.bulk.broadcast import _make_pg as make
-
-    return make(backend, store, rank, world, datetime.timedelta(seconds=timeout_s))
-
-
-async def _wait(work: Any, what: str) -> None:
-    try:
-        await asyncio.to_thread(work.wait)
-    except RuntimeError as exc:
-        raise SyncError(f"{what} failed: {exc}") from exc
-
-
-class P2PShardSender(ShardSender):
-    """`broadcast` in a sharded sync: send/recv per (rank, engine) pair in one group.
-
-    Group ranks: trainer rank r is r, engine #i is world + i. Rank 0 hosts the store."""
-
-    tag = "broadcast"
-
-    def __init__(self, rank: int, world: int, timeout_s: float, advertise: str = "127.0.0.1",
-                 device: torch.device | None = None) -> None:
-        super().__init__(rank, world, timeout_s, advertise)
-        self.backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
-        self._store: Any = None
-        self._pg: Any = None
-        self._pending: asyncio.Future[Any] | None = None
-
-    async def setup(self, peers: list[str]) -> dict[str, Any]:
-        from torch.distributed import TCPStore
-
-        await self.close()
-        timeout = datetime.timedelta(seconds=self.timeout_s)
-        self._store = TCPStore(self.advertise, 0, self.world + len(peers), True, timeout=timeout,
-                               wait_for_workers=False)
-        return {"addr": self.advertise, "port": self._store.port, "backend": self.backend}
-
-    async def open(self, peers: list[str], shared: dict[str, Any]) -> list[dict[str, Any]]:
-        from torch.distributed import TCPStore
-
-        if self.rank != 0:
-            await self.close()
-            self._store = TCPStore(str(shared["addr"]), int(shared["port"]), self.world + len(peers), False,
-                                   timeout=datetime.timedelta(seconds=self.timeout_s), wait_for_workers=False)
-        self.peers = list(peers)
-        size = self.world + len(peers)
-        self._pending = asyncio.ensure_future(asyncio.to_thread(
-            _make_pg, str(shared["backend"]), self._store, self.rank, size, self.timeout_s))
-        if self.rank != 0:
-            return [{} for _ in peers]
-        return [{"addr": shared["addr"], "port": shared["port"], "backend": shared["backend"],
-                 "rank": self.world + i, "world": size} for i in range(len(peers))]
-
-    async def connected(self) -> None:
-        if self._pending is not None:
-            fut, self._pending = self._pending, None
-            try:
-                self._pg = await fut
-            except RuntimeError as exc:
-                raise SyncError(f"sharded broadcast group setup failed on rank {self.rank}: {exc}") from exc
-
-    async def send(self, peer: int, seq: int, data: torch.Tensor) -> None:
-        await self.connected()
-        if self._pg is None:
-            raise SyncError("broadcast (sharded): send before open")
-        work = self._pg.send([data], self.world + peer, seq)
-        await _wait(work, f"broadcast (sharded): rank {self.rank} sending {data.numel()} bytes to engine #{peer}")
-
-    async def close(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            await asyncio.gather(pending, return_exceptions=True)
-        if self._pg is not None:
-            from miles.transport.bulk.broadcast import _shutdown
-
-            await asyncio.to_thread(_shutdown, self._pg)
-        self._pg = None
-        self._store = None
-
-
-def make_shard_sender(tag: ShardTransport, rank: int, world: int, timeout_s: float, advertise: str,
-                      device: torch.device) -> ShardSender:
-    """The sending side of `sync.transport` (the loader lets sync.sharded run only over these three)."""
-    if tag == "zmq":
-        return ZmqShardSender(rank, world, timeout_s, advertise)
-    if tag == "ucx":
-        return UcxShardSender(rank, world, timeout_s, advertise)
-    if tag == "broadcast":
-        return P2PShardSender(rank, world, timeout_s, advertise, device)
-    assert_never(tag)
 
 
 def parse_ranges(raw: Any) -> list[tuple[int, int, int, int]]:
@@ -270,7 +99,10 @@ class ShardReceiver(BulkReceiver):
         self._broken = ""  # why the receive-ahead stream broke, if it did
         self._pg: Any = None
         self._store: Any = None
-        dev = "cuda" if self.sources and self.sources[0].get("backend") == "nccl" else "cpu"
+        # GPU weights land through GPU buffers (NCCL, or UCX moving CUDA memory itself), as a gathered
+        # ucx receiver's do: the senders say where their bytes live.
+        first = self.sources[0] if self.sources else {}
+        dev = "cuda" if first.get("backend") == "nccl" or first.get("mem") == "cuda" else "cpu"
         self._buf = torch.empty(0, dtype=torch.uint8, device=dev)  # grown to a bucket on first need
         self._full = torch.empty(0, dtype=torch.uint8, device=dev)  # a delta bucket rebuilt (delta syncs only)
 
@@ -333,7 +165,7 @@ class ShardReceiver(BulkReceiver):
             torch.cuda.current_stream(buf.device).synchronize()  # the landing copies read it on the stream
         self._post(src, buf)
 
-    async def _take(self, src: int, seq: int, dst: torch.Tensor) -> None:
+    async def _take(self, src: int, seq: int, dst: torch.Tensor, collective: bool = False) -> None:
         if self.channel == "ucx":
             from miles.transport.bulk.ucx import ucx_buffer, ucx_transfer
 
@@ -342,8 +174,16 @@ class ShardReceiver(BulkReceiver):
         else:
             if self._pg is None:
                 raise SyncError("broadcast (sharded): receive before open")
-            await _wait(self._pg.recv([dst], src, seq), f"broadcast (sharded): receiving {dst.numel()} bytes "
-                        f"from trainer rank {src}")
+            from miles.transport.bulk.broadcast import _broadcast_all, _wait
+
+            what = f"broadcast (sharded): receiving {dst.numel()} bytes from trainer rank {src}"
+            if not collective:  # several sending ranks: send/recv per pair
+                await _wait(self._pg.recv([dst], src, seq), what)
+                return
+            try:  # one sending rank (0) broadcasts each bucket to every engine; completes through its future
+                await _broadcast_all(self._pg, [dst])
+            except RuntimeError as exc:
+                raise SyncError(f"{what} failed: {exc}") from exc
 
     async def recv_flat(self, header: dict[str, Any], landing: Any, local: LocalWeights) -> list[str]:
         try:
@@ -353,6 +193,7 @@ class ShardReceiver(BulkReceiver):
             raise SyncError(f"sharded bucket header is malformed: {exc}") from exc
         total = sum(w * c for _, w, _, c in blocks)
         delta = "delta" in header  # (indices, words) against the live version: shard_delta.py
+        collective = bool(header.get("collective"))  # broadcast from one sending rank to every engine
         wire = int(header.get("nbytes", total))
         if any(not (lo >= 0 and w > 0 and c > 0 and (c == 1 or st >= w) and lo + st * (c - 1) + w <= landing.plan.nbytes)
                for lo, w, st, c in blocks) or (wire != total and not delta):
@@ -388,12 +229,12 @@ class ShardReceiver(BulkReceiver):
             region = landing.region(local)
             if not delta and len(ranges) == 1 and region is not None and region.device == self._buf.device:
                 lo, hi = ranges[0]
-                await self._take(src, seq, region[lo:hi])  # straight into the staging slots
+                await self._take(src, seq, region[lo:hi], collective)  # straight into the staging slots
                 return landing.plan.done_in(lo, hi)
             if self._buf.numel() < wire:
                 self._buf = torch.empty(max(wire, self.bucket_bytes), dtype=torch.uint8, device=self._buf.device)
             data = self._buf[:wire]
-            await self._take(src, seq, data)
+            await self._take(src, seq, data, collective)
         if delta:
             if self._full.numel() < total:
                 self._full = torch.empty(max(total, self.bucket_bytes), dtype=torch.uint8, device=self._buf.device)
