@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 import torch
 
 from miles.core.errors import EngineStartError
@@ -242,8 +243,11 @@ async def test_a_start_waits_for_the_port_then_fails_naming_the_option(ckpt: Pat
     held.listen()
     eng = SGLangEngine(cfg)
     try:
-        start = asyncio.create_task(eng.start())
-        await asyncio.sleep(1.0)
+        with structlog.testing.capture_logs() as logs:
+            start = asyncio.create_task(eng.start())
+            while not any(e["event"] == "sglang_port_in_use_waiting" for e in logs):  # noqa: ASYNC110
+                assert not start.done(), "the start did not wait for the busy port"
+                await asyncio.sleep(0.02)
         assert not start.done()  # still waiting on the port
         held.close()
         await asyncio.wait_for(start, 120)
