@@ -227,8 +227,13 @@ class GatheredCoordinator:
             why = {n: str(t) for n, t in zip(live, took, strict=True) if t is not True and t is not None}
             self._plan_for, self._plan_ok, self._declined = key, not why, sorted(why)
             if why:
-                log.warning("flat_plan_declined", engines=why, consequence="weights go tensor by tensor, converted "
-                            "on the engine; set sync.dtype to the engine's dtype ('engine') to keep the fast path")
+                # the advice fits a slot mismatch (dtype or layout); an engine without staging slots (an
+                # SGLang server's engine: it hands whole versions to the server) only ever takes tensors
+                slotless = all("no staging slots" in r for r in why.values())
+                log.warning("flat_plan_declined", engines=why, consequence=(
+                    "weights go tensor by tensor (these engines take no byte ranges)" if slotless else
+                    "weights go tensor by tensor, converted on the engine; set sync.dtype to the engine's "
+                    "dtype ('engine') to keep the fast path"))
             else:
                 log.info("flat_plan_sent", engines=live, tensors=len(weights.plan.names), bytes=weights.plan.nbytes)
         rep.declined = list(self._declined)

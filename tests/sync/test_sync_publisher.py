@@ -87,6 +87,7 @@ async def test_a_declined_plan_is_logged_with_its_reason_and_counted(procs) -> N
         warn = [e for e in logs if e["event"] == "flat_plan_declined"]
         assert warn and warn[0]["log_level"] == "warning", logs
         assert "float32" in warn[0]["engines"]["e0"] and "bfloat16" in warn[0]["engines"]["e0"], warn
+        assert "sync.dtype" in warn[0]["consequence"], warn  # a dtype mismatch: the advice that fixes it
         assert await held(host, ["e0"]) == [_expected(model, torch.bfloat16)]  # tensors went, converted
     finally:
         await pub.sync.close()  # type: ignore[union-attr]
