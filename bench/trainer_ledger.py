@@ -55,6 +55,7 @@ class Alloc:
     t0: int
     context: tuple[str, ...]  # the enclosing profiler scopes, innermost first
     t1: int = 1 << 62  # freed at (never: alive at the end)
+    freed_in: tuple[str, ...] = ()  # the scopes of the free
 
 
 @dataclass
@@ -114,6 +115,9 @@ def owner_of(a: Alloc, snaps: list[Snapshot], at: int) -> str:
     for s in reversed(snaps):
         if a.t0 <= s.t < a.t1 and a.ptr in s.owners:
             return s.owners[a.ptr]
+    if any(s.startswith("FSDP::post_backward_reduce") for s in a.freed_in) and \
+            not any(s.startswith("FSDP::post_backward_reduce") for s in a.context):
+        return "bf16 unsharded gradients (until their reduce)"  # autograd's, handed to FSDP2's reduce
     for scope in a.context:
         for key, name in _RULES:
             if key in scope:
@@ -196,7 +200,7 @@ def trace(args: argparse.Namespace) -> dict[str, Any]:
                 peak, peak_t = total, ev_t
         elif ptr in live:
             a = live.pop(ptr)
-            a.t1 = ev_t
+            a.t1, a.freed_in = ev_t, ctx
             done.append(a)
             total -= a.size
     everything = done + list(live.values())
@@ -311,6 +315,8 @@ def main() -> None:
     print(f"alive at the peak, GB ({'before' if a.before else 'after'}; * = extrapolated)")
     print(f"{'owner':48s}{head}")
     for k in owners:
+        if max([r["at_peak"].get(k, 0) for r in runs] + [deep.get(k, 0)]) < GB / 2000:
+            continue  # under 0.5 MB everywhere
         cells = "".join(f"{r['at_peak'].get(k, 0) / GB:10.3f}" for r in runs)
         print(f"{k:48s}{cells}" + (f"{deep.get(k, 0) / GB:10.3f}" if deep else ""))
     tot = "".join(f"{r['peak'] / GB:10.3f}" for r in runs)
