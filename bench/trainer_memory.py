@@ -12,6 +12,9 @@ step time. Cases (`--cases`, comma-separated):
   bf16_16k          bf16, 16k packs, recompute=full, today's head  (goal: <= 12 GB)
   fp32_8k_before    fp32, 8k packs, no recompute, old head
   fp32_8k           fp32, 8k packs, recompute=full, today's head (goal: runs on an 80 GB card)
+  fp32_8k_masked    fp32_8k with packs of 8,000 tokens (8 x 1,000), as a launched run's packs fall
+                    short of the budget: under 8,192 tokens packed_attention 'by_length' takes the
+                    masked path, a [7 x T, T] fp32 bias (1.8 GB at T = 8,000) instead of varlen
   launched_16k      what a launched examples/gsm8k_qwen.toml trainer does (H100, session 16: 14.97 GB):
                     bf16, 16k packs, recompute=full, compile off, the TIS correction, `--packs`
                     micro-batches a step (gradients accumulate over them), and after every step the
@@ -44,6 +47,7 @@ CASES = {
     "bf16_16k": dict(dtype="bfloat16", pack=16384, recompute="full", old_head=False),
     "fp32_8k_before": dict(dtype="float32", pack=8192, recompute="off", old_head=True),
     "fp32_8k": dict(dtype="float32", pack=8192, recompute="full", old_head=False),
+    "fp32_8k_masked": dict(dtype="float32", pack=8192, recompute="full", old_head=False, seq=1000),
     "launched_16k": dict(dtype="bfloat16", pack=16384, recompute="full", old_head=False, launched=True),
     "launched_16k_before": dict(dtype="bfloat16", pack=16384, recompute="full", old_head=False, launched=True,
                                 before=True),
@@ -70,6 +74,7 @@ def run_case(name: str, model: str, seq: int, steps: int, packs: int) -> dict[st
     from trainer import CUDA_MODELS, _device_batch, _spec  # bench/trainer.py (bench/ on sys.path)
 
     c = CASES[name]
+    seq = int(c.get("seq", seq))  # type: ignore[call-overload]
     launched = bool(c.get("launched"))
     sharding.SINGLE_RANK_REDUCE_IN_PLACE = not c.get("before")
     if c["old_head"]:

@@ -56,7 +56,7 @@ def test_in_place_reduce_gives_fsdp2s_numbers_exactly() -> None:
             sharding.SINGLE_RANK_REDUCE_IN_PLACE = flag
             t = _trainer()
             norms = [t.train_step(_batch())["train/grad_norm"] for _ in range(3)]
-            params = {n: p.detach().to_local().clone()  # type: ignore[operator]  # DTensor shards
+            params = {n: p.detach().to_local().clone()  # DTensor shards
                       for n, p in t.policy.named_parameters()}
             got[flag] = params, norms
     finally:
@@ -69,7 +69,7 @@ def test_in_place_reduce_gives_fsdp2s_numbers_exactly() -> None:
 
 
 def _trainer_params() -> list[torch.Tensor]:
-    return [p.detach().to_local().clone() for p in _trainer().policy.parameters()]  # type: ignore[operator]
+    return [p.detach().to_local().clone() for p in _trainer().policy.parameters()]
 
 
 def _unit_buffers() -> list[tuple[str, int]]:
@@ -88,7 +88,7 @@ def _unit_buffers() -> list[tuple[str, int]]:
         if not e.name.startswith("FSDP::post_backward_reduce"):
             continue
         unit = e.name.removeprefix("FSDP::post_backward_reduce").strip(" ()")  # "" = the root
-        state = t.policy.get_submodule(unit)._get_fsdp_state()  # type: ignore[operator]
+        state = t.policy.get_submodule(unit)._get_fsdp_state()
         grad_bytes = 4 * sum(p.sharded_size.numel() for p in state._fsdp_param_group.fsdp_params)
         inner, sizes = list(e.children), []
         while inner:
@@ -115,11 +115,11 @@ def test_each_reduce_holds_its_units_fp32_gradients_once(in_place: bool) -> None
 def test_in_place_comm_returns_the_input_and_refuses_the_unexpected() -> None:
     comm = sharding.InPlaceSingleRankReduce()
     kw = dict(dtype=torch.float32, device=torch.device("cpu"))
-    inp = comm.allocate((6,), **kw)  # type: ignore[arg-type]
-    assert comm.allocate((6,), **kw) is inp  # type: ignore[arg-type]  # the output: the same buffer
-    fresh = comm.allocate((6,), **kw)  # type: ignore[arg-type]  # the next unit's input: new memory
+    inp = comm.allocate((6,), **kw)
+    assert comm.allocate((6,), **kw) is inp  # the output: the same buffer
+    fresh = comm.allocate((6,), **kw)  # the next unit's input: new memory
     assert fresh is not inp
     with pytest.raises(RuntimeError, match="differs from its input"):
-        comm.allocate((4,), **kw)  # type: ignore[arg-type]
+        comm.allocate((4,), **kw)
     with pytest.raises(RuntimeError, match="reduce-scatter over one rank"):
         comm(inp, inp, None, None)
