@@ -150,12 +150,12 @@ def main() -> None:
         except json.JSONDecodeError:
             err = (p.stderr.strip().splitlines() or ["no output"])[-1]
             rows.append({"case": name, "error": err[-300:]})
-    print(f"{'case':20s} {'peak GB':>8s} {'reserved':>8s} {'held':>6s} {'export':>6s} {'step s':>7s}")
+    print(f"{'case':22s} {'peak GB':>8s} {'reserved':>8s} {'held':>6s} {'export':>6s} {'step s':>7s}")
     for r in rows:
         if "error" in r:
-            print(f"{r['case']:20s} ERROR {r['error']}")
+            print(f"{r['case']:22s} ERROR {r['error']}")
         else:
-            print(f"{r['case']:20s} {r['peak_gb']:8.2f} {r['reserved_gb']:8.2f} {r.get('held_gb', 0):6.2f} "
+            print(f"{r['case']:22s} {r['peak_gb']:8.2f} {r['reserved_gb']:8.2f} {r.get('held_gb', 0):6.2f} "
                   f"{r.get('export_gb', 0):6.2f} {r['step_s']:7.3f}")
     out = {"model": a.model or "random dense_0.5b", "seq": a.seq, "packs": a.packs, "steps": a.steps,
            **{f"{r['case']}_{k}": v for r in rows for k, v in r.items() if k != "case"}}
