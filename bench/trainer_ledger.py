@@ -156,7 +156,7 @@ def trace(args: argparse.Namespace) -> dict[str, Any]:
     else:
         kw: dict[str, Any] = dict(CUDA_MODELS["dense_0.5b"])
         spec = _spec(str(kw.pop("arch")), **{**kw, "num_hidden_layers": args.layers})
-    sharding.SINGLE_RANK_REDUCE_IN_PLACE = not args.before
+    sharding.SINGLE_RANK_REDUCE_IN_PLACE = sharding.EMBEDDINGS_OWN_UNIT = not args.before
     cfg = TrainerConfig()  # examples/gsm8k_qwen.toml's trainer
     cfg.device = args.device
     cfg.param_dtype = "bfloat16"
@@ -291,7 +291,7 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=2, help="prompts per step")
     ap.add_argument("--pack", type=int, default=0, help="micro-batch tokens (default: one group; gradients "
                     "accumulate over the step's micro-batches)")
-    ap.add_argument("--before", action="store_true", help="FSDP2's own reduce buffers (the previous code)")
+    ap.add_argument("--before", action="store_true", help="the previous layout: FSDP2's own reduce buffers, the embeddings in the root unit")
     ap.add_argument("--out", default="")
     ap.add_argument("--one", type=int, default=0, help=argparse.SUPPRESS)  # a child: one depth
     a = ap.parse_args()

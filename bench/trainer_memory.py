@@ -20,8 +20,9 @@ step time. Cases (`--cases`, comma-separated):
                     micro-batches a step (gradients accumulate over them), and after every step the
                     flat bf16 export a cuda_ipc push sends (the persistent export buffer);
                     `--steps` steps (step 1 creates the optimizer moments). Goal: <= 12 GB
-  launched_16k_before  the same with FSDP2's own one-rank gradient reduce (two fp32 buffers per
-                    unit: trainer/sharding.py SINGLE_RANK_REDUCE_IN_PLACE = False)
+  launched_16k_before  the same with the previous layout: FSDP2's own one-rank gradient reduce
+                    (two fp32 buffers per unit) and the embeddings in the root unit
+                    (trainer/sharding.py SINGLE_RANK_REDUCE_IN_PLACE = EMBEDDINGS_OWN_UNIT = False)
   launched_8k, launched_8k_before  the same at 8k packs
   launched_16k_streamed  launched_16k with the opt-in trainer.memory.optimizer = "streamed" (the
                     AdamW moments on disk, streamed through one bucket: what <= 12 GB costs in time)
@@ -76,7 +77,7 @@ def run_case(name: str, model: str, seq: int, steps: int, packs: int) -> dict[st
     c = CASES[name]
     seq = int(c.get("seq", seq))  # type: ignore[call-overload]
     launched = bool(c.get("launched"))
-    sharding.SINGLE_RANK_REDUCE_IN_PLACE = not c.get("before")
+    sharding.SINGLE_RANK_REDUCE_IN_PLACE = sharding.EMBEDDINGS_OWN_UNIT = not c.get("before")
     if c["old_head"]:
         ch.SAVE_LOGITS_BYTES, ch.CHUNK_ELEMS = 8 << 30, 1 << 28
     if model:

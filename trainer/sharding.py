@@ -13,8 +13,10 @@ on CPU, for the same numbers. With bf16 compute one rank is still wrapped: FSDP2
 precision is what casts the fp32 master weights for each forward. There the gradient
 "reduce-scatter" over a group of one is a copy between two fp32 buffers of the unit's size
 (FSDP2's `foreach_reduce`): `InPlaceSingleRankReduce` makes them one buffer, so the largest
-unit (embeddings and output head: 1.09 GB for Qwen2.5-0.5B) is not held twice at the end of
-each backward, the trainer's peak (docs/memory.md).
+unit is not held twice at the end of each backward, the trainer's peak (docs/memory.md). An
+untied model's embeddings are a unit of their own, so the root (output head, final norm)
+reduces half the vocabulary-sized gradients at once (0.54 GB rather than 1.09 GB in fp32 for
+Qwen2.5-0.5B).
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # Whether a one-rank mesh reduces gradients in place (`InPlaceSingleRankReduce`); False is
 # FSDP2's own two buffers (bench/trainer_memory.py's "before" cases set it).
 SINGLE_RANK_REDUCE_IN_PLACE = True
+# Whether an untied model's embeddings are an FSDP2 unit of their own (`_units`); False keeps
+# them in the root unit (the "before" cases of bench/trainer_memory.py).
+EMBEDDINGS_OWN_UNIT = True
 
 
 def compute_dtype(name: ParamDtype) -> torch.dtype:
@@ -87,6 +92,12 @@ def _units(model: nn.Module) -> list[nn.Module]:
     lm: Any = model  # a CausalLM (or a wrapper): its submodules are attributes torch does not type
     layers = lm.model.layers
     out: list[nn.Module] = []
+    if EMBEDDINGS_OWN_UNIT and getattr(lm, "lm_head", None) is not None:
+        # An untied model's embeddings are a unit of their own: the root (head, final norm) then
+        # reduces half the vocabulary-sized gradients at once, and the embeddings' bf16 copy goes
+        # after the forward instead of living through the backward. A tied head reads the
+        # embedding weight outside the embedding's forward, where no FSDP2 hook would gather it.
+        out.append(lm.model.embed_tokens)
     for layer in layers:
         if type(layer).forward is not nn.Module.forward:
             out.append(layer)

@@ -1,6 +1,7 @@
-"""One-rank bf16 trainer memory (trainer/sharding.py `InPlaceSingleRankReduce`): each FSDP2
-unit's fp32 gradients exist once during their reduce, with the same numbers as FSDP2's own
-two-buffer reduce, over several accumulated micro-batches and steps."""
+"""One-rank bf16 trainer memory (trainer/sharding.py): each FSDP2 unit's fp32 gradients exist
+once during their reduce (`InPlaceSingleRankReduce`) and an untied model's embeddings are a unit
+of their own, with the same numbers as FSDP2's own two-buffer reduce over one root unit, over
+several accumulated micro-batches and steps."""
 
 from __future__ import annotations
 
@@ -48,19 +49,19 @@ def in_place(request: pytest.FixtureRequest) -> Iterator[bool]:
     sharding.SINGLE_RANK_REDUCE_IN_PLACE = before
 
 
-def test_in_place_reduce_gives_fsdp2s_numbers_exactly() -> None:
+def test_the_memory_layout_gives_the_previous_numbers_exactly() -> None:
     got: dict[bool, tuple[dict[str, torch.Tensor], list[float]]] = {}
-    before = sharding.SINGLE_RANK_REDUCE_IN_PLACE
+    before = sharding.SINGLE_RANK_REDUCE_IN_PLACE, sharding.EMBEDDINGS_OWN_UNIT
     try:
         for flag in (False, True):
-            sharding.SINGLE_RANK_REDUCE_IN_PLACE = flag
+            sharding.SINGLE_RANK_REDUCE_IN_PLACE = sharding.EMBEDDINGS_OWN_UNIT = flag
             t = _trainer()
             norms = [t.train_step(_batch())["train/grad_norm"] for _ in range(3)]
             params = {n: p.detach().to_local().clone()  # DTensor shards
                       for n, p in t.policy.named_parameters()}
             got[flag] = params, norms
     finally:
-        sharding.SINGLE_RANK_REDUCE_IN_PLACE = before
+        sharding.SINGLE_RANK_REDUCE_IN_PLACE, sharding.EMBEDDINGS_OWN_UNIT = before
     (ref, ref_norms), (new, new_norms) = got[False], got[True]
     assert new_norms == ref_norms and all(n > 0 for n in new_norms)
     for name, p in ref.items():
@@ -104,7 +105,8 @@ def _unit_buffers() -> list[tuple[str, int]]:
 def test_each_reduce_holds_its_units_fp32_gradients_once(in_place: bool) -> None:
     calls = _unit_buffers()
     units = {u for u, _ in calls}
-    assert units == {"", "model.layers.0", "model.layers.1"}  # the root and the two blocks
+    # the root (head, final norm), the untied embeddings and the two blocks
+    assert units == {"", "model.embed_tokens", "model.layers.0", "model.layers.1"}
     assert len(calls) >= 3 * len(units)  # 3 groups x 4 x 32 tokens over 96-token packs: every micro-batch reduces
     # in place the reduce input doubles as its output: one fp32 buffer of the unit's gradient
     # size per reduce, where FSDP2's own reduce allocates two (input and output)
