@@ -139,7 +139,8 @@ class InPlaceSingleRankReduce:
 
 
 def _single_rank_reduce(module: nn.Module, mesh: DeviceMesh) -> None:
-    if SINGLE_RANK_REDUCE_IN_PLACE and mesh.size() == 1:
+    # a torch whose FSDP2 has no custom reduce-scatter keeps its own two buffers (the same numbers)
+    if SINGLE_RANK_REDUCE_IN_PLACE and mesh.size() == 1 and hasattr(module, "set_custom_reduce_scatter"):
         # an FSDPModule after fully_shard; the comm has ReduceScatter's two methods (FSDP2 checks no type)
         cast(Any, module).set_custom_reduce_scatter(InPlaceSingleRankReduce())
 
