@@ -68,6 +68,14 @@ async def sim_until(eng: SGLangEngine, cond: Callable[[dict[str, Any]], bool], t
         await asyncio.sleep(0.02)
 
 
+async def until(cond: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    """Poll the engine's own state until `cond` holds; fail naming `what` after `timeout_s`."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, f"no {what} within {timeout_s:g} s"
+        await asyncio.sleep(0.05)
+
+
 def req(n: int = 6, seed: int | None = 1, routed: bool = True, temperature: float = 1.0) -> GenerateRequest:
     return GenerateRequest([5, 9, 17, 33], SamplingParams(temperature=temperature, max_new_tokens=n, seed=seed),
                            return_routed_experts=routed)
@@ -103,8 +111,7 @@ async def test_warm_up_pause_commit_versions(ckpt: Path, tmp_path: Path, update:
         assert res.routed_experts is not None and res.routed_experts.shape == (4 + 6, 2, 2)
         # pause(retract): long requests come back with their partial output, marked retracted
         long = [asyncio.create_task(eng.generate(req(200, seed=i))) for i in range(3)]
-        while eng.stats()["running"] < 3 or not eng._totals.requests:  # noqa: ASYNC110 - polling the engine
-            await asyncio.sleep(0.05)
+        await until(lambda: eng.stats()["running"] >= 3 and bool(eng._totals.requests), "3 running requests")
         await sim_until(eng, lambda info: len(info["sim_output_tokens"]) == 3 and min(info["sim_output_tokens"]) > 0)
         back = await eng.pause()  # the engine's own default: retract
         assert len(back) == 3 and all(r.retracted and r.finish_reason == "abort" for r in back)
@@ -141,12 +148,8 @@ async def test_crashed_server_is_restarted_on_the_committed_version(ckpt: Path, 
         greedy = await eng.generate(req(seed=None, temperature=0.0))
         assert eng.server is not None and eng.server.pid is not None
         os.killpg(eng.server.pid, signal.SIGKILL)
-        while eng.health()["ok"]:  # noqa: ASYNC110
-            await asyncio.sleep(0.05)
-        for _ in range(1200):  # the watchdog restarts it: no request needed
-            if eng.health()["ok"]:
-                break
-            await asyncio.sleep(0.1)
+        await until(lambda: not eng.health()["ok"], "lost server")
+        await until(lambda: eng.health()["ok"], "restart by the watchdog", 120)  # no request needed
         h = eng.health()
         assert h["ok"] and h["restarts"] == 1 and h["version"] == 1 and eng.server.starts == 2
         again = await eng.generate(req(seed=None, temperature=0.0))
@@ -202,10 +205,7 @@ async def test_a_server_that_cannot_come_back_ends_the_engine(ckpt: Path, tmp_pa
         await eng.warm_up()
         assert eng.server is not None and eng.server.pid is not None
         os.killpg(eng.server.pid, signal.SIGKILL)
-        for _ in range(300):
-            if lost:
-                break
-            await asyncio.sleep(0.1)
+        await until(lambda: bool(lost), "on_lost call")
         assert len(lost) == 1 and isinstance(lost[0], EngineStartError)
         assert "restarted 0 times" in str(lost[0]) and eng.server.starts == 1
         assert not eng.health()["ok"] and eng.health()["fatal"]

@@ -247,7 +247,10 @@ async def test_halt_ends_a_waiting_collect_with_stopping(tmp_path: Path) -> None
     try:
         o.set_version(0)
         waiting = asyncio.create_task(o.collect(2, 0))
-        await asyncio.sleep(0.05)
+        # Nothing in collect awaits before its wait for a change, so a few turns of the loop (not
+        # a clock) bring it there: the halt below must wake a collect that is already waiting.
+        for _ in range(20):
+            await asyncio.sleep(0)
         assert not waiting.done()
         o.halt()
         with pytest.raises(Stopping, match="the rollout is stopping: the batch for trainer version 0 ends with 0 of 2"):
