@@ -26,6 +26,13 @@ from .conftest import tiny_model
 pytestmark = pytest.mark.timeout(240)
 
 
+def _broken_compile(cls: type) -> object:
+    """Fault injection for `_compiled_forward`: the compiler raises as Inductor would."""
+    def run(*args: object) -> object:
+        raise RuntimeError("InductorError: simulated compile failure")
+    return run
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo() -> None:
     """Each test starts from Dynamo's state of a fresh process, so the same tiny model compiles
@@ -60,14 +67,9 @@ async def test_compiled_decode_equals_uncompiled_and_compiles_once() -> None:
 
 
 async def test_a_failing_compile_falls_back_to_the_uncompiled_forward(monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken(cls: type) -> object:  # fault injection: the compiler raises as Inductor would
-        def run(*args: object) -> object:
-            raise RuntimeError("InductorError: simulated compile failure")
-        return run
-
     model = tiny_model("qwen3", num_hidden_layers=1)
     plain, _ = await _generate(model, 4, compiled=False)
-    monkeypatch.setattr(cuda_graph, "_compiled_forward", broken)
+    monkeypatch.setattr(cuda_graph, "_compiled_forward", _broken_compile)
     fell_back, graphs = await _generate(model, 4, compiled=True)
     assert not graphs.compiled and not graphs.failed  # uncompiled, still the decode graphs' path
     for a, b in zip(plain, fell_back, strict=True):
@@ -176,14 +178,9 @@ async def test_compile_decode_cpu_option_gives_the_eager_engines_tokens(arch: st
 
 
 async def test_compile_decode_cpu_whose_compile_fails_decodes_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken(cls: type) -> object:  # fault injection: the compiler raises as Inductor would
-        def run(*args: object) -> object:
-            raise RuntimeError("InductorError: simulated compile failure")
-        return run
-
     model = tiny_model("qwen3", num_hidden_layers=1)
     eager, _ = await _engine_run(model, False)
-    monkeypatch.setattr(cuda_graph, "_compiled_forward", broken)
+    monkeypatch.setattr(cuda_graph, "_compiled_forward", _broken_compile)
     fell_back, eng = await _engine_run(model, True)
     graphs = eng.stepper.graphs
     assert graphs is not None and graphs.failed and not graphs.compiled  # eager from then on
@@ -196,14 +193,9 @@ async def test_compile_decode_cpu_in_the_background_whose_compile_fails_decodes_
         monkeypatch: pytest.MonkeyPatch) -> None:
     """engine.compile_background with compile_decode_cpu: the engine serves at once (uncompiled),
     and when the compile aside fails it decodes eagerly, with the eager engine's tokens."""
-    def broken(cls: type) -> object:  # fault injection: the compiler raises as Inductor would
-        def run(*args: object) -> object:
-            raise RuntimeError("InductorError: simulated compile failure")
-        return run
-
     model = tiny_model("qwen3", num_hidden_layers=1)
     eager, _ = await _engine_run(model, False)
-    monkeypatch.setattr(cuda_graph, "_compiled_forward", broken)
+    monkeypatch.setattr(cuda_graph, "_compiled_forward", _broken_compile)
     eng = TorchEngine(model, EngineConfig(max_batch_size=4, max_seq_len=64, kv_budget_tokens=0,
                                           compile_decode_cpu=True, compile_background=True))
     prompts = [[1, 2, 3], [4] * 9, [5, 6], [7, 8, 9, 10]]
