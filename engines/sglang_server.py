@@ -127,9 +127,7 @@ class SGLangServer:
         return f"{where}: {' | '.join(lines)}" if lines else where
 
     async def _start(self, session: aiohttp.ClientSession) -> None:
-        if _port_taken(self.cfg.sglang_host, self.cfg.sglang_port):
-            await self._wait_port_free()
-        if _port_taken(self.cfg.sglang_host, self.cfg.sglang_port):
+        if _port_taken(self.cfg.sglang_host, self.cfg.sglang_port) and not await self._port_freed():
             # Without this check a leftover server on the port would answer /health for ours.
             raise EngineStartError(f"port {self.cfg.sglang_port} on {self.cfg.sglang_host} is still in use after "
                                    f"{self.cfg.sglang_port_wait_s:g} s (engine.sglang_port_wait_s; another "
@@ -149,14 +147,18 @@ class SGLangServer:
             await self.stop(5.0)  # a server that hangs in start-up is not left holding the GPU
             raise EngineStartError(f"{exc}{self._cause()}") from exc
 
-    async def _wait_port_free(self) -> None:
+    async def _port_freed(self) -> bool:
         """The port is taken: most often by the server of this engine role's previous incarnation,
-        which got SIGTERM when that role died (`_die_with_parent`) and is still shutting down."""
+        which got SIGTERM when that role died (`_die_with_parent`) and is still shutting down.
+        Whether it is free within engine.sglang_port_wait_s."""
         log.warning("sglang_port_in_use_waiting", host=self.cfg.sglang_host, port=self.cfg.sglang_port,
                     wait_s=self.cfg.sglang_port_wait_s)
         deadline = Deadline.after(self.cfg.sglang_port_wait_s)
-        while not deadline.expired() and _port_taken(self.cfg.sglang_host, self.cfg.sglang_port):
+        while _port_taken(self.cfg.sglang_host, self.cfg.sglang_port):
+            if deadline.expired():
+                return False
             await asyncio.sleep(0.5)
+        return True
 
     async def stop(self, timeout_s: float = 30.0) -> None:
         proc = self._proc

@@ -45,7 +45,7 @@ from miles.core.logging import get_logger
 from miles.core.schema.sync import SyncConfig
 from miles.transport.bulk.base import BulkSender, make_sender
 from miles.transport.bulk.buckets import Bucket, iter_buckets
-from miles.weightsync.flat import FlatWeights
+from miles.weightsync.flat import NO_SLOTS, FlatWeights
 from miles.weightsync.push_round import Call, PushRound, SyncReport, each
 
 log = get_logger("miles.sync")
@@ -229,7 +229,7 @@ class GatheredCoordinator:
             if why:
                 # the advice fits a slot mismatch (dtype or layout); an engine without staging slots (an
                 # SGLang server's engine: it hands whole versions to the server) only ever takes tensors
-                slotless = all("no staging slots" in r for r in why.values())
+                slotless = all(NO_SLOTS in r for r in why.values())
                 log.warning("flat_plan_declined", engines=why, consequence=(
                     "weights go tensor by tensor (these engines take no byte ranges)" if slotless else
                     "weights go tensor by tensor, converted on the engine; set sync.dtype to the engine's "

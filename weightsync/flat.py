@@ -33,6 +33,12 @@ class FlatDeclined(SyncError):
     slot): the engine declines it and the coordinator sends tensors, which convert."""
 
 
+# An engine's reason for declining every flat plan: it has no staging slots (an SGLang engine
+# hands whole versions to its server). The coordinator tells this apart from a slot mismatch,
+# which `sync.dtype` can fix.
+NO_SLOTS = "has no staging slots to land byte ranges in"
+
+
 @dataclass(frozen=True)
 class FlatPlan:
     """Where each HF tensor lies in a flat buffer (byte offsets from the buffer's start)."""

@@ -22,7 +22,7 @@ from miles.core.logging import get_logger
 from miles.models.hf_io import hf_param_views, hf_tensor_views
 from miles.transport.bulk.base import BulkReceiver, LocalWeights, make_receiver
 from miles.transport.bulk.buckets import Reassembler
-from miles.weightsync.flat import FlatDeclined, FlatLanding, FlatPlan
+from miles.weightsync.flat import NO_SLOTS, FlatDeclined, FlatLanding, FlatPlan
 from miles.weightsync.stager import Staging
 
 log = get_logger("miles.engine_actor")
@@ -156,7 +156,7 @@ class WeightReceiver:
         before any range moves. True: taken; else the reason it is declined (the coordinator
         then sends tensors, and warns with this reason)."""
         if self._staging is None:
-            return f"engine {self.name!r} ({type(self.engine).__name__}) has no staging slots to land byte ranges in"
+            return f"engine {self.name!r} ({type(self.engine).__name__}) {NO_SLOTS}"
         landing = FlatLanding(FlatPlan.from_wire(plan))
         await self._settle()
         try:

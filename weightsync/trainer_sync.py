@@ -73,7 +73,7 @@ class GatheredSync:
         sender = make_sender(cfg, self.place, sharded=True)
         # No receive-ahead (ucx): it lets several ranks' bytes flow into an engine at once; from one rank
         # it would only add a copy, where a bucket is received straight into the staging slots.
-        opts = ShardedOptions(self.cfg.bucket_mib << 20, self.cfg.pipeline_depth, pause_mode, verify_every)
+        opts = ShardedOptions(cfg.bucket_mib << 20, cfg.pipeline_depth, pause_mode, verify_every)
         return ShardedCoordinator(self.link, SoloRankGroup(), sender, engines, opts)
 
     @property
@@ -106,10 +106,10 @@ class GatheredSync:
         key = (export.plan.digest, tuple(engines))
         if self._declined == key:
             return False
-        if await coord.offer_plan(export.plan, list(engines), []):
+        declined = await coord.offer_plan(export.plan, list(engines), [])
+        if declined:
             self._declined = key  # the gathered coordinator asks again, warns and counts the decline
-            return False
-        return True
+        return not declined
 
     def _use(self, coord: GatheredCoordinator | ShardedCoordinator) -> None:
         """`coord` pushes next: it reopens its channel if the other one replaced the engines' receivers."""
