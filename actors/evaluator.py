@@ -20,6 +20,7 @@ from collections.abc import Sized
 from dataclasses import dataclass
 from typing import Any
 
+from miles.actors.eval_requests import generate_through_pauses
 from miles.actors.messages import GenerateMany
 from miles.actors.runtime.host_view import ActorHost
 from miles.core.errors import MilesError
@@ -100,15 +101,22 @@ class Evaluator:
             n_samples = k if i < len(self.prompts) else 0
             sampling = [greedy] + [{**base, "temperature": ec.temperature, "seed": 1_000 * i + j}
                                    for j in range(n_samples)]
-            rs = await host.ref(engines[i % len(engines)]).ask(
-                GenerateMany([ids] * len(sampling), sampling), timeout=ec.timeout_s)
+            ref = host.ref(engines[i % len(engines)])
+
+            async def ask(prompts: list[list[int]], params: list[dict[str, Any]]) -> list[dict[str, Any]]:
+                out: list[dict[str, Any]] = await ref.ask(GenerateMany(prompts, params), timeout=ec.timeout_s)
+                return out
+
+            rs, again = await generate_through_pauses(ask, ids, sampling)
             scores = [await self._score(p, ids, r) for r in rs]
             answer = self._response(rs[0])
             extra = {name: float(fn(p, answer)) for name, fn in self.env.scorers.items()}
-            return Scored(scores[0], scores[1:], float(len(rs[0]["output_ids"])), extra)
+            return Scored(scores[0], scores[1:], float(len(rs[0]["output_ids"])), extra, again)
 
         res = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         m = self._greedy_metrics("eval/", res[:len(self.prompts)])
+        # answers handed back at a weight push and continued (actors/eval_requests.py)
+        m["eval/resubmits"] = float(sum(r.resubmits for r in res))
         if k:
             sub, ok = res[:len(self.prompts)], ec.correct_reward
             m[f"eval/avg_at_{k}"] = sum(sum(r.samples) / k for r in sub) / len(sub)
@@ -132,12 +140,14 @@ class Evaluator:
 @dataclass
 class Scored:
     """One eval prompt: the greedy answer's reward, the k samples' rewards, the greedy answer's
-    length in tokens, and the env scorers' values for the greedy answer."""
+    length in tokens, the env scorers' values for the greedy answer, and how many of its requests
+    were handed back at a weight push and resubmitted."""
 
     greedy: float
     samples: list[float]
     length: float
     extra: dict[str, float]
+    resubmits: int = 0
 
 
 async def run_external(command: str, checkpoint: str, step: int, timeout_s: float) -> dict[str, float]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# An engine's Health reply, a record: named here so that every process that asks for it can decode it.
+from miles.engines.health import HealthReply as HealthReply
 from miles.transport.schema import message
 
 # The engine control messages the weight sync sends itself live in weightsync/control.py (weightsync/

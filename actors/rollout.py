@@ -37,6 +37,7 @@ from miles.core.schema import MilesConfig
 from miles.rollout.handout import Handout
 from miles.rollout.orchestrator import Orchestrator
 from miles.rollout.rewards.judge import JudgeClient, judge_names
+from miles.rollout.routing.comeback import UP_POLL_S, serving_again
 from miles.rollout.routing.dispatch import Dispatch
 from miles.rollout.routing.requests import EngineRequests
 from miles.rollout.tito.client import EngineFn, FrontedClient
@@ -49,7 +50,6 @@ if TYPE_CHECKING:  # the annotation only: the front's modules load in on_start, 
     from miles.sessions.service import SessionService
 
 log = get_logger("miles.rollout")
-_UP_POLL_S = 0.5  # how often a down engine is asked whether it is back
 _STATS_TIMEOUT_S = 5.0  # an engine's counters in the final state are a report, not worth a long wait
 
 
@@ -89,10 +89,12 @@ class RolloutActor(Actor):
         reqs = EngineRequests(link, Dispatch(judge_names(rm.num_engines), affinity=False), {},
                               live_wait_s=rm.live_wait_s)
 
-        async def health(engine: str) -> HealthReply:
-            return await self.ref(engine).ask(Health(), timeout=max(1.0, _UP_POLL_S * 4))
+        return JudgeClient(rm, reqs, tok or self.tokenizer, self._health)
 
-        return JudgeClient(rm, reqs, tok or self.tokenizer, health)
+    async def _health(self, engine: str) -> HealthReply:
+        """`engine`'s Health reply (raises while it is down)."""
+        reply: HealthReply = await self.ref(engine).ask(Health(), timeout=max(1.0, UP_POLL_S * 4))
+        return reply
 
     def _fronted_client(self, engine_fn: EngineFn) -> FrontedClient:
         return FrontedClient(self.store, engine_fn, self.http_url, self.http_token,
@@ -115,17 +117,9 @@ class RolloutActor(Actor):
 
     async def _await_return(self, engine: str) -> None:
         """Ask the down engine for its health until it is ok (restarted, or its server back) at the
-        current weight version."""
-        while True:
-            await asyncio.sleep(_UP_POLL_S)
-            try:
-                h: HealthReply = await self.ref(engine).ask(Health(), timeout=max(1.0, _UP_POLL_S * 4))
-            except MilesError:
-                continue
-            # up once it serves the weights the rollout knows: a restarted engine serving its start
-            # weights until the trainer catches it up would only generate groups too stale to train
-            if h.get("ok") and int(h.get("version", 0)) >= self.orch.version:
-                break
+        current weight version: a restarted engine serving its start weights until the trainer
+        catches it up would only generate groups too stale to train."""
+        await serving_again(engine, self._health, lambda: self.orch.version)
         if self.requests.engine_up(engine):
             log.info("engine_up", engine=engine, live=self.requests.dispatch.live)
         self.orch.changed()

@@ -19,7 +19,7 @@ from miles.actors.evaluator import Evaluator, run_external
 from miles.actors.messages import DumpState, Health, PullBatch, RunEval, SetVersion
 from miles.actors.runtime.actor import Actor
 from miles.core.clock import Phases
-from miles.core.errors import MilesError, TrainerError
+from miles.core.errors import MilesError, Stopping, TrainerError
 from miles.core.logging import get_logger
 from miles.core.schema import MilesConfig
 from miles.metrics.progress import Progress
@@ -97,8 +97,13 @@ class TrainerActor(Actor):
 
     def _finished(self, t: asyncio.Task[None]) -> None:
         if not t.cancelled() and t.exception() is not None:
-            self.error = t.exception()
-            log.error("trainer_failed", error=f"{type(self.error).__name__}: {self.error}")
+            exc = self.error = t.exception()  # the process exits 1 either way: it did not reach its end
+            if isinstance(exc, Stopping):
+                # the rollout answered a batch request while the run stops (Ctrl-C or SIGTERM reach every
+                # role at once): the trainer stops with it, which the console must not show as an error
+                log.info("trainer_stopped", reason=f"{type(exc).__name__}: {exc}")
+            else:
+                log.error("trainer_failed", error=f"{type(exc).__name__}: {exc}")
         self.done.set()
 
     async def on_stop(self) -> None:
@@ -109,7 +114,7 @@ class TrainerActor(Actor):
     async def _served_version(self, engine: str) -> int:
         """The version `engine` serves now (its health reply); the sync's watcher asks it."""
         h: HealthReply = await self.ref(engine).ask(Health(), timeout=self.cfg.sync.health_timeout_s)
-        return int(h.get("version", 0))
+        return h.version
 
     async def _checkpoint(self, run_dir: Path, step: int) -> None:
         """Trainer state (every rank) + rollout state (rank 0), then an atomic `latest` pointer."""

@@ -1,13 +1,20 @@
 """A/B (CPU): a gathered flat export pushed by the gathered coordinator vs as a one-rank sharded sync.
 
 Since session 17 `GatheredSync.push` sends a flat export over zmq or ucx through
-`ShardedCoordinator` with one rank (weightsync/one_rank.py); `GatheredCoordinator` still has its
-flat path (broadcast, disk_delta and cuda_ipc use it; broadcast's one-rank push, one collective per
-bucket to every engine, is measured here too though not routed yet). Both run here in one process against one
-engine process (a real EngineActor, as bench/weight_sync.py serves it), interleaved push by push
-(alternating which goes first) so both see the same machine load: A = `sync.coordinator.push` (the gathered flat path, what
-every flat push took before), B = the one-rank sharded push (`sync.push` for zmq and ucx). A push after each
-switch of path reopens the channel and is not timed. Reports the median and best ms per push.
+`ShardedCoordinator` with one rank (weightsync/one_rank.py), since session 19 over broadcast too
+from a CPU trainer; `GatheredCoordinator` still has its flat path (disk_delta, cuda_ipc and NCCL
+broadcast use it; NCCL's one-rank push, one collective per bucket to every engine, is measured here
+with --device cuda though not routed yet). Both run here in one process against one engine process
+(a real EngineActor, as bench/weight_sync.py serves it), interleaved push by push (alternating which
+goes first) so both see the same machine load: A = `sync.coordinator.push` (the gathered flat path,
+what every flat push took before), B = the one-rank sharded push (what `sync.push` runs). A push
+after each switch of path reopens the channel and is not timed. Reports the median and best ms per
+push. `--cut bytes` gives the one-rank plan the multi-rank plan's bucket cut (every bucket_mib
+across tensors), what made its broadcast push slower before session 19.
+
+Run broadcast in its own invocation: after ucx in the same engine process, broadcast's group
+setup or a push has hung (the engine stopped answering, session 19; seen with and without the
+session's changes).
 
     python bench/weight_sync_one_rank.py [--transports zmq,ucx] [--hidden 512 --layers 4] [--pushes 15]
     python bench/weight_sync_one_rank.py --device cuda --hidden 2048 --layers 8 --transports zmq,ucx,broadcast  # a GPU
@@ -22,6 +29,7 @@ import asyncio
 import importlib.util
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -39,8 +47,9 @@ from miles.core.schema.transport import TransportConfig  # noqa: E402
 from miles.models.hf_io import hf_tensor_views  # noqa: E402
 from miles.weightsync.actor_wire import WeightSync  # noqa: E402
 from miles.weightsync.flat import FlatWeights  # noqa: E402
-from miles.weightsync.one_rank import one_rank_export  # noqa: E402
+from miles.weightsync.one_rank import OneRankPlan, one_rank_export  # noqa: E402
 from miles.weightsync.param_buffer import pack_parameters  # noqa: E402
+from miles.weightsync.shard_plan import TransferPlan  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -52,7 +61,7 @@ async def ab(directory: str, fw: FlatWeights, transport: str, bucket_mib: int, p
     cfg = SyncConfig(transport=transport, bucket_mib=bucket_mib, pause_mode="none", step_timeout_s=60)  # type: ignore[arg-type]
     sync = WeightSync(host, cfg, ["engine"], device)
     one = sync.one_rank
-    if one is None:  # a transport not routed yet (broadcast): its one-rank coordinator, as the router builds it
+    if one is None:  # a transport not routed yet (NCCL broadcast): its one-rank coordinator, as the router builds it
         one = sync._solo(cfg, sync.coordinator.engines, cfg.pause_mode, cfg.verify_every)
         one.versions = sync.coordinator.versions
     export = one_rank_export(fw)
@@ -107,7 +116,12 @@ def main() -> None:
     ap.add_argument("--bucket-mib", type=int, default=16)
     ap.add_argument("--pushes", type=int, default=15)
     ap.add_argument("--device", default="cpu", help="cuda: a bf16 model on the GPU, trainer and engine (GPU runs)")
+    ap.add_argument("--cut", default="tensors", choices=["tensors", "bytes"],
+                    help="one-rank buckets: the flat plan's ranges, cut at tensor boundaries (what runs), or "
+                         "every bucket_mib across tensors, as a multi-rank plan cuts (before session 19)")
     a = ap.parse_args()
+    if a.cut == "bytes":
+        OneRankPlan.buckets = TransferPlan.buckets  # type: ignore[method-assign]
     transports = [t for t in a.transports.split(",") if t and (t != "ucx" or importlib.util.find_spec("ucxx"))]
     packed = make_model(a.hidden, a.layers, 2, a.device)
     pack_parameters(list(packed.parameters()))
@@ -128,13 +142,19 @@ def main() -> None:
                            "one_rank_over_gathered": round(med["one_rank"] / med["gathered"], 3)}
         finally:
             eng.terminate()
-            eng.wait(10)
-    print(f"model {mib:.1f} MiB on {a.device}, {a.bucket_mib} MiB buckets, {a.pushes} pushes per path, interleaved")
+            try:
+                eng.wait(10)
+            except subprocess.TimeoutExpired:  # an engine stuck in its channel's teardown: the numbers stand
+                eng.kill()
+                eng.wait(10)
+    print(f"model {mib:.1f} MiB on {a.device}, {a.bucket_mib} MiB buckets (one-rank cut at {a.cut}), {a.pushes} "
+          "pushes per path, interleaved")
     print(f"{'transport':>9} {'gathered ms (med/best)':>23} {'one-rank ms (med/best)':>23} {'ratio':>6}")
     for tr, med, best in rows:
         print(f"{tr:>9} {med['gathered']:11.1f}/{best['gathered']:<11.1f} {med['one_rank']:11.1f}/{best['one_rank']:<11.1f} "
               f"{med['one_rank'] / med['gathered']:6.3f}")
-    print(json.dumps({"model_mib": round(mib, 1), "device": a.device, "bucket_mib": a.bucket_mib, "pushes": a.pushes,
+    print(json.dumps({"model_mib": round(mib, 1), "device": a.device, "bucket_mib": a.bucket_mib, "cut": a.cut,
+                      "pushes": a.pushes,
                       **out}))
 
 

@@ -245,8 +245,8 @@ class DiffusionEngine(Engine):
         """Diffusion requests keep no state between calls: nothing to end."""
 
     def health(self) -> HealthReply:
-        return {"version": self.version, "paused": not self._resumed.is_set(),
-                "running": len(self._running), "queued": len(self._queue)}
+        return HealthReply(version=self.version, ok=not self._closed, paused=not self._resumed.is_set(),
+                           running=len(self._running), queued=len(self._queue))
 
     def stats(self) -> dict[str, Any]:
         dt = max(time.monotonic() - self._t0, 1e-9)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Required, TypedDict
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -19,6 +19,7 @@ import torch
 from miles.core.clock import new_id
 from miles.core.hooks import Registry
 from miles.core.images import ImageInput
+from miles.engines.health import HealthReply as HealthReply
 
 # Staging: the landing an engine offers (weightsync/stager.py), named by the contract below
 from miles.weightsync.stager import Staging
@@ -27,21 +28,6 @@ FinishReason = Literal["stop", "length", "abort"]
 PauseMode = Literal["abort", "retract", "in_place"]
 
 
-class HealthReply(TypedDict, total=False):
-    """An engine's answer to `Health` (a plain map on the wire; read with `.get`): the weight
-    version and the load always; an external server (engines/sglang.py) adds its restarts,
-    why it cannot serve (`fatal`, "" when it can) and how it takes weights."""
-
-    version: Required[int]  # the weight version it serves
-    paused: Required[bool]
-    running: Required[int]
-    queued: Required[int]
-    ok: bool  # serving: alive and not closed (an LLM engine's; the diffusion engine leaves it out)
-    device: str
-    last_error: str  # "" when none
-    restarts: int
-    fatal: str
-    weight_update: str
 
 ENGINES = Registry(
     "engine",

@@ -17,7 +17,7 @@ refilled (one host-to-device copy) before each replay. A weight commit swaps the
 parameters between two persistent storages (weightsync/stager.py), so graphs are kept per
 weight storage: after the first two commits both sets have theirs and a commit costs no
 copy and no capture. Graphs share one memory pool and never run concurrently (the engine
-steps under its lock).
+steps under its lock); the swap to compiled graphs starts a new pool (`use_compiled`).
 """
 
 from __future__ import annotations
@@ -173,6 +173,13 @@ class DecodeGraphs:
         and each bucket is captured again, from the compiled forward, at its next use (the
         smallest one now). Call between steps: no replay may be in flight."""
         self.compiled = True
+        # A fresh memory pool for the new graphs. The allocator keeps a pool's entry while any of
+        # its blocks is alive (a caller's view of an old graph's logits, a launched step's
+        # output), and a capture into an entry whose graphs are all destroyed fails its
+        # `use_count > 0` INTERNAL ASSERT: the H200's background-compile swap (issue 49).
+        # The old pool's memory is released once its last tensor is gone (the next capture's
+        # empty_cache, or the allocator under memory pressure).
+        self._mempool = None
         self._graphs.clear()
         self.warm_up()
 
@@ -262,7 +269,13 @@ class DecodeGraphs:
         gc_was_on = gc.isenabled()
         gc.disable()
         try:
-            with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
+            # The outer stream context restores this thread's stream however the capture ends:
+            # torch.cuda.graph enters its stream before `capture_begin` and leaves it only in a
+            # clean `__exit__`, so a capture_begin (or capture_end) that raises would leave the
+            # thread on the capture stream, and its later steps (a worker thread runs them)
+            # unordered with the engine's stream.
+            with torch.cuda.stream(side), torch.cuda.graph(graph, pool=self._mempool, stream=side,
+                                                           capture_error_mode="thread_local"):
                 logits, routed = self._fwd_call(inputs, read, want_routed)
         finally:
             if gc_was_on:

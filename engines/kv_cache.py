@@ -72,6 +72,9 @@ class RowPool:
         self._at = torch.zeros(0, 1, 1, dtype=torch.long, device=device)
         self._read = 0
         self._col: int | None = None  # `bind_column`: every row writes this one position
+        # `bind_column`'s per-layer views of rows r0..r0+n-1 (K, V), kept while (r0, n) holds:
+        # a decode hop's steps all cover the same rows
+        self._row_views: tuple[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = ((-1, 0), [])
 
     def bytes_per_token(self) -> int:
         """Cache bytes one token takes over all layers (K and V)."""
@@ -99,14 +102,20 @@ class RowPool:
         # every layer and step, while an index_put_ on the tensor stays one in-place store
         kc, vc = self.k[layer], self.v[layer]
         n, r0, col = k.shape[0], self._r0, self._col
-        if col is not None:
-            kc[r0 : r0 + n, :, col : col + 1] = k
-            vc[r0 : r0 + n, :, col : col + 1] = v
-        else:
-            at = (self._rows, self._heads[kc.shape[1]], self._at)
-            kc.index_put_(at, k)
-            vc.index_put_(at, v)
+        if col is not None:  # each tensor: one narrow and one copy in, one narrow out
+            kr, vr = self._rows_of(r0, n)[layer]
+            kr.narrow(2, col, 1).copy_(k)
+            vr.narrow(2, col, 1).copy_(v)
+            return kr.narrow(2, 0, self._read), vr.narrow(2, 0, self._read)
+        at = (self._rows, self._heads[kc.shape[1]], self._at)
+        kc.index_put_(at, k)
+        vc.index_put_(at, v)
         return kc[r0 : r0 + n, :, : self._read], vc[r0 : r0 + n, :, : self._read]
+
+    def _rows_of(self, r0: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if self._row_views[0] != (r0, n):
+            self._row_views = ((r0, n), [(kc[r0 : r0 + n], vc[r0 : r0 + n]) for kc, vc in zip(self.k, self.v, strict=True)])
+        return self._row_views[1]
 
     def move(self, src: int, dst: int, length: int) -> None:
         for t in (*self.k, *self.v):

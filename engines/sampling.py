@@ -90,7 +90,7 @@ def choose_tokens(
 ) -> tuple[list[int], list[float]]:
     """`sample_tokens`, brought to the host: (token ids, logprobs)."""
     tokens, chosen = sample_tokens(logits, params, generators, shared)
-    if tokens.device.type == "cpu":  # no copy to wait for: two reads, without stacking ops
+    if tokens.is_cpu:  # no copy to wait for: two reads, without stacking ops
         return host_tokens([tokens.tolist(), chosen.tolist()])
     return host_tokens(torch.stack((tokens.to(torch.float64), chosen.to(torch.float64))).tolist())
 

@@ -120,6 +120,9 @@ class SGLangEngine(Engine):
         self._fatal = ""  # why the server cannot serve any more (restarts exhausted / failed)
         self._inflight: dict[str, asyncio.Task[GenerateResult]] = {}
         self._aborted: set[str] = set()  # rids this client asked the server to abort
+        # rids a pause('retract') hands back: their callers must see `retracted` on the result they get, so
+        # the flag is set on the caller's side of generate(), before any caller can read the result
+        self._retracting: set[str] = set()
         self._http: dict[str, asyncio.Future[Any]] = {}  # each request's HTTP call
         self._paused = False
         self._resumed = asyncio.Event()
@@ -243,13 +246,23 @@ class SGLangEngine(Engine):
         task = asyncio.get_running_loop().create_task(self._generate(req))
         self._inflight[req.request_id] = task
         try:
-            return await asyncio.shield(task)
+            return self._handed_back(req.request_id, await asyncio.shield(task))
         except asyncio.CancelledError:
             await self.abort(req.request_id)
             raise
         finally:
             if task.done():
                 self._inflight.pop(req.request_id, None)
+                self._retracting.discard(req.request_id)
+
+    def _handed_back(self, rid: str, res: GenerateResult) -> GenerateResult:
+        """`res` marked retracted when a pause('retract') aborted it. Marked here, where its caller
+        resumes: pause() used to mark the results it collected after its callers had already woken,
+        so the actor had sent them as plain aborts (H100, session 18: 0 rollout resubmits in 63 pushes,
+        18 groups dropped as failed, mid-run evals scored truncated answers)."""
+        if res.finish_reason == "abort" and rid in self._retracting:
+            res.retracted = True
+        return res
 
     async def _generate(self, req: GenerateRequest) -> GenerateResult:
         if req.return_routed_experts and self.facts.num_experts == 0:
@@ -318,6 +331,8 @@ class SGLangEngine(Engine):
         self._resumed.clear()
         running = list(self._inflight.values())
         self._aborted.update(self._inflight)
+        if mode == "retract":
+            self._retracting.update(self._inflight)
         # SGLang's own 'retract' keeps requests on the server and resumes them after the pause, with
         # no record of where the version changed; miles' retract returns them to the caller instead,
         # which is SGLang's 'abort' plus the retracted flag (partial output is kept). A server that is
@@ -331,9 +346,7 @@ class SGLangEngine(Engine):
                 res = await t
             except EngineError:
                 continue  # its caller sees the error
-            if mode == "retract" and res.finish_reason == "abort":
-                res.retracted = True
-            out.append(res)
+            out.append(self._handed_back(res.request_id, res))
         return out
 
     async def _drop_held(self, running: list[asyncio.Task[GenerateResult]], quiet_s: float = 0.5) -> None:
@@ -425,18 +438,11 @@ class SGLangEngine(Engine):
     # ---- introspection ------------------------------------------------------------
     def health(self) -> HealthReply:
         alive = (self.server.alive and self.server.served) if self.server is not None else self._started
-        return {
-            "ok": alive and not self._closed and not self._fatal,
-            "version": self.version,
-            "paused": self._paused,
-            "running": len(self._inflight),
-            "queued": 0,
-            "device": f"sglang {self.url}",
-            "restarts": self.server.restarts if self.server is not None else 0,
-            "last_error": self._last_error,
-            "fatal": self._fatal,
-            "weight_update": self.update.kind,
-        }
+        return HealthReply(
+            version=self.version, ok=alive and not self._closed and not self._fatal, paused=self._paused,
+            running=len(self._inflight), queued=0, device=f"sglang {self.url}",
+            restarts=self.server.restarts if self.server is not None else 0, last_error=self._last_error,
+            fatal=self._fatal, weight_update=self.update.kind)
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -31,23 +31,20 @@ from miles.engines.base import (
     RequestTotals,
     Staging,
 )
-from miles.engines.kv_cache import KVPool, RowPool, SessionKV, SessionKVStore, common_prefix
-from miles.engines.lora import AdapterMerge
+from miles.engines.kv_cache import KVPool, RowPool
+from miles.engines.kv_reuse import KVReuse
 from miles.engines.paged_kv import PagedPool
 from miles.engines.prompt_share import PromptShare
 from miles.engines.sampling import make_generator
 from miles.engines.sequence import Sequence
 from miles.engines.stepper import StepOut, Stepper
+from miles.engines.torch_compile import DecodeWarmUp
+from miles.engines.torch_weights import TorchWeights
 from miles.engines.validate import validate_request
 from miles.engines.vl_inputs import check_request, is_vl
 from miles.models.decoder import CausalLM
 from miles.models.factory import model_from_config
-from miles.models.fp8_layout import fp8_block
-from miles.models.fp8_linear import weights_changed
-from miles.models.fp8_model import to_fp8_weights
-from miles.models.hf_io import checksums, hf_tensor_views
-from miles.models.lora import is_adapter_name
-from miles.weightsync.stager import WeightStager
+from miles.models.hf_io import hf_tensor_views
 
 log = get_logger("miles.engine")
 
@@ -71,9 +68,7 @@ class TorchEngine(Engine):
     ) -> None:
         self.cfg = cfg or EngineConfig()
         self.model = model.eval()
-        self.fp8_block = fp8_block(model.spec)
-        if self.fp8_block is not None:  # FP8 contract: linear layers hold E4M3 codes + block scales
-            to_fp8_weights(model, self.fp8_block, gemm=self.cfg.fp8_gemm)
+        self.weights = TorchWeights(model, self.cfg)  # staging + commit (FP8 codes, LoRA adapters)
         self.spec = model.spec
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -93,10 +88,6 @@ class TorchEngine(Engine):
             model, self.pool, self.device, batch_invariant, self.cfg.cuda_graphs, self.cfg.compile_decode,
             overlap=self.cfg.overlap_decode, compile_cpu=self.cfg.compile_decode_cpu,
         )
-        self.sessions = SessionKVStore(self.cfg.kv_budget_tokens)
-        self.stale_session_kv = 0  # saved session KV not reused: older weights wrote it (session_kv_reuse)
-        self.stager = WeightStager(hf_tensor_views(model), self.fp8_block)
-        self.adapters = AdapterMerge(model)  # LoRA runs sync adapters only (engines/lora.py)
         self.version = version
         self._known_sessions: set[str] = set()
         self._queue: deque[Sequence] = deque()
@@ -107,10 +98,12 @@ class TorchEngine(Engine):
         self._boundary = False  # set from the loop: the worker should return after this step
         self._closed = False
         self._task: asyncio.Task[None] | None = None
-        self._compile_task: asyncio.Task[None] | None = None  # engine.compile_background
         self._last_error = ""
         self._totals = RequestTotals()
         self.share = PromptShare(self.cfg.share_prompts)
+        self.kv_reuse = KVReuse(self.cfg, self.spec, self.pool, self.share)  # session KV, running-prompt copies
+        self.decode_warm_up = DecodeWarmUp(self.stepper, self._lock, self.cfg.compile_background,
+                                           lambda: self._closed)
 
     @classmethod
     def from_config(
@@ -160,7 +153,7 @@ class TorchEngine(Engine):
         if key not in self._known_sessions:
             raise EngineError(f"end_session: unknown session {key!r}")
         self._known_sessions.discard(key)
-        self.sessions.take(key)
+        self.kv_reuse.sessions.take(key)
 
     # ---- pause / weights ----------------------------------------------------------
     async def pause(self, mode: PauseMode = "in_place") -> list[GenerateResult]:
@@ -205,140 +198,60 @@ class TorchEngine(Engine):
     async def stage(
         self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
     ) -> int:
-        # a receiver wrote into the slots: bookkeeping only (an empty bucket, e.g. part of a
-        # chunked tensor, must not mark the version as a full-weights one: LoRA versions are not)
-        if named_tensors and self.stager.in_place(named_tensors):
-            return self.stager.stage(version, named_tensors)
-        return await asyncio.to_thread(self._stage, version, named_tensors)
-
-    def _stage(
-        self, version: int, named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
-    ) -> int:
-        """Worker thread: full weights go to the stager, an adapter payload (LoRA) aside."""
-        items = named.items() if isinstance(named, Mapping) else named
-        full: list[tuple[str, torch.Tensor]] = []
-        lora: list[tuple[str, torch.Tensor]] = []
-        for name, t in items:
-            (lora if is_adapter_name(name) else full).append((name, t))
-        if not full and not lora:  # e.g. a bucket holding only part of a chunked tensor
-            return 0
-        if lora and self.fp8_block is not None:
-            raise EngineError(f"stage(version={version}): LoRA adapters cannot be merged into FP8 weights")
-        mixed = (self.stager.version == version or bool(full)) if lora else self.adapters.version == version
-        if mixed:
-            raise EngineError(f"stage(version={version}): a version carries full weights or adapters, not both")
-        return self.adapters.stage(version, lora) if lora else self.stager.stage(version, full)
+        return await self.weights.stage(version, named_tensors)
 
     def staging(self) -> Staging:
-        """Its staging slots (`stager`, bound to `model`) take bulk buckets and byte ranges in place."""
-        return self
-
-    def mark_staged(self, version: int, names: list[str]) -> int:
-        """Full-weight tensors a receiver wrote into their slots (a flat export's range)."""
-        if self.adapters.version == version:
-            raise EngineError(f"stage(version={version}): a version carries full weights or adapters, not both")
-        return self.stager.mark_staged(version, names)
+        """Its weights' staging slots (`weights.stager`, bound to `model`) take bulk buckets and
+        byte ranges in place."""
+        return self.weights
 
     async def commit(self, version: int) -> None:
-        with_adapters = self.adapters.version == version
-        if with_adapters:  # merge onto the base and stage the whole model locally
-            merged = await asyncio.to_thread(self.adapters.merged_state, version)
-            await asyncio.to_thread(self.stager.stage, version, merged)
-        self.stager.check_complete(version)
+        with_adapters = await self.weights.ready(version)
         self._boundary = True
         async with self._lock:
-            if self.stager.instant_apply:
-                self.stager.apply()
-            else:
-                await asyncio.to_thread(self.stager.apply)
-            weights_changed()  # tensors cached from the weights (CPU: FP8's Ŵ, q/k norms) are stale now
+            await self.weights.apply(with_adapters)
             self.version = version
-            if with_adapters:
-                self.adapters.committed_version()
         log.info("engine_weights_committed", version=version, adapters=with_adapters)
 
     async def abort_version(self, version: int) -> None:
-        if self.stager.version == version:
-            self.stager.drop()
-        if self.adapters.version == version:
-            self.adapters.drop()
+        self.weights.abort_version(version)
 
     # ---- introspection ------------------------------------------------------------
     def health(self) -> HealthReply:
         alive = self._task is None or not self._task.done()
-        return {
-            "ok": alive and not self._closed,
-            "version": self.version,
-            "paused": self._paused,
-            "running": len(self._running),
-            "queued": len(self._queue),
-            "device": str(self.device),
-            "last_error": self._last_error,
-        }
+        return HealthReply(version=self.version, ok=alive and not self._closed, paused=self._paused,
+                           running=len(self._running), queued=len(self._queue), device=str(self.device),
+                           last_error=self._last_error)
 
     def stats(self) -> dict[str, Any]:
         return {
             **self._totals.snapshot(),
             "running": len(self._running),
             "queued": len(self._queue),
-            "cached_tokens": self.sessions.tokens,
+            "cached_tokens": self.kv_reuse.sessions.tokens,
             "shared_prompt_tokens": self.share.tokens,
-            "cached_sessions": len(self.sessions),
-            "evictions": self.sessions.evictions,
-            "stale_session_kv": self.stale_session_kv,
+            "cached_sessions": len(self.kv_reuse.sessions),
+            "evictions": self.kv_reuse.sessions.evictions,
+            "stale_session_kv": self.kv_reuse.stale,
             "version": self.version,
             **self.pool.stats(),
         }
 
     def checksums(self) -> dict[str, str]:
         """Every live weight, plus (LoRA runs) the adapters merged into them, as received."""
-        return {**checksums(self.model), **self.adapters.checksums()}
+        return self.weights.checksums()
 
     def state_dict_hf(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in hf_tensor_views(self.model).items()}
 
     async def warm_up(self) -> None:
-        """Capture the decode graphs now, compiled (engine.compile_decode: 50-110 s on an H200 for
-        the bench models) or, with engine.compile_background, uncompiled at once while the
-        compile runs in a worker thread and is swapped in when ready (`compile_done`)."""
-        g = self.stepper.graphs
-        if g is None:
-            return
-        t0 = time.monotonic()
-        background = g.compiled and self.cfg.compile_background
-        if background:
-            g.compiled = False  # serve with uncompiled graphs until the compile is ready
-        async with self._lock:  # background: every batch bucket, uncompiled (seconds), as no capture may overlap it
-            await asyncio.to_thread(self.stepper.warm_up, background)
-        log.info("engine_warmed_up", seconds=round(time.monotonic() - t0, 1), compiled=g.compiled,
-                 graphs_failed=g.failed, compiling_in_background=background and not g.failed)
-        if background and not g.failed:
-            log.info("decode_compile_started", note="serving with uncompiled decode graphs until it is ready")
-            self._compile_task = asyncio.get_running_loop().create_task(self._compile_in_background(),
-                                                                        name="decode-compile")
-
-    async def _compile_in_background(self) -> None:
-        t0 = time.monotonic()
-        ok = await asyncio.to_thread(self.stepper.compile_aside)
-        if not ok or self._closed:
-            log.warning("decode_compile_skipped", seconds=round(time.monotonic() - t0, 1),
-                        reason="engine closed" if self._closed else "the compile failed: serving uncompiled graphs")
-            return
-        t1 = time.monotonic()
-        async with self._lock:  # between hops: no decode step is in flight
-            if self._closed:
-                return
-            await asyncio.to_thread(self.stepper.use_compiled)
-        g = self.stepper.graphs
-        log.info("decode_compile_ready", compile_s=round(t1 - t0, 1), swap_s=round(time.monotonic() - t1, 1),
-                 compiled=g is not None and g.compiled)
+        """Capture the decode graphs now (engines/torch_compile.py: compiled, or uncompiled at once
+        with engine.compile_background while the compile runs aside until `compile_done`)."""
+        await self.decode_warm_up.warm_up()
 
     async def compile_done(self) -> bool:
         """Wait for a background decode compile (if one runs); whether decode is compiled now."""
-        if self._compile_task is not None:
-            await asyncio.shield(self._compile_task)
-        g = self.stepper.graphs
-        return g is not None and g.compiled and not g.failed
+        return await self.decode_warm_up.done()
 
     async def close(self) -> None:
         self._closed = True
@@ -430,12 +343,12 @@ class TorchEngine(Engine):
         leaders: set[tuple[int, ...]] = set()  # paged KV: prompts a request taken so far prefills
         while self._queue and len(self._running) + len(taken) < self.cfg.max_batch_size:
             if self.pool.reserves:  # in order: wait until the head's blocks are free
-                need = self._blocks_needed(self._queue[0], leaders)
+                need = self.kv_reuse.blocks_needed(self._queue[0], leaders)
                 if not self.pool.can_take(reserved + need):
                     break
                 reserved += need
             taken.append(self._queue.popleft())
-        new = self.share.order(taken, self._has_session)
+        new = self.share.order(taken, self.kv_reuse.has_session)
         # leaders whose followers want routing: their copied prefix must carry it
         routed_for = {id(s.share_from) for s in new if s.share_from is not None and s.req.return_routed_experts}
         for seq in new:
@@ -443,66 +356,12 @@ class TorchEngine(Engine):
             self._running.append(seq)
             self.pool.open(seq.row, seq.req)
             seq.kv_version = self.version  # what it computes from here on (a restore may lower it)
-            if seq.share_from is None:
-                self._restore_session(seq)
-                if seq.kv_len == 0:
-                    self._copy_running_prompt(seq, seq.req.return_routed_experts or id(seq) in routed_for)
+            self.kv_reuse.fill(seq, self.version, seq.req.return_routed_experts or id(seq) in routed_for)
             self.share.register(seq, self.version)
             self._totals.prompt += seq.n_prompt
             self._totals.cached += seq.cached
             self._totals.requests += 1
         return new
-
-    def _blocks_needed(self, seq: Sequence, leaders: set[tuple[int, ...]]) -> int:
-        """KV blocks `seq` reserves if admitted now; a follower of a prompt already taken this
-        round shares its full prompt blocks (the rule PromptShare.order applies), and `leaders`
-        gains seq's prompt when it may lead."""
-        key = tuple(seq.tokens)
-        shares = self.share.enabled and not self._has_session(seq)
-        need = self.pool.request_blocks(seq.req, shared=len(key) if shares and key in leaders else 0)
-        if shares:
-            leaders.add(key)
-        return need
-
-    def _has_session(self, seq: Sequence) -> bool:
-        key = seq.req.session_key
-        return key is not None and key in self.sessions
-
-    def _copy_running_prompt(self, seq: Sequence, routed: bool) -> None:
-        """A running row holds seq's prompt (a group's earlier sample: all but its last token
-        is copied) or begins like it (whole common blocks are); seq's prefill feeds the rest
-        (engines/prompt_share.py). `routed`: seq or one of its followers reports routing, so
-        the source must have it and seq keeps the prefix's."""
-        found = self.share.source(seq, self.version, routed)
-        if found is None:
-            return
-        src, n = found
-        self.pool.share(src.row, seq.row, 1, n)
-        seq.kv_len = n
-        if routed:
-            experts = src.routed_array(self.spec)
-            assert experts is not None
-            seq.routed_prefix = experts[:n]
-        self.share.tokens += n
-
-    def _restore_session(self, seq: Sequence) -> None:
-        key = seq.req.session_key
-        item = self.sessions.take(key) if key is not None else None
-        if item is None:
-            return
-        if item.version != self.version and self.cfg.session_kv_reuse == "same_version":
-            self.stale_session_kv += 1  # written (in part) by older weights: the turn recomputes it
-            return
-        n = min(common_prefix(item.ids, seq.tokens), len(seq.tokens) - 1)
-        if seq.req.return_routed_experts and item.routed is None:
-            n = 0  # the cached turn has no routing record; recompute to return it
-        if n <= 0:
-            return
-        self.pool.restore(seq.row, item.k, item.v, n)
-        seq.cached = seq.kv_len = n
-        seq.kv_version = min(seq.kv_version, item.version)
-        if item.routed is not None:
-            seq.routed_prefix = item.routed[:n]
 
     def _apply(self, out: StepOut) -> None:
         """Record this step's tokens (worker thread; touches only sequence state)."""
@@ -537,20 +396,11 @@ class TorchEngine(Engine):
         if seq in self._queue:
             self._queue.remove(seq)
         elif seq.row >= 0 and seq.row < len(self._running) and self._running[seq.row] is seq:
-            self._save_session(seq)
+            self.kv_reuse.save(seq, self._known_sessions)
             self._release_row(seq)
         if not seq.future.done():
             seq.future.set_result(result)
         return result
-
-    def _save_session(self, seq: Sequence) -> None:
-        key = seq.req.session_key
-        if key is None or key not in self._known_sessions or seq.kv_len == 0:
-            return
-        k, v = self.pool.export(seq.row, seq.kv_len)
-        routed = seq.routed_array(self.spec)
-        self.sessions.put(key, SessionKV(ids=seq.tokens[: seq.kv_len], k=k, v=v, routed=routed,
-                                         version=seq.kv_version))
 
     def _release_row(self, seq: Sequence) -> None:
         self.share.release(seq)

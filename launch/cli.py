@@ -27,10 +27,11 @@ def _load(args: argparse.Namespace) -> MilesConfig:
     return load_config(MilesConfig, args.config, args.set)
 
 
-def load_run(args: argparse.Namespace) -> tuple[MilesConfig, str] | None:
+def load_run(args: argparse.Namespace, local: bool = True) -> tuple[MilesConfig, str] | None:
     """The run `miles train` and `miles launch --slurm` start, refused before anything is written
     or submitted if its config is wrong: the config and its `--resume` checkpoint ("" for a fresh
-    run, which needs an empty run.dir), or None for a `--resume` of a run that already finished."""
+    run, which needs an empty run.dir), or None for a `--resume` of a run that already finished.
+    `local`: every role runs on this machine (`miles train`; see `validate_launch`)."""
     from miles.launch.validate import validate_launch
     from miles.metrics import run_dir as rd
 
@@ -41,7 +42,7 @@ def load_run(args: argparse.Namespace) -> tuple[MilesConfig, str] | None:
             return None
     else:
         cfg = _load(args)
-    validate_launch(cfg)  # first: a wrong config is named before anything about the run directory
+    validate_launch(cfg, local)  # first: a wrong config is named before anything about the run directory
     if not resume:
         rd.check_fresh(cfg.run.dir)  # one run per directory: never append to another run's files
     return cfg, resume

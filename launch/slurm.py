@@ -152,7 +152,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if args.resume and args.config:
         raise ConfigError(f"--resume {args.resume}: give no CONFIG (the run's own config.resolved.json is "
                           "used; change it with --set)")
-    loaded = load_run(args)  # the checks of `miles train`, before anything is written or submitted
+    # the checks of `miles train` (but where roles share a GPU: the steps' placement decides), before
+    # anything is written or submitted
+    loaded = load_run(args, local=False)
     if loaded is None:
         return 0
     cfg, resume = loaded

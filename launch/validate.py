@@ -16,7 +16,9 @@ from miles.core.hooks import resolve_hook
 from miles.core.schema import MilesConfig
 
 
-def validate_launch(cfg: MilesConfig) -> None:
+def validate_launch(cfg: MilesConfig, local: bool = True) -> None:
+    """`local`: every role runs on this machine (`miles train`), so where each role's GPU work runs
+    is known from the config; under Slurm (False) each step may get GPUs of its own."""
     from miles.trainer.backends import check_backend
 
     # first: a recipe run before its checkpoint was made fails here, not on what follows from it
@@ -56,6 +58,12 @@ def validate_launch(cfg: MilesConfig) -> None:
     sglang = sglang_launch_errors(cfg)
     if sglang:
         raise ConfigError("; ".join(sglang))
+    if local:
+        from miles.launch.sync_checks import broadcast_placement_errors
+
+        placement = broadcast_placement_errors(cfg)
+        if placement:
+            raise ConfigError("; ".join(placement))
     if cfg.run.wandb_project:
         import importlib.util
 

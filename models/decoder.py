@@ -23,7 +23,17 @@ from miles.models.config import ModelSpec
 from miles.models.errors import ModelInputError
 from miles.models.gpt_oss import SinkAttention, TopkSoftmaxMoE
 from miles.models.invariant import invariant_active
-from miles.models.layers import MLP, Attention, KVCache, RMSNorm, grouped_bias, rms_norm
+from miles.models.layers import (
+    MLP,
+    Attention,
+    KVCache,
+    RMSNorm,
+    eager_cpu_step,
+    grouped_bias,
+    no_global_hooks,
+    plain_forward,
+    rms_norm,
+)
 from miles.models.masks import packed_causal_mask, packed_position_ids, sliding_window_mask
 from miles.models.mla import MLAttention
 from miles.models.moe import MoEBlock
@@ -99,8 +109,11 @@ class DecoderLayer(nn.Module):
         kv_cache: KVCache | None = None,
         given_ids: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        direct: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """h: [B, T, H] -> (new h [B, T, H], expert ids [B, T, k] for a MoE layer else None).
+        direct: the CPU engine's eager step (`CausalLM.forward`): submodules' forwards are called
+        directly (`plain_forward`).
 
         Under `recompute = "full"` (training only) the block keeps just its input for the
         backward and runs again there; the checkpoint sits inside this module's forward, so
@@ -109,7 +122,7 @@ class DecoderLayer(nn.Module):
             out: tuple[torch.Tensor, torch.Tensor | None] = checkpoint(
                 self._block, h, cos, sin, bias, kv_cache, given_ids, position_ids, use_reentrant=False)
             return out
-        return self._block(h, cos, sin, bias, kv_cache, given_ids, position_ids)
+        return self._block(h, cos, sin, bias, kv_cache, given_ids, position_ids, direct)
 
     def _block(
         self,
@@ -120,6 +133,7 @@ class DecoderLayer(nn.Module):
         kv_cache: KVCache | None,
         given_ids: torch.Tensor | None,
         position_ids: torch.Tensor | None,
+        direct: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The block's computation (see `forward`).
 
@@ -133,7 +147,7 @@ class DecoderLayer(nn.Module):
             assert position_ids is not None
             a = self.linear_attn(x, position_ids, kv_cache)
         else:
-            a = self.self_attn(x, cos, sin, bias, kv_cache)
+            a = (plain_forward(self.self_attn) if direct else self.self_attn)(x, cos, sin, bias, kv_cache)
         if ops is not None:
             h, x = ops.add_norm(h, a, ln2.weight, ln2.eps)
         else:
@@ -145,16 +159,16 @@ class DecoderLayer(nn.Module):
             out: tuple[torch.Tensor, torch.Tensor | None] = checkpoint(
                 self._mlp_residual, h, x, given_ids, ops, use_reentrant=False)
             return out
-        return self._mlp_residual(h, x, given_ids, ops)
+        return self._mlp_residual(h, x, given_ids, ops, direct)
 
     def _mlp_residual(self, h: torch.Tensor, x: torch.Tensor, given_ids: torch.Tensor | None,
-                      ops: CompiledOps | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      ops: CompiledOps | None, direct: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        mlp = plain_forward(self.mlp) if direct else self.mlp
         if self.is_moe:
-            y, ids = self.mlp(x, given_ids)
+            y, ids = mlp(x, given_ids)
             return h + y, ids
-        mlp = self.mlp
-        if ops is not None and type(mlp) is MLP and not _fp8_planned(mlp):
-            gu, down = mlp.gate_up_proj, mlp.down_proj
+        if ops is not None and type(self.mlp) is MLP and not _fp8_planned(self.mlp):
+            gu, down = self.mlp.gate_up_proj, self.mlp.down_proj
             return ops.swiglu_residual(h, x, gu.weight, gu.bias, down.weight, down.bias), None
         return h + mlp(x), None
 
@@ -304,7 +318,13 @@ class CausalLM(nn.Module):
                     f"target_ids must be [M]=({m},) matching logits_index (not logits_at), "
                     f"got shape {tuple(target_ids.shape)}"
                 )
-        h = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        # the CPU engine's eager step: modules' forwards called directly (`plain_forward`)
+        direct = kv_cache is not None and eager_cpu_step(input_ids) and no_global_hooks()
+        if inputs_embeds is None:
+            embed = self.model.embed_tokens
+            h = (plain_forward(embed) if direct else embed)(input_ids)
+        else:
+            h = inputs_embeds
         bias: torch.Tensor | PackedSeqs | None = packed
         window_bias = None
         if attention_mask is not None:
@@ -313,7 +333,7 @@ class CausalLM(nn.Module):
             window = sliding_window_mask(attention_mask, position_ids, kv_cache is not None, spec.sliding_window)
             window_bias = grouped_bias(window, spec.attn_groups, h.dtype)
         rotary = self.model.rotary
-        if (not torch.compiler.is_compiling() and kv_cache is not None and h.device.type == "cpu"
+        if (not torch.compiler.is_compiling() and kv_cache is not None and h.is_cpu
                 and rope_position_ids is None and type(rotary) is Rotary and rotary.rope.rope_type != "dynamic"
                 and not invariant_active()):
             cos, sin = rotary.lookup(position_ids, h.dtype)  # the CPU engine's steps: a table lookup
@@ -327,7 +347,11 @@ class CausalLM(nn.Module):
             if layer.is_moe:
                 given = routed_experts[:, :, j] if routed_experts is not None else None
                 j += 1
-            h, ids = layer(h, cos, sin, window_bias if layer.sliding else bias, kv_cache, given, position_ids)
+            lb = window_bias if layer.sliding else bias
+            if direct:
+                h, ids = plain_forward(layer)(h, cos, sin, lb, kv_cache, given, position_ids, True)
+            else:
+                h, ids = layer(h, cos, sin, lb, kv_cache, given, position_ids)
             if return_routed_experts and ids is not None:
                 used.append(ids)
         logp: torch.Tensor | None

@@ -39,16 +39,22 @@ class GroupPlan:
     slot_of_row: torch.Tensor  # [M_pad] int64: the slot each padded row holds (N*k = none)
 
 
-def grouped_mm_supported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """Whether `torch._grouped_mm` takes these operands (see the module doc)."""
+def grouped_mm_aligned(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """One dtype, and every row stride and base address a multiple of 16 bytes: what
+    `torch._grouped_mm` asks of its operands on CUDA and on the CPU alike."""
+    size = x.element_size()
     return (
-        hasattr(torch, "_grouped_mm")
-        and x.dtype == gate_up.dtype == down.dtype == torch.bfloat16
-        and x.shape[-1] % ALIGN == 0
-        and down.shape[-1] % ALIGN == 0
+        x.dtype == gate_up.dtype == down.dtype
+        and x.shape[-1] * size % 16 == 0
+        and down.shape[-1] * size % 16 == 0
         and gate_up.data_ptr() % 16 == 0  # base addresses too (views into a flat buffer may not be)
         and down.data_ptr() % 16 == 0
     )
+
+
+def grouped_mm_supported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether the CUDA `torch._grouped_mm` takes these operands (see the module doc)."""
+    return hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16 and grouped_mm_aligned(x, gate_up, down)
 
 
 def plan_groups(ids: torch.Tensor, num_experts: int) -> GroupPlan:

@@ -65,7 +65,8 @@ def hf_shapes(model: CausalLM) -> dict[str, tuple[int, ...]]:
 
 def tensor_checksum(t: torch.Tensor) -> str:
     """xxh64 hex digest of a tensor's raw bytes (dtype-exact; bf16 hashed as its 16-bit words)."""
-    data = t.detach().contiguous().to("cpu")
+    # reshape: a 0-d tensor has no bytes view of another element size
+    data = t.detach().contiguous().to("cpu").reshape(-1)
     return xxhash.xxh64(data.view(torch.uint8).numpy().tobytes()).hexdigest()
 
 

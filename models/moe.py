@@ -21,7 +21,8 @@ from miles.models.config import ModelSpec
 from miles.models.errors import ModelInputError
 from miles.models.grouped_moe import grouped_mm_supported, grouped_swiglu_experts
 from miles.models.invariant import invariant_active, triton_kernels
-from miles.models.layers import MLP
+from miles.models.layers import MLP, no_global_hooks, plain_forward
+from miles.models.moe_cpu import grouped_mm_fits, prefer_dense, selected_experts
 
 
 def expert_id_dtype(num_experts: int) -> np.dtype:
@@ -109,8 +110,22 @@ class Experts(nn.Module):
             if extra_macs <= _GROUPED_MM_OVERHEAD_MACS:
                 return self._dense(x, ids, weights)
             return grouped_swiglu_experts(x, ids, weights, self.gate_up_proj, self.down_proj)
+        if x.is_cpu and torch.is_inference_mode_enabled():  # the engine's CPU steps
+            return self._cpu_inference(x, ids, weights)
         if extra_macs <= e * _LOOP_OVERHEAD_MACS.get(x.device.type, 3e5):
             return self._dense(x, ids, weights)
+        return self._grouped(x, ids, weights)
+
+    def _cpu_inference(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The engine's CPU forward (no autograd; the trainer never gets here): dense while that
+        is cheaper, else only the selected experts, through torch's CPU grouped GEMM where this
+        torch has one (models/moe_cpu.py has the measured crossover)."""
+        n, k = ids.shape
+        e, two_i, h = self.gate_up_proj.shape
+        if prefer_dense(n, k, e, two_i, h, x.element_size()):
+            return self._dense(x, ids, weights)
+        if grouped_mm_fits(x, self.gate_up_proj, self.down_proj):
+            return selected_experts(x, ids, weights, self.gate_up_proj, self.down_proj)
         return self._grouped(x, ids, weights)
 
     def _dense(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -256,13 +271,15 @@ class MoEBlock(nn.Module):
         if given_ids is not None:
             given = given_ids.reshape(-1, self.top_k).to(device=x.device, dtype=torch.long)
         top_w, ids = self._route(flat, given)
-        out = self.experts(flat, ids, top_w)
+        # the CPU engine's eager inference: no hook runs on the experts (unless one is registered)
+        eager = not torch.compiler.is_compiling() and x.is_cpu and torch.is_inference_mode_enabled()
+        out = (plain_forward(self.experts) if eager and no_global_hooks() else self.experts)(flat, ids, top_w)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             gate = torch.sigmoid(F.linear(flat, self.shared_expert_gate.weight))
             out = out + gate * self.shared_expert(flat)
         out, ids = out.unflatten(0, (b, t)), ids.unflatten(0, (b, t))
-        if not torch.compiler.is_compiling() and x.device.type == "cpu" and torch.is_inference_mode_enabled():
+        if eager:
             return out, ids
         return out.clone(), ids.clone()

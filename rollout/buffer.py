@@ -33,12 +33,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miles.core.errors import ConfigError, MilesError
+from miles.core.logging import get_logger
 from miles.core.schema.buffer import DEFAULTS, BufferConfig, RetryPolicy, Schedule, check_buffer
 from miles.rollout.bias import BiasMeter, P
 from miles.rollout.filters import FilterFn, check_verdict, keep_all, load_filter
 from miles.rollout.ledger import Ledger
 from miles.rollout.schedule import Outstanding, admits, plan
 from miles.rollout.types import Group, Sample
+
+log = get_logger("miles.buffer")
 
 
 class BufferError(MilesError):
@@ -264,6 +267,9 @@ class RolloutBuffer:
             self._aborted += 1
             self.totals["aborted_groups_filtered"] += 1
             self.bias.dropped(group, "failed")
+            # counted under "failed"; the line says which samples and why (an engine's abort has no error text)
+            log.warning("group_dropped_failed", group=g.id, prompt=g.prompt_id, attempt=g.attempt,
+                        why=group.failure())
             self._drop(g.prompt_id, g.attempt, "failed", retryable=True)
             return
         keep, reason = check_verdict(self.filter_fn(group), "buffer.filter_fn")

@@ -237,6 +237,14 @@ class Group:
         """True when any sample was aborted or errored (the buffer drops such groups)."""
         return any(s.status in ("aborted", "failed") for s in self.samples)
 
+    def failure(self) -> str:
+        """Why a failed group failed, for its drop's log line: the bad samples' statuses and the
+        first error any of them carries (an `aborted` sample was cut by its engine, with no error)."""
+        bad = [s for s in self.samples if s.status in ("aborted", "failed")]
+        errors = sorted({str(s.metadata["error"]) for s in bad if s.metadata.get("error")})
+        what = f"{len(bad)} of {len(self.samples)} samples {'/'.join(sorted({s.status for s in bad}))}"
+        return f"{what}: {errors[0]}" if errors else what
+
     def oldest_version(self) -> int | None:
         vs = [v for s in self.samples if (v := s.oldest_version()) is not None]
         return min(vs) if vs else None

@@ -27,8 +27,9 @@ IGNORE = re.compile(r"#\s*type:\s*ignore\b(\[[^\]]*\])?(.*)$")
 
 
 def package_files() -> list[Path]:
+    # hidden top-level folders (.carry, .git, ...) hold payloads and tools, never the package
     return [p for p in sorted(ROOT.rglob("*.py"))
-            if p.relative_to(ROOT).parts[0] not in SKIP and p.name != "setup.py"]
+            if (top := p.relative_to(ROOT).parts[0]) not in SKIP and not top.startswith(".") and p.name != "setup.py"]
 
 
 def ignore_problems() -> tuple[int, list[str]]:

@@ -4,7 +4,8 @@ Off by default (`transport.faults`, all rates 0): `FaultHook.from_config` then r
 host holds no hook and its send path is what it is without this module (one `is None` test).
 On, each outgoing message draws from a seeded stream before it is sent:
 
-- dropped (never sent) with probability `drop_rate`, if its type is in `drop_types` (empty: any);
+- dropped (never sent) with probability `drop_rate`, if its type is in `drop_types` (empty: any),
+  until the process has dropped `drop_limit` (0: no limit);
 - otherwise delayed by uniform(0, `delay_ms`) with probability `delay_rate` (any type): the
   sending coroutine waits, so the delay counts against the deadline of the ask it belongs to.
 
@@ -65,15 +66,18 @@ class FaultHook:
     def draw(self, kind: int, type_name: str, may_delay: bool = True) -> float | None:
         """None: drop this message; else the seconds to delay it (0.0: send now)."""
         cfg = self.cfg
-        with self._lock:
+        what = f"{KIND_NAMES.get(kind, str(kind))}:{type_name or '?'}"
+        with self._lock:  # the count is read and raised under the lock: drop_limit holds across threads
             x = self._rng.random()
             drop = x < cfg.drop_rate and (not self.drop_types or type_name in self.drop_types)
+            if drop and cfg.drop_limit and sum(self.dropped.values()) >= cfg.drop_limit:
+                drop = False
+            if drop:
+                self.dropped[what] += 1
             delay = 0.0
             if not drop and may_delay and self._rng.random() < cfg.delay_rate:
                 delay = self._rng.uniform(0.0, cfg.delay_ms / 1e3)
-        what = f"{KIND_NAMES.get(kind, str(kind))}:{type_name or '?'}"
         if drop:
-            self.dropped[what] += 1
             log.info("message_dropped", message=what, dropped=sum(self.dropped.values()), pid=os.getpid())
         elif delay > 0:
             self.delayed[what] += 1

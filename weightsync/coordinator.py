@@ -18,15 +18,20 @@ it comes back.
 They need nothing of the actor runtime: the link is a Protocol, so the protocol can be read,
 and tested, on its own.
 
-What still goes through `GatheredCoordinator`, and why: a gathered flat export over zmq or ucx
-is a sharded sync with one rank (weightsync/trainer_sync.py `GatheredSync` routes it through
-`ShardedCoordinator` on weightsync/one_rank.py's `SoloRankGroup`), but the sharded sender moves
-byte ranges of a flat plan only, and this coordinator also carries: tensor-by-tensor pushes (the
-LoRA adapter payload, FP8 codes + scales, an engine that declines the flat plan, as SGLang's
-bucket updates do, an export in another dtype than the wire's or of several dtypes), the
-`disk_delta` and `cuda_ipc` channels (no sharded sender: files of per-tensor deltas, one GPU's
-IPC handles), and `broadcast`'s flat exports until its one-rank push is as fast
-(weightsync/trainer_sync.py `ONE_RANK_TRANSPORTS`).
+What still goes through `GatheredCoordinator`, and why. Over zmq, ucx and (from a CPU
+trainer) broadcast, `GatheredSync` (weightsync/trainer_sync.py) pushes every export as a sharded
+sync with one rank (`ShardedCoordinator` on weightsync/one_rank.py's `SoloRankGroup`): a flat
+export from its own buffer, a tensor-by-tensor one (LoRA adapters, FP8 codes + scales) packed
+into one first; tensors of several dtypes and 0-d ones are one-rank plans. The sharded channels
+move byte ranges of a flat plan only, into the engine's staging slots, so this coordinator keeps:
+- an export whose engines decline its flat plan, sent tensor by tensor: an SGLang engine has no
+  staging slots (it hands whole versions to its server); an FP8 engine fed float
+  weights quantizes each one on arrival (weightsync/stager.py), a per-tensor step;
+- a flat export in another dtype than `sync.dtype`: converted tensor by tensor here;
+- the `disk_delta` and `cuda_ipc` channels: no sharded sender (files of per-tensor deltas
+  against the engine's live weights; one GPU's IPC handles to the trainer's memory);
+- broadcast from a CUDA trainer (NCCL): its one-rank push is not measured on a GPU yet
+  (weightsync/trainer_sync.py `ONE_RANK_TRANSPORTS`).
 """
 
 from __future__ import annotations
@@ -38,11 +43,11 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 import torch
-import xxhash
 
 from miles.core.errors import SyncError
 from miles.core.logging import get_logger
 from miles.core.schema.sync import SyncConfig
+from miles.models.hf_io import tensor_checksum
 from miles.transport.bulk.base import BulkSender, make_sender
 from miles.transport.bulk.buckets import Bucket, iter_buckets
 from miles.weightsync.flat import NO_SLOTS, FlatWeights
@@ -50,12 +55,6 @@ from miles.weightsync.push_round import Call, PushRound, SyncReport, each
 
 log = get_logger("miles.sync")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def tensor_checksum(t: torch.Tensor) -> str:
-    """xxh64 of a tensor's raw bytes: what engines report (models/hf_io.py computes the same;
-    `transport/` may not import `models/`)."""
-    return xxhash.xxh64(t.detach().contiguous().to("cpu").view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 class SyncLink(Protocol):

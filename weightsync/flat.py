@@ -175,6 +175,51 @@ class FlatWeights:
             pos += t.numel()
         return cls.of(views)
 
+    @classmethod
+    @torch.no_grad()
+    def pack(cls, named: Iterable[tuple[str, torch.Tensor]], device: torch.device | None = None,
+             reuse: FlatWeights | None = None, dtype: torch.dtype | None = None) -> FlatWeights:
+        """The tensors' bytes copied back to back into one buffer on `device` (None: the first
+        tensor's, as it names it: no thread's current CUDA device is assumed), each keeping its
+        dtype or cast to `dtype` (one copy: a tensor-by-tensor export as a flat one). Widest
+        elements first, so that every tensor starts aligned to its element size with no padding
+        (the plan has none); same width, in the given order. `reuse`: the last call's result,
+        refilled in place when the tensors are the same (names, dtypes, shapes); else a new buffer."""
+        it: Iterator[tuple[str, torch.Tensor]] = iter(named)
+        if dtype is not None:
+            it = ((n, t.to(dtype)) for n, t in it)
+        if reuse is not None:
+            p = reuse.plan
+            at = {n: i for i, n in enumerate(p.names)}
+            done: list[str] = []
+            for name, t in it:
+                i = at.get(name)
+                if i is None or str(t.dtype).removeprefix("torch.") != p.dtypes[i] or tuple(t.shape) != p.shapes[i]:
+                    # another export than last time: repack what was copied and the rest afresh
+                    views = dict(reuse)
+                    return cls.pack([*((n, views[n]) for n in done), (name, t), *it], device)
+                reuse.buffer[p.offsets[i]:p.ends[i]].view(t.dtype).view(t.shape).copy_(t)
+                done.append(name)
+            if len(done) == len(p.names) and len(set(done)) == len(done):
+                return reuse
+            views = dict(reuse)
+            return cls.pack([(n, views[n]) for n in done], device)  # fewer tensors (or one twice): a new plan
+        items = sorted(it, key=lambda nt: -nt[1].element_size())  # stable: the given order within a width
+        names, dtypes, shapes, offsets, pos = [], [], [], [], 0
+        for name, t in items:
+            names.append(name)
+            dtypes.append(str(t.dtype).removeprefix("torch."))
+            shapes.append(tuple(t.shape))
+            offsets.append(pos)
+            pos += t.numel() * t.element_size()
+        plan = FlatPlan(tuple(names), tuple(dtypes), tuple(shapes), tuple(offsets), pos)
+        if device is None:
+            device = items[0][1].device if items else torch.device("cpu")
+        out = cls(torch.empty(pos, dtype=torch.uint8, device=device), plan)
+        for (_, t), (_, v) in zip(items, out, strict=True):
+            v.copy_(t)
+        return out
+
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         p = self.plan
         for name, dt, shape, off, end in zip(p.names, p.dtypes, p.shapes, p.offsets, p.ends, strict=True):
@@ -208,6 +253,8 @@ class FlatLanding:
                 raise SyncError(f"flat plan: tensor {name!r} has shape {list(shape)}, this engine holds "
                                 f"{list(s.shape)}")
             held = str(s.dtype).removeprefix("torch.")
+            if dt == "uint8" and s.dtype.is_floating_point and s.element_size() == 1:
+                held = dt  # FP8 codes travel as their raw bytes (models/fp8_model.py `fp8_export`): the same bytes
             if held != dt or not s.is_contiguous():
                 raise FlatDeclined(f"tensor {name!r} travels as {dt}, this engine holds {held}" if held != dt
                                    else f"this engine's slot of {name!r} is not contiguous")

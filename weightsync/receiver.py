@@ -28,6 +28,13 @@ from miles.weightsync.stager import Staging
 log = get_logger("miles.engine_actor")
 
 
+class Served(Protocol):
+    """What the receiver reads of an engine's health reply (engines/base.py `HealthReply`)."""
+
+    @property
+    def version(self) -> int: ...
+
+
 class ReceivingEngine(Protocol):
     """What the receiver needs of an engine (engines/base.py `Engine` has it all)."""
 
@@ -41,7 +48,7 @@ class ReceivingEngine(Protocol):
 
     async def abort_version(self, version: int) -> None: ...
 
-    def health(self) -> Mapping[str, Any]: ...  # engines/base.py HealthReply
+    def health(self) -> Served: ...  # engines/base.py HealthReply
 
     def state_dict_hf(self) -> dict[str, torch.Tensor]: ...
 
@@ -130,7 +137,7 @@ class WeightReceiver:
             return t
 
         slot = self._staging.stager.slot if self._staging is not None else None
-        return LocalWeights(int(self.engine.health()["version"]), get, slot)
+        return LocalWeights(self.engine.health().version, get, slot)
 
     async def open(self, transport: str, info: dict[str, Any], bucket_bytes: int) -> None:
         """Connect a receiver of channel `transport` (replaces any open one)."""
@@ -159,9 +166,12 @@ class WeightReceiver:
             return f"engine {self.name!r} ({type(self.engine).__name__}) {NO_SLOTS}"
         landing = FlatLanding(FlatPlan.from_wire(plan))
         await self._settle()
+        # slots for what the engine takes beside its weights (a LoRA adapter payload); the ranges
+        # of the version before have landed (every range is answered before its commit)
+        self._staging.stager.set_aside(landing.plan)
         try:
             landing.region(self._local())
-        except FlatDeclined as exc:
+        except FlatDeclined as exc:  # any other mismatch (a tensor or shape the engine lacks) fails the push
             log.warning("flat_plan_declined", reason=str(exc))
             return f"engine {self.name!r}: {exc}"
         self._landing = landing

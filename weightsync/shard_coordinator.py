@@ -35,7 +35,7 @@ import xxhash
 
 from miles.core.errors import SyncError
 from miles.core.logging import get_logger
-from miles.transport.bulk.base import BulkSender, dtype_of
+from miles.transport.bulk.base import BulkSender
 from miles.transport.bulk.shard_delta import IDX_BYTES, encode
 from miles.transport.bulk.shard_receiver import SHARDED_TAG
 from miles.weightsync.coordinator import SyncLink, adopt, drain
@@ -274,7 +274,7 @@ class ShardedCoordinator:
         fan = self.sender.fanout
         inflight: deque[asyncio.Future[Any]] = deque()
         digest = plan.engines[0].plan.digest
-        word = dtype_of(plan.trainer.dtype).itemsize
+        word = plan.trainer.word
         total = wire = 0
 
         async def move(prev: asyncio.Future[Any] | None, i: int, seq: int, data: torch.Tensor) -> None:

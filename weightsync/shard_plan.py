@@ -81,6 +81,9 @@ class ParamLayout:
     parts: tuple[HFPart, ...]
     owned: tuple[Rows, ...]  # per trainer rank: [a, b) of dim `dim` (a == b: nothing)
     dim: int = 0
+    # the dtype this parameter's bytes travel and land in; "": the trainer layout's wire dtype (a
+    # one-rank flat export of several dtypes, weightsync/one_rank.py, names each tensor's own)
+    dtype: str = ""
 
     def __post_init__(self) -> None:
         if self.dim not in (0, 1) or (self.dim == 1 and len(self.shape) < 2):
@@ -102,7 +105,15 @@ class ParamLayout:
 class TrainerLayout:
     params: tuple[ParamLayout, ...]
     world: int
-    dtype: str  # the wire dtype every rank casts its slices to
+    dtype: str  # the wire dtype every rank casts its slices to (a parameter may name its own)
+
+    def dtype_of(self, prm: ParamLayout) -> str:
+        return prm.dtype or self.dtype
+
+    @property
+    def word(self) -> int:
+        """Bytes of the smallest element any parameter travels as (the unit a delta compares)."""
+        return min(dtype_of(d).itemsize for d in {self.dtype, *(p.dtype for p in self.params if p.dtype)})
 
     @classmethod
     def fsdp(cls, params: Iterable[tuple[str, tuple[int, ...], Sequence[HFPart]]], world: int,
@@ -286,13 +297,14 @@ class TransferPlan:
         if not engines:
             raise SyncError("transfer plan: no engine layout")
         self.trainer, self.engines = trainer, tuple(engines)
-        item = dtype_of(trainer.dtype).itemsize
+        sent = {p.hf_name: trainer.dtype_of(prm) for prm in trainer.params for p in prm.parts}
         for g, eng in enumerate(self.engines):
-            if set(eng.plan.dtypes) != {trainer.dtype}:
-                raise SyncError(f"transfer plan: engine group {g} lands {sorted(set(eng.plan.dtypes))}, the "
-                                f"trainer sends {trainer.dtype}")
+            for name, dt in zip(eng.plan.names, eng.plan.dtypes, strict=True):
+                if sent.get(name, dt) != dt:
+                    raise SyncError(f"transfer plan: engine group {g} lands {name!r} as {dt}, the trainer sends "
+                                    f"{sent[name]}")
         index = [dict(zip(e.plan.names, range(len(e.plan.names)), strict=True)) for e in self.engines]
-        raw, hf_seen = self._slices(trainer, item)
+        raw, hf_seen = self._slices(trainer)
         for g, eng in enumerate(self.engines):
             missing = set(eng.plan.names) - hf_seen
             if missing:
@@ -343,11 +355,12 @@ class TransferPlan:
         self.digest = h.hexdigest()
 
     @staticmethod
-    def _slices(trainer: TrainerLayout, item: int) -> tuple[list[list[_Slice]], set[str]]:
+    def _slices(trainer: TrainerLayout) -> tuple[list[list[_Slice]], set[str]]:
         """Per rank, every (parameter slice ∩ HF tensor segment) it owns, in HF coordinates."""
         raw: list[list[_Slice]] = [[] for _ in range(trainer.world)]
         hf_seen: set[str] = set()
         for prm in trainer.params:
+            item = dtype_of(trainer.dtype_of(prm)).itemsize
             if len(prm.owned) != trainer.world:
                 raise SyncError(f"transfer plan: parameter {prm.name!r} lists {len(prm.owned)} rank ranges for "
                                 f"{trainer.world} ranks")

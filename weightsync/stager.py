@@ -25,6 +25,8 @@ from miles.core.errors import EngineError
 from miles.core.logging import get_logger
 from miles.models.fp8 import FP8
 from miles.models.fp8_layout import quantize_hf_state
+from miles.transport.bulk.base import dtype_of
+from miles.weightsync.flat import FlatPlan
 from miles.weightsync.param_buffer import pack_parameters
 
 if TYPE_CHECKING:
@@ -53,8 +55,15 @@ def _arena_views(live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 class WeightStager:
-    def __init__(self, views: dict[str, torch.Tensor], fp8_block: tuple[int, int] | None = None) -> None:
+    def __init__(self, views: dict[str, torch.Tensor], fp8_block: tuple[int, int] | None = None,
+                 aside: Callable[[str], bool] | None = None) -> None:
         self._views = views  # HF name -> live parameter view
+        # Tensors a flat plan may carry that are not the model's weights but that the engine takes
+        # (`aside(name)`: a LoRA adapter payload): slots of their own, allocated from the plan
+        # (`set_aside`), that flat ranges land in before the engine collects them.
+        self._aside_ok = aside
+        self._aside: dict[str, torch.Tensor] = {}
+        self._aside_for = ""  # the digest of the plan `_aside` was allocated for
         # FP8 engine (models/fp8_linear.py): a float `X.weight` staged into an FP8 slot is quantized
         # here with the shared quantizer, its codes and `X.weight_scale_inv` staged together
         self.fp8_block = fp8_block
@@ -144,8 +153,28 @@ class WeightStager:
         slots = self._ensure_slots()
         dst = slots.get(name)
         if dst is None:
+            dst = self._aside.get(name)
+        if dst is None:
             raise EngineError(f"unknown tensor {name!r}")
         return dst
+
+    def set_aside(self, plan: FlatPlan) -> None:
+        """Slots for the tensors of flat plan `plan` that the engine takes aside (see `aside`), once
+        per plan: a plan of such tensors only gets one buffer laid out like the plan (each range
+        lands in one copy); otherwise each gets its own. A name that is neither a weight nor taken
+        aside gets no slot (the landing refuses the plan)."""
+        if plan.digest == self._aside_for:
+            return
+        views, ok = self._views, self._aside_ok
+        mine = [i for i, n in enumerate(plan.names) if n not in views and ok is not None and ok(n)]
+        self._aside = {}
+        dev = next(iter(views.values())).device if views else torch.device("cpu")
+        whole = torch.empty(plan.nbytes, dtype=torch.uint8, device=dev) if len(mine) == len(plan.names) else None
+        for i in mine:
+            dt, shape = dtype_of(plan.dtypes[i]), plan.shapes[i]
+            self._aside[plan.names[i]] = (whole[plan.offsets[i]:plan.ends[i]].view(dt).view(shape) if whole is not None
+                                          else torch.empty(shape, dtype=dt, device=dev))
+        self._aside_for = plan.digest
 
     def in_place(self, named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> bool:
         """Whether every tensor already is its staging slot (staging them copies nothing)."""
@@ -164,6 +193,10 @@ class WeightStager:
             log.warning("stale_staged_version_dropped", staged=self.version, new=version, tensors=len(self._staged))
             self.drop()
         self.version = version
+
+    def staged_count(self, version: int) -> int:
+        """How many tensors of `version` are staged (0: another version, or none)."""
+        return len(self._staged) if self.version == version else 0
 
     def mark_staged(self, version: int, names: list[str]) -> int:
         """A receiver wrote `names` straight into their slots, checked once against a flat plan

@@ -1,7 +1,7 @@
 """The trainer side's weight-sync objects: the coordinator of each design with its channel.
 
-`GatheredSync` (one process holds the model and pushes it: a flat export as a sharded sync
-with one rank, weightsync/one_rank.py; the rest by `GatheredCoordinator`,
+`GatheredSync` (one process holds the model and pushes it: as a sharded sync with one rank,
+weightsync/one_rank.py, over zmq, ucx and gloo broadcast; the rest by `GatheredCoordinator`,
 weightsync/coordinator.py) and `ShardedSync` (every trainer rank sends its own slices:
 `ShardedCoordinator`, weightsync/shard_coordinator.py), each built from the sync config over
 a `SyncLink` (the control path to the engines) and the address engines reach this process
@@ -10,6 +10,7 @@ at. weightsync/actor_wire.py binds them to the actor wire (`WeightSync`, `Sharde
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Iterable
 
@@ -25,28 +26,38 @@ from miles.weightsync.rank_group import RankGroup, TorchRankGroup
 from miles.weightsync.shard_coordinator import ShardedCoordinator, ShardedOptions
 from miles.weightsync.shard_plan import ShardExport, TransferPlan
 
-# Transports a gathered flat export goes over as a one-rank sharded sync (weightsync/one_rank.py); empty
-# it to send every flat export through GatheredCoordinator again. Not yet broadcast, though its sharded
-# sender with one rank sends each bucket in one collective to every engine as the gathered one does
-# (`BroadcastSender.fanout`, tested in tests/sync/test_sync_one_rank.py): on the CPU that push measured
-# 4-15 % slower than the gathered one (bench/results/weight_sync_one_rank_cpu.txt), cause not found,
-# and NCCL's is not measured yet (bench/weight_sync_one_rank.py --device cuda --transports broadcast).
-ONE_RANK_TRANSPORTS: frozenset[str] = frozenset({"zmq", "ucx"})
+# Transports a gathered export goes over as a one-rank sharded sync (weightsync/one_rank.py); empty it to
+# send every export through GatheredCoordinator again. broadcast goes one-rank from a CPU trainer (gloo):
+# its sharded sender with one rank sends each bucket in one collective to every engine, as the gathered one
+# does (`BroadcastSender.fanout`). It measured 8-17 % slower than the gathered push on the CPU while the
+# one-rank plan cut its buckets at every `bucket_bytes` across tensors (full-size buckets, each broadcast
+# slower per byte); cut at tensor boundaries as the gathered flat path cuts (`OneRankPlan.buckets`) it takes
+# the same time (bench/results/weight_sync_one_rank_s19.txt). A CUDA trainer's broadcast (NCCL) stays
+# gathered until its one-rank push is measured on a GPU (bench/weight_sync_one_rank.py --device cuda
+# --transports broadcast).
+ONE_RANK_TRANSPORTS: frozenset[str] = frozenset({"zmq", "ucx", "broadcast"})
+ONE_RANK_ON_CPU_ONLY: frozenset[str] = frozenset({"broadcast"})
+
+
+def goes_one_rank(transport: str, device: torch.device) -> bool:
+    """Whether `GatheredSync` pushes over `transport` from a trainer on `device` as a one-rank sharded sync."""
+    return transport in ONE_RANK_TRANSPORTS and (device.type == "cpu" or transport not in ONE_RANK_ON_CPU_ONLY)
 
 
 class GatheredSync:
     """Trainer rank 0's gathered sync: pushes weight versions it holds whole to a set of engines.
 
-    A flat export (weightsync/flat.py) over zmq or ucx is a sharded sync with one rank: it goes
-    through `ShardedCoordinator` on a `SoloRankGroup` (weightsync/one_rank.py), as every trainer
-    rank's slices do under `sync.sharded`. The rest goes through `GatheredCoordinator`
-    (weightsync/coordinator.py; its docstring says why each is not a one-rank sharded push yet):
-    tensor-by-tensor exports (LoRA adapters, FP8 codes + scales), an export in another dtype than
-    the wire's or of several dtypes, an engine that declines the flat plan (SGLang's bucket
-    updates: it is asked before the push and then sent tensors), and the disk_delta and cuda_ipc
-    channels; broadcast too, for now (`ONE_RANK_TRANSPORTS` says why). Both coordinators share the engine list and the versions each engine
-    committed; each reopens its channel when the other one ran last (an engine holds one
-    receiver at a time).
+    Over zmq, ucx and (from a CPU trainer) broadcast every export is a sharded sync with one rank:
+    it goes through `ShardedCoordinator` on a `SoloRankGroup` (weightsync/one_rank.py), as every
+    trainer rank's slices do under `sync.sharded`. A flat export (weightsync/flat.py) sends from
+    its own buffer; a tensor-by-tensor one (a LoRA adapter payload, FP8 codes + scales) is packed
+    into one flat buffer first (`_flat`: one copy, in the wire dtype), tensors of several dtypes
+    and 0-d ones included. What still goes through `GatheredCoordinator` (weightsync/coordinator.py
+    says why): an export whose engines decline its flat plan (SGLang: no staging slots; a float
+    export to FP8 engines: quantized on arrival), a flat export in another dtype than the wire's,
+    the disk_delta and cuda_ipc channels, and broadcast from a CUDA trainer (`ONE_RANK_TRANSPORTS`).
+    Both coordinators share the engine list and the versions each engine committed; each reopens
+    its channel when the other one ran last (an engine holds one receiver at a time).
     """
 
     def __init__(self, link: SyncLink, cfg: SyncConfig, engines: list[str], device: str | torch.device = "cpu",
@@ -59,7 +70,7 @@ class GatheredSync:
         self.place = SenderPlace(0, 1, advertise, self.device)
         self.coordinator = GatheredCoordinator(link, make_sender(cfg, self.place), cfg, engines, self.device)
         self.one_rank: ShardedCoordinator | None = None
-        if cfg.transport in ONE_RANK_TRANSPORTS:
+        if goes_one_rank(cfg.transport, self.device):
             self.one_rank = self._solo(cfg, self.coordinator.engines, cfg.pause_mode, cfg.verify_every)
             # one engine set and one record of versions, whichever coordinator pushed
             self.one_rank.engines = self.coordinator.engines
@@ -67,6 +78,8 @@ class GatheredSync:
         self._last: GatheredCoordinator | ShardedCoordinator | None = None
         self._transfer: tuple[str, TransferPlan | None] = ("", None)  # one-rank plan per flat plan digest
         self._declined: tuple[str, tuple[str, ...]] | None = None  # (plan, engines) the engines declined
+        self._packed: FlatWeights | None = None  # the last tensor-by-tensor export, packed (`_flat`)
+        self._unpacked: tuple[str, ...] = ()  # engines that declined a packed export: not packed again
 
     def _solo(self, cfg: SyncConfig, engines: list[str], pause_mode: str, verify_every: int) -> ShardedCoordinator:
         """A sharded coordinator of one rank over `cfg`'s channel."""
@@ -89,6 +102,24 @@ class GatheredSync:
     def versions(self) -> dict[str, int]:
         """The last version each engine committed through this sync."""
         return self.coordinator.versions
+
+    async def _flat(self, named: Iterable[tuple[str, torch.Tensor]],
+                    reuse: bool = True) -> Iterable[tuple[str, torch.Tensor]]:
+        """`named`, a tensor-by-tensor export packed into a flat one when it would go one-rank
+        (one copy, cast to the wire dtype as the gathered push would; in host memory where the
+        channel carries host memory). `reuse`: refill the last packed buffer (pushes, which the
+        publisher never runs two at a time); a catch-up packs its own. The export is drawn and
+        copied in a worker thread (an FP8 export quantizes as it is drawn): the loop keeps
+        answering heartbeats meanwhile."""
+        if isinstance(named, FlatWeights) or self.one_rank is None or self._unpacked == tuple(self.engines):
+            return named
+        wire = self.cfg.wire_dtype()
+        host = self.cfg.transport == "zmq" or self.device.type == "cpu"
+        packed = await asyncio.to_thread(FlatWeights.pack, named, torch.device("cpu") if host else None,
+                                         self._packed if reuse else None, getattr(torch, wire) if wire else None)
+        if reuse:
+            self._packed = packed
+        return packed
 
     def _export(self, named: Iterable[tuple[str, torch.Tensor]]) -> ShardExport | None:
         """`named` as a one-rank sharded export when it is a flat export in the wire dtype, else None."""
@@ -118,16 +149,21 @@ class GatheredSync:
         self._last = coord
 
     async def push(self, version: int, named: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
-        export = self._export(named) if self.one_rank is not None else None
+        packed = await self._flat(named)
+        export = self._export(packed) if self.one_rank is not None else None
         if self.one_rank is not None and export is not None and await self._taken(self.one_rank, export, self.engines):
             self._use(self.one_rank)
             return await self.one_rank.push(version, export)
+        if packed is not named:  # declined (SGLang: no staging slots): later exports go as they come
+            self._unpacked, self._packed = tuple(self.engines), None
+        named = packed
         self._use(self.coordinator)
         return await self.coordinator.push(version, named)
 
     async def catch_up(self, engine: str, version: int, named: Iterable[tuple[str, torch.Tensor]]) -> SyncReport:
         """Bring one (restarted or lagging) engine to `version` with a full copy over zmq (a flat
         export as a one-rank sharded push, else tensor by tensor). The engine joins the set."""
+        named = await self._flat(named, reuse=False)
         export = self._export(named)
         if export is not None:
             sub = self._solo(dataclasses.replace(self.cfg, transport="zmq"), [engine], "none", 0)

@@ -2,7 +2,8 @@
 
 A host runs any number of actors in one asyncio loop. It registers them with the
 directory, sends heartbeats, fails asks to peers the directory declares dead,
-answers malformed input with `ProtocolError` replies, and drains on stop.
+and drains on stop. Its inbound half (mailboxes, dispatch, handler runs, `ProtocolError`
+replies to malformed input) is `inbox.py`'s `Inbox`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import zmq
 
 from miles.actors.runtime.actor import Actor, Mailbox
+from miles.actors.runtime.inbox import Inbox
 from miles.actors.runtime.liveness import directory_heartbeats, heartbeat_thread, lag_monitor
 from miles.actors.runtime.messages import (
     DEATH_TOPIC,
@@ -33,7 +35,6 @@ from miles.actors.runtime.ref import ActorRef
 from miles.core.errors import (
     KNOWN_ERRORS,
     ActorDeadError,
-    MailboxFull,
     MilesError,
     PeerTimeout,
     ProtocolError,
@@ -71,7 +72,6 @@ class Host:
         self.address = ""
         self.pub_address = ""
         self.actors: dict[str, Actor] = {}
-        self._mailboxes: dict[str, dict[str, Mailbox]] = {}
         # msg id -> (future, target name, target host id or "" when not known)
         self._pending: dict[int, tuple[asyncio.Future[Any], str, str]] = {}
         self._ids = itertools.count(1)
@@ -82,8 +82,6 @@ class Host:
         self._dead_hosts: set[str] = set()
         self._death_callbacks: list[Callable[[DeathNotice], Any]] = []
         self._subscriber: Subscriber | None = None
-        self.protocol_errors = 0
-        self.refused = 0  # tells refused by a full "refuse" mailbox
         self.stale_replies = 0  # replies to asks already failed (deadline, death): refused
         self.loop_lag_ms = 0.0
         self.max_loop_lag_ms = 0.0
@@ -101,6 +99,17 @@ class Host:
         # Fault injection for soak tests (transport.faults): None unless configured, and then
         # each send below is one `is None` test away from what it is without it.
         self.faults = FaultHook.from_config(self.cfg.faults)
+        self._inbox = Inbox(self.cfg, self.faults, lambda: self.host_id)
+
+    @property
+    def protocol_errors(self) -> int:
+        """Malformed requests and replies, unknown actors and unhandled types (inbox.py)."""
+        return self._inbox.protocol_errors
+
+    @property
+    def refused(self) -> int:
+        """Tells refused by a full "refuse" mailbox (inbox.py)."""
+        return self._inbox.refused
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -120,7 +129,7 @@ class Host:
             make_curve_server(self._pub, self.cfg.curve_server_key, self.cfg.curve_allow_dir)
         self.pub_address = bind(self._pub, self.cfg.scheme, self.cfg.interface, "pub", self.cfg.ipc_dir)
         self._subscriber = Subscriber(self.cfg)
-        self._tasks.append(asyncio.create_task(self._recv_loop(), name="host-recv"))
+        self._tasks.append(asyncio.create_task(self._inbox.serve(self._rfast), name="host-recv"))
         self._tasks.append(asyncio.create_task(lag_monitor(self), name="host-lag"))
         if self.directory_addr is None:
             # This host will run the directory itself.
@@ -154,12 +163,12 @@ class Host:
             box = Mailbox(fn, q, [], sync=not asyncio.iscoroutinefunction(fn),
                           refuse=spec.when_full == "refuse")
             box.workers = [
-                asyncio.create_task(self._worker(name, box), name=f"{name}.{method}")
+                asyncio.create_task(self._inbox.worker(name, box), name=f"{name}.{method}")
                 for _ in range(spec.concurrency)
             ]
             boxes[type_name] = box
         self.actors[name] = actor
-        self._mailboxes[name] = boxes
+        self._inbox.mailboxes[name] = boxes
         await actor.on_start()
         if name != DIRECTORY_NAME or self.directory_addr != self.address:
             await self._directory_ask(Register(name, self.address, self.pub_address, self.host_id))
@@ -184,17 +193,23 @@ class Host:
                 except MilesError as exc:
                     log.warning("unregister_failed", actor=name, error=str(exc))
         deadline = time.monotonic() + grace_s
-        for boxes in self._mailboxes.values():
+        for boxes in self._inbox.mailboxes.values():
             for box in boxes.values():
                 while (box.queue.qsize() or box.busy) and time.monotonic() < deadline:
                     await asyncio.sleep(0.01)
         for name, actor in self.actors.items():
+            bound = max(0.1, deadline - time.monotonic())
             try:
-                await asyncio.wait_for(actor.on_stop(), max(0.1, deadline - time.monotonic()))
-            except (MilesError, TimeoutError, OSError) as exc:
-                log.warning("on_stop_failed", actor=name, error=str(exc))
+                await asyncio.wait_for(actor.on_stop(), bound)
+            except TimeoutError:
+                # str() of a TimeoutError is empty: the line says what ran out (an SGLang engine's server
+                # can take longer than this to exit; it still gets SIGTERM when this process ends)
+                log.warning("on_stop_failed", actor=name, error=f"on_stop did not finish within {bound:.1f} s "
+                            f"of the host's {grace_s:g} s stop grace; the process exits without it")
+            except (MilesError, OSError) as exc:
+                log.warning("on_stop_failed", actor=name, error=f"{type(exc).__name__}: {exc}")
         tasks = list(self._tasks)
-        for boxes in self._mailboxes.values():
+        for boxes in self._inbox.mailboxes.values():
             for box in boxes.values():
                 tasks += box.workers
         if self._subscriber is not None:
@@ -343,7 +358,7 @@ class Host:
         try:
             env = codec.decode(frames, self.cfg.max_frame_bytes)
         except ProtocolError as exc:
-            self._count_protocol_error("reply", exc)
+            self._inbox.count_protocol_error("reply", exc)
             return
         entry = self._pending.get(env.msg_id) if env.msg_id is not None else None
         if entry is None or entry[0].done():
@@ -356,108 +371,6 @@ class Host:
             fut.set_exception(_remote_exception(*env.body))
         else:
             fut.set_result(env.body)
-
-    # ---------------------------------------------------------------- incoming
-    async def _recv_loop(self) -> None:
-        while True:
-            for frames in await self._rfast.recv_batch():
-                await self._on_request(frames)
-            self._rfast.done()
-
-    async def _on_request(self, frames: list[Any]) -> None:
-        router = self._rfast
-        ident, body = frames[0], frames[1:]
-        try:
-            env = codec.decode(body, self.cfg.max_frame_bytes)
-        except ProtocolError as exc:
-            self._count_protocol_error("request", exc)
-            msg_id, target = codec.peek_reply_route(body)
-            await router.send([ident, *codec.encode_error(msg_id, target, exc)])
-            return
-        if env.kind == codec.BATCH:
-            for item in env.body:
-                single = codec.Envelope(codec.TELL, None, env.target, "", 0, None, item, env.sender)
-                await self._dispatch(ident, single, type(item))
-        elif env.kind in (codec.ASK, codec.TELL):
-            await self._dispatch(ident, env, type(env.body))
-        else:
-            self._count_protocol_error("request", ProtocolError(f"unexpected kind {env.kind}"))
-
-    async def _dispatch(self, ident: Any, env: codec.Envelope, cls: type) -> None:
-        boxes = self._mailboxes.get(env.target)
-        spec = spec_for_class(cls)
-        box = boxes.get(spec.name) if boxes is not None and spec is not None else None
-        if box is None:
-            what = (f"no actor named {env.target!r} on host {self.host_id}" if boxes is None
-                    else f"actor {env.target!r} has no handler for {cls.__name__}")
-            exc = ProtocolError(what)
-            self._count_protocol_error("request", exc)
-            if env.kind == codec.ASK:
-                await self._rfast.send([ident, *codec.encode_error(env.msg_id, env.target, exc)])
-            return
-        deadline = time.monotonic() + env.deadline_s if env.deadline_s is not None else None
-        if box.sync and not box.busy and box.queue.empty():
-            # Fast path: a plain-function handler with an idle mailbox runs inline, in order,
-            # saving a task switch per message.
-            box.busy += 1
-            try:
-                await self._run(env.target, box, ident, env, deadline)
-            finally:
-                box.busy -= 1
-            return
-        item = (ident, env, deadline)
-        try:
-            box.queue.put_nowait(item)
-        except asyncio.QueueFull:
-            if box.refuse:
-                await self._refuse(ident, env, cls)
-                return
-            await box.queue.put(item)  # backpressure: stop reading until there is room
-
-    async def _refuse(self, ident: Any, env: codec.Envelope, cls: type) -> None:
-        what = f"mailbox of {env.target!r} for {cls.__name__} is full ({self.cfg.mailbox_size} queued)"
-        if env.kind == codec.ASK:
-            await self._rfast.send([ident, *codec.encode_error(env.msg_id, env.target, MailboxFull(what))])
-            return
-        self.refused += 1
-        if self.refused <= 10 or self.refused % 1000 == 0:
-            log.warning("tell_refused", actor=env.target, msg=cls.__name__, reason=what, count=self.refused)
-
-    async def _worker(self, name: str, box: Mailbox) -> None:
-        while True:
-            ident, env, deadline = await box.queue.get()
-            box.busy += 1
-            try:
-                await self._run(name, box, ident, env, deadline)
-            finally:
-                box.busy -= 1
-
-    async def _run(self, name: str, box: Mailbox, ident: Any, env: codec.Envelope,
-                   deadline: float | None) -> None:
-        try:
-            if deadline is not None and time.monotonic() > deadline:
-                raise PeerTimeout(f"request to {name!r} expired in its mailbox")
-            result = box.method(env.body)
-            if asyncio.iscoroutine(result):
-                result = await result
-            if env.kind == codec.ASK and (self.faults is None
-                                          or await self.faults.admit(codec.REPLY, env.type_name)):
-                await self._rfast.send([ident, *codec.encode(codec.REPLY, env.msg_id, "", result)])
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - every handler error goes back to the caller
-            if env.kind == codec.ASK and (self.faults is None
-                                          or await self.faults.admit(codec.ERROR, env.type_name)):
-                await self._rfast.send([ident, *codec.encode_error(env.msg_id, name, exc)])
-            else:
-                log.error("tell_handler_failed", actor=name, msg=type(env.body).__name__,
-                          error=f"{type(exc).__name__}: {exc}")
-
-    def _count_protocol_error(self, where: str, exc: ProtocolError) -> None:
-        self.protocol_errors += 1
-        n = self.protocol_errors
-        if n <= 10 or n % 1000 == 0:
-            log.warning("protocol_error", where=where, error=str(exc), count=n)
 
     # ---------------------------------------------------------------- liveness
     def hear_death(self, notice: DeathNotice) -> None:

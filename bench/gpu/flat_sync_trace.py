@@ -63,7 +63,7 @@ def serve(layers: int, ready: str, trace: str) -> None:
 
         def __init__(self, engine: Any) -> None:
             super().__init__(engine)
-            for obj, attr in ((engine, "commit"), (engine.stager, "apply"), (engine.stager, "check_complete")):
+            for obj, attr in ((engine, "commit"), (engine.weights.stager, "apply"), (engine.weights.stager, "check_complete")):
                 setattr(obj, attr, self._timed(getattr(obj, attr), attr))
 
         def _timed(self, fn: Any, key: str) -> Any:

@@ -9,6 +9,7 @@
 #   bash bench/gpu/qwen_suite.sh bg learn     # 3 GSM8K runs at once (torch engine: sync s0, fully_async s0/s1)
 #   bash bench/gpu/qwen_suite.sh bg sgl       # the same recipe with engine.type=sglang, beside them
 #   bash bench/gpu/qwen_suite.sh mem | trl    # foreground, the GPU to itself: trainer memory; TRL
+#   bash bench/gpu/qwen_suite.sh bg sgl16     # s16's SGLang run alone; bg solo: one torch run alone (MODE, SEED)
 #   bash bench/gpu/qwen_suite.sh collect learn 560
 # Results in $OUT: runs_<stage>.tgz (each run's metrics.jsonl, eval jsonl, console tail, errors), memory.json,
 # trl.txt, stage.log. Summaries are made on the CPU side from the run dirs (bench/learn_summary.py).
@@ -92,7 +93,7 @@ take) take; exit $? ;;
 bg)  # bg STAGE: STAGE detached, from a snapshot of this tree (the next call's copy replaces this one)
   S="$2"; rm -rf "/root/snap-$S" "/root/out-$S"; mkdir -p "/root/out-$S"
   tar cf - --exclude=./.carry . | (mkdir -p "/root/snap-$S" && cd "/root/snap-$S" && tar xf -)
-  (cd "/root/snap-$S" && PKG="/tmp/pkg-$S" OUT="/root/out-$S" MILES_COMMIT="$COMMIT" LIMIT="$LIMIT" EXTRA_SETS="${EXTRA_SETS:-}" SYNC1="${SYNC1:-0}" TRL="${TRL:-1}" \
+  (cd "/root/snap-$S" && PKG="/tmp/pkg-$S" OUT="/root/out-$S" MILES_COMMIT="$COMMIT" LIMIT="$LIMIT" EXTRA_SETS="${EXTRA_SETS:-}" SYNC1="${SYNC1:-0}" TRL="${TRL:-1}" TSEED="${TSEED:-0}" SSEED="${SSEED:-0}" SGL="${SGL:-1}" PROBE="${PROBE:-1}" \
     setsid nohup bash -c "bash bench/gpu/qwen_suite.sh $S; touch /root/out-$S/done" > "/root/out-$S/stage.log" 2>&1 < /dev/null &)
   sleep 3; echo "started $S: $(pgrep -fc "qwen_suite.sh $S") processes"; exit 0 ;;
 collect)  # collect STAGE WAIT_S: wait for a bg STAGE (at most WAIT_S), then copy its results to $OUT
@@ -173,8 +174,8 @@ Think step by step. End your answer with a last line of the form: #### <number>'
     export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
     SG=(--set engine.type=sglang --set 'engine.sglang_extra_args=["--attention-backend","triton","--sampling-backend","pytorch","--grammar-backend","none","--skip-server-warmup"]'
         --set engine.sglang_startup_timeout_s=400 --set "engine.sglang_mem_fraction=${SGL_MEM:-0.1}")
-    PYTHONPATH="/tmp/sgl-site:$PYTHONPATH" train sgl_async_s0 $((LIMIT + 700)) "${P[@]}" "${SG[@]}" \
-      --set run.seed=0 --set rollout.env_args.seed=0 &
+    PYTHONPATH="/tmp/sgl-site:$PYTHONPATH" train "sgl_async_s${SSEED:-0}" $((LIMIT + 700)) "${P[@]}" "${SG[@]}" \
+      --set "run.seed=${SSEED:-0}" --set "rollout.env_args.seed=${SSEED:-0}" &
     # The torch runs start once SGLang's processes hold ~its share of the card (its memory check is behind
     # it then; the CUDA graphs it captures next need little), once it answers, or after 200 s.
     tot=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
@@ -198,21 +199,33 @@ print(sum(int(m) for p, m in (r.replace(" ", "").split(",") for r in out.splitli
           if root_is_server(int(p))))
 EOF3
 )
-      if [ "$held" -ge "$want" ] || grep -qs sglang_engine_ready /tmp/learn/sgl_async_s0/logs/*.log \
+      if [ "$held" -ge "$want" ] || grep -qs sglang_engine_ready "/tmp/learn/sgl_async_s${SSEED:-0}"/logs/*.log \
          || [ $(( $(date +%s) - t0 )) -ge 200 ]; then break; fi
       sleep 2
     done
     echo "sglang holds ${held} MiB (want ${want}) after $(( $(date +%s) - t0 )) s at $(date +%T)" >> "$OUT/log.txt"
   fi
-  train async_s0 $((LIMIT + 500)) "${P[@]}" --set run.seed=0 --set rollout.env_args.seed=0 &
-  train sync_s0 $((LIMIT + 500)) "${P[@]}" --set buffer.mode=sync --set run.seed=0 --set rollout.env_args.seed=0 &
-  if [ "$big" = 1 ]; then  # an H200: a second seed beside them (~26 GB a torch run: trainer 15 + engine)
+  if [ "${TORCH:-1}" = 0 ]; then wait; pack s16; exit 0; fi  # SGLang's run alone, the card to itself
+  T=${TSEED:-0}  # the torch runs' seed (session 19: 1, beside session 18's seed 0)
+  train "async_s$T" $((LIMIT + 500)) "${P[@]}" --set "run.seed=$T" --set "rollout.env_args.seed=$T" &
+  train "sync_s$T" $((LIMIT + 500)) "${P[@]}" --set buffer.mode=sync --set "run.seed=$T" --set "rollout.env_args.seed=$T" &
+  if [ "$big" = 1 ] && [ "$T" = 0 ]; then  # an H200: a second seed beside them (~26 GB a torch run: trainer 15 + engine)
     train async_s1 $((LIMIT + 500)) "${P[@]}" --set run.seed=1 --set rollout.env_args.seed=1 &
     if [ "${SYNC1:-0}" = 1 ]; then  # a fifth run leaves < 10 GB of an H200 free beside SGLang: asked for only
       train sync_s1 $((LIMIT + 500)) "${P[@]}" --set buffer.mode=sync --set run.seed=1 --set rollout.env_args.seed=1 &
     fi
   fi
   wait; pack s16 ;;
+sgl16)  # s16's SGLang run alone (TORCH=0), its own stage dir so an earlier s16's results stay
+  TORCH=0 exec bash "$0" s16 ;;
+solo)  # one torch-engine run with the card to itself (MODE=fully_async|sync, SEED): the 15-minute goal on
+  # one GPU, where s16's runs share the card (session 18: fully_async's step 4.1 s beside a sync run)
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/gpu.txt"
+  convert || exit 1
+  M_=(); [ "${MODE:-fully_async}" = sync ] && M_=(--set buffer.mode=sync)
+  train "solo_${MODE:-fully_async}_s${SEED:-0}" $((LIMIT + 500)) --set "trainer.micro_batch_tokens=${PACK:-16384}" \
+    "${M_[@]}" --set "run.seed=${SEED:-0}" --set "rollout.env_args.seed=${SEED:-0}"
+  pack solo ;;
 probe)  # which answer format the checkpoint writes under each prompt (seconds on a GPU)
   convert || exit 1
   timeout 300 python3 bench/prompt_format_probe.py --model "$M" --data "$D/test.jsonl" --device cuda --questions 64 \

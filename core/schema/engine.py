@@ -94,7 +94,9 @@ class EngineConfig:
         "when it is ready (logged as decode_compile_started / decode_compile_ready); the first steps of a run no "
         "longer wait for it. Off by default: its first H200 run (the quick start on CUDA, weights committed "
         "while it compiled) hit a CUDA caching-allocator INTERNAL ASSERT in the compile thread and then served "
-        "corrupt routed-expert ids, which the trainer refused (bench/results/sglang_e2e_h200.json, qs-torch-0). "
+        "corrupt routed-expert ids, which the trainer refused (bench/results/sglang_e2e_h200.json, qs-torch-0); "
+        "its cause (the swap captured into a pool whose graphs were all gone, and the failed capture left the "
+        "thread on its capture stream) is fixed in engines/cuda_graph.py but not yet run on a GPU. "
         "false = compile before the engine registers (the run's first step waits for the compile)",
     )
     overlap_decode: bool = opt(

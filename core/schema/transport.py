@@ -21,6 +21,9 @@ class FaultConfig:
                             "sending; tests only, 0 = off", "fraction")
     delay_ms: float = opt(0.0, "largest injected delay; a delayed message waits uniform(0, delay_ms)", "ms")
     seed: int = opt(0, "seed of the fault draws (mixed with the process id: each process its own stream)", "")
+    drop_limit: int = opt(0, "most messages one process drops, then it drops no more; 0 = no limit. With "
+                          "drop_rate 1 each process drops exactly its first N messages of drop_types: a loss "
+                          "that a test can count on, where a rate leaves which ones to the draw", "messages")
 
     def __post_init__(self) -> None:
         for name in ("drop_rate", "delay_rate"):
@@ -29,6 +32,8 @@ class FaultConfig:
                 raise ConfigError(f"transport.faults.{name}={v} must be in [0, 1]")
         if self.delay_ms < 0:
             raise ConfigError(f"transport.faults.delay_ms={self.delay_ms} must be >= 0")
+        if self.drop_limit < 0:
+            raise ConfigError(f"transport.faults.drop_limit={self.drop_limit} must be >= 0 (0 = no limit)")
 
 
 @dataclass

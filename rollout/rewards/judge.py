@@ -20,17 +20,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
 from miles.core.errors import BadRequest, EngineError, MilesError
 from miles.core.logging import get_logger
 from miles.core.schema.reward_model import RewardModelConfig
+from miles.rollout.routing.comeback import HealthCall, serving_again
 from miles.rollout.routing.requests import EngineRequests
 from miles.rollout.tokens.tokenizer import Tokenizer
 
 log = get_logger("miles.judge")
-_UP_POLL_S = 0.5  # how often a down judge is asked whether it is back
 
 
 class JudgeUnavailable(EngineError):
@@ -56,10 +55,6 @@ class Judge(Protocol):
     async def generate(self, ids: list[int], max_new_tokens: int | None = None) -> tuple[list[int], list[float]]: ...
 
     def count_verdict(self, verdict: str) -> None: ...
-
-
-# (engine name) -> its Health reply; raises while it is down
-HealthCall = Callable[[str], Awaitable[Mapping[str, Any]]]  # engines/base.py HealthReply
 
 
 class JudgeClient:
@@ -140,14 +135,7 @@ class JudgeClient:
 
     async def _await_return(self, engine: str) -> None:
         assert self.health is not None
-        while True:
-            await asyncio.sleep(_UP_POLL_S)
-            try:
-                h = await self.health(engine)
-            except MilesError:
-                continue
-            if h.get("ok"):  # frozen weights: any version it serves is the judge's
-                break
+        await serving_again(engine, self.health)  # frozen weights: any version it serves is the judge's
         if self.requests.engine_up(engine):
             log.info("judge_up", engine=engine, live=self.requests.dispatch.live)
 

@@ -9,7 +9,10 @@ sampled. `linear` sessions reject a history that diverges from the stored one
 (`Diverged`); `branching` sessions fork a child and export one trajectory per leaf.
 
 Plain class: no sockets, no globals; every argument and result is a plain
-value; `sessions/service.py` serves it, in the rollout process.
+value (turns.py); `sessions/service.py` serves it, in the rollout process. It composes the
+template rendering (render.py), the tree match (match.py), the engine output check
+(output_check.py), the assistant message parsing (assistant.py) and the session-less
+one-turn path (one_turn.py).
 """
 
 from __future__ import annotations
@@ -22,8 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from miles.core.errors import Diverged, NotAppendOnly, ProtocolError, SessionError
-from miles.core.images import ImageInput
+from miles.core.errors import Diverged, SessionError
 from miles.core.schema.rollout import (
     DEFAULTS,
     MatchPolicy,
@@ -31,23 +33,20 @@ from miles.core.schema.rollout import (
     RolloutConfig,
     SessionPolicy,
     TemplateFallback,
-    resolve_render_mode,
 )
+from miles.rollout.tito.assistant import AssistantParser, openai_message
+from miles.rollout.tito.match import deepest, diverged
+from miles.rollout.tito.one_turn import OneTurnPath
+from miles.rollout.tito.output_check import checked_output
+from miles.rollout.tito.render import TurnRenderer
+from miles.rollout.tito.temperature import logprob_temperature, turn_temperature
 from miles.rollout.tito.tree import Node, leaves, trajectory
-from miles.rollout.tokens.messages import (
-    Message,
-    check_ends_for_generation,
-    for_template,
-    matcher,
-    normalize,
-)
+from miles.rollout.tito.turns import OneTurn, TurnPlan, TurnResult
+from miles.rollout.tokens.messages import Message, check_ends_for_generation, matcher, normalize
 from miles.rollout.tokens.tokenizer import Tokenizer
-from miles.rollout.tokens.tool_parser import get_tool_parser, split_reasoning
 from miles.rollout.tokens.vl_placeholders import Placeholders, message_images, turn_images
 from miles.rollout.types import Sample
 
-FINISH_REASONS = ("stop", "length", "abort", "error")
-_TAIL = 24  # characters of the generation prompt kept to locate sampled text in a rendering
 # A session id is a path segment of its base URL (`/sessions/{id}/v1`): URL-unreserved characters
 # only, starting with a letter or digit (no "." or ".." segments a client would normalise away).
 _SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._~-]{0,127}")
@@ -59,47 +58,6 @@ def check_session_id(sid: Any) -> str:
         raise SessionError(f"session_id: {sid!r} cannot be a URL path segment; use 1-128 of A-Z a-z 0-9 . _ ~ -, "
                            "starting with a letter or digit (or leave it out for a generated one)")
     return sid
-
-
-@dataclass
-class TurnPlan:
-    """What to send to the engine for one turn (plain values; `to_wire` for the wire)."""
-
-    session_id: str
-    plan_id: str
-    parent: int
-    prompt_ids: list[int]
-    num_cached: int  # leading prompt ids already stored (the engine's prefix-cache candidate)
-    routing_key: str = ""
-    images: ImageInput | None = None  # every image of prompt_ids, in order (send with the ids)
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"session_id": self.session_id, "plan_id": self.plan_id, "parent": self.parent,
-                "prompt_ids": self.prompt_ids, "num_cached": self.num_cached,
-                "routing_key": self.routing_key}
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> TurnPlan:
-        try:
-            return cls(str(d["session_id"]), str(d["plan_id"]), int(d["parent"]),
-                       [int(x) for x in d["prompt_ids"]], int(d["num_cached"]),
-                       str(d.get("routing_key", "")))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ProtocolError(f"turn plan: malformed ({exc!r})") from exc
-
-
-@dataclass
-class TurnResult:
-    """The committed turn: the assistant message in OpenAI form plus token accounting."""
-
-    message: dict[str, Any]
-    finish_reason: str  # OpenAI finish_reason: stop | length | tool_calls | abort | error
-    node: int
-    prompt_tokens: int
-    completion_tokens: int
-
-    def to_wire(self) -> dict[str, Any]:
-        return dict(self.__dict__)
 
 
 @dataclass
@@ -135,67 +93,6 @@ def _tools_key(tools: list[dict[str, Any]] | None) -> str:
     return json.dumps(tools or [], sort_keys=True)
 
 
-def _first_difference(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
-def _checked_output(pid: str, n_prompt: int, n_new: int, sampled_ids: list[int], logprobs: list[float],
-                    routed_experts: np.ndarray | None, versions: int | list[int],
-                    finish_reason: str) -> tuple[list[int], list[int], np.ndarray | None]:
-    """The engine's output of one turn, checked: (sampled ids, per-token versions, the routed
-    experts of this turn's segment: its `n_new` spliced prompt ids plus the sampled ones)."""
-    sampled = [int(x) for x in sampled_ids]
-    n = len(sampled)
-    if len(logprobs) != n:
-        raise SessionError(f"commit {pid}: {len(logprobs)} logprobs for {n} sampled tokens")
-    vers = [int(versions)] * n if isinstance(versions, int) else [int(v) for v in versions]
-    if len(vers) != n:
-        raise SessionError(f"commit {pid}: {len(vers)} versions for {n} sampled tokens")
-    if finish_reason not in FINISH_REASONS:
-        raise SessionError(f"commit {pid}: finish_reason {finish_reason!r} not in {', '.join(FINISH_REASONS)}")
-    seg_len = n_new + n
-    experts = None
-    if routed_experts is not None:
-        ex = np.asarray(routed_experts)
-        total = n_prompt + n
-        if ex.ndim == 3 and n and 0 < ex.shape[0] and ex.shape[0] + 1 in (seg_len, total):
-            # An engine that never feeds the last sampled token (SGLang; an aborted request of any
-            # engine) has no row for it: repeat the last one. Only that token's own position reads
-            # it in the replay, and no loss reads that position's output (engines/base.py).
-            ex = np.concatenate([ex, ex[-1:]])
-        if ex.ndim != 3 or ex.shape[0] not in (seg_len, total):
-            raise SessionError(f"commit {pid}: routed_experts has shape {list(ex.shape)}; expected "
-                               f"[{total} or {seg_len}, layers, k] (whole sequence or the new tokens, "
-                               "or one row less)")
-        experts = ex[-seg_len:] if seg_len else ex[:0]
-    return sampled, vers, experts
-
-
-@dataclass
-class OneTurn:
-    """The prompt of a one-turn trajectory that keeps no session (see `SessionStore.prepare_one`)."""
-
-    prompt_ids: list[int]
-    metadata: dict[str, Any]
-    images: ImageInput | None = None  # every image of prompt_ids, in order
-    temperature: float = 1.0  # what the turn samples at (`SessionStore.turn_temperature`)
-
-
-def logprob_temperature(t: float) -> float:
-    """The temperature a sample's logprobs are taken under: greedy (0) counts as 1 (models/logprobs.py)."""
-    return t if t > 0 else 1.0
-
-
-def _number(v: Any, what: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, int | float) or v != v:
-        raise SessionError(f"{what}: expected a number, got {v!r}")
-    return float(v)
-
-
 class SessionStore:
     """Sessions keyed by id; see the module doc. Template verification happens at construction."""
 
@@ -209,7 +106,6 @@ class SessionStore:
         self.tok = tokenizer
         self.policy = policy
         self._match = matcher(match)
-        self._parse_tools = get_tool_parser(tool_parser)
         self.reasoning_tags = reasoning_tags
         self.max_sessions = max_sessions
         # the sampling every turn starts from (rollout.temperature/top_p/top_k); a turn's own
@@ -218,25 +114,14 @@ class SessionStore:
         self._sessions: dict[str, _Session] = {}
         # a VL policy's image placeholders (`enable_images`); None: image parts are refused
         self.placeholders: Placeholders | None = None
-        from miles.rollout.tokens.template_check import (
-            FALLBACKS,
-            check_local_render,
-            check_template,
-        )
+        self.renderer = TurnRenderer(tokenizer, template_fallback, verify_template, render_mode)
+        self.assistant = AssistantParser(self.renderer.stop_texts, tool_parser, reasoning_tags)
+        self._one = OneTurnPath(self.renderer, self.assistant, self._expand)
 
-        self.fallback = template_fallback
-        if verify_template:
-            report = check_template(tokenizer)
-            if not report.ok and template_fallback == "none":
-                raise NotAppendOnly("the chat template is not append-only, so suffix tokenization would "
-                                    "not match the whole conversation; first problems:\n"
-                                    + report.summary(3)
-                                    + "\nset rollout.template_fallback to one of "
-                                    + ", ".join(FALLBACKS) + " to accept a documented fallback")
-        self._stop_texts = [self.tok.decode([i]) for i in self.tok.stop_token_ids]
-        # local: render only the last turn + the new messages (verified equal on canonical chats)
-        self.local_render = resolve_render_mode(render_mode, lambda: (
-            verify_template and template_fallback == "none" and not check_local_render(tokenizer).findings)) == "local"
+    @property
+    def local_render(self) -> bool:
+        """Whether a turn renders only the last turn + the new messages (render.py's fast path)."""
+        return self.renderer.local
 
     @classmethod
     def from_config(cls, cfg: RolloutConfig, tokenizer: Tokenizer) -> SessionStore:
@@ -246,22 +131,8 @@ class SessionStore:
                    sampling=cfg.sampling())
 
     def turn_temperature(self, sampling: dict[str, Any] | None = None) -> float:
-        """The temperature a turn with these sampling overrides samples at (it travels with the
-        sample to the trainer, which takes logprobs under it). Truncated sampling is refused:
-        engine and trainer both take logprobs of the untruncated distribution (models/logprobs.py),
-        so a top-p/top-k sample would train with importance weights of a policy it was not drawn from."""
-        p = {**self.sampling, **(sampling or {})}
-        top_p = _number(p.get("top_p", 1.0), "top_p")
-        top_k = _number(p.get("top_k", 0), "top_k")
-        if top_p != 1.0 or top_k > 0:
-            what = f"top_p={p.get('top_p')}" if top_p != 1.0 else f"top_k={p.get('top_k')}"
-            raise SessionError(f"{what}: truncated sampling is not trained on (the trainer's logprobs are of the "
-                               "untruncated distribution, so its importance weights would be biased); use "
-                               "top_p=1 and top_k=0 or -1")
-        t = _number(p.get("temperature", 1.0), "temperature")
-        if not 0.0 <= t < float("inf"):
-            raise SessionError(f"temperature: expected a finite number >= 0, got {t!r}")
-        return t
+        """The temperature a turn with these overrides of `self.sampling` samples at (temperature.py)."""
+        return turn_temperature(self.sampling, sampling)
 
     def enable_images(self, image_token_id: int, merge: int) -> None:
         """Accept image parts in user messages, for a VL model with this placeholder id and
@@ -310,34 +181,6 @@ class SessionStore:
         return s
 
     # -- turns -----------------------------------------------------------------
-    def _render(self, s: _Session, msgs: list[Message], gen: bool) -> str:
-        return self.tok.apply_chat_template([for_template(m) for m in msgs], s.tools, gen)
-
-    def _deepest(self, s: _Session, msgs: list[Message]) -> tuple[Node, int]:
-        """The deepest stored node whose messages are a prefix of `msgs`, and that prefix length."""
-        node, pos = s.root, 0
-        while True:
-            for child in node.children:
-                k = len(child.messages)
-                if pos + k <= len(msgs) and all(
-                    a == b or self._match(a, b) for a, b in zip(child.messages, msgs[pos:pos + k], strict=True)
-                ):
-                    node, pos = child, pos + k
-                    break
-            else:
-                return node, pos
-
-    def _diverged(self, s: _Session, node: Node, msgs: list[Message], pos: int) -> Diverged:
-        stored = node.children[0].all_messages()
-        i = pos
-        while i < min(len(stored), len(msgs)) and self._match(stored[i], msgs[i]):
-            i += 1
-        if i >= len(msgs):
-            why = f"the request ends at message {len(msgs)} inside the stored history ({len(stored)} messages)"
-        else:
-            why = f"messages[{i}] ({msgs[i]['role']}) differs from the stored message {i}"
-        return Diverged(f"session {s.id!r} is linear and {why}; start a new session or use branching")
-
     def prepare_turn(self, session_id: str, messages: Any, tools: list[dict[str, Any]] | None = None,
                      sampling: dict[str, Any] | None = None) -> TurnPlan:
         """Match the request to the deepest checkpoint and tokenize only the appended messages.
@@ -352,9 +195,9 @@ class SessionStore:
             raise Diverged(f"session {s.id!r}: the tools differ from the ones the session started with")
         if self.policy == "linear" and s.pending:
             raise SessionError(f"session {s.id!r} is linear and a turn is already in flight")
-        node, pos = self._deepest(s, msgs)
+        node, pos = deepest(s.root, msgs, self._match)
         if self.policy == "linear" and node.children:
-            raise self._diverged(s, node, msgs, pos)
+            raise diverged(s.id, node, msgs, pos, self._match)
         new = msgs[pos:]
         if not new:
             raise SessionError(f"session {s.id!r}: the request appends no message to the stored history")
@@ -363,66 +206,12 @@ class SessionStore:
             raise SessionError(f"temperature: session {s.id!r} sampled its earlier turns at temperature "
                                f"{node.temperature}, this turn asks for {temperature}; a trajectory keeps one "
                                "temperature (start a new session for another)")
-        text, prompt_text, gen_tail = self._new_text(s, node, msgs, pos)
+        text, prompt_text, gen_tail = self.renderer.new_text(s.id, s.tools, node, msgs, pos)
         new_ids = self._expand(self.tok.encode(text), new)
         plan = TurnPlan(s.id, "plan-" + os.urandom(6).hex(), node.id, node.token_ids() + new_ids,
                         node.n_tokens, s.routing_key, turn_images(node.all_messages(), new))
         s.pending[plan.plan_id] = _Pending(plan, node, msgs, new, new_ids, prompt_text, gen_tail, temperature)
         return plan
-
-    def _prompt_text(self, s: _Session, node: Node) -> str:
-        """The rendered prompt of `node`'s turn (kept from prepare, or rendered when not kept)."""
-        if not node.prompt_text:
-            node.prompt_text = self._render(s, node.all_messages()[:-1], True)
-        return node.prompt_text
-
-    def _local_new_text(self, s: _Session, node: Node, new: list[Message]) -> tuple[str, str] | None:
-        """Fast path for templates verified local: render only the last turn plus the new messages."""
-        if not node.sampled_text:
-            return None
-        if node.local_text is None:
-            first = node.path()[0].messages[0]
-            head = [first] if first["role"] == "system" and node.messages[0] is not first else []
-            node.local_ctx = head + node.messages
-            node.local_text = self._render(s, node.local_ctx, False)
-        a = node.local_text
-        b = self._render(s, node.local_ctx + new, True)
-        idx = a.rfind(node.sampled_text)
-        if not b.startswith(a) or idx < 0 or not a[:idx].endswith(node.gen_tail):
-            return None
-        return a[idx + len(node.sampled_text):] + b[len(a):], b[-_TAIL:]
-
-    def _new_text(self, s: _Session, node: Node, msgs: list[Message], pos: int) -> tuple[str, str, str]:
-        """(text to tokenize, the full prompt text if rendered, the generation prompt's tail)."""
-        if node.parent is None:
-            full = self._render(s, msgs, True)
-            return full, full, full[-_TAIL:]
-        if self.local_render:
-            got = self._local_new_text(s, node, msgs[pos:])
-            if got is not None:
-                return got[0], "", got[1]
-        full = self._render(s, msgs, True)
-        covered = node.covered or self._prompt_text(s, node) + node.sampled_text
-        if full.startswith(covered):  # one render, nothing re-tokenized
-            return full[len(covered):], full, full[-_TAIL:]
-        # The template writes the stored turn differently from how the model sampled it
-        # (tool-call JSON spacing, a truncated turn, a leniently matched message): close the
-        # stored turn with the template's own end-of-turn text, then append the new messages.
-        rendered = self._render(s, node.all_messages(), False)
-        gap = self._gap(rendered, self._prompt_text(s, node), node.sampled_text, node.ids[node.n_spliced:])
-        if full.startswith(rendered):
-            return gap + full[len(rendered):], full, full[-_TAIL:]
-        prefix = self._render(s, msgs[:pos], False)
-        if full.startswith(prefix):
-            return gap + full[len(prefix):], full, full[-_TAIL:]
-        if self.fallback == "anchor_diff":
-            from miles.rollout.tokens.template_check import anchor_suffix
-
-            return gap + anchor_suffix(self.tok, node.messages[-1], msgs[pos:], s.tools), full, full[-_TAIL:]
-        at = _first_difference(prefix, full)
-        raise NotAppendOnly(f"session {s.id!r}: rendering the stored messages is not a prefix of rendering "
-                            f"the request (first difference at character {at}: stored "
-                            f"{prefix[at:at + 40]!r} vs request {full[at:at + 40]!r})")
 
     def cancel_turn(self, session_id: str, plan: TurnPlan | str) -> None:
         """Forget a prepared turn the engine did not serve (the session stays as it was)."""
@@ -440,11 +229,11 @@ class SessionStore:
         p = s.pending.get(pid)
         if p is None:
             raise SessionError(f"session {s.id!r}: no turn {pid!r} in flight (committed twice or cancelled?)")
-        sampled, vers, experts = _checked_output(pid, len(p.plan.prompt_ids), len(p.new_ids), sampled_ids,
-                                                 logprobs, routed_experts, versions, finish_reason)
+        sampled, vers, experts = checked_output(pid, len(p.plan.prompt_ids), len(p.new_ids), sampled_ids,
+                                                logprobs, routed_experts, versions, finish_reason)
         seg_len = len(p.new_ids) + len(sampled)
         text = self.tok.decode(sampled)
-        message, oa_finish = self._assistant_message(text, sampled, finish_reason)
+        message, oa_finish = self.assistant.message(text, finish_reason)
         parent = p.parent
         node = Node(id=s.next_node, parent=parent, messages=p.new + [message], n_spliced=len(p.new_ids),
                     ids=p.new_ids + sampled, logprobs=[float(x) for x in logprobs], versions=vers,
@@ -454,52 +243,7 @@ class SessionStore:
         s.next_node += 1
         parent.children.append(node)
         del s.pending[pid]
-        return TurnResult(self._openai_message(message), oa_finish, node.id, len(p.plan.prompt_ids), len(sampled))
-
-    def _assistant_message(self, text: str, sampled: list[int], finish: str) -> tuple[Message, str]:
-        body = text
-        for st in self._stop_texts:
-            if st and body.endswith(st):
-                body = body[: -len(st)]
-                break
-        reasoning = ""
-        if self.reasoning_tags is not None:
-            reasoning, body = split_reasoning(body, *self.reasoning_tags)
-        parsed = self._parse_tools(body)
-        msg: Message = {"role": "assistant", "content": parsed.content}
-        if reasoning:
-            msg["reasoning_content"] = reasoning
-        if parsed.tool_calls:
-            msg["tool_calls"] = parsed.tool_calls
-        oa = "tool_calls" if parsed.tool_calls and finish == "stop" else finish
-        return msg, oa
-
-    @staticmethod
-    def _openai_message(m: Message) -> dict[str, Any]:
-        out: dict[str, Any] = {"role": "assistant", "content": m["content"]}
-        if m.get("reasoning_content"):
-            out["reasoning_content"] = m["reasoning_content"]
-        if m.get("tool_calls"):
-            out["tool_calls"] = [dict(c, function=dict(c["function"])) for c in m["tool_calls"]]
-        return out
-
-    def _gap(self, rendered: str, prompt_text: str, sampled_text: str, sampled: list[int]) -> str:
-        """Template text after the sampled tokens that belongs to this turn (e.g. '\\n')."""
-        if rendered.startswith(prompt_text):
-            block = rendered[len(prompt_text):]
-            if block.startswith(sampled_text):
-                return block[len(sampled_text):]
-        else:
-            block = rendered
-        # The model's own wording differs from the template's (tool-call JSON spacing,
-        # truncation): close the turn after the template's end-of-turn token.
-        ended = bool(sampled) and sampled[-1] in self.tok.stop_token_ids
-        for st in self._stop_texts:
-            i = block.rfind(st) if st else -1
-            if i >= 0:
-                tail = block[i + len(st):]
-                return tail if ended else st + tail
-        return ""
+        return TurnResult(openai_message(message), oa_finish, node.id, len(p.plan.prompt_ids), len(sampled))
 
     # -- one turn without a session ----------------------------------------------
     def prepare_one(self, messages: Any, tools: list[dict[str, Any]] | None = None,
@@ -510,27 +254,13 @@ class SessionStore:
         export and close give for a session of one turn (without its `session_id`), storing
         nothing: what the rollout's default single-turn agent needs, at ~a third of the CPU.
         """
-        temperature = self.turn_temperature(sampling)
-        msgs = normalize(messages)
-        check_ends_for_generation(msgs)
-        text = self.tok.apply_chat_template([for_template(m) for m in msgs], tools, True)
-        return OneTurn(self._expand(self.tok.encode(text), msgs), dict(metadata or {}), turn_images([], msgs),
-                       temperature)
+        return self._one.prepare(messages, tools, metadata, self.turn_temperature(sampling))
 
     def commit_one(self, turn: OneTurn, sampled_ids: list[int], logprobs: list[float],
                    routed_experts: np.ndarray | None = None, versions: int | list[int] = 0,
                    finish_reason: str = "stop") -> tuple[Sample, dict[str, Any], str]:
         """(the trajectory's sample, the assistant message in OpenAI form, its OpenAI finish_reason)."""
-        n_prompt = len(turn.prompt_ids)
-        sampled, vers, experts = _checked_output("one turn", n_prompt, n_prompt, sampled_ids, logprobs,
-                                                 routed_experts, versions, finish_reason)
-        message, oa_finish = self._assistant_message(self.tok.decode(sampled), sampled, finish_reason)
-        node = Node(id=1, parent=Node(id=0, parent=None, messages=[]), messages=[message], n_spliced=n_prompt,
-                    ids=turn.prompt_ids + sampled, logprobs=[float(x) for x in logprobs], versions=vers,
-                    experts=experts, finish_reason=finish_reason, temperature=turn.temperature)
-        sample = trajectory(node, turn.metadata)
-        sample.images = turn.images
-        return sample, self._openai_message(message), oa_finish
+        return self._one.commit(turn, sampled_ids, logprobs, routed_experts, versions, finish_reason)
 
     # -- export ----------------------------------------------------------------
     def export(self, session_id: str) -> list[Sample]:

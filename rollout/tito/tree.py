@@ -6,7 +6,7 @@ mask 0) followed by the assistant message the engine sampled (mask 1). Its
 `covered` is the text its token ids stand for from the root: the prompt text the
 engine got plus the decoded sampled text. A next turn whose rendering starts
 with `covered` tokenizes only the rest; otherwise the store falls back to the
-canonical rendering of the stored messages (see SessionStore._suffix). The root
+canonical rendering of the stored messages (see render.py). The root
 holds no tokens.
 """
 

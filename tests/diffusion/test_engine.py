@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(60)
 async def until_running(eng: DiffusionEngine, n: int, timeout_s: float = 20.0) -> None:
     """Until `n` trajectories are in the engine's running batch (not a fixed sleep: CI is loaded)."""
     deadline = asyncio.get_running_loop().time() + timeout_s
-    while eng.health()["running"] < n:
+    while eng.health().running < n:
         assert asyncio.get_running_loop().time() < deadline, eng.health()
         await asyncio.sleep(0.005)
 
@@ -53,7 +53,7 @@ async def test_commit_between_steps_while_paused_in_place() -> None:
         await eng.pause("in_place")
         task = asyncio.ensure_future(eng.denoise([DenoiseRequest(3, 1), DenoiseRequest(3, 2)]))
         await until_running(eng, 2)  # taken into a batch, held at the pause
-        assert not task.done() and eng.health()["paused"]
+        assert not task.done() and eng.health().paused
         staged = await eng.stage(1, [(n, p.detach()) for n, p in new.named_parameters()])
         assert staged == len(list(new.parameters()))
         with pytest.raises(EngineError, match="nothing staged"):

@@ -51,7 +51,7 @@ async def test_commit_is_atomic_under_concurrent_generation(dense_model) -> None
         lr = await long
         # in flight across the commit: continues on the new weights, versions record the switch
         assert lr.versions == sorted(lr.versions) and lr.versions[0] == 0 and lr.versions[-1] == 1
-        assert eng.checksums() == checksums(new_model) and eng.health()["version"] == 1
+        assert eng.checksums() == checksums(new_model) and eng.health().version == 1
     finally:
         await eng.close()
 

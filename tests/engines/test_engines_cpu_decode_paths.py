@@ -1,9 +1,14 @@
 """The CPU engine's eager decode shortcuts give what the general paths give, bit for bit: rotary
 tables read from a per-position table (`Rotary.lookup`), the one-column KV write of rows of one
-length (`RowPool.bind_column`), the q/k norm weight built once per weight version (and rebuilt
-after an update, however it lands), and MoE outputs without their training-only copies."""
+length (`RowPool.bind_column`, through row views it keeps), the q/k norm weight built once per
+weight version (and rebuilt after an update, however it lands), MoE outputs without their
+training-only copies, RMSNorm as its own ops, and module forwards called without
+`nn.Module.__call__` (whose hooks still fire when registered)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import pytest
 import torch
@@ -12,6 +17,7 @@ from miles.core.schema.engine import EngineConfig
 from miles.engines.base import GenerateRequest, SamplingParams
 from miles.engines.kv_cache import RowPool
 from miles.engines.torch_engine import TorchEngine
+from miles.models.layers import rms_norm
 from miles.models.masks import cached_causal_mask
 from miles.models.rope import rotary_tables
 
@@ -57,28 +63,41 @@ def test_bind_column_writes_what_bind_writes() -> None:
     assert torch.equal(pools[1].k[0][0:3, :, 2:3], k)
 
 
+def _decode_step_two_ways(arch: str, seed: int, rows: int, reference: Callable[[], AbstractContextManager[object]]
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of one decode step after a prefill of `rows` rows of one length: first through the
+    engine's shortcuts (inference mode, `bind_column`), then, from the same KV snapshot, through
+    the general paths under `reference()` (the indexed `bind`)."""
+    model = tiny_model(arch, seed=seed).eval()
+    plen = rows + 2
+    pool = RowPool(model.spec, rows, 16, torch.float32, torch.device("cpu"))
+    prompt = torch.randint(0, VOCAB, (rows, plen), generator=torch.Generator().manual_seed(seed))
+    pos = torch.arange(plen).expand(rows, plen)
+    with torch.no_grad():
+        pool.bind(0, pos, plen)
+        mask = cached_causal_mask(torch.zeros(rows, dtype=torch.long), plen, plen)
+        model(prompt, pos, attention_mask=mask, kv_cache=pool)
+    snapshot = [t.clone() for t in (*pool.k, *pool.v)]
+    ids, at = torch.arange(1, rows + 1).unsqueeze(1), torch.full((rows, 1), plen)
+    with torch.inference_mode():
+        pool.bind_column(0, plen, plen + 1)
+        fast = model(ids, at, kv_cache=pool).logits
+    for t, s in zip((*pool.k, *pool.v), snapshot, strict=True):
+        t.copy_(s)
+    with reference():
+        pool.bind(0, at, plen + 1)
+        ref = model(ids, at, kv_cache=pool).logits
+    assert fast is not None and ref is not None
+    return fast, ref
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
 def test_eager_cpu_decode_equals_the_general_forward(arch: str) -> None:
     """One decode step of rows of one length through the engine's shortcuts (inference mode,
     bind_column) against the same step through the general paths (grad mode off but not
     inference: the indexed KV write, per-call q/k norm weights, MoE copies; the rotary lookup
     is checked against the computed tables above)."""
-    model = tiny_model(arch, seed=3).eval()
-    pool = RowPool(model.spec, 3, 16, torch.float32, torch.device("cpu"))
-    prompt = torch.randint(0, VOCAB, (3, 5), generator=torch.Generator().manual_seed(0))
-    pos = torch.arange(5).expand(3, 5)
-    with torch.inference_mode():
-        pool.bind(0, pos, 5)
-        model(prompt, pos, attention_mask=cached_causal_mask(torch.zeros(3, dtype=torch.long), 5, 5), kv_cache=pool)
-        snapshot = [t.clone() for t in (*pool.k, *pool.v)]
-        ids, at = torch.tensor([[1], [2], [3]]), torch.full((3, 1), 5)
-        pool.bind_column(0, 5, 6)
-        fast = model(ids, at, kv_cache=pool).logits
-    for t, s in zip((*pool.k, *pool.v), snapshot, strict=True):
-        t.copy_(s)
-    with torch.no_grad():  # not inference mode: no cached q/k norm weight, MoE outputs copied
-        pool.bind(0, at, 6)
-        ref = model(ids, at, kv_cache=pool).logits
+    fast, ref = _decode_step_two_ways(arch, 3, 3, torch.no_grad)
     assert torch.equal(fast, ref)
 
 
@@ -114,3 +133,68 @@ async def test_qk_norm_weight_follows_weight_updates() -> None:
     finally:
         await fresh.close()
     assert after == want and after != before
+
+
+@pytest.mark.parametrize("weight_shape", [(32,), (6, 32)])
+def test_rms_norm_without_autograd_equals_f_rms_norm(weight_shape: tuple[int, ...]) -> None:
+    """The eager path (no autograd on the CPU: its own six ops) against F.rms_norm (autograd on),
+    for a hidden-state norm ([D] weight) and the fused per-head q|k norm ([heads, D] weight)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 3, 6, 32, generator=g) * 4.0
+    w = torch.randn(weight_shape, generator=g).requires_grad_()
+    want = rms_norm(x, w, 1e-6)  # autograd on: through F.rms_norm
+    assert want.requires_grad
+    with torch.inference_mode():
+        got = rms_norm(x, w, 1e-6)
+    assert torch.equal(got, want.detach())
+    assert torch.equal(got, (w * torch.nn.functional.rms_norm(x, (32,), eps=1e-6)).detach())
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_eager_cpu_decode_equals_the_autograd_forward(arch: str) -> None:
+    """A decode step without autograd (inference mode: RMSNorm's own ops, forwards called directly,
+    the KV write through kept row views) against the same step with autograd on (F.rms_norm,
+    `nn.Module.__call__`, the indexed KV write): the same logits, bit for bit."""
+    fast, ref = _decode_step_two_ways(arch, 4, 4, torch.enable_grad)
+    assert ref.requires_grad
+    assert torch.equal(fast, ref.detach())
+
+
+def test_decode_forward_hooks_still_fire() -> None:
+    """With a forward hook on a layer (or on its attention), the eager step calls the module,
+    so the hook runs (and may change the output) as it would under autograd."""
+    model = tiny_model("qwen3", seed=5).eval()
+    pool = RowPool(model.spec, 2, 8, torch.float32, torch.device("cpu"))
+    calls: list[str] = []
+    layer = model.model.layers[1]
+    h1 = layer.register_forward_hook(lambda m, a, out: calls.append("layer"))
+    h2 = layer.self_attn.register_forward_hook(lambda m, a, out: calls.append("attn") or out * 0.0)
+    ids, at = torch.tensor([[1], [2]]), torch.zeros(2, 1, dtype=torch.long)
+    with torch.inference_mode():
+        pool.bind_column(0, 0, 1)
+        hooked = model(ids, at, kv_cache=pool).logits
+        h1.remove()
+        h2.remove()
+        pool.bind_column(0, 0, 1)
+        plain = model(ids, at, kv_cache=pool).logits
+    assert calls == ["attn", "layer"]
+    assert not torch.equal(hooked, plain)  # the attention hook's zeroed output took effect
+
+
+def test_bind_column_follows_its_rows() -> None:
+    """The row views `bind_column` keeps follow the rows each step covers: steps over rows 0..2,
+    then 1..2 (a finished row 0), then 0..1 leave what the indexed writes of `bind` leave."""
+    spec = tiny_model("qwen3").spec
+    pools = [RowPool(spec, 3, 8, torch.float32, torch.device("cpu")) for _ in range(2)]
+    heads, _, dim = spec.kv_cache_dims_at(0)
+    g = torch.Generator().manual_seed(2)
+    for r0, n, col in ((0, 3, 2), (1, 2, 3), (0, 2, 4)):
+        k, v = torch.randn(n, heads, 1, dim, generator=g), torch.randn(n, heads, 1, dim, generator=g)
+        pools[0].bind(r0, torch.full((n, 1), col), col + 1)
+        pools[1].bind_column(r0, col, col + 1)
+        with torch.inference_mode():
+            outs = [p.update(0, k, v) for p in pools]
+        for a, b in zip(*outs, strict=True):
+            assert a.shape == (n, heads, col + 1, dim) and torch.equal(a, b)
+    for a, b in zip((pools[0].k[0], pools[0].v[0]), (pools[1].k[0], pools[1].v[0]), strict=True):
+        assert torch.equal(a, b)

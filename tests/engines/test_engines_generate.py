@@ -97,4 +97,4 @@ async def test_bad_input_is_rejected_and_engine_stays_up(engine: TorchEngine) ->
     with pytest.raises(EngineError, match="no room under max_seq_len"):
         await engine.generate(req(list(range(90)) * 3))
     ok = await engine.generate(req([1, 2], max_new_tokens=3, seed=0))
-    assert len(ok.output_ids) == 3 and engine.health()["ok"]
+    assert len(ok.output_ids) == 3 and engine.health().ok

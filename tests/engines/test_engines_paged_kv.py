@@ -236,7 +236,7 @@ async def test_abort_and_retract_free_blocks(dense_model: CausalLM) -> None:
         sp = SamplingParams(temperature=0.0, max_new_tokens=500)  # still running at the pause
         reqs = [GenerateRequest(input_ids=[1, 2, 3, i + 4], sampling=sp) for i in range(6)]
         tasks = [asyncio.ensure_future(eng.generate(r)) for r in reqs]
-        while eng.health()["running"] < 4:
+        while eng.health().running < 4:
             await asyncio.sleep(0.001)
         assert await eng.abort(reqs[0].request_id)
         out = await eng.pause("retract")

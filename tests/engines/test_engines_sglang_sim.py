@@ -102,10 +102,10 @@ async def test_simulated_wire_has_the_recorded_shape(ckpt: Path, tmp_path: Path)
 async def test_warm_up_pause_commit_versions(ckpt: Path, tmp_path: Path, update: str) -> None:
     eng = SGLangEngine(sim_config(ckpt, tmp_path, update))
     try:
-        assert not eng.health()["ok"]
+        assert not eng.health().ok
         await eng.warm_up()  # up and answered a request before anything is sent
         h = eng.health()
-        assert h["ok"] and h["version"] == 0 and h["weight_update"] == update
+        assert h.ok and h.version == 0 and h.weight_update == update
         res = await eng.generate(req())
         assert len(res.output_ids) == 6 and res.versions == [0] * 6 and all(lp <= 0 for lp in res.logprobs)
         assert res.routed_experts is not None and res.routed_experts.shape == (4 + 6, 2, 2)
@@ -126,7 +126,7 @@ async def test_warm_up_pause_commit_versions(ckpt: Path, tmp_path: Path, update:
         await eng.commit(1)
         await eng.resume()
         res1 = await eng.generate(req())
-        assert res1.versions == [1] * 6 and eng.health()["version"] == 1
+        assert res1.versions == [1] * 6 and eng.health().version == 1
         emb = "model.embed_tokens.weight"
         served = await eng.served_checksums([emb])
         assert served[emb] == tensor_checksum(new[emb].to(torch.bfloat16))
@@ -148,10 +148,10 @@ async def test_crashed_server_is_restarted_on_the_committed_version(ckpt: Path, 
         greedy = await eng.generate(req(seed=None, temperature=0.0))
         assert eng.server is not None and eng.server.pid is not None
         os.killpg(eng.server.pid, signal.SIGKILL)
-        await until(lambda: not eng.health()["ok"], "lost server")
-        await until(lambda: eng.health()["ok"], "restart by the watchdog", 120)  # no request needed
+        await until(lambda: not eng.health().ok, "lost server")
+        await until(lambda: eng.health().ok, "restart by the watchdog", 120)  # no request needed
         h = eng.health()
-        assert h["ok"] and h["restarts"] == 1 and h["version"] == 1 and eng.server.starts == 2
+        assert h.ok and h.restarts == 1 and h.version == 1 and eng.server.starts == 2
         again = await eng.generate(req(seed=None, temperature=0.0))
         assert again.versions == [1] * 6 and again.output_ids == greedy.output_ids  # v1's weights, not v0's
     finally:
@@ -171,7 +171,34 @@ async def test_start_failure_shows_the_server_error_and_is_not_restarted(
         # nothing can start it again later: the watchdog starts only once a server has served
         assert eng._watchdog is None
         assert eng.server is not None and eng.server.starts == 1 and eng.server.restarts == 0
-        assert not eng.health()["ok"] and "simulated kernel refusal" in eng.health()["fatal"]
+        assert not eng.health().ok and "simulated kernel refusal" in eng.health().fatal
+    finally:
+        await eng.close()
+
+
+async def test_callers_see_retracted_on_what_they_receive(ckpt: Path, tmp_path: Path) -> None:
+    """The engine actor encodes a result the moment its caller resumes; a pause('retract') must have
+    marked it by then (it marked after: on the H100 every retracted request went out as a plain abort)."""
+    from miles.actors.engine import result_to_wire
+
+    eng = SGLangEngine(sim_config(ckpt, tmp_path, "tensor"))
+    try:
+        await eng.warm_up()
+
+        async def as_the_actor_sends(seed: int) -> dict[str, Any]:
+            return result_to_wire(await eng.generate(req(200, seed=seed)))
+
+        sent = [asyncio.create_task(as_the_actor_sends(i)) for i in range(3)]
+        await sim_until(eng, lambda info: len(info["sim_output_tokens"]) == 3 and min(info["sim_output_tokens"]) > 0)
+        back = await eng.pause("retract")
+        wire = await asyncio.wait_for(asyncio.gather(*sent), 10)
+        assert len(back) == 3 and all(w["retracted"] and w["finish_reason"] == "abort" for w in wire), wire
+        await eng.resume()
+        plain = asyncio.create_task(as_the_actor_sends(7))  # an abort asked by its caller is not a retract
+        await sim_until(eng, lambda info: len(info["sim_output_tokens"]) == 1 and min(info["sim_output_tokens"]) > 0)
+        assert await eng.abort(next(iter(eng._inflight)))
+        w = await asyncio.wait_for(plain, 10)
+        assert w["finish_reason"] == "abort" and not w["retracted"]
     finally:
         await eng.close()
 
@@ -208,7 +235,7 @@ async def test_a_server_that_cannot_come_back_ends_the_engine(ckpt: Path, tmp_pa
         await until(lambda: bool(lost), "on_lost call")
         assert len(lost) == 1 and isinstance(lost[0], EngineStartError)
         assert "restarted 0 times" in str(lost[0]) and eng.server.starts == 1
-        assert not eng.health()["ok"] and eng.health()["fatal"]
+        assert not eng.health().ok and eng.health().fatal
         with pytest.raises(EngineStartError):
             await eng.generate(req())
     finally:

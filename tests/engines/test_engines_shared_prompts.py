@@ -119,7 +119,7 @@ async def test_stored_session_is_restored_not_shared(dense_model: CausalLM) -> N
 
 async def until_running(eng: TorchEngine, n: int) -> None:
     for _ in range(2000):
-        if eng.health()["running"] >= n:
+        if eng.health().running >= n:
             return
         await asyncio.sleep(0.005)
     raise AssertionError(f"engine never had {n} running requests")
@@ -146,10 +146,10 @@ async def late_group(
             await eng.commit(1)
         rest = [asyncio.ensure_future(eng.generate(r(i))) for i in (1, 2, 3)]
         for _ in range(2000):  # until all three wait in the queue (then resume admits them together)
-            if eng.health()["queued"] >= 3:
+            if eng.health().queued >= 3:
                 break
             await asyncio.sleep(0.001)
-        assert eng.health()["queued"] == 3, eng.health()
+        assert eng.health().queued == 3, eng.health()
         await eng.resume()
         out = [await first, *[await t for t in rest]]
         return out, int(eng.stats()["shared_prompt_tokens"])

@@ -36,7 +36,7 @@ async def test_swapping_commits_keep_graphs_valid() -> None:
     want_a, want_b = await _greedy(_engine(tiny_model("qwen3", seed=1).cuda())), await _greedy(_engine(b))
     assert want_a != want_b  # the two weight sets are told apart by their tokens
     eng = _engine(a)
-    assert eng.stager.bind_model(eng.model, lambda n, t: hf_param_views(eng.model.spec, n, t))
+    assert eng.weights.stager.bind_model(eng.model, lambda n, t: hf_param_views(eng.model.spec, n, t))
     assert await _greedy(eng) == want_a  # graphs captured on weight set A
     for version, (src, want) in enumerate([(b, want_b), (tiny_model("qwen3", seed=1).cuda(), want_a),
                                            (b, want_b)], start=1):

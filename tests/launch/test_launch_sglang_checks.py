@@ -44,6 +44,9 @@ VERDICTS: dict[str, str | tuple[str, ...]] = {
     "openenv_cpu.toml": (HEAD_DIM_FIX, "pip install 'miles[openenv]'"),
     "verifiers_cpu.toml": (HEAD_DIM_FIX, "pip install 'miles[verifiers]'"),
 }
+# Refused while the config loads (core/schema/resolve.py), before launch looks for the checkpoint:
+# their verdict holds whether or not model.path exists on this machine.
+REFUSED_AT_LOAD = {"quickstart_fp8.toml", "lora_cpu.toml", "learn_gate_cpu.toml"}
 # With the fix the refusal names, applied:
 AFTER_FIX = {
     "quickstart.toml": "starts", "dataset.toml": "starts", "distill_cpu.toml": "starts",
@@ -96,7 +99,7 @@ def test_each_example_starts_or_is_refused_at_launch(name: str, data_sets: dict[
     sets = data_sets.get(name, [])
     got = verdict(name, *sets)
     path = tomllib.loads((EXAMPLES / name).read_text()).get("model", {}).get("path", "")
-    if path and not (Path(path) / "config.json").is_file():
+    if path and not (Path(path) / "config.json").is_file() and name not in REFUSED_AT_LOAD:
         assert f"model.path {path!r} has no config.json" in got  # refused here: the checkpoint is elsewhere
         return
     want = VERDICTS[name]

@@ -138,7 +138,7 @@ async def test_lora_true_on_policy_is_bitwise_exact(dtype: torch.dtype) -> None:
             assert m["train/train_rollout_logprob_abs_diff_max"] == 0.0
             await engine.stage(step + 1, list(trainer.export_sync_state()))
             await engine.commit(step + 1)
-        assert engine.adapters.active
+        assert engine.weights.adapters.active
     finally:
         await engine.close()
         trainer.close()

@@ -6,6 +6,7 @@ import json
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from structlog.testing import capture_logs
 
 from miles.rollout.buffer import P, RolloutBuffer, Work
 from miles.rollout.filters import dynamic_sampling
@@ -87,6 +88,20 @@ def test_failure_filter_and_admission_control() -> None:
     assert m["rollout/dynamic_filter/drop_zero_std"] == 1 and m[P + "aborted_groups_filtered"] == 1
     assert buf.ledger.counts() | {} == {"pending": 0, "in_flight": 0, "finished": 0, "trained": 1,
                                         "dropped": 2, "retried": 0, "total": 3}
+
+
+def test_a_failed_group_drop_says_which_samples_and_why() -> None:
+    buf = RolloutBuffer(capacity=4, n_samples=2, batch_groups=1)
+    buf.add_prompts([prompt(p) for p in "AB"])
+    w = by_name(buf.fill())
+    with capture_logs() as logs:
+        buf.fail(w["A1"], "EngineError: sampling: non-finite logits")
+        buf.finish(w["A2"], traj(0))
+        buf.finish(w["B1"], traj(0, status="aborted"))  # cut by its engine: no error text
+        buf.finish(w["B2"], traj(0))
+    why = [e["why"] for e in logs if e["event"] == "group_dropped_failed"]
+    assert why == ["1 of 2 samples failed: EngineError: sampling: non-finite logits", "1 of 2 samples aborted"]
+    assert buf.step_metrics(0)[P + "aborted_groups_filtered"] == 2
 
 
 def test_dump_and_restore() -> None:

@@ -15,6 +15,7 @@ from miles.actors.runtime.host import Host
 from miles.actors.runtime.messages import DeathNotice
 from miles.core.errors import RewardError
 from miles.core.schema.reward_model import RewardModelConfig
+from miles.engines.base import HealthReply
 from miles.rollout.rewards.guard import RewardGuard
 from miles.rollout.rewards.judge import JudgeClient, JudgeRefused, JudgeUnavailable, judge_names
 from miles.rollout.rewards.judge_rewards import judge_correct, parse_verdict
@@ -35,8 +36,9 @@ def _judge(host: Host, tok, cfg: RewardModelConfig) -> JudgeClient:
     reqs = EngineRequests(ActorEngineLink(host.ref, cfg.timeout_s), Dispatch(judge_names(cfg.num_engines), False),
                           {}, live_wait_s=cfg.live_wait_s)
 
-    async def health(engine: str) -> dict:
-        return await host.ref(engine).ask(Health(), timeout=2.0)
+    async def health(engine: str) -> HealthReply:
+        reply: HealthReply = await host.ref(engine).ask(Health(), timeout=2.0)
+        return reply
 
     judge = JudgeClient(cfg, reqs, tok, health)
 

@@ -131,7 +131,7 @@ async def test_corrupt_delta_is_refused(procs, tmp_path) -> None:
         await e0.ask(BulkOpen("disk_delta", {"dir": str(tmp_path)}, cfg.bucket_mib << 20), timeout=10)
         with pytest.raises(SyncError, match="checksum mismatch.*corrupt delta"):
             await e0.ask(BulkRecv(2, headers[0]), timeout=10)
-        assert (await e0.ask(Health(), timeout=10))["version"] == 1
+        assert (await e0.ask(Health(), timeout=10)).version == 1
     finally:
         await sync.close()
         await host.stop()
@@ -160,7 +160,7 @@ async def test_export_failing_midway_aborts_the_version(procs, tmp_path, transpo
         with pytest.raises(RuntimeError, match="all-gather failed"):
             await sync.push(2, broken())
         for e in ("e0", "e1"):
-            assert (await host.ref(e).ask(Health(), timeout=10))["version"] == 1
+            assert (await host.ref(e).ask(Health(), timeout=10)).version == 1
         rep = await sync.push(3, named(model))  # nothing half-staged blocks the next version
         assert rep.committed == ["e0", "e1"] and rep.verified
         assert await held(host, ["e0", "e1"]) == [checksums(model)] * 2

@@ -172,7 +172,7 @@ async def test_flat_sync_reaches_bit_equality(procs, order: str, transport: str)
             for got in await held(host, engines):
                 assert got == want
             for e in engines:
-                assert (await host.ref(e).ask(Health(), timeout=10))["version"] == version
+                assert (await host.ref(e).ask(Health(), timeout=10)).version == version
         # The same engines then take a tensor-by-tensor push (a fresh model): the paths mix.
         perturb(model, seed=3)
         rep = await sync.push(3, hf_tensor_views(model).items())
@@ -196,7 +196,7 @@ async def test_flat_plan_that_does_not_match_the_engines_aborts_with_a_clear_err
     try:
         with pytest.raises(SyncError, match="flat plan failed on engine 'e0'.*this engine holds"):
             await sync.push(1, FlatWeights.of(hf_tensor_views(other).items()))
-        assert (await host.ref("e0").ask(Health(), timeout=10))["version"] != 1
+        assert (await host.ref("e0").ask(Health(), timeout=10)).version != 1
     finally:
         await sync.close()
         await host.stop()

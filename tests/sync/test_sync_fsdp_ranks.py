@@ -42,7 +42,7 @@ async def test_two_fsdp_ranks_sync_every_transport(procs, tmp_path: Path) -> Non
     try:
         assert await held(host, ["e0", "e1"]) == [sums] * 2
         for e in ("e0", "e1"):
-            assert (await host.ref(e).ask(Health(), timeout=10))["version"] == len(want)
+            assert (await host.ref(e).ask(Health(), timeout=10)).version == len(want)
     finally:
         await host.stop()
 

@@ -23,6 +23,7 @@ from miles.weightsync.flat import FlatWeights
 from miles.weightsync.one_rank import SoloRankGroup, one_rank_export
 from miles.weightsync.param_buffer import pack_parameters
 from miles.weightsync.shard_coordinator import ShardedCoordinator, ShardedOptions
+from miles.weightsync.trainer_sync import goes_one_rank
 
 from .sync_helpers import client, held, start_engines, trainer_model
 
@@ -46,12 +47,23 @@ def test_the_flat_export_is_a_one_rank_export_of_the_same_bytes() -> None:
     assert all(b.contiguous_src() is not None for b in buckets)  # every bucket a view, no packing
 
 
-def test_plans_a_one_rank_export_cannot_carry_are_refused() -> None:
-    buf = torch.zeros(8)
-    mixed = FlatWeights.of([("a", buf[0:4]), ("b", buf[4:8].view(torch.int32))])
-    assert one_rank_export(mixed) is None
-    scalar = FlatWeights.of([("a", buf[0:4]), ("b", buf[4])])
-    assert one_rank_export(scalar) is None
+def test_one_rank_buckets_are_the_flat_plans_ranges() -> None:
+    """Cut at tensor boundaries, as the gathered coordinator cuts a flat export (a cut every bucket
+    across tensors made the one-rank broadcast push slower: bench/results/weight_sync_one_rank_s19.txt)."""
+    fw = _flat_trainer()
+    export = one_rank_export(fw)
+    assert export is not None
+    for size in (1 << 16, 1 << 20, 3 << 20):
+        got = [b.runs for b in export.plan.buckets(0, 0, size)]
+        assert got == [((lo, lo, hi - lo),) for lo, hi in fw.plan.ranges(size)]
+    with pytest.raises(SyncError, match="rank 0 and engine group 0 only"):
+        export.plan.buckets(1, 0, 1 << 20)
+
+
+def test_broadcast_goes_one_rank_from_a_cpu_trainer_only() -> None:
+    assert all(goes_one_rank(t, torch.device("cpu")) for t in ("zmq", "ucx", "broadcast"))
+    assert goes_one_rank("zmq", torch.device("cuda")) and not goes_one_rank("broadcast", torch.device("cuda"))
+    assert not goes_one_rank("disk_delta", torch.device("cpu")) and not goes_one_rank("cuda_ipc", torch.device("cuda"))
 
 
 async def test_the_solo_group_gathers_its_own_and_has_no_peers() -> None:

@@ -4,6 +4,7 @@ and the GPU paths of the others (a CUDA trainer's flat export to CUDA engines)."
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from miles.models.hf_io import checksums
 from miles.weightsync.actor_wire import WeightSync
 from miles.weightsync.trainer_sync import ONE_RANK_TRANSPORTS
 
-from .sync_helpers import client, held, named, perturb, start_engines, trainer_model
+from .sync_helpers import ENGINE_HOST, client, held, named, perturb, start_engines, trainer_model
 
 pytestmark = pytest.mark.timeout(90)
 HAS_UCXX = importlib.util.find_spec("ucxx") is not None
@@ -146,7 +147,13 @@ async def test_a_cuda_flat_export_reaches_cuda_engines_bit_equal(procs, transpor
     from miles.weightsync.flat import FlatWeights
     from miles.weightsync.param_buffer import pack_parameters
 
-    directory = start_engines(procs, extra=["--device", "cuda"])
+    if transport == "broadcast":
+        if torch.cuda.device_count() < 3:
+            pytest.skip(f"broadcast needs a GPU per member (the trainer and each of 2 engines; NCCL cannot place two "
+                        f"ranks of one group on one GPU); this machine has {torch.cuda.device_count()}")
+        directory = _engines_on_gpus_of_their_own(procs)
+    else:
+        directory = start_engines(procs, extra=["--device", "cuda"])
     host = await client(directory)
     model = trainer_model().to("cuda")
     pack_parameters(list(model.parameters()))
@@ -164,3 +171,18 @@ async def test_a_cuda_flat_export_reaches_cuda_engines_bit_equal(procs, transpor
     finally:
         await sync.close()
         await host.stop()
+
+
+def _engines_on_gpus_of_their_own(procs) -> str:
+    """e0 on this process's cuda:1 and e1 on its cuda:2 (each process sees only its own GPU, as
+    `cuda`), while the trainer here uses cuda:0; returns the directory's address."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    args = [ENGINE_HOST, "--device", "cuda"]
+    first, first_ready = procs.start([*args, "--run-directory", "--name", "e0", "--seed", "0"],
+                                     env={"CUDA_VISIBLE_DEVICES": gpus[1]})
+    second, second_ready = procs.start([*args, "--directory-file", first_ready, "--name", "e1", "--seed", "1"],
+                                       env={"CUDA_VISIBLE_DEVICES": gpus[2]})
+    directory = procs.wait_ready(first, first_ready)
+    procs.wait_ready(second, second_ready)
+    return directory

@@ -36,7 +36,7 @@ async def test_all_transports_reach_bit_equality(procs, tmp_path) -> None:
             want = checksums(model)
             for e in engines:
                 assert await host.ref(e).ask(Checksums(), timeout=10) == want
-                assert (await host.ref(e).ask(Health(), timeout=10))["version"] == version
+                assert (await host.ref(e).ask(Health(), timeout=10)).version == version
         written = sorted(p.name for p in (tmp_path / "deltas").iterdir())
         assert written == ["weight_v4", "weight_v5"]  # atomic renames only; no tmp dirs left
         index = json.loads((tmp_path / "deltas" / "weight_v5" / "index.json").read_text())

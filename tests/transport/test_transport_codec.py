@@ -120,3 +120,29 @@ def test_no_pickle_in_wire_packages() -> None:
                     names = [node.module or ""]
                 for n in names:
                     assert n.split(".")[0] not in {"pickle", "cloudpickle", "dill", "marshal"}, path
+
+
+def test_an_engines_health_reply_is_a_checked_record() -> None:
+    """The reply to `Health` travels as a typed record: read back as one, and a field of the wrong
+    type is refused where it is decoded, naming the field."""
+    from miles.engines.health import HealthReply
+
+    reply = HealthReply(version=4, ok=True, paused=False, running=2, queued=0, device="cpu")
+    assert _roundtrip(encode(REPLY, 3, "", reply)).body == reply
+    bad = HealthReply(version="four", ok=True, paused=False, running=2, queued=0)  # type: ignore[arg-type]
+    with pytest.raises(ProtocolError, match="version"):
+        _roundtrip(encode(REPLY, 3, "", bad))
+
+
+def test_a_process_that_loads_only_the_messages_can_read_a_health_reply() -> None:
+    """The rollout process decodes Health replies (its watchers ask down engines and judges) and
+    never imports torch or engines/base.py: the record is registered by actors/messages.py alone."""
+    import subprocess
+    import sys
+
+    code = ("import sys, miles.actors.messages\n"
+            "from miles.transport.schema import spec_for_name\n"
+            "assert spec_for_name('engine.HealthReply').cls.__name__ == 'HealthReply'\n"
+            "assert 'torch' not in sys.modules, 'actors/messages.py loaded torch'\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr

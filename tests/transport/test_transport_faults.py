@@ -61,6 +61,15 @@ def test_off_by_default_and_validated() -> None:
         FaultConfig(drop_rate=1.5)
     with pytest.raises(ConfigError, match="transport.faults.delay_ms"):
         FaultConfig(delay_rate=0.1, delay_ms=-1)
+    with pytest.raises(ConfigError, match="transport.faults.drop_limit"):
+        FaultConfig(drop_rate=1.0, drop_limit=-1)
+
+
+def test_drop_limit_drops_exactly_the_first_n_of_its_types() -> None:
+    h = FaultHook(FaultConfig(drop_rate=1.0, drop_types=["t.Echo"], drop_limit=2), 1)
+    got = [h.draw(codec.ASK, t) for t in ("t.Count", "t.Echo", "t.Count", "t.Echo", "t.Echo", "t.Echo")]
+    assert got == [0.0, None, 0.0, None, 0.0, 0.0]
+    assert h.dropped == {"ask:t.Echo": 2}
 
 
 def test_draws_are_seeded_and_follow_the_configuration() -> None:

@@ -121,12 +121,15 @@ class ShardReceiver(BulkReceiver):
                 for src in range(slots):
                     self._post(src, torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self._buf.device))
             elif self.channel == "broadcast":
-                from miles.transport.bulk.broadcast import _group
+                from miles.transport.bulk.broadcast import _group, _joined, member_device
 
                 s = self.sources[0]
-                self._store, self._pg = await asyncio.to_thread(
-                    _group, str(s["backend"]), str(s["addr"]), int(s["port"]), int(s["rank"]), int(s["world"]),
-                    self.timeout_s)
+                rank, backend = int(s["rank"]), str(s["backend"])
+                who = f"engine {s.get('member', f'#{rank}')!r}"
+                me = member_device(backend, rank, who, self._buf.device)  # under NCCL: one GPU per member, checked
+                self._store, self._pg = await _joined(asyncio.to_thread(
+                    _group, backend, str(s["addr"]), int(s["port"]), rank, int(s["world"]), self.timeout_s, me),
+                    self.timeout_s, who)
         except (KeyError, IndexError, ValueError) as exc:
             raise SyncError(f"sharded {self.channel} open info is malformed: {exc}") from exc
         except RuntimeError as exc:
@@ -178,10 +181,10 @@ class ShardReceiver(BulkReceiver):
 
             what = f"broadcast (sharded): receiving {dst.numel()} bytes from trainer rank {src}"
             if not collective:  # several sending ranks: send/recv per pair
-                await _wait(self._pg.recv([dst], src, seq), what)
+                await _wait(self._pg.recv([dst], src, seq), what, self.timeout_s)
                 return
             try:  # one sending rank (0) broadcasts each bucket to every engine; completes through its future
-                await _broadcast_all(self._pg, [dst])
+                await _broadcast_all(self._pg, [dst], self.timeout_s, what)
             except RuntimeError as exc:
                 raise SyncError(f"{what} failed: {exc}") from exc
 
