@@ -1,7 +1,7 @@
 """torch.distributed setup for trainer ranks and the small collectives the step needs.
 
 gloo on CPU, NCCL on CUDA. The group address comes from MASTER_ADDR / MASTER_PORT (set
-by the launcher or actor shell); a single rank with no address gets a free loopback port.
+by the launcher or actor shell); a single rank needs no address and joins an in-process store.
 """
 
 from __future__ import annotations
@@ -41,11 +41,16 @@ def ensure_process_group(rank: int, world: int, device: torch.device) -> None:
                 f"trainer was given rank {rank}/{world}"
             )
         return
-    if world > 1 and ("MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ):
-        raise TrainerError(f"{world} trainer ranks need MASTER_ADDR and MASTER_PORT in the env")
-    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = os.environ.get("MASTER_PORT") or str(free_port())
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if world == 1:
+        # One rank meets nobody, so it binds no port: a port picked earlier (by the launcher)
+        # can be taken by another process's connection before this rank binds it, and CI saw
+        # exactly that (EADDRINUSE at init, the run dead before its first step).
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        return
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        raise TrainerError(f"{world} trainer ranks need MASTER_ADDR and MASTER_PORT in the env")
+    addr, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
     dist.init_process_group(
         backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world
     )
