@@ -96,7 +96,8 @@ class EngineConfig:
         "while it compiled) hit a CUDA caching-allocator INTERNAL ASSERT in the compile thread and then served "
         "corrupt routed-expert ids, which the trainer refused (bench/results/sglang_e2e_h200.json, qs-torch-0); "
         "its cause (the swap captured into a pool whose graphs were all gone, and the failed capture left the "
-        "thread on its capture stream) is fixed in engines/cuda_graph.py but not yet run on a GPU. "
+        "thread on its capture stream) is fixed in engines/cuda_graph.py, and its GPU tests pass on an H100 "
+        "(session 21); the launched run that failed has not been rerun, so the default stays off. "
         "false = compile before the engine registers (the run's first step waits for the compile)",
     )
     overlap_decode: bool = opt(
