@@ -25,20 +25,12 @@ from miles.actors.messages import (
 )
 from miles.actors.runtime.actor import Actor, handler
 from miles.core.errors import EngineError
+from miles.core.generation import GenerateFailed
 from miles.core.images import ImageInput
 from miles.core.schema.sync import pause_mode_for
 from miles.engines.base import Engine, GenerateRequest, GenerateResult, HealthReply, SamplingParams
 from miles.weightsync.messages import BulkClose, BulkOpen, BulkPlan, BulkRecv, FlatRange, Stage
 from miles.weightsync.receiver import WeightReceiver
-
-
-def result_to_wire(r: GenerateResult) -> dict[str, Any]:
-    return {
-        "request_id": r.request_id, "output_ids": r.output_ids, "logprobs": r.logprobs,
-        "finish_reason": r.finish_reason, "versions": r.versions, "prompt_tokens": r.prompt_tokens,
-        "cached_tokens": r.cached_tokens, "retracted": r.retracted, "routed_experts": r.routed_experts,
-    }
-
 
 _SAMPLING_KEYS = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "seed"}
 
@@ -67,15 +59,15 @@ class EngineActor(Actor):
         await self.engine.close()
 
     @handler(Generate, concurrency=1024)
-    async def generate(self, msg: Generate) -> dict[str, Any]:
+    async def generate(self, msg: Generate) -> GenerateResult:
         req = GenerateRequest(msg.input_ids, sampling_from_wire(msg.sampling), msg.session_key,
                               msg.return_routed_experts, images=images_from_wire(msg.images))
         if msg.request_id:
             req.request_id = msg.request_id
-        return result_to_wire(await self.engine.generate(req))
+        return await self.engine.generate(req)
 
     @handler(GenerateMany, concurrency=1024)
-    async def generate_many(self, msg: GenerateMany) -> list[dict[str, Any]]:
+    async def generate_many(self, msg: GenerateMany) -> list[GenerateResult | GenerateFailed]:
         if len(msg.input_ids) != len(msg.sampling):
             raise EngineError(f"GenerateMany: {len(msg.input_ids)} prompts for {len(msg.sampling)} samplings")
         n = len(msg.input_ids)
@@ -85,21 +77,21 @@ class EngineActor(Actor):
             raise EngineError(f"GenerateMany: {n} prompts for {len(images)} image sets and {len(keys)} session keys")
 
         async def one(ids: list[int], sampling: dict[str, Any], imgs: dict[str, Any] | None,
-                      key: str | None) -> dict[str, Any]:
+                      key: str | None) -> GenerateResult:
             req = GenerateRequest(ids, sampling_from_wire(sampling), key, msg.return_routed_experts,
                                   images=images_from_wire(imgs))
-            return result_to_wire(await self.engine.generate(req))
+            return await self.engine.generate(req)
 
         # Submitted together, so the engine admits them in one step (and shares their prompt).
         done = await asyncio.gather(*(one(i, s, m, k) for i, s, m, k in zip(msg.input_ids, msg.sampling, images,
                                                                             keys, strict=True)),
                                     return_exceptions=True)
-        out: list[dict[str, Any]] = []
+        out: list[GenerateResult | GenerateFailed] = []
         for r in done:
             if isinstance(r, BaseException):
                 if not isinstance(r, Exception):
                     raise r  # cancellation of the whole message
-                out.append({"error_type": type(r).__name__, "error": str(r)})
+                out.append(GenerateFailed.of(r))
             else:
                 out.append(r)
         return out

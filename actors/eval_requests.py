@@ -17,11 +17,14 @@ An answer that spans a push was produced by two weight versions, as under an in-
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 from miles.core.errors import MilesError
+from miles.core.generation import GenerateFailed, GenerateResult
 
-Ask = Callable[[list[list[int]], list[dict[str, Any]]], Awaitable[list[dict[str, Any]]]]
+Reply = GenerateResult | GenerateFailed
+Ask = Callable[[list[list[int]], list[dict[str, Any]]], Awaitable[list[Reply]]]
 
 # A bound on how often one answer may be interrupted: a push every few seconds against answers of
 # tens of seconds gives a handful; this many means the engine hands everything back at once.
@@ -32,45 +35,43 @@ class EvalInterrupted(MilesError):
     """An eval answer was handed back by its engine more often than `MAX_INTERRUPTIONS`."""
 
 
-def _merge(acc: dict[str, Any] | None, r: dict[str, Any]) -> dict[str, Any]:
+def _merge(acc: GenerateResult | None, r: GenerateResult) -> GenerateResult:
+    """`r` continued `acc`: one answer with both parts' tokens, counted from the first prompt."""
     if acc is None:
-        return dict(r)
-    out = dict(r)
-    for key in ("output_ids", "logprobs", "versions"):
-        out[key] = list(acc[key]) + list(r[key])
-    out["prompt_tokens"] = acc["prompt_tokens"]
-    return out
+        return r
+    return replace(r, output_ids=acc.output_ids + r.output_ids, logprobs=acc.logprobs + r.logprobs,
+                   versions=acc.versions + r.versions, prompt_tokens=acc.prompt_tokens)
 
 
 async def generate_through_pauses(ask: Ask, ids: list[int], samplings: list[dict[str, Any]]) -> tuple[
-        list[dict[str, Any]], int]:
+        list[Reply], int]:
     """Every sampling's whole answer to `ids`, continued across pauses; and how many requests were
-    resubmitted. A result with an `error` key is returned as it came (the caller reports it)."""
+    resubmitted. A `GenerateFailed` is returned as it came (the caller reports it)."""
     budgets = [int(s["max_new_tokens"]) for s in samplings]
-    done: list[dict[str, Any] | None] = [None] * len(samplings)
-    partial: list[dict[str, Any] | None] = [None] * len(samplings)
+    done: list[Reply | None] = [None] * len(samplings)
+    partial: list[GenerateResult | None] = [None] * len(samplings)
     todo = list(range(len(samplings)))
     resubmits = 0
     for _ in range(MAX_INTERRUPTIONS + 1):
         prompts, params = [], []
         for i in todo:
             had = partial[i]
-            kept: list[int] = list(had["output_ids"]) if had is not None else []
+            kept: list[int] = list(had.output_ids) if had is not None else []
             prompts.append(ids + kept)
             params.append({**samplings[i], "max_new_tokens": budgets[i] - len(kept)})
         answers = await ask(prompts, params)
         again: list[int] = []
         for i, r in zip(todo, answers, strict=True):
-            if "error" in r:
+            if isinstance(r, GenerateFailed):
                 done[i] = r
                 continue
-            if r.get("retracted"):
+            if r.retracted:
                 so_far = partial[i] = _merge(partial[i], r)
-                if len(so_far["output_ids"]) >= budgets[i]:  # handed back exactly at its budget
-                    done[i] = {**so_far, "finish_reason": "length", "retracted": False}
+                if len(so_far.output_ids) >= budgets[i]:  # handed back exactly at its budget
+                    done[i] = replace(so_far, finish_reason="length", retracted=False)
                     continue
                 again.append(i)
-            elif r.get("finish_reason") == "abort":
+            elif r.finish_reason == "abort":
                 partial[i] = None  # aborted: its tokens were not kept, so it starts over
                 again.append(i)
             else:

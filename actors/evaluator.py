@@ -20,10 +20,11 @@ from collections.abc import Sized
 from dataclasses import dataclass
 from typing import Any
 
-from miles.actors.eval_requests import generate_through_pauses
+from miles.actors.eval_requests import Reply, generate_through_pauses
 from miles.actors.messages import GenerateMany
 from miles.actors.runtime.host_view import ActorHost
 from miles.core.errors import MilesError
+from miles.core.generation import GenerateFailed, GenerateResult
 from miles.core.hooks import resolve_hook
 from miles.core.schema import MilesConfig
 from miles.rollout.tokens.tokenizer import Tokenizer
@@ -67,16 +68,14 @@ class Evaluator:
                             "a full evaluation needs a finite eval set (the dataset or gsm8k env)")
         return [self.env.prompts.item(i) for i in range(len(src))]
 
-    def _response(self, r: dict[str, Any]) -> str:
-        out = [t for t in r["output_ids"] if t not in self.tok.stop_token_ids]
+    def _response(self, r: GenerateResult) -> str:
+        out = [t for t in r.output_ids if t not in self.tok.stop_token_ids]
         return self.tok.decode(out, skip_special_tokens=True)
 
-    async def _score(self, p: dict[str, Any], ids: list[int], r: dict[str, Any]) -> float:
-        if "error" in r:
-            raise EvalError(f"eval generation failed: {r.get('error_type')}: {r['error']}")
-        n = len(r["output_ids"])
-        s = Sample(prompt_ids=ids, response_ids=r["output_ids"], loss_mask=[1] * n,
-                   rollout_logprobs=r["logprobs"], versions=r["versions"],
+    async def _score(self, p: dict[str, Any], ids: list[int], r: GenerateResult) -> float:
+        n = len(r.output_ids)
+        s = Sample(prompt_ids=ids, response_ids=r.output_ids, loss_mask=[1] * n,
+                   rollout_logprobs=r.logprobs, versions=r.versions,
                    metadata={"response": self._response(r)})
         rew = self.env.reward(p, s)
         if inspect.isawaitable(rew):
@@ -103,15 +102,16 @@ class Evaluator:
                                    for j in range(n_samples)]
             ref = host.ref(engines[i % len(engines)])
 
-            async def ask(prompts: list[list[int]], params: list[dict[str, Any]]) -> list[dict[str, Any]]:
-                out: list[dict[str, Any]] = await ref.ask(GenerateMany(prompts, params), timeout=ec.timeout_s)
+            async def ask(prompts: list[list[int]], params: list[dict[str, Any]]) -> list[Reply]:
+                out: list[Reply] = await ref.ask(GenerateMany(prompts, params), timeout=ec.timeout_s)
                 return out
 
-            rs, again = await generate_through_pauses(ask, ids, sampling)
+            replies, again = await generate_through_pauses(ask, ids, sampling)
+            rs = [_answer(r) for r in replies]
             scores = [await self._score(p, ids, r) for r in rs]
             answer = self._response(rs[0])
             extra = {name: float(fn(p, answer)) for name, fn in self.env.scorers.items()}
-            return Scored(scores[0], scores[1:], float(len(rs[0]["output_ids"])), extra, again)
+            return Scored(scores[0], scores[1:], float(len(rs[0].output_ids)), extra, again)
 
         res = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         m = self._greedy_metrics("eval/", res[:len(self.prompts)])
@@ -172,3 +172,9 @@ async def run_external(command: str, checkpoint: str, step: int, timeout_s: floa
             metrics.update({f"eval/external/{k}": float(v) for k, v in obj.items()
                             if isinstance(v, int | float) and not isinstance(v, bool)})
     return metrics
+
+
+def _answer(r: Reply) -> GenerateResult:
+    if isinstance(r, GenerateFailed):
+        raise EvalError(f"eval generation failed: {r.error_type}: {r.error}")
+    return r

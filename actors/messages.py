@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from miles.core.generation import GenerateFailed, GenerateResult
+
 # An engine's Health reply, a record: named here so that every process that asks for it can decode it.
 from miles.engines.health import HealthReply as HealthReply
 from miles.transport.schema import message
@@ -34,11 +36,17 @@ class Generate:
     images: dict[str, Any] | None = None
 
 
+# The replies to Generate / GenerateMany: core's records (the rollout reads them and imports only core),
+# registered here so that every process that asks for a generation decodes them, each field checked.
+message("engine.GenerateResult")(GenerateResult)
+message("engine.GenerateFailed")(GenerateFailed)
+
+
 @message("engine.GenerateMany")
 @dataclass
 class GenerateMany:
     """Several `Generate` requests in one message, answered together with one reply each
-    (a result, or {"error_type", "error"} for a request that failed alone). The rollout sends
+    (a `GenerateResult`, or a `GenerateFailed` for a request that failed alone). The rollout sends
     a group's samples this way: one message instead of n per group, in both processes."""
 
     input_ids: list[list[int]]

@@ -139,3 +139,14 @@ KNOWN_ERRORS: dict[str, type[MilesError]] = {
         RewardError,
     )
 }
+
+
+def remote_exception(type_name: str, message: str, traceback: str = "") -> MilesError:
+    """The exception a peer's error (its class name, message and traceback) is raised as here:
+    the same class where both sides know it, so callers catch it by type; else a RemoteError."""
+    cls = KNOWN_ERRORS.get(type_name)
+    if cls is not None and cls is not RemoteError:
+        exc = cls(message)
+        exc.remote_traceback = traceback
+        return exc
+    return RemoteError(type_name, message, traceback)

@@ -13,10 +13,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import numpy as np
 import torch
 
 from miles.core.clock import new_id
+
+# The result record is core's (the rollout reads it too, and imports only core): named here as the contract's.
+from miles.core.generation import FinishReason as FinishReason
+from miles.core.generation import GenerateResult as GenerateResult
 from miles.core.hooks import Registry
 from miles.core.images import ImageInput
 from miles.engines.health import HealthReply as HealthReply
@@ -24,7 +27,6 @@ from miles.engines.health import HealthReply as HealthReply
 # Staging: the landing an engine offers (weightsync/stager.py), named by the contract below
 from miles.weightsync.stager import Staging
 
-FinishReason = Literal["stop", "length", "abort"]
 PauseMode = Literal["abort", "retract", "in_place"]
 
 
@@ -58,21 +60,6 @@ class GenerateRequest:
     # every image of input_ids, in order (a VL model); the ids hold each image's placeholders
     # already expanded (core/images.py), so engine and trainer see the same token ids
     images: ImageInput | None = None
-
-
-@dataclass
-class GenerateResult:
-    request_id: str
-    output_ids: list[int]
-    logprobs: list[float]  # one per output token, definition in the module docstring
-    finish_reason: FinishReason
-    versions: list[int]  # weight version that produced each output token
-    prompt_tokens: int
-    cached_tokens: int  # prompt tokens whose KV was reused from the session cache
-    retracted: bool = False  # aborted by pause('retract'): resubmit prompt + output to continue
-    # [T, L_moe, k] expert ids (uint8 / uint16) for the prompt + output tokens fed to the model:
-    # T = prompt_tokens + len(output_ids) normally; one less when the request was aborted.
-    routed_experts: np.ndarray | None = None
 
 
 class Engine(abc.ABC):

@@ -33,12 +33,11 @@ from miles.actors.runtime.messages import (
 from miles.actors.runtime.pubsub import Subscriber, publish_frames
 from miles.actors.runtime.ref import ActorRef
 from miles.core.errors import (
-    KNOWN_ERRORS,
     ActorDeadError,
     MilesError,
     PeerTimeout,
     ProtocolError,
-    RemoteError,
+    remote_exception,
 )
 from miles.core.logging import get_logger
 from miles.core.schema.transport import TransportConfig
@@ -368,7 +367,7 @@ class Host:
             return
         fut = entry[0]
         if env.kind == codec.ERROR:
-            fut.set_exception(_remote_exception(*env.body))
+            fut.set_exception(remote_exception(*env.body))
         else:
             fut.set_result(env.body)
 
@@ -434,12 +433,3 @@ def _expire(fut: asyncio.Future[Any], name: str, address: str, timeout: float, w
     if not fut.done():
         fut.set_exception(PeerTimeout(
             f"no reply from {name!r} at {address} within {timeout:.3g}s (request {what})"))
-
-
-def _remote_exception(type_name: str, message: str, traceback: str) -> MilesError:
-    cls = KNOWN_ERRORS.get(type_name)
-    if cls is not None and cls is not RemoteError:
-        exc = cls(message)
-        exc.remote_traceback = traceback
-        return exc
-    return RemoteError(type_name, message, traceback)

@@ -30,14 +30,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from miles.core.errors import (
-    KNOWN_ERRORS,
     ActorDeadError,
     EngineDown,
     EngineError,
     MilesError,
     PeerGone,
-    RemoteError,
 )
+from miles.core.generation import GenerateFailed, GenerateResult
 from miles.core.images import ImageInput
 from miles.core.logging import get_logger
 from miles.rollout.routing.dispatch import Dispatch, NoLiveEngine
@@ -66,21 +65,13 @@ class EngineSession:
 
 
 class EngineLink(Protocol):
-    """Sends one engine the requests of one loop iteration; one reply dict per request, in
-    order (a reply with `error_type` is that request's own failure). `end_session` has the
-    engine drop the KV it keeps for a session key."""
+    """Sends one engine the requests of one loop iteration; one reply per request, in order
+    (a `GenerateFailed` is that request's own failure). `end_session` has the engine drop the
+    KV it keeps for a session key."""
 
-    async def generate(self, engine: str, batch: list[Request]) -> list[dict[str, Any]]: ...
+    async def generate(self, engine: str, batch: list[Request]) -> list[GenerateResult | GenerateFailed]: ...
 
     async def end_session(self, engine: str, key: str) -> None: ...
-
-
-def item_error(r: dict[str, Any]) -> Exception:
-    """The exception of one failed request of a GenerateMany, as its own ask would raise it."""
-    cls = KNOWN_ERRORS.get(r["error_type"])
-    if cls is not None and cls is not RemoteError:
-        return cls(r["error"])
-    return RemoteError(r["error_type"], r["error"], "")
 
 
 class EngineRequests:
@@ -93,7 +84,7 @@ class EngineRequests:
         self._live = asyncio.Event()
         if dispatch.live:
             self._live.set()
-        self._queued: dict[str, list[tuple[Request, asyncio.Future[dict[str, Any]]]]] = {}
+        self._queued: dict[str, list[tuple[Request, asyncio.Future[GenerateResult]]]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.gen_tokens = 0
         self.resubmits = 0  # requests retracted by a weight update and continued under the new version
@@ -134,17 +125,17 @@ class EngineRequests:
         while True:
             r = await self._once(key, Request(prompt_ids + ids, {**params, "max_new_tokens": budget - len(ids)},
                                               wire, session))
-            routed_before = routed_before or r["routed_experts"] is not None
-            cached += int(r["cached_tokens"])
-            ids += r["output_ids"]
-            logprobs += r["logprobs"]
-            versions += r["versions"]
-            finish = r["finish_reason"]
-            if not r["retracted"]:
+            routed_before = routed_before or r.routed_experts is not None
+            cached += r.cached_tokens
+            ids += r.output_ids
+            logprobs += r.logprobs
+            versions += r.versions
+            finish = r.finish_reason
+            if not r.retracted:
                 break
             if len(ids) >= budget:
                 finish = "length"  # retracted exactly at the budget: nothing left to sample
-                if r["routed_experts"] is None and routed_before:
+                if r.routed_experts is None and routed_before:
                     # SGLang answers an aborted request without its routing, and no continuation
                     # follows to bring it: the sample cannot be replayed (R3), so it fails, counted.
                     raise EngineError(f"request retracted at its token budget ({budget}) by a weight update "
@@ -157,9 +148,9 @@ class EngineRequests:
         if len(set(versions)) > 1:
             self.mixed_version_samples += 1
         self.gen_tokens += len(ids)
-        return EngineOutput(ids, logprobs, finish, versions, r["routed_experts"], cached)
+        return EngineOutput(ids, logprobs, finish, versions, r.routed_experts, cached)
 
-    async def _once(self, key: str, req: Request) -> dict[str, Any]:
+    async def _once(self, key: str, req: Request) -> GenerateResult:
         n = len(req.input_ids)
         while True:
             engine = await self._route(key, n)
@@ -179,7 +170,7 @@ class EngineRequests:
                 self.dispatch.finish(engine, n)
                 raise
             self._add_session(req, key, engine)
-            self.dispatch.finish(engine, n, int(r["cached_tokens"]))
+            self.dispatch.finish(engine, n, r.cached_tokens)
             return r
 
     async def _route(self, key: str, n: int) -> str:
@@ -228,9 +219,9 @@ class EngineRequests:
             await self.end_session(session)
 
     # ---------------------------------------------------------------- batching
-    def _queue(self, engine: str, req: Request) -> asyncio.Future[dict[str, Any]]:
+    def _queue(self, engine: str, req: Request) -> asyncio.Future[GenerateResult]:
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future[dict[str, Any]] = loop.create_future()
+        fut: asyncio.Future[GenerateResult] = loop.create_future()
         queued = self._queued.get(engine)
         if queued is None:
             queued = self._queued[engine] = []
@@ -245,7 +236,7 @@ class EngineRequests:
             self._tasks.add(t)
             t.add_done_callback(self._tasks.discard)
 
-    async def _ask(self, engine: str, batch: list[tuple[Request, asyncio.Future[dict[str, Any]]]]) -> None:
+    async def _ask(self, engine: str, batch: list[tuple[Request, asyncio.Future[GenerateResult]]]) -> None:
         try:
             replies = await self.link.generate(engine, [q[0] for q in batch])
             if len(replies) != len(batch):
@@ -262,8 +253,8 @@ class EngineRequests:
             return
         for (_, fut), r in zip(batch, replies, strict=True):
             if not fut.done():
-                if "error_type" in r:
-                    fut.set_exception(item_error(r))
+                if isinstance(r, GenerateFailed):
+                    fut.set_exception(r.exception())
                 else:
                     fut.set_result(r)
 

@@ -14,13 +14,13 @@ from miles.actors.messages import GenerateMany
 from miles.actors.runtime.directory import Directory
 from miles.actors.runtime.host import DIRECTORY_NAME, Host
 from miles.core.errors import EngineError, RemoteError
+from miles.core.generation import GenerateFailed, GenerateResult
 from miles.core.schema.engine import EngineConfig
 from miles.core.schema.transport import TransportConfig
 from miles.engines.torch_engine import TorchEngine
 from miles.models.config import ModelSpec
 from miles.models.presets import tiny_config
 from miles.models.registry import build_model
-from miles.rollout.routing.requests import item_error as _item_error
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,11 +46,14 @@ async def test_generate_many_answers_each_request_and_isolates_a_bad_one() -> No
         replies = await client.ref("engine-0").ask(msg, timeout=30)
         assert len(replies) == 3
         ok = [replies[0], replies[2]]
-        assert [len(r["output_ids"]) for r in ok] == [3, 2]
-        assert [len(r["logprobs"]) for r in ok] == [3, 2]
-        assert all(r["finish_reason"] == "length" and not r["retracted"] for r in ok)
-        assert replies[1]["error_type"] == "EngineError" and "bogus" in replies[1]["error"]
-        err = _item_error(replies[1])
+        assert all(isinstance(r, GenerateResult) for r in ok)  # typed records, decoded and checked
+        assert [len(r.output_ids) for r in ok] == [3, 2]
+        assert [len(r.logprobs) for r in ok] == [3, 2]
+        assert all(r.finish_reason == "length" and not r.retracted for r in ok)
+        failed = replies[1]
+        assert isinstance(failed, GenerateFailed)
+        assert failed.error_type == "EngineError" and "bogus" in failed.error
+        err = failed.exception()
         assert isinstance(err, EngineError) and "bogus" in str(err)
         with pytest.raises(EngineError, match="2 prompts for 1 samplings"):
             await client.ref("engine-0").ask(GenerateMany([prompt, prompt], [_sampling(1)]), timeout=30)
@@ -60,5 +63,5 @@ async def test_generate_many_answers_each_request_and_isolates_a_bad_one() -> No
 
 
 def test_an_unknown_remote_error_type_stays_a_remote_error() -> None:
-    err = _item_error({"error_type": "ZeroDivisionError", "error": "division by zero"})
+    err = GenerateFailed("ZeroDivisionError", "division by zero").exception()
     assert isinstance(err, RemoteError) and err.type_name == "ZeroDivisionError"

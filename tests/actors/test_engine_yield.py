@@ -47,7 +47,7 @@ async def test_engines_hold_still_during_the_phase_and_continue_after() -> None:
             assert engine.stats()["generated_tokens"] == held and not task.done()
         assert yielder.failures == 2
         res = await task
-        assert res["output_ids"] == alone["output_ids"]  # continued where it stopped: same greedy ids
+        assert res.output_ids == alone.output_ids  # continued where it stopped: same greedy ids
         off = EngineYield(lambda e, m, t: client.ref(e).ask(m, timeout=t), ["engine-1"], enabled=False)
         async with off.during("train"):
             pass

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from miles.actors.engine import result_to_wire, sampling_from_wire
-from miles.actors.eval_requests import generate_through_pauses
-from miles.engines.base import GenerateRequest
+from miles.actors.engine import sampling_from_wire
+from miles.actors.eval_requests import Reply, generate_through_pauses
+from miles.engines.base import GenerateRequest, GenerateResult
 from miles.engines.torch_engine import TorchEngine
 
 pytestmark = pytest.mark.timeout(120)
@@ -20,11 +20,11 @@ SAMPLING = [{"temperature": 0.0, "max_new_tokens": BUDGET}, {"temperature": 1.0,
 
 
 def asker(engine: TorchEngine):
-    async def ask(prompts: list[list[int]], params: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    async def ask(prompts: list[list[int]], params: list[dict[str, Any]]) -> list[Reply]:
         # what the engine actor's GenerateMany does with one message: all at once, results in order
         rs = await asyncio.gather(*(engine.generate(GenerateRequest(p, sampling_from_wire(s)))
                                     for p, s in zip(prompts, params, strict=True)))
-        return [result_to_wire(r) for r in rs]
+        return list(rs)
     return ask
 
 
@@ -45,8 +45,9 @@ async def test_an_answer_handed_back_at_a_pause_is_completed(engine: TorchEngine
     assert handed_back >= 1 and resubmits >= 1  # the pauses caught the answers in flight
     for r in answers:
         # whole answers: the budget's worth of tokens (the tiny model meets no stop id), none cut at a pause
-        assert r["finish_reason"] == "length" and not r["retracted"], r["finish_reason"]
-        assert len(r["output_ids"]) == len(r["logprobs"]) == len(r["versions"]) == BUDGET
+        assert isinstance(r, GenerateResult)
+        assert r.finish_reason == "length" and not r.retracted, r.finish_reason
+        assert len(r.output_ids) == len(r.logprobs) == len(r.versions) == BUDGET
 
 
 async def test_an_answer_with_no_pause_is_asked_once(engine: TorchEngine) -> None:
@@ -59,4 +60,4 @@ async def test_an_answer_with_no_pause_is_asked_once(engine: TorchEngine) -> Non
 
     answers, resubmits = await generate_through_pauses(counted, [4, 5], SAMPLING)
     assert resubmits == 0 and calls == [2]
-    assert [len(r["output_ids"]) for r in answers] == [BUDGET, BUDGET]
+    assert [len(r.output_ids) for r in answers if isinstance(r, GenerateResult)] == [BUDGET, BUDGET]

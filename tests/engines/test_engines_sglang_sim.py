@@ -22,7 +22,7 @@ import torch
 
 from miles.core.errors import EngineStartError
 from miles.core.schema.engine import EngineConfig
-from miles.engines.base import GenerateRequest, SamplingParams
+from miles.engines.base import GenerateRequest, GenerateResult, SamplingParams
 from miles.engines.sglang import SGLangEngine
 from miles.models.config import ModelSpec
 from miles.models.hf_io import hf_tensor_views, save_model, tensor_checksum
@@ -179,26 +179,26 @@ async def test_start_failure_shows_the_server_error_and_is_not_restarted(
 async def test_callers_see_retracted_on_what_they_receive(ckpt: Path, tmp_path: Path) -> None:
     """The engine actor encodes a result the moment its caller resumes; a pause('retract') must have
     marked it by then (it marked after: on the H100 every retracted request went out as a plain abort)."""
-    from miles.actors.engine import result_to_wire
+    from dataclasses import replace
 
     eng = SGLangEngine(sim_config(ckpt, tmp_path, "tensor"))
     try:
         await eng.warm_up()
 
-        async def as_the_actor_sends(seed: int) -> dict[str, Any]:
-            return result_to_wire(await eng.generate(req(200, seed=seed)))
+        async def as_the_actor_sends(seed: int) -> GenerateResult:
+            return replace(await eng.generate(req(200, seed=seed)))  # a copy as of that moment, as encoding
 
         sent = [asyncio.create_task(as_the_actor_sends(i)) for i in range(3)]
         await sim_until(eng, lambda info: len(info["sim_output_tokens"]) == 3 and min(info["sim_output_tokens"]) > 0)
         back = await eng.pause("retract")
         wire = await asyncio.wait_for(asyncio.gather(*sent), 10)
-        assert len(back) == 3 and all(w["retracted"] and w["finish_reason"] == "abort" for w in wire), wire
+        assert len(back) == 3 and all(w.retracted and w.finish_reason == "abort" for w in wire), wire
         await eng.resume()
         plain = asyncio.create_task(as_the_actor_sends(7))  # an abort asked by its caller is not a retract
         await sim_until(eng, lambda info: len(info["sim_output_tokens"]) == 1 and min(info["sim_output_tokens"]) > 0)
         assert await eng.abort(next(iter(eng._inflight)))
         w = await asyncio.wait_for(plain, 10)
-        assert w["finish_reason"] == "abort" and not w["retracted"]
+        assert w.finish_reason == "abort" and not w.retracted
     finally:
         await eng.close()
 

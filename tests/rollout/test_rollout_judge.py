@@ -79,7 +79,7 @@ async def test_judge_answers_fail_when_killed_and_recover_on_restart(procs, tmp_
         want = await rollout_host.ref("judge-0").ask(
             Generate(ids, {"temperature": 0.0, "max_new_tokens": 6, "stop_token_ids": tok.stop_token_ids}),
             timeout=30)
-        assert got == want["output_ids"] and lps == want["logprobs"]
+        assert got == want.output_ids and lps == want.logprobs
         # a judge-scored reward through the guard: the guard hands the function the client
         guard = RewardGuard(judge_correct, "stop", 3, judge=judge)
         sample = Sample(prompt_ids=[1], response_ids=[2], loss_mask=[1], rollout_logprobs=[0.0], versions=[0],

@@ -19,6 +19,7 @@ import pytest
 
 from miles.core.config import load_config
 from miles.core.errors import ActorDeadError
+from miles.core.generation import GenerateFailed, GenerateResult
 from miles.core.hooks import resolve_hook
 from miles.core.schema import MilesConfig
 from miles.rollout.orchestrator import Orchestrator
@@ -50,15 +51,15 @@ class ScriptedLink:
         self.version = 0  # the engines' weight version (the tests' trainer publishes each one at once)
         self.ended: list[tuple[str, str]] = []  # (engine, session key) per EndSession
 
-    async def generate(self, engine: str, batch: list[Request]) -> list[dict[str, Any]]:
+    async def generate(self, engine: str, batch: list[Request]) -> list[GenerateResult | GenerateFailed]:
         await asyncio.sleep(0)
         if engine in self.dead:
             raise ActorDeadError(f"actor {engine!r} died: killed by the test")
         self.messages.append((engine, len(batch)))
-        out: list[dict[str, Any]] = []
+        out: list[GenerateResult | GenerateFailed] = []
         for q in batch:
             if engine in self.restarting:  # as the engine actor answers a GenerateMany item
-                out.append({"error_type": "EngineDown", "error": f"{engine}: sglang server died; restarting"})
+                out.append(GenerateFailed("EngineDown", f"{engine}: sglang server died; restarting"))
                 continue
             self.served.append((engine, tuple(q.input_ids)))
             r = await self.policy(q.input_ids, q.sampling)
@@ -67,9 +68,8 @@ class ScriptedLink:
             self.seen.add(tuple(q.input_ids))
             if retract:
                 ids, lps = ids[:1], lps[:1]
-            out.append({"output_ids": ids, "logprobs": lps, "finish_reason": "abort" if retract else "stop",
-                        "versions": [self.version] * len(ids), "routed_experts": None, "cached_tokens": 0,
-                        "retracted": retract})
+            out.append(GenerateResult(f"req-{len(self.served)}", ids, lps, "abort" if retract else "stop",
+                                      [self.version] * len(ids), len(q.input_ids), 0, retracted=retract))
         return out
 
     async def end_session(self, engine: str, key: str) -> None:

@@ -76,8 +76,8 @@ async def test_openai_agent_tool_loop_exports_the_engine_ids(stack) -> None:
         prompt = sample.prompt_ids + sample.response_ids[:a]
         r = await s.host.ref("engine-0").ask(
             Generate(prompt, {"temperature": 0.0, "max_new_tokens": 80, "stop_token_ids": stop}), timeout=30)
-        assert r["output_ids"] == sample.response_ids[a:b]
-        assert r["logprobs"] == pytest.approx(sample.rollout_logprobs[a:b], abs=1e-4)
+        assert r.output_ids == sample.response_ids[a:b]
+        assert r.logprobs == pytest.approx(sample.rollout_logprobs[a:b], abs=1e-4)
     first = tok.decode(sample.response_ids[segs[0][0]:segs[0][1]])
     assert first.startswith("<tool_call>") and json.loads(first[11:first.index("</tool_call>")]) == {
         "name": "calc", "arguments": {"expr": "12*3+4"}}

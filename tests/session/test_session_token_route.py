@@ -39,8 +39,10 @@ async def _session(http: aiohttp.ClientSession, url: str) -> str:
 
 
 async def _engine(front, ids: list[int], sampling: dict) -> dict:
-    """The engine's own answer for `ids`, asked directly (no front, no session KV)."""
-    return await front.host.ref("engine-0").ask(Generate(ids, sampling), timeout=30)
+    """The engine's own answer for `ids`, asked directly (no front, no session KV), as a map to
+    compare with the token API's JSON."""
+    r = await front.host.ref("engine-0").ask(Generate(ids, sampling), timeout=30)
+    return {"output_ids": r.output_ids, "logprobs": r.logprobs}
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.7, "seed": 11}])

@@ -40,7 +40,7 @@ async def test_every_response_comes_from_one_version(procs) -> None:
     async def answered_at(version: int) -> None:
         """Until a whole response of `version` is in (the probes keep going meanwhile)."""
         deadline = asyncio.get_running_loop().time() + 30
-        while not any(r["versions"] and r["versions"][0] == version for r in responses):
+        while not any(r.versions and r.versions[0] == version for r in responses):
             assert asyncio.get_running_loop().time() < deadline, f"no response at version {version}"
             await asyncio.sleep(0.01)
 
@@ -56,11 +56,11 @@ async def test_every_response_comes_from_one_version(procs) -> None:
         await asyncio.gather(*probes)
         seen = set()
         for r in responses:
-            if r["versions"]:
-                assert len(set(r["versions"])) == 1, r["versions"]  # never a mix of two versions
-                seen.add(r["versions"][0])
+            if r.versions:
+                assert len(set(r.versions)) == 1, r.versions  # never a mix of two versions
+                seen.add(r.versions[0])
         assert seen == {0, 1, 2, 3}
-        assert any(r["retracted"] for r in responses)  # the probe really overlapped a sync
+        assert any(r.retracted for r in responses)  # the probe really overlapped a sync
     finally:
         await sync.close()
         await host.stop()

@@ -134,6 +134,30 @@ def test_an_engines_health_reply_is_a_checked_record() -> None:
         _roundtrip(encode(REPLY, 3, "", bad))
 
 
+def test_an_engines_generate_reply_is_a_checked_record() -> None:
+    """The reply to `Generate` is core's GenerateResult on the wire, its routed experts a zero-copy
+    frame; a GenerateMany reply is a list of them with a GenerateFailed for a request that failed
+    alone. A field of the wrong type, or a finish reason the contract lacks, is refused where it is
+    decoded, naming the field."""
+    import numpy as np
+
+    import miles.actors.messages  # noqa: F401 - registers the replies, as every asking process does
+    from miles.core.generation import GenerateFailed, GenerateResult
+
+    routed = np.arange(5 * 2 * 2, dtype=np.uint8).reshape(5, 2, 2)
+    r = GenerateResult("req-1", [7, 8], [-0.5, -1.0], "length", [3, 3], 3, 1, routed_experts=routed)
+    back = _roundtrip(encode(REPLY, 3, "", r)).body
+    assert isinstance(back, GenerateResult) and back.output_ids == [7, 8] and back.finish_reason == "length"
+    assert back.routed_experts is not None and back.routed_experts.dtype == np.uint8
+    assert np.array_equal(back.routed_experts, routed)
+    many = _roundtrip(encode(REPLY, 4, "", [r, GenerateFailed("EngineError", "bogus")])).body
+    assert isinstance(many[0], GenerateResult) and many[1] == GenerateFailed("EngineError", "bogus")
+    with pytest.raises(ProtocolError, match="finish_reason"):
+        _roundtrip(encode(REPLY, 3, "", GenerateResult("req-1", [7], [-0.5], "banana", [3], 3, 0)))  # type: ignore[arg-type]
+    with pytest.raises(ProtocolError, match="output_ids"):
+        _roundtrip(encode(REPLY, 3, "", GenerateResult("req-1", ["7"], [-0.5], "stop", [3], 3, 0)))  # type: ignore[list-item]
+
+
 def test_a_process_that_loads_only_the_messages_can_read_a_health_reply() -> None:
     """The rollout process decodes Health replies (its watchers ask down engines and judges) and
     never imports torch or engines/base.py: the record is registered by actors/messages.py alone."""
@@ -143,6 +167,8 @@ def test_a_process_that_loads_only_the_messages_can_read_a_health_reply() -> Non
     code = ("import sys, miles.actors.messages\n"
             "from miles.transport.schema import spec_for_name\n"
             "assert spec_for_name('engine.HealthReply').cls.__name__ == 'HealthReply'\n"
+            "assert spec_for_name('engine.GenerateResult').cls.__name__ == 'GenerateResult'\n"
+            "assert spec_for_name('engine.GenerateFailed').cls.__name__ == 'GenerateFailed'\n"
             "assert 'torch' not in sys.modules, 'actors/messages.py loaded torch'\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
