@@ -10,12 +10,9 @@ process group and killed by PID on the way out.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import random
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +23,7 @@ from miles.actors.runtime.directory import Directory
 from miles.actors.runtime.host import DIRECTORY_NAME, Host
 from miles.core.files import atomic_write_bytes
 from miles.core.logging import get_logger
+from miles.core.ports import group_port
 from miles.core.schema import MilesConfig
 from miles.launch.console import Console
 from miles.launch.supervision import CrashReport, RestartPolicy, crash_report
@@ -89,25 +87,6 @@ class Child:
         self.proc.kill()
 
 
-def _group_port() -> int:
-    """A free loopback port for a multi-rank trainer group, picked below the kernel's ephemeral
-    range: ports the kernel hands out (bind to 0, every outgoing connection) come from that range,
-    so a port picked there can be taken before rank 0 binds it (CI saw EADDRINUSE). Here, not from
-    trainer.dist, so the launcher never imports torch (~1 s of CPU before any role starts)."""
-    low = 32768
-    with contextlib.suppress(OSError, ValueError):
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    floor = min(20000, low // 2)
-    # SystemRandom: launchers seeded alike (tests, a sweep) must not try the same ports in order
-    for port in random.SystemRandom().sample(range(floor, low), k=min(64, low - floor)):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s, contextlib.suppress(OSError):
-            s.bind(("127.0.0.1", port))
-            return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def role_threads(role: str, roles: list[tuple[str, int]]) -> dict[str, str]:
     """CPU threads for one role process, unless the user set OMP_NUM_THREADS.
 
@@ -155,7 +134,7 @@ class LocalLauncher:
             loop.add_signal_handler(sig, self._stop.set)
         env = {**os.environ, "MILES_DIRECTORY": host.address, "PYTHONUNBUFFERED": "1", "MILES_RESUME": self.resume_from}
         if self.cfg.trainer.world_size > 1:  # one rank binds no port (trainer/dist.py)
-            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_group_port()))
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(group_port()))
         base = [sys.executable, "-m", "miles.launch.role"]
         roles = [("engine", i) for i in range(self.cfg.engine.num_engines)] + [("rollout", 0)] + [
             ("trainer", r) for r in range(self.cfg.trainer.world_size)]

@@ -7,18 +7,17 @@ by the launcher or actor shell); a single rank needs no address and joins an in-
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 
 from miles.core.errors import TrainerError
+from miles.core.ports import group_port
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port for a multi-rank group's MASTER_PORT (tests and benches that start ranks)."""
+    return group_port()
 
 
 def pick_device(kind: str, rank: int) -> torch.device:

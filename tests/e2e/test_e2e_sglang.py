@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from miles.core.ports import group_port
+
 from .e2e_helpers import QUICKSTART, check_ledger, kill_tree, metrics, miles_argv, wait, wait_for
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
@@ -31,9 +33,7 @@ LAUNCH_MARK = "# miles launch: "
 def free_port_block(n: int) -> int:
     """A port p with p .. p+n-1 free now (engines listen on sglang_port + index)."""
     for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = int(s.getsockname()[1])
+        p = group_port()  # below the ephemeral range: no connection takes it meanwhile
         if p + n > 65535:
             continue
         free = True

@@ -21,6 +21,7 @@ import structlog
 import torch
 
 from miles.core.errors import EngineStartError
+from miles.core.ports import group_port
 from miles.core.schema.engine import EngineConfig
 from miles.engines.base import GenerateRequest, GenerateResult, SamplingParams
 from miles.engines.sglang import SGLangEngine
@@ -36,12 +37,6 @@ RECORDED = json.loads((Path(__file__).parents[1] / "data" / "sglang_h200" / "res
 SPEC = ModelSpec.from_hf(tiny_config("qwen3_moe", vocab_size=128, head_dim=64))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def ckpt(tmp_path: Path) -> Path:
     save_model(build_model(SPEC, seed=0), tmp_path / "ckpt")
@@ -49,7 +44,7 @@ def ckpt(tmp_path: Path) -> Path:
 
 
 def sim_config(ckpt: Path, tmp_path: Path, update: str = "disk", **kw: object) -> EngineConfig:
-    return EngineConfig(type="sglang", sglang_model_path=str(ckpt), sglang_port=free_port(),
+    return EngineConfig(type="sglang", sglang_model_path=str(ckpt), sglang_port=group_port(),
                         sglang_python=str(SIM_PYTHON), sglang_return_routed_experts=True,
                         sglang_stage_dir=str(tmp_path / "stage"), sglang_startup_timeout_s=120,
                         sglang_weight_update=update, max_seq_len=256, **kw)  # type: ignore[arg-type]

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
 
+from miles.core.ports import group_port
 from miles.launch.cli import main
 
 from .perftest_helpers import perftest
@@ -55,17 +55,11 @@ def test_missing_extras_name_what_to_install(capsys: pytest.CaptureFixture[str])
         assert "--device pinned needs CUDA" in capsys.readouterr().err
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.parametrize("role", ["--peer", "--listen"])
 def test_missing_peer_fails_within_the_deadline(tmp_path: Path, role: str) -> None:
     # timeout=40: a perftest that waits for ever fails here; how close to its 1 s it gives up is
     # a timing, measured by bench/deadlines_cpu.py
-    res = perftest(role, f"127.0.0.1:{_free_port()}", "--connect-timeout", "1", cwd=tmp_path, timeout=40)
+    res = perftest(role, f"127.0.0.1:{group_port()}", "--connect-timeout", "1", cwd=tmp_path, timeout=40)
     assert res.returncode == 2, res.stderr
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "within 1 s" in lines[0], lines

@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from miles.core.ports import group_port
 
 from .perftest_helpers import SMALL, check_outputs, perftest
 
@@ -34,16 +35,10 @@ WHY = _idle_nodes()
 pytestmark = [pytest.mark.skipif(bool(WHY), reason=WHY or "-"), pytest.mark.timeout(60)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.parametrize("meet", ["rendezvous-file", "fixed-port"])
 def test_two_ranks_on_two_nodes(tmp_path: Path, meet: str) -> None:
     j, c = tmp_path / "o.json", tmp_path / "o.csv"
-    extra = ["--port", str(_free_port())] if meet == "fixed-port" else []
+    extra = ["--port", str(group_port())] if meet == "fixed-port" else []
     name = f"perftest-{os.getpid()}-{meet}"
     try:
         res = perftest("--transport", "zmq-bulk", "--pattern", "stream", *SMALL, *extra, "--json", str(j),
