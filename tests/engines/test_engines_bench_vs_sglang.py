@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import socket
 import sys
 import threading
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 import torch
 from aiohttp import web
 
+from miles.core.ports import group_port
 from miles.core.schema.engine import EngineConfig
 from miles.engines.base import GenerateResult
 from miles.engines.sglang import SGLangEngine
@@ -257,9 +257,7 @@ def test_sglang_run_flushes_before_each_run_and_stops_at_a_failure(tmp_path: Pat
 def test_sglang_that_cannot_start_keeps_the_torch_engine_numbers(tmp_path: Path) -> None:
     if importlib.util.find_spec("sglang") is not None:
         pytest.skip("sglang is installed here: its server would start")
-    with socket.socket() as s:  # a free port for the server that never comes up
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = group_port()  # a free port for the server that never comes up
     args = bench.parse_args(["--models", "dense", "--cases", "b8", "--hf", "", "--repeats", "1", "--sglang",
                              "--sglang-dir", str(tmp_path), "--sglang-port", str(port), "--sglang-start-s", "50",
                              "--out", str(tmp_path / "out.json")])

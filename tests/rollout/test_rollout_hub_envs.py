@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from typing import Any
 import pytest
 
 from miles.core.errors import ConfigError
+from miles.core.ports import group_port
 from miles.rollout.envs.base import Environment
 from miles.rollout.envs.hub_common import TokenDrift, drift, require
 from miles.rollout.layers import RolloutContext, default_generate, default_rollout, load_layer
@@ -157,9 +157,7 @@ def test_reasoning_gym_bad_task_is_a_config_error() -> None:
 @pytest.fixture
 def openenv_url(tmp_path: Path) -> Iterator[str]:
     """The example OpenEnv server (examples/openenv_sum_env.py) on a free loopback port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = group_port()  # the server binds it later: picked where no connection takes it meanwhile
     log = (tmp_path / "openenv.log").open("wb")
     proc = subprocess.Popen([sys.executable, str(REPO / "examples" / "openenv_sum_env.py"), "--port", str(port)],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
