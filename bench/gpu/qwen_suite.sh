@@ -3,7 +3,8 @@
 # Every call carries one chunk folder (64 MiB cap per call, the machine warm between back-to-back calls):
 #   run(command="bash bench/gpu/qwen_suite.sh take", carry=[".carry/cNN"])     NN = 00..19
 # c00-c09: learn.tar (cp312 wheels, GSM8K gz, the 491 MB GGUF); c10-c19: sglw.tar (SGLang 0.5.17's 56
-# wheels); carry.sha in c00 and c10. `take` joins and unpacks each tar once all its chunks are here:
+# wheels); carry.sha in c00 and c10; all built here by `bash bench/gpu/payload.sh` (25 s, no device time).
+# `take` joins and unpacks each tar once all its chunks are here:
 #   /root/pl/{whl,data,qwen.gguf} -> /tmp/site (wheels), /root/gsm8k, /root/qwen-hf (converted in `learn`)
 # Then detached stages (they survive their call while the machine stays warm) and their collection:
 #   bash bench/gpu/qwen_suite.sh bg learn     # 3 GSM8K runs at once (torch engine: sync s0, fully_async s0/s1)
