@@ -125,6 +125,10 @@ class RolloutActor(Actor):
         self.orch.changed()
 
     # ------------------------------------------------------------------ life cycle
+    def resume_from(self, state: dict[str, Any], where: str) -> None:
+        """A stopped run's rollout state (`rollout_state.json` at `where`) before the actor starts."""
+        self.orch.load(state, where)
+
     async def on_start(self) -> None:
         self.host.on_death(self._on_death)
         if self.cfg.rollout.http_front:

@@ -9,7 +9,7 @@ counts as 1.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -71,6 +71,10 @@ class Engine(abc.ABC):
 
     # what sync.pause_mode = "auto" means for this engine (a pause that keeps every token attributable)
     default_pause_mode: PauseMode = "in_place"
+    # Called when the engine can no longer serve and cannot be brought back (an external server past
+    # its restarts, or a restart that failed at start); the engine role sets it to end with that
+    # cause. An embedded engine never calls it: its failures raise in the call that met them.
+    on_lost: Callable[[BaseException], None] | None = None
 
     @abc.abstractmethod
     async def generate(self, req: GenerateRequest) -> GenerateResult: ...

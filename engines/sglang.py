@@ -38,7 +38,7 @@ import contextlib
 import dataclasses
 import json
 import tempfile
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -114,9 +114,6 @@ class SGLangEngine(Engine):
         self._ready = asyncio.Lock()
         self._started = False
         self._watchdog: asyncio.Task[None] | None = None
-        # called when the server cannot be brought back (restarts exhausted, a restart failed at start):
-        # the engine role ends with that error, for its supervisor to stop the run with the cause
-        self.on_lost: Callable[[BaseException], None] | None = None
         self._fatal = ""  # why the server cannot serve any more (restarts exhausted / failed)
         self._inflight: dict[str, asyncio.Task[GenerateResult]] = {}
         self._aborted: set[str] = set()  # rids this client asked the server to abort

@@ -109,16 +109,15 @@ def main(argv: list[str] | None = None) -> int:
             except BaseException:
                 await engine.close()  # a launched server is not left behind; the error is reported below
                 raise
-            if hasattr(engine, "on_lost"):  # an external server that cannot be brought back ends the role
 
-                def lost(exc: BaseException) -> None:
-                    from miles.launch.supervision import report_crash
+            def lost(exc: BaseException) -> None:  # an engine that cannot be brought back ends the role
+                from miles.launch.supervision import report_crash
 
-                    report_crash(exc, started=True)
-                    code["rc"] = 1
-                    stop.set()
+                report_crash(exc, started=True)
+                code["rc"] = 1
+                stop.set()
 
-                engine.on_lost = lost
+            engine.on_lost = lost
             name = "eval-engine" if a.role == "eval_engine" else f"engine-{a.index}"
             await host.add(EngineActor(engine), name)
         elif a.role == "rollout":
@@ -138,9 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             if resume:
                 with open(os.path.join(resume, "rollout_state.json")) as f:
                     state = json.load(f)
-                # In-flight and finished-but-untrained prompts become pending again.
-                actor.buffer.load(state["buffer"])
-                actor.env.prompts.load_state(state["data"])
+                actor.resume_from(state, f"{resume}/rollout_state.json")
                 log.info("rollout_resumed", checkpoint=resume)
             await host.add(actor, "rollout")
         else:

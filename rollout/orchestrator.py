@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from miles.core.errors import ActorDeadError, EngineError, Stopping
+from miles.core.errors import ActorDeadError, EngineError, StartupError, Stopping
 from miles.core.hooks import resolve_hook
 from miles.core.images import ImageInput
 from miles.core.logging import get_logger
@@ -294,6 +294,16 @@ class Orchestrator:
     def dump(self) -> dict[str, Any]:
         return {"buffer": self.buffer.dump(), "data": self.env.prompts.state(),
                 "routing": self.requests.dispatch.state()}
+
+    def load(self, state: dict[str, Any], where: str = "rollout state") -> None:
+        """Resume from a `dump()`: in-flight and finished-but-untrained prompts become pending
+        again, and the prompt stream goes on where it was. The routing part is a record of the
+        run, not restored: the engines of a resumed run hold no session KV."""
+        missing = [k for k in ("buffer", "data") if k not in state]
+        if missing:
+            raise StartupError(f"{where}: missing {missing} (not written by a stopped run's rollout)")
+        self.buffer.load(state["buffer"])
+        self.env.prompts.load_state(state["data"])
 
 
 def _pump_died(t: asyncio.Task[None]) -> None:

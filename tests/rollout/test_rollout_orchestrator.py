@@ -11,6 +11,7 @@ eval draining, and the buffer's configured capacity kept.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import pytest
 
 from miles.core.config import load_config
-from miles.core.errors import ActorDeadError
+from miles.core.errors import ActorDeadError, StartupError
 from miles.core.generation import GenerateFailed, GenerateResult
 from miles.core.hooks import resolve_hook
 from miles.core.schema import MilesConfig
@@ -223,8 +224,9 @@ async def test_a_resumed_rollout_generates_only_after_the_trainer_announces_its_
     finally:
         await o.stop()
     r, link, _ = _orchestrator(tmp_path)
-    r.buffer.load(state["buffer"])  # as the rollout role restores a checkpoint (launch/role.py)
-    r.env.prompts.load_state(state["data"])
+    with pytest.raises(StartupError, match=r"ckpt/rollout_state.json: missing \['data'\]"):
+        r.load({"buffer": state["buffer"]}, "ckpt/rollout_state.json")
+    r.load(json.loads(json.dumps(state)), "ckpt/rollout_state.json")  # as the role restores it, from JSON
     r.start()
     try:
         for _ in range(200):
