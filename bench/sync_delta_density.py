@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 
 from miles.core.config import load_config
+from miles.core.ports import group_port
 from miles.core.schema import MilesConfig
 from miles.models.config import ModelSpec
 from miles.models.registry import build_model
-from miles.trainer.dist import free_port
 from miles.trainer.fsdp import FSDPTrainer
 from miles.trainer.synthetic import engine_batch
 from miles.transport.bulk.shard_delta import IDX_BYTES, encode
@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    os.environ.setdefault("MASTER_PORT", str(group_port()))
     torch.set_num_threads(1)
     cfg = load_config(MilesConfig, a.config, a.set)
     path = ensure_initial_checkpoint(cfg)

@@ -164,7 +164,7 @@ def main() -> None:
                               a.receive_ahead_mib, Path(a.rank[3])))
         return
 
-    from miles.trainer.dist import free_port
+    from miles.core.ports import group_port
 
     model_bytes = sum(p.numel() for p in __import__("miles.models.registry", fromlist=["x"]).build_model(
         spec(a.hidden, a.layers), seed=0).parameters()) * 4
@@ -186,7 +186,7 @@ def main() -> None:
             directory = (root / "r0").read_text()
             children.append(spawn([*shape, "--engine", "e1", str(root / "r1"), directory, "-"], root / "e1.log",
                                   str(root / "r1"), env))
-            port = str(free_port())
+            port = str(group_port())
             ranks = [spawn([*shape, "--rank", str(r), port, directory, str(root)], root / f"rank{r}.log", env=env)
                      for r in range(WORLD)]
             children += ranks

@@ -12,12 +12,6 @@ import torch
 import torch.distributed as dist
 
 from miles.core.errors import TrainerError
-from miles.core.ports import group_port
-
-
-def free_port() -> int:
-    """A loopback port for a multi-rank group's MASTER_PORT (tests and benches that start ranks)."""
-    return group_port()
 
 
 def pick_device(kind: str, rank: int) -> torch.device:

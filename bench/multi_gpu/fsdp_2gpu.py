@@ -33,12 +33,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from workers import run_workers  # this folder is on sys.path: the scripts run directly
 
+from miles.core.ports import group_port
 from miles.core.schema.trainer import TrainerConfig
 from miles.models.config import ModelSpec
 from miles.models.presets import tiny_config
 from miles.models.registry import build_model
 from miles.trainer.batch import TrainBatch, shard_batch
-from miles.trainer.dist import free_port
 from miles.trainer.fsdp import FSDPTrainer
 from miles.trainer.synthetic import engine_batch
 
@@ -112,7 +112,7 @@ def worker(a: argparse.Namespace) -> None:
 def _launch(a: argparse.Namespace, world: int) -> None:
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
                OMP_NUM_THREADS="1" if a.device == "cpu" else "4", PYTHONWARNINGS="ignore")
-    port = str(free_port())
+    port = str(group_port())
     argv = [sys.executable, __file__, "--device", a.device, "--world", str(world), "--port", port,
             "--parts", a.parts, "--steps", str(a.steps), "--groups", str(a.groups), "--seq", str(a.seq)]
     run_workers([[*argv, "--rank", str(r)] for r in range(world)], env, a.timeout,

@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import synthetic_weights as sw  # noqa: E402
 
 from miles.core.errors import SyncError  # noqa: E402
+from miles.core.ports import group_port  # noqa: E402
 from miles.core.schema.sync import SyncConfig  # noqa: E402
-from miles.trainer.dist import free_port  # noqa: E402
 from miles.transport.bulk.base import Layout, LocalWeights  # noqa: E402
 from miles.transport.bulk.broadcast import BroadcastReceiver, BroadcastSender  # noqa: E402
 from miles.transport.bulk.buckets import Reassembler, iter_buckets  # noqa: E402
@@ -241,7 +241,7 @@ def parent(a: argparse.Namespace) -> None:
     out = Path(a.out).with_suffix(".parts")
     out.mkdir(parents=True, exist_ok=True)
     base = [sys.executable, __file__, "--device", a.device, "--klass", a.klass, "--repeats", str(a.repeats),
-            "--port", str(free_port()), "--parts", str(out), "--sizes-gb", *map(str, a.sizes_gb),
+            "--port", str(group_port()), "--parts", str(out), "--sizes-gb", *map(str, a.sizes_gb),
             "--buckets-mib", *map(str, a.buckets_mib), *(["--packed"] if a.packed else [])]
     run_workers([[*base, "--role", str(r)] for r in range(2)], env, a.timeout, "weight-sync workers")
     sizes = json.loads((out / "rank1.json").read_text())

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from miles.actors.messages import Health
-from miles.trainer.dist import free_port
+from miles.core.ports import group_port
 
 from .sync_helpers import client, held, start_engines
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(240)
 
 async def test_two_fsdp_ranks_sync_every_transport(procs, tmp_path: Path) -> None:
     directory = start_engines(procs, extra=["--hidden", "256"])
-    port = str(free_port())
+    port = str(group_port())
     env = {"OMP_NUM_THREADS": "1", "UCX_WARN_UNUSED_ENV_VARS": "n", "UCX_TLS": "tcp,self"}
     ranks = [procs.spawn([str(RANK), str(r), "2", port, directory, str(tmp_path)], env=env, ready=False)[0]
              for r in range(2)]

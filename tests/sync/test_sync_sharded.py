@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from miles.trainer.dist import free_port
+from miles.core.ports import group_port
 
 from .sync_helpers import start_engines
 
@@ -32,7 +32,7 @@ def test_four_fsdp_ranks_send_their_own_shards(procs, tmp_path: Path) -> None:
     ucx = ["ucx", "ucx-delta", "ucx-serial"] if importlib.util.find_spec("ucxx") else []
     transports = [*ucx, "zmq", "broadcast", "broadcast-delta"]
     directory = start_engines(procs, extra=["--hidden", "128"])
-    port = str(free_port())
+    port = str(group_port())
     env = {"OMP_NUM_THREADS": "1", "UCX_WARN_UNUSED_ENV_VARS": "n", "UCX_TLS": "tcp,self"}
     ranks = [procs.spawn([str(RANK), str(r), str(WORLD), port, directory, str(tmp_path), ",".join(transports)],
                          env=env, ready=False)[0] for r in range(WORLD)]

@@ -12,14 +12,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from miles.trainer.dist import free_port
+from miles.core.ports import group_port
 
 WORKER = Path(__file__).with_name("fsdp_rank_worker.py")
 
 
 def _run(world: int, out: Path) -> tuple[dict, dict]:
     out.mkdir()
-    port = str(free_port())
+    port = str(group_port())
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     procs = [
         subprocess.Popen(
