@@ -83,12 +83,18 @@ def launches(stage: Path) -> int:
 
 def test_sglang_defaults_train_and_survive_a_server_crash(tmp_path: Path) -> None:
     port = free_port_block(1)
-    p, run, console = start(tmp_path, "--set", "run.steps=4", "--set", f"engine.sglang_port={port}")
+    # the server holds the second weight update while this file exists: the kill below lands while
+    # the run still needs the server (a 4-step run could otherwise end before the kill)
+    hold = tmp_path / "hold-updates"
+    hold.touch()
+    p, run, console = start(tmp_path, "--set", "run.steps=4", "--set", f"engine.sglang_port={port}",
+                            env={"MILES_SGLANG_SIM_HOLD_UPDATES": str(hold)})
     try:
         wait_for(lambda: len(metrics(run)) >= 1 or p.poll() is not None, 300, "the first step")
         assert p.poll() is None, console.read_text()[-3000:]
         [pid] = server_pids(port)
         os.kill(pid, signal.SIGKILL)  # a server that had served: restarted on the committed version
+        hold.unlink()
         assert wait(p, 360) == 0, console.read_text()[-3000:]
     finally:
         if p.poll() is None:

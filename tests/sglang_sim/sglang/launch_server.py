@@ -15,6 +15,9 @@ Tokens are computed by miles' own CPU model of the served checkpoint (weights ro
 against it is a real RL run. Like the real server it refuses at start what its kernels cannot
 run (float32, rotary head sizes outside 64/128/256/512), and it dies at start with an error of
 the caller's choosing when MILES_SGLANG_SIM_FAIL_AT_START is set (the failure tests).
+MILES_SGLANG_SIM_HOLD_UPDATES names a file: while it exists, every weight update after the first
+this process takes waits before landing (not in SGLang), so a test can kill the server at a
+point where the run still needs it, instead of racing the run to its last step.
 /update_weights_from_tensor unpickles its payload (SGLang's wire format for that endpoint);
 only loopback clients reach it.
 """
@@ -99,6 +102,7 @@ class SimServer:
         self.unpaused.set()
         self.wake = asyncio.Event()
         self.step_lock = asyncio.Lock()  # weight updates land between two steps
+        self.updates = 0  # weight updates received (MILES_SGLANG_SIM_HOLD_UPDATES)
 
     def load(self, named: Any) -> None:
         # the served dtype's rounding, float32 math (CPU)
@@ -227,8 +231,15 @@ class SimServer:
         self.wake.set()
         return web.Response(text="")
 
+    async def hold_update(self, body: dict[str, Any]) -> None:
+        hold = os.environ.get("MILES_SGLANG_SIM_HOLD_UPDATES")
+        self.updates += 1
+        while hold and self.updates > 1 and os.path.exists(hold):
+            await asyncio.sleep(0.05)
+
     async def update_disk(self, request: web.Request) -> web.Response:
         body = await request.json()
+        await self.hold_update(body)
         async with self.step_lock:
             try:
                 await asyncio.to_thread(self.load, iter_checkpoint(body["model_path"]))
@@ -242,6 +253,7 @@ class SimServer:
 
     async def update_tensor(self, request: web.Request) -> web.Response:
         body = await request.json()
+        await self.hold_update(body)
         import torch.multiprocessing  # noqa: F401 - registers torch's rebuild functions
 
         async with self.step_lock:
