@@ -32,9 +32,10 @@ def errors_on_console(text: str) -> list[str]:
 def test_ctrl_c_prints_the_resume_command_which_resumes_without_errors(tmp_path: Path, miles_cache: Path) -> None:
     run, cache = tmp_path / "run", miles_cache
     first = tmp_path / "first.out"
-    # run.log_json as shipped (auto): the console a user sees
+    # run.log_json as shipped (auto): the console a user sees. 40 steps: a quick-start step takes
+    # ~60 ms here, so with 8 the Ctrl-C had under a second to land before the run ended by itself
     p = run_cli(miles_argv("train", str(QUICKSTART), "--set", "run.dir=run", "--set", "run.warmup_sft_steps=0",
-                           "--set", "run.steps=8", "--set", "trainer.checkpoint_interval=2"), first, tmp_path, cache)
+                           "--set", "run.steps=40", "--set", "trainer.checkpoint_interval=2"), first, tmp_path, cache)
     try:
         wait_for(lambda: (run / "checkpoints" / "latest").exists() and len(metrics(run)) >= 3
                  or p.poll() is not None, 240, "the first checkpoint and step 3")
@@ -58,6 +59,6 @@ def test_ctrl_c_prints_the_resume_command_which_resumes_without_errors(tmp_path:
     assert wait(q, 300) == 0, second.read_text()[-3000:]
     again = second.read_text()
     assert not errors_on_console(again), again[-3000:]
-    assert [r["step"] for r in metrics(run)] == list(range(1, 9))
+    assert [r["step"] for r in metrics(run)] == list(range(1, 41))
     # nor in any role's log, over both launches (the summary's warnings/errors row reads these)
     assert not [k for k in warning_counts(run) if k.startswith("error")], warning_counts(run)

@@ -27,7 +27,9 @@ pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
 
 def test_kill_9_whole_run_then_resume(tmp_path: Path, miles_cache: Path) -> None:
     run, cache = tmp_path / "run", miles_cache
-    p = start_run(run, cache, "--set", "run.steps=10", "--set", "trainer.checkpoint_interval=2")
+    # 40 steps: a quick-start step takes ~60 ms here, so 10 steps left the kill ~1 s to land
+    # before the run ended by itself; 40 leave it some 2 s more
+    p = start_run(run, cache, "--set", "run.steps=40", "--set", "trainer.checkpoint_interval=2")
     # Kill at a random moment after the first checkpoint exists.
     wait_for(lambda: (run / "checkpoints" / "latest").exists(), 240, "the first checkpoint")
     target = random.Random(os.getpid()).randint(3, 6)
@@ -42,22 +44,22 @@ def test_kill_9_whole_run_then_resume(tmp_path: Path, miles_cache: Path) -> None
     q = resume_run(run, cache)
     assert wait(q, 300) == 0, (tmp_path / "run.launcher.log").read_text()[-3000:]
     # the steps after the checkpoint ran again and replaced the killed run's rows: none repeated
-    assert [r["step"] for r in metrics(run)] == list(range(1, 11))
+    assert [r["step"] for r in metrics(run)] == list(range(1, 41))
     final = check_ledger(run)  # ids unique, none lost, every drop has a reason
     after = {e["prompt_id"]: e["trained_version"] for e in final["buffer"]["ledger"]["entries"]
              if e["state"] == "trained"}
     # Identity, not a count: every prompt trained before the kill is still trained, by the same
     # step (the resumed run did not train it again) ...
     assert {p: after.get(p) for p in before} == before
-    # ... and each of the 10 steps (one weight version each) trained exactly one batch of
+    # ... and each of the 40 steps (one weight version each) trained exactly one batch of
     # distinct prompts.
     groups = json.loads((run / "config.resolved.json").read_text())["buffer"]["batch_groups"]
     per_step = Counter(after.values())
-    assert len(per_step) == 10 and set(per_step.values()) == {groups}, per_step
+    assert len(per_step) == 40 and set(per_step.values()) == {groups}, per_step
     # resuming the finished run says so and launches nothing
     assert wait(resume_run(run, cache), 60) == 0
-    assert "already finished (step 10 of run.steps=10)" in (tmp_path / "run.launcher.log").read_text()
-    assert [r["step"] for r in metrics(run)] == list(range(1, 11))
+    assert "already finished (step 40 of run.steps=40)" in (tmp_path / "run.launcher.log").read_text()
+    assert [r["step"] for r in metrics(run)] == list(range(1, 41))
 
 
 def test_killed_engine_is_restarted_and_training_continues(tmp_path: Path, miles_cache: Path) -> None:
