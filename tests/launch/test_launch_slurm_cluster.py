@@ -172,9 +172,10 @@ def test_a_stopped_job_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     checkpoint to the end, each recorded once."""
     name = f"slurmci-resume-{os.getpid()}"
     run = tmp_path / "run"
-    # a checkpoint every 3 steps: the stop lands a step or two after the first (step 3), 15 leaves
-    # it ample room before the last, and the resumed run (~0.1 s a step) reruns only 12
-    total = 15
+    # a checkpoint every 3 steps: the stop lands a step or two after the first (step 3). 40 steps
+    # (~0.1 s each) leave it some 3 s before the last; 15 left about one, on a par with how long
+    # scancel takes to reach the batch script on a loaded machine
+    total = 40
     args = [sys.executable, "-m", "miles.launch.cli", "launch", QUICKSTART, "--slurm", "--time", "6",
             "--set", f"run.steps={total}", "--set", "run.warmup_sft_steps=10", "--set", f"run.dir={run}",
             "--set", f"run.name={name}", "--set", "run.log_json=json", "--set", "trainer.checkpoint_interval=3"]
