@@ -231,7 +231,7 @@ class SimServer:
         self.wake.set()
         return web.Response(text="")
 
-    async def hold_update(self, body: dict[str, Any]) -> None:
+    async def hold_update(self) -> None:
         hold = os.environ.get("MILES_SGLANG_SIM_HOLD_UPDATES")
         self.updates += 1
         while hold and self.updates > 1 and os.path.exists(hold):
@@ -239,7 +239,7 @@ class SimServer:
 
     async def update_disk(self, request: web.Request) -> web.Response:
         body = await request.json()
-        await self.hold_update(body)
+        await self.hold_update()
         async with self.step_lock:
             try:
                 await asyncio.to_thread(self.load, iter_checkpoint(body["model_path"]))
@@ -253,7 +253,7 @@ class SimServer:
 
     async def update_tensor(self, request: web.Request) -> web.Response:
         body = await request.json()
-        await self.hold_update(body)
+        await self.hold_update()
         import torch.multiprocessing  # noqa: F401 - registers torch's rebuild functions
 
         async with self.step_lock:
